@@ -1,0 +1,57 @@
+# The two commands of the README: `make demo` and `make test`. Each creates .venv when missing and
+# installs what it needs, so both work on a machine with only a Rust toolchain and Python >= 3.10.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+export VIRTUAL_ENV := $(abspath $(VENV))
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+
+BASE_DEPS := "numpy>=1.24" "torch>=2.4" "safetensors>=0.4" "maturin>=1.9.4,<2" "pytest>=8"
+TEST_DEPS := "compressed-tensors==0.20.1" "transformers==5.24.0" "ruff>=0.6"
+DEMO_MODEL := examples/tiny-moe-int4-int8
+
+.PHONY: demo test build venv rust-checks py-checks fuzz bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(VENV)/.base-deps: | $(PY)
+	$(PY) -m pip install -q $(BASE_DEPS)
+	touch $@
+
+$(VENV)/.test-deps: $(VENV)/.base-deps
+	$(PY) -m pip install -q $(TEST_DEPS)
+	touch $@
+
+venv: $(VENV)/.base-deps
+
+build: $(VENV)/.base-deps
+	$(VENV)/bin/maturin develop --release -q
+
+demo: build
+	$(VENV)/bin/moeq inspect $(DEMO_MODEL)
+
+rust-checks:
+	cargo fmt --all --check
+	cargo clippy --all-targets --locked -- -D warnings
+	cargo test --locked
+
+py-checks: $(VENV)/.test-deps build
+	$(VENV)/bin/ruff check python tests bench
+	$(PY) -m pytest -q
+
+test: rust-checks py-checks
+
+# Fuzz the header and config parsers (needs cargo-fuzz; FUZZ_SECONDS per target).
+FUZZ_SECONDS ?= 60
+fuzz:
+	cd rust_core/fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run safetensors_header -- -max_total_time=$(FUZZ_SECONDS)
+	cd rust_core/fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run quant_config -- -max_total_time=$(FUZZ_SECONDS)
+
+bench: build
+	$(PY) bench/open_checkpoint.py
+
+clean:
+	rm -rf target $(VENV) tests/fixtures/out

@@ -1,0 +1,32 @@
+"""moeq_rs: load, check and run quantized Mixture-of-Experts checkpoints.
+
+``import moeq_rs as mq``; ``mq.open(path)`` validates a compressed-tensors checkpoint and gives
+access to its MoE layers, schemes, tensors and bit-exact dequantised weights.
+"""
+
+from __future__ import annotations
+
+from . import _core
+from .checkpoint import Checkpoint, open
+from .errors import (
+    CheckpointError,
+    ConfigError,
+    CudaUnavailableError,
+    LayoutError,
+    MoeqError,
+    UnsupportedSchemeError,
+)
+
+__version__: str = _core.__version__
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "ConfigError",
+    "CudaUnavailableError",
+    "LayoutError",
+    "MoeqError",
+    "UnsupportedSchemeError",
+    "__version__",
+    "open",
+]

@@ -1,0 +1,159 @@
+"""Opening compressed-tensors checkpoints: :func:`open` and :class:`Checkpoint`."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from . import _core
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Checkpoint", "open"]
+
+Framework = Literal["numpy", "np", "torch", "pt"]
+
+_TORCH_DTYPES = {
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F32": "float32",
+    "F64": "float64",
+    "I8": "int8",
+    "U8": "uint8",
+    "I16": "int16",
+    "I32": "int32",
+    "I64": "int64",
+    "BOOL": "bool",
+    "U16": "uint16",
+    "U32": "uint32",
+    "U64": "uint64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "C64": "complex64",
+}
+
+# dtypes numpy lacks travel as these unsigned bit patterns (numpy side) and are viewed back
+# into the real dtype on the torch side.
+_BIT_PATTERN = {"BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4"}
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    attr = _TORCH_DTYPES.get(name)
+    dt = getattr(torch, attr, None) if attr else None
+    if dt is None:
+        raise TypeError(f"dtype {name} has no torch equivalent in this torch version")
+    return dt
+
+
+class Checkpoint:
+    """A validated, memory-mapped compressed-tensors checkpoint directory.
+
+    Create it with :func:`moeq_rs.open`. Headers, ``config.json``, the quantization config and the
+    tensors of every Linear module were checked when it was opened; tensor data stays mapped and
+    is read only when asked for. Tensors returned as numpy arrays are read-only views of the
+    mapped files: another process truncating a file underneath is outside moeq_rs's control.
+    """
+
+    def __init__(self, core: _core.Checkpoint) -> None:
+        self._core = core
+        self._config: dict[str, Any] | None = None
+        self._summary: dict[str, Any] | None = None
+
+    @property
+    def path(self) -> Path:
+        return Path(self._core.path)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """``config.json`` as a dict (a fresh copy each time is not made: do not mutate)."""
+        if self._config is None:
+            self._config = json.loads(self._core.config_json())
+        return self._config
+
+    @property
+    def quantization_config(self) -> dict[str, Any] | None:
+        qc = self.config.get("quantization_config")
+        return qc if isinstance(qc, dict) else None
+
+    def summary(self) -> dict[str, Any]:
+        """The checkpoint facts of ``moeq inspect --json``."""
+        if self._summary is None:
+            self._summary = json.loads(self._core.summary_json())
+        return self._summary
+
+    def moe_layers(self) -> list[dict[str, Any]]:
+        """One dict per MoE layer: ``layer``, ``prefix``, ``num_experts``, ``weight``,
+        ``activation``, ``format``, sizes, router and shared experts (see ``moeq inspect``)."""
+        return list(self.summary()["moe_layers"])
+
+    def tensor_names(self) -> list[str]:
+        return self._core.tensor_names()
+
+    def tensor_info(self, name: str) -> tuple[str, list[int], Path]:
+        """``(dtype, shape, file)`` of a tensor, from the header only."""
+        dtype, shape, file = self._core.tensor_info(name)
+        return dtype, list(shape), Path(file)
+
+    def tensor(self, name: str, framework: Framework = "numpy") -> Any:
+        """A tensor by name.
+
+        numpy (default): a read-only zero-copy view of the mapped bytes; BF16 and FP8 arrive as
+        their unsigned bit patterns (numpy has no such dtypes). torch: a tensor of the real dtype
+        (a copy, so it is writable).
+        """
+        buf = self._core.tensor_buffer(name)
+        arr = np.asarray(buf)
+        if framework in ("numpy", "np"):
+            return arr
+        if framework in ("torch", "pt"):
+            import torch
+
+            t = torch.from_numpy(arr.copy())
+            if buf.dtype in _BIT_PATTERN:
+                t = t.view(_torch_dtype(buf.dtype))
+            return t
+        raise ValueError(f"framework must be 'numpy' or 'torch', not {framework!r}")
+
+    def module(self, module: str) -> dict[str, Any]:
+        """Facts of a Linear module: scheme, sizes, which quantization tensors it has."""
+        return json.loads(self._core.module_json(module))
+
+    def scheme(self, module: str) -> dict[str, Any] | None:
+        """The resolved scheme of a module, or None when it is stored unquantized.
+
+        ``{"group", "format", "weight", "activation"}`` with normalised args (strategy inferred,
+        channel ``group_size`` = -1, actorder ``"group"``/``"weight"``/None).
+        """
+        m = self.module(module)
+        if not m["quantized"]:
+            return None
+        return {k: m[k] for k in ("group", "format", "weight", "activation")}
+
+    def dequantize(self, module: str) -> torch.Tensor:
+        """The module's weight ``[out_features, in_features]`` in the scale dtype, bit-exact with
+        compressed-tensors' own decompression. Unquantized modules come back as stored."""
+        import torch
+
+        data, dtype, shape = self._core.dequantize(module)
+        if len(data) == 0:
+            return torch.empty(shape, dtype=_torch_dtype(dtype))
+        return torch.frombuffer(data, dtype=_torch_dtype(dtype)).reshape(shape)
+
+    def __repr__(self) -> str:
+        layers = self.summary()["moe_layers"]
+        return f"<moeq_rs.Checkpoint {str(self.path)!r}: {len(layers)} MoE layers>"
+
+
+def open(path: str | os.PathLike[str]) -> Checkpoint:  # noqa: A001 - mirrors safetensors/builtins
+    """Open and validate a checkpoint directory (``config.json`` + safetensors files).
+
+    Raises a :class:`moeq_rs.MoeqError` subclass naming the file, tensor or key on bad input.
+    """
+    return Checkpoint(_core.Checkpoint.open(os.fspath(path)))

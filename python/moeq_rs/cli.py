@@ -1,0 +1,158 @@
+"""The ``moeq`` command line.
+
+Every command reports bad input as one line ``moeq: error: ...`` on stderr and exits 1; it never
+prints a Python traceback (set ``MOEQ_DEBUG=1`` to see one for an internal error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from .errors import MoeqError
+
+__all__ = ["main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        _fail(message)
+
+
+def _fail(message: str) -> NoReturn:
+    first = " ".join(str(message).split("\n")).strip()
+    print(f"moeq: error: {first}", file=sys.stderr)
+    raise SystemExit(1)
+
+
+def _fmt_activation(act: dict[str, Any] | None) -> str:
+    if act is None:
+        return "-"
+    kind = "dynamic" if act["dynamic"] else "static"
+    return f"{act['type']}{act['num_bits']} {act['strategy']} {kind}"
+
+
+def _cell(values: list[str]) -> str:
+    uniq: list[str] = []
+    for v in values:
+        if v not in uniq:
+            uniq.append(v)
+    return "/".join(uniq)
+
+
+def _layer_row(layer: dict[str, Any]) -> list[str]:
+    if layer["weight"] is not None or not layer.get("mixed"):
+        projections = [layer]
+    else:
+        projections = [
+            p for e in layer["experts"] for p in e["projections"].values()
+        ]
+    bits, group, sym, act, fmt = [], [], [], [], []
+    for p in projections:
+        w = p["weight"]
+        if w is None:
+            bits.append("16")
+            group.append("-")
+            sym.append("-")
+        else:
+            bits.append(str(w["num_bits"]))
+            group.append(str(w["group_size"]) if w["strategy"] == "group" else w["strategy"])
+            sym.append("yes" if w["symmetric"] else "no")
+        act.append(_fmt_activation(p["activation"]))
+        fmt.append(p["format"] or "-")
+    experts = str(layer["num_experts"])
+    if layer.get("shared_experts"):
+        experts += "+shared"
+    return [
+        str(layer["layer"]),
+        experts,
+        _cell(bits),
+        _cell(group),
+        _cell(sym),
+        _cell(act),
+        _cell(fmt) + (" (per-expert mix)" if layer.get("mixed") else ""),
+    ]
+
+
+def _print_table(summary: dict[str, Any]) -> None:
+    r = summary["routing"]
+    print(f"model:    {summary['model_dir']}")
+    print(
+        f"quant:    {summary['quant_method'] or 'none'}"
+        f" (format {summary['format'] or '-'}, version {summary.get('version') or '-'})"
+    )
+    scaling = r["routed_scaling_factor"]
+    groups = f", groups {r['topk_group']}/{r['n_group']}" if r["n_group"] else ""
+    print(
+        f"routing:  {r['scoring_func']} top-{r['top_k']}"
+        f"{' renormalised' if r['renormalize'] else ''}{groups}"
+        f"{f', scaled x{scaling}' if scaling != 1.0 else ''}"
+    )
+    if summary["dense_layers"]:
+        print(f"dense:    layers {', '.join(map(str, summary['dense_layers']))}")
+    header = ["layer", "experts", "bits", "group", "symmetric", "activation", "format"]
+    rows = [header] + [_layer_row(layer) for layer in summary["moe_layers"]]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for i, row in enumerate(rows):
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    if not summary["moe_layers"]:
+        print("(no MoE layers found)")
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from .checkpoint import open as open_checkpoint
+
+    ckpt = open_checkpoint(args.model_dir)
+    summary = ckpt.summary()
+    if args.json:
+        json.dump(summary, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        _print_table(summary)
+    return 0
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="moeq", description="Inspect and prepare quantized MoE checkpoints.")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"moeq_rs {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    p = sub.add_parser(
+        "inspect",
+        help="one row per MoE layer: experts, bits, group, symmetric, activation, format",
+    )
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="checkpoint directory (config.json + safetensors)")
+    p.add_argument("--json", action="store_true", help="write one JSON document to stdout")
+    p.set_defaults(func=_cmd_inspect)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except MoeqError as e:
+        _fail(str(e))
+    except OSError as e:
+        _fail(f"{e.filename or ''}: {e.strerror or e}".lstrip(": "))
+    except KeyboardInterrupt:
+        print("moeq: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the CLI must never print a traceback
+        if os.environ.get("MOEQ_DEBUG"):
+            raise
+        _fail(f"internal error: {type(e).__name__}: {e} (set MOEQ_DEBUG=1 for a traceback)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,308 @@
+//! An opened checkpoint: files, quantization config, every module cross-checked, MoE layers.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use rayon::prelude::*;
+use serde_json::{json, Value};
+
+use crate::checkpoint::Checkpoint;
+use crate::error::{module_error, CheckpointError, Result};
+use crate::moe::{self, ExpertModules, MoeLayer, Routing};
+use crate::quant::{self, Dequantized};
+use crate::scheme::module::{self as smod, ModuleInfo};
+use crate::scheme::QuantizationConfig;
+
+/// A validated checkpoint. Opening reads headers, `config.json` and the tiny `weight_shape`
+/// tensors; weight data is untouched until dequantised.
+#[derive(Debug)]
+pub struct Model {
+    ckpt: Checkpoint,
+    quant: Option<QuantizationConfig>,
+    modules: HashMap<String, ModuleInfo>,
+    moe_layers: Vec<MoeLayer>,
+    dense_layers: Vec<usize>,
+    routing: Routing,
+}
+
+impl Model {
+    pub fn open(dir: &Path) -> Result<Model> {
+        let ckpt = Checkpoint::open(dir)?;
+        let quant = QuantizationConfig::from_model_config(&ckpt.config_path(), ckpt.config())?;
+        let names = smod::module_names(&ckpt);
+        let analysed: Vec<ModuleInfo> = names
+            .par_iter()
+            .filter(|m| smod::module_class(&ckpt, m) == crate::scheme::ModuleClass::Linear)
+            .map(|m| smod::analyze(&ckpt, quant.as_ref(), m))
+            .collect::<Result<_>>()?;
+        let modules: HashMap<String, ModuleInfo> =
+            analysed.into_iter().map(|m| (m.name.clone(), m)).collect();
+
+        let discovery = moe::discover(&ckpt, &names)?;
+        let lookup = |name: &str| -> Result<ModuleInfo> {
+            modules
+                .get(name)
+                .cloned()
+                .ok_or_else(|| module_error(name, "is not a Linear module with a 2-D weight"))
+        };
+        let config = ckpt.config();
+        let configured = moe::configured_num_experts(config);
+        let hidden_cfg = config
+            .get("hidden_size")
+            .or_else(|| config.get("text_config").and_then(|t| t.get("hidden_size")))
+            .and_then(Value::as_u64)
+            .map(|h| h as usize);
+        let mut moe_layers = Vec::with_capacity(discovery.layers.len());
+        let mut any_bias = false;
+        for d in discovery.layers {
+            let owner = format!("{}.experts", d.prefix);
+            let count = d.experts.len();
+            if let Some(missing) = (0..count).find(|e| !d.experts.contains_key(e)) {
+                return Err(module_error(
+                    &owner,
+                    format!(
+                        "expert indices are not 0..{}: expert {missing} is missing",
+                        count - 1
+                    ),
+                ));
+            }
+            let expected = quant
+                .as_ref()
+                .and_then(|q| q.moe_num_experts.as_ref())
+                .and_then(|v| v.get(d.layer).copied().flatten())
+                .or(configured);
+            if let Some(n) = expected {
+                if n != count {
+                    return Err(module_error(
+                        &owner,
+                        format!(
+                            "holds {count} experts but the config declares {n} for layer {}",
+                            d.layer
+                        ),
+                    ));
+                }
+            }
+            let mut experts = Vec::with_capacity(count);
+            for (e, roles) in &d.experts {
+                experts.push(moe::assemble(&format!("{owner}.{e}"), roles, lookup)?);
+            }
+            let gated = experts.first().is_some_and(|e| e.gate.is_some());
+            let mut dims = None;
+            for (e, x) in experts.iter().enumerate() {
+                if x.gate.is_some() != gated {
+                    return Err(module_error(
+                        &format!("{owner}.{e}"),
+                        "has a different set of projections than expert 0 (gate_proj present in some experts only)",
+                    ));
+                }
+                let hd = moe::expert_dims(&format!("{owner}.{e}"), x)?;
+                match dims {
+                    None => dims = Some(hd),
+                    Some(first) if first != hd => {
+                        return Err(module_error(
+                            &format!("{owner}.{e}"),
+                            format!("has hidden/intermediate {hd:?}, expert 0 has {first:?}"),
+                        ))
+                    }
+                    Some(_) => {}
+                }
+            }
+            let (hidden_size, intermediate_size) = dims.unwrap_or((0, 0));
+            if let Some(h) = hidden_cfg {
+                if h != hidden_size {
+                    return Err(module_error(
+                        &owner,
+                        format!("experts take {hidden_size} inputs but config.json says hidden_size {h}"),
+                    ));
+                }
+            }
+            if let Some(r) = &d.router {
+                if let Some(info) = ckpt.info(&r.weight) {
+                    if info.shape.first() != Some(&count) {
+                        return Err(module_error(
+                            &r.module,
+                            format!(
+                                "router weight has shape {:?}, expected [{count}, {hidden_size}]",
+                                info.shape
+                            ),
+                        ));
+                    }
+                }
+                any_bias |= r.correction_bias.is_some();
+            }
+            let shared_experts: Option<ExpertModules> = if d.shared.is_empty() {
+                None
+            } else {
+                Some(moe::assemble(
+                    &format!("{}.shared_experts", d.prefix),
+                    &d.shared,
+                    lookup,
+                )?)
+            };
+            moe_layers.push(MoeLayer {
+                layer: d.layer,
+                prefix: d.prefix,
+                experts,
+                gated,
+                hidden_size,
+                intermediate_size,
+                router: d.router,
+                shared_experts,
+                shared_expert_gate: d.shared_expert_gate,
+            });
+        }
+        let routing = Routing::from_config(config, any_bias);
+        Ok(Model {
+            ckpt,
+            quant,
+            modules,
+            moe_layers,
+            dense_layers: discovery.dense_layers,
+            routing,
+        })
+    }
+
+    pub fn checkpoint(&self) -> &Checkpoint {
+        &self.ckpt
+    }
+    pub fn quantization_config(&self) -> Option<&QuantizationConfig> {
+        self.quant.as_ref()
+    }
+    pub fn moe_layers(&self) -> &[MoeLayer] {
+        &self.moe_layers
+    }
+    pub fn dense_layers(&self) -> &[usize] {
+        &self.dense_layers
+    }
+    pub fn routing(&self) -> &Routing {
+        &self.routing
+    }
+
+    /// The analysed Linear module `name`.
+    pub fn module(&self, name: &str) -> Result<&ModuleInfo> {
+        self.modules.get(name).ok_or_else(|| {
+            CheckpointError::Module {
+                module: name.to_string(),
+                reason: "no such Linear module in the checkpoint (expected tensors '<module>.weight' or '<module>.weight_packed')"
+                    .into(),
+            }
+            .into()
+        })
+    }
+
+    pub fn dequantize(&self, name: &str) -> Result<Dequantized> {
+        let info = self.module(name)?;
+        quant::dequantize(
+            &self.ckpt,
+            info,
+            self.quant.as_ref().and_then(|q| q.version.as_deref()),
+        )
+    }
+
+    /// The checkpoint facts of `moeq inspect --json` (DESIGN.md "Contracts").
+    pub fn summary_json(&self) -> Value {
+        let layers: Vec<Value> = self.moe_layers.iter().map(layer_json).collect();
+        json!({
+            "model_dir": self.ckpt.dir().display().to_string(),
+            "quant_method": self.quant.as_ref().map(|q| q.quant_method.clone()),
+            "format": self.quant.as_ref().and_then(|q| q.format).map(|f| f.name()),
+            "version": self.quant.as_ref().and_then(|q| q.version.clone()),
+            "model_type": moe::model_type(self.ckpt.config()),
+            "routing": routing_json(&self.routing),
+            "dense_layers": self.dense_layers,
+            "moe_layers": layers,
+        })
+    }
+}
+
+fn routing_json(r: &Routing) -> Value {
+    json!({
+        "top_k": r.top_k,
+        "renormalize": r.renormalize,
+        "scoring_func": r.scoring.name(),
+        "n_group": r.n_group,
+        "topk_group": r.topk_group,
+        "routed_scaling_factor": r.routed_scaling_factor,
+    })
+}
+
+/// The scheme facts of one module as JSON: `(weight, activation, format)`.
+pub fn module_scheme_json(m: &ModuleInfo) -> (Value, Value, Value) {
+    (
+        m.weights().map_or(Value::Null, |w| w.weight_json()),
+        m.input_activations()
+            .map_or(Value::Null, |a| a.activation_json()),
+        json!(m.scheme.as_ref().map_or("dense", |s| s.format.name())),
+    )
+}
+
+/// The shared scheme of a set of modules, or `None` when they differ.
+fn common<'a>(mut it: impl Iterator<Item = &'a ModuleInfo>) -> Option<(Value, Value, Value)> {
+    let first = module_scheme_json(it.next()?);
+    it.all(|m| module_scheme_json(m) == first).then_some(first)
+}
+
+fn expert_json(index: usize, e: &ExpertModules) -> Value {
+    let mut v = match common(e.modules().map(|(_, m)| m)) {
+        Some((w, a, f)) => json!({"expert": index, "weight": w, "activation": a, "format": f}),
+        None => json!({"expert": index, "weight": null, "activation": null, "format": null}),
+    };
+    if let Some(obj) = v.as_object_mut() {
+        let projections: serde_json::Map<String, Value> = e
+            .modules()
+            .map(|(role, m)| {
+                let (w, a, f) = module_scheme_json(m);
+                (
+                    role.name().to_string(),
+                    json!({"module": m.name, "weight": w, "activation": a, "format": f}),
+                )
+            })
+            .collect();
+        obj.insert("projections".into(), Value::Object(projections));
+    }
+    v
+}
+
+fn layer_json(l: &MoeLayer) -> Value {
+    let all = l.experts.iter().flat_map(|e| e.modules().map(|(_, m)| m));
+    let mut v = json!({
+        "layer": l.layer,
+        "prefix": l.prefix,
+        "num_experts": l.experts.len(),
+        "hidden_size": l.hidden_size,
+        "intermediate_size": l.intermediate_size,
+        "gated": l.gated,
+        "router": l.router.as_ref().map(|r| json!({"module": r.module, "e_score_correction_bias": r.correction_bias})),
+        "shared_experts": l.shared_experts.as_ref().map(|s| {
+            let (w, a, f) = common(s.modules().map(|(_, m)| m)).unwrap_or((Value::Null, Value::Null, Value::Null));
+            json!({"prefix": s.up.name.rsplit_once('.').map_or("", |p| p.0), "intermediate_size": s.up.out_features, "weight": w, "activation": a, "format": f})
+        }),
+    });
+    if let Some(obj) = v.as_object_mut() {
+        match common(all) {
+            Some((w, a, f)) => {
+                obj.insert("weight".into(), w);
+                obj.insert("activation".into(), a);
+                obj.insert("format".into(), f);
+                obj.insert("mixed".into(), json!(false));
+            }
+            None => {
+                obj.insert("weight".into(), Value::Null);
+                obj.insert("activation".into(), Value::Null);
+                obj.insert("format".into(), Value::Null);
+                obj.insert("mixed".into(), json!(true));
+                obj.insert(
+                    "experts".into(),
+                    Value::Array(
+                        l.experts
+                            .iter()
+                            .enumerate()
+                            .map(|(i, e)| expert_json(i, e))
+                            .collect(),
+                    ),
+                );
+            }
+        }
+    }
+    v
+}

@@ -1,0 +1,368 @@
+//! Discovery of MoE layers, experts, shared experts and routers across naming conventions, and the
+//! routing parameters of `config.json`.
+
+use std::collections::BTreeMap;
+
+use regex::Regex;
+use serde_json::Value;
+
+use crate::checkpoint::Checkpoint;
+use crate::error::{module_error, Result};
+use crate::scheme::module::ModuleInfo;
+
+/// The role of an expert projection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ProjRole {
+    Gate,
+    Up,
+    Down,
+}
+
+impl ProjRole {
+    pub fn name(self) -> &'static str {
+        match self {
+            ProjRole::Gate => "gate",
+            ProjRole::Up => "up",
+            ProjRole::Down => "down",
+        }
+    }
+    fn from_leaf(leaf: &str) -> Option<ProjRole> {
+        Some(match leaf {
+            "gate_proj" | "w1" => ProjRole::Gate,
+            "up_proj" | "w3" => ProjRole::Up,
+            "down_proj" | "w2" => ProjRole::Down,
+            _ => return None,
+        })
+    }
+}
+
+/// The projections of one expert (or of a shared expert / dense MLP).
+#[derive(Clone, Debug)]
+pub struct ExpertModules {
+    pub gate: Option<ModuleInfo>,
+    pub up: ModuleInfo,
+    pub down: ModuleInfo,
+}
+
+impl ExpertModules {
+    pub fn modules(&self) -> impl Iterator<Item = (ProjRole, &ModuleInfo)> {
+        self.gate
+            .iter()
+            .map(|g| (ProjRole::Gate, g))
+            .chain([(ProjRole::Up, &self.up), (ProjRole::Down, &self.down)])
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Router {
+    /// e.g. `model.layers.1.mlp.gate`
+    pub module: String,
+    pub weight: String,
+    /// `e_score_correction_bias` (DeepSeek-V3 on `mlp.gate`, Laguna on `mlp.experts`).
+    pub correction_bias: Option<String>,
+}
+
+/// One MoE layer.
+#[derive(Clone, Debug)]
+pub struct MoeLayer {
+    pub layer: usize,
+    /// e.g. `model.layers.1.mlp` (Mixtral: `model.layers.1.block_sparse_moe`).
+    pub prefix: String,
+    pub experts: Vec<ExpertModules>,
+    pub gated: bool,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub router: Option<Router>,
+    pub shared_experts: Option<ExpertModules>,
+    /// `mlp.shared_expert_gate` (Qwen2-MoE), when present.
+    pub shared_expert_gate: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scoring {
+    Softmax,
+    Sigmoid,
+}
+
+impl Scoring {
+    pub fn name(self) -> &'static str {
+        match self {
+            Scoring::Softmax => "softmax",
+            Scoring::Sigmoid => "sigmoid",
+        }
+    }
+}
+
+/// Routing parameters from `config.json`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Routing {
+    pub top_k: Option<usize>,
+    pub renormalize: bool,
+    pub scoring: Scoring,
+    pub n_group: Option<usize>,
+    pub topk_group: Option<usize>,
+    pub routed_scaling_factor: f64,
+}
+
+/// Looks a key up in the config, then in a nested `text_config` (multimodal wrappers).
+fn cfg<'a>(config: &'a Value, key: &str) -> Option<&'a Value> {
+    config.get(key).filter(|v| !v.is_null()).or_else(|| {
+        config
+            .get("text_config")
+            .and_then(|t| t.get(key))
+            .filter(|v| !v.is_null())
+    })
+}
+
+fn cfg_usize(config: &Value, keys: &[&str]) -> Option<usize> {
+    keys.iter()
+        .find_map(|k| cfg(config, k).and_then(Value::as_u64))
+        .and_then(|v| usize::try_from(v).ok())
+}
+
+pub fn model_type(config: &Value) -> String {
+    cfg(config, "model_type")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string()
+}
+
+impl Routing {
+    pub fn from_config(config: &Value, has_correction_bias: bool) -> Routing {
+        let mtype = model_type(config);
+        let top_k = cfg_usize(
+            config,
+            &["num_experts_per_tok", "moe_top_k", "num_experts_per_token"],
+        );
+        let scoring = match cfg(config, "scoring_func").and_then(Value::as_str) {
+            Some("sigmoid") => Scoring::Sigmoid,
+            Some(_) => Scoring::Softmax,
+            None if mtype == "deepseek_v3" || has_correction_bias => Scoring::Sigmoid,
+            None => Scoring::Softmax,
+        };
+        // Mixtral always renormalises; others say so with norm_topk_prob (DeepSeek-V3 defaults to
+        // true, Qwen-MoE to false).
+        let renormalize = match cfg(config, "norm_topk_prob").and_then(Value::as_bool) {
+            Some(b) => b,
+            None => matches!(mtype.as_str(), "mixtral" | "deepseek_v3" | "minimax"),
+        };
+        let routed_scaling_factor = ["routed_scaling_factor", "moe_routed_scaling_factor"]
+            .iter()
+            .find_map(|k| cfg(config, k).and_then(Value::as_f64))
+            .unwrap_or(1.0);
+        Routing {
+            top_k,
+            renormalize,
+            scoring,
+            n_group: cfg_usize(config, &["n_group"]).filter(|&g| g > 1),
+            topk_group: cfg_usize(config, &["topk_group"]),
+            routed_scaling_factor,
+        }
+    }
+}
+
+/// The expert count `config.json` declares, if any.
+pub fn configured_num_experts(config: &Value) -> Option<usize> {
+    cfg_usize(
+        config,
+        &[
+            "num_local_experts",
+            "num_experts",
+            "n_routed_experts",
+            "moe_num_experts",
+        ],
+    )
+}
+
+/// Finds every `<prefix>.experts.<e>.<proj>` module, grouped by prefix.
+pub struct Discovery {
+    pub layers: Vec<DiscoveredLayer>,
+    /// Decoder layers with a dense `mlp.{gate,up,down}_proj` MLP.
+    pub dense_layers: Vec<usize>,
+}
+
+/// Module names of one MoE layer, before analysis.
+pub struct DiscoveredLayer {
+    pub layer: usize,
+    pub prefix: String,
+    /// expert index -> role -> module name
+    pub experts: BTreeMap<usize, BTreeMap<ProjRole, String>>,
+    pub router: Option<Router>,
+    pub shared: BTreeMap<ProjRole, String>,
+    pub shared_expert_gate: Option<String>,
+}
+
+fn layer_index(prefix: &str) -> Option<usize> {
+    // The last `layers.N` / `h.N` / `blocks.N` component.
+    let re = Regex::new(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)").ok()?;
+    re.captures_iter(prefix)
+        .last()
+        .and_then(|c| c.get(1))
+        .and_then(|m| m.as_str().parse().ok())
+}
+
+/// Groups module names into MoE layers (names only; no tensor checks).
+pub fn discover(ckpt: &Checkpoint, modules: &[String]) -> Result<Discovery> {
+    let expert_re = Regex::new(r"^(.+)\.experts\.(\d+)\.([A-Za-z0-9_]+)$")
+        .map_err(|e| module_error("(internal)", e.to_string()))?;
+    let dense_re = Regex::new(r"^(.+)\.mlp\.(gate_proj|up_proj|down_proj)$")
+        .map_err(|e| module_error("(internal)", e.to_string()))?;
+    let mut by_prefix: BTreeMap<String, BTreeMap<usize, BTreeMap<ProjRole, String>>> =
+        BTreeMap::new();
+    let mut dense_layers = Vec::new();
+    for m in modules {
+        if let Some(c) = expert_re.captures(m) {
+            let (Some(prefix), Some(e), Some(leaf)) = (c.get(1), c.get(2), c.get(3)) else {
+                continue;
+            };
+            let Some(role) = ProjRole::from_leaf(leaf.as_str()) else {
+                continue;
+            };
+            let e: usize = e
+                .as_str()
+                .parse()
+                .map_err(|_| module_error(m, "expert index does not fit in an integer"))?;
+            by_prefix
+                .entry(prefix.as_str().to_string())
+                .or_default()
+                .entry(e)
+                .or_default()
+                .insert(role, m.clone());
+        } else if let Some(c) = dense_re.captures(m) {
+            let prefix = c.get(1).map_or("", |p| p.as_str());
+            if let Some(l) = layer_index(prefix) {
+                if !dense_layers.contains(&l) {
+                    dense_layers.push(l);
+                }
+            }
+        }
+    }
+    dense_layers.sort_unstable();
+
+    let mut layers = Vec::new();
+    for (prefix, experts) in by_prefix {
+        let layer = layer_index(&prefix).ok_or_else(|| {
+            module_error(
+                &format!("{prefix}.experts"),
+                "cannot find the decoder layer index (expected '...layers.N...')",
+            )
+        })?;
+        let router_module = format!("{prefix}.gate");
+        let router = ckpt.contains(&format!("{router_module}.weight")).then(|| {
+            let bias = [
+                format!("{router_module}.e_score_correction_bias"),
+                format!("{prefix}.experts.e_score_correction_bias"),
+            ]
+            .into_iter()
+            .find(|b| ckpt.contains(b));
+            Router {
+                weight: format!("{router_module}.weight"),
+                module: router_module.clone(),
+                correction_bias: bias,
+            }
+        });
+        let mut shared = BTreeMap::new();
+        for sprefix in [
+            format!("{prefix}.shared_experts"),
+            format!("{prefix}.shared_expert"),
+        ] {
+            for (leaf, role) in [
+                ("gate_proj", ProjRole::Gate),
+                ("up_proj", ProjRole::Up),
+                ("down_proj", ProjRole::Down),
+            ] {
+                let name = format!("{sprefix}.{leaf}");
+                if modules.binary_search(&name).is_ok() {
+                    shared.insert(role, name);
+                }
+            }
+            if !shared.is_empty() {
+                break;
+            }
+        }
+        let gate_name = format!("{prefix}.shared_expert_gate");
+        let shared_expert_gate = modules
+            .binary_search(&gate_name)
+            .is_ok()
+            .then_some(gate_name);
+        layers.push(DiscoveredLayer {
+            layer,
+            prefix,
+            experts,
+            router,
+            shared,
+            shared_expert_gate,
+        });
+    }
+    layers.sort_by_key(|l| l.layer);
+    for pair in layers.windows(2) {
+        if let [a, b] = pair {
+            if a.layer == b.layer {
+                return Err(module_error(
+                    &b.prefix,
+                    format!(
+                        "decoder layer {} has experts under both '{}' and '{}'",
+                        a.layer, a.prefix, b.prefix
+                    ),
+                ));
+            }
+        }
+    }
+    dense_layers.retain(|l| !layers.iter().any(|m| m.layer == *l));
+    Ok(Discovery {
+        layers,
+        dense_layers,
+    })
+}
+
+/// Builds the projections of one expert or shared expert from analysed modules, checking that
+/// up and down exist.
+pub fn assemble(
+    owner: &str,
+    roles: &BTreeMap<ProjRole, String>,
+    mut analyze: impl FnMut(&str) -> Result<ModuleInfo>,
+) -> Result<ExpertModules> {
+    let get = |role: ProjRole| roles.get(&role);
+    let (Some(up), Some(down)) = (get(ProjRole::Up), get(ProjRole::Down)) else {
+        let have: Vec<&str> = roles.keys().map(|r| r.name()).collect();
+        return Err(module_error(
+            owner,
+            format!("has projections {have:?}; an expert needs up and down (and optionally gate)"),
+        ));
+    };
+    let gate = match get(ProjRole::Gate) {
+        Some(g) => Some(analyze(g)?),
+        None => None,
+    };
+    Ok(ExpertModules {
+        gate,
+        up: analyze(up)?,
+        down: analyze(down)?,
+    })
+}
+
+/// Checks shapes within one expert: gate and up are `[I, H]`, down is `[H, I]`.
+pub fn expert_dims(owner: &str, e: &ExpertModules) -> Result<(usize, usize)> {
+    let (i, h) = (e.up.out_features, e.up.in_features);
+    if let Some(g) = &e.gate {
+        if (g.out_features, g.in_features) != (i, h) {
+            return Err(module_error(
+                owner,
+                format!(
+                    "gate is [{}, {}] but up is [{i}, {h}]; they must match",
+                    g.out_features, g.in_features
+                ),
+            ));
+        }
+    }
+    if (e.down.out_features, e.down.in_features) != (h, i) {
+        return Err(module_error(
+            owner,
+            format!(
+                "down is [{}, {}], expected [{h}, {i}] (the transpose of up [{i}, {h}])",
+                e.down.out_features, e.down.in_features
+            ),
+        ));
+    }
+    Ok((h, i))
+}

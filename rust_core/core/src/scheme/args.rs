@@ -1,0 +1,338 @@
+//! `QuantizationArgs` as compressed-tensors writes them, normalised the way compressed-tensors'
+//! own validators do (`quantization/quant_args.py`), with the legacy spellings accepted.
+
+use serde_json::{json, Map, Value};
+
+use super::json::{Field, Obj};
+use crate::error::Result;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum QuantType {
+    Int,
+    Float,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Strategy {
+    Tensor,
+    Channel,
+    Group,
+    Block,
+    Token,
+    TensorGroup,
+    AttnHead,
+}
+
+impl Strategy {
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Tensor => "tensor",
+            Strategy::Channel => "channel",
+            Strategy::Group => "group",
+            Strategy::Block => "block",
+            Strategy::Token => "token",
+            Strategy::TensorGroup => "tensor_group",
+            Strategy::AttnHead => "attn_head",
+        }
+    }
+    fn parse(s: &str) -> Option<Strategy> {
+        Some(match s {
+            "tensor" => Strategy::Tensor,
+            "channel" => Strategy::Channel,
+            "group" => Strategy::Group,
+            "block" => Strategy::Block,
+            "token" => Strategy::Token,
+            "tensor_group" => Strategy::TensorGroup,
+            "attn_head" => Strategy::AttnHead,
+            _ => return None,
+        })
+    }
+}
+
+/// Activation ordering. `Group` (`"group"`, `"dynamic"`, `true`) stores `weight_g_idx`;
+/// `Weight` (`"weight"`, `"static"`) only reordered GPTQ's visit order: storage is unchanged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ActOrder {
+    Group,
+    Weight,
+}
+
+impl ActOrder {
+    pub fn name(self) -> &'static str {
+        match self {
+            ActOrder::Group => "group",
+            ActOrder::Weight => "weight",
+        }
+    }
+}
+
+/// `dynamic`: `false`, `true`, or `"local"` (tensor_group only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Dynamic {
+    Static,
+    Dynamic,
+    Local,
+}
+
+/// Normalised quantization arguments.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct QuantArgs {
+    pub num_bits: u32,
+    pub qtype: QuantType,
+    pub symmetric: bool,
+    pub strategy: Strategy,
+    /// `> 0` for group strategy, `-1` for every other strategy (channel spelled `-1` or `null`).
+    pub group_size: i64,
+    pub block_structure: Option<[u64; 2]>,
+    pub dynamic: Dynamic,
+    pub actorder: Option<ActOrder>,
+}
+
+/// Which slot of a scheme the args came from; activations forbid act-order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ArgsRole {
+    Weights,
+    InputActivations,
+    OutputActivations,
+    KvCache,
+}
+
+impl QuantArgs {
+    pub fn is_dynamic(&self) -> bool {
+        !matches!(self.dynamic, Dynamic::Static)
+    }
+
+    /// Number of scale columns for a weight `[out, in]` (group: in / group_size).
+    pub fn scale_columns(&self, in_features: usize) -> Option<usize> {
+        match self.strategy {
+            Strategy::Group => usize::try_from(self.group_size)
+                .ok()
+                .filter(|&g| g > 0)
+                .map(|g| in_features / g),
+            _ => Some(1),
+        }
+    }
+
+    /// The DESIGN.md JSON form of weight args.
+    pub fn weight_json(&self) -> Value {
+        json!({
+            "num_bits": self.num_bits,
+            "type": match self.qtype { QuantType::Int => "int", QuantType::Float => "float" },
+            "strategy": self.strategy.name(),
+            "group_size": self.group_size,
+            "symmetric": self.symmetric,
+            "actorder": self.actorder.map(ActOrder::name),
+        })
+    }
+
+    /// The DESIGN.md JSON form of activation args.
+    pub fn activation_json(&self) -> Value {
+        json!({
+            "num_bits": self.num_bits,
+            "type": match self.qtype { QuantType::Int => "int", QuantType::Float => "float" },
+            "strategy": self.strategy.name(),
+            "dynamic": self.is_dynamic(),
+            "symmetric": self.symmetric,
+        })
+    }
+
+    /// Parses and normalises one args object found at `field`.
+    pub fn parse(field: &Field<'_>, role: ArgsRole) -> Result<QuantArgs> {
+        let obj = field.object()?;
+        Self::parse_obj(&obj, role)
+    }
+
+    pub(crate) fn parse_obj(obj: &Obj<'_>, role: ArgsRole) -> Result<QuantArgs> {
+        let num_bits = obj.opt_u64("num_bits")?.unwrap_or(8);
+        if num_bits == 0 || num_bits > 64 {
+            return Err(obj
+                .field("num_bits")
+                .invalid(format!("{num_bits} bits is not a valid width")));
+        }
+        let qtype = match obj.opt_str("type")? {
+            None | Some("int") => QuantType::Int,
+            Some("float") => QuantType::Float,
+            Some(other) => {
+                return Err(obj
+                    .field("type")
+                    .invalid(format!("expected \"int\" or \"float\", found \"{other}\"")))
+            }
+        };
+        let symmetric = obj.opt_bool("symmetric")?.unwrap_or(true);
+        let group_size = obj.opt_i64("group_size")?;
+        let strategy = match obj.opt_str("strategy")? {
+            None => None,
+            Some(s) => Some(Strategy::parse(s).ok_or_else(|| {
+                obj.field("strategy").invalid(format!(
+                    "unknown strategy \"{s}\" (expected tensor, channel, group, block, token, tensor_group or attn_head)"
+                ))
+            })?),
+        };
+        // Strategy inference and group_size normalisation (CT `validate_model_after`).
+        let (strategy, group_size) = match (strategy, group_size) {
+            (None, None) => (Strategy::Tensor, -1),
+            (None, Some(g)) if g > 0 => (Strategy::Group, g),
+            (None, Some(-1)) => (Strategy::Channel, -1),
+            (None, Some(g)) => {
+                return Err(obj.field("group_size").invalid(format!(
+                    "{g} is not a valid group size (use a positive size, or -1 for channel)"
+                )))
+            }
+            (Some(Strategy::Group), Some(g)) if g > 0 => (Strategy::Group, g),
+            (Some(Strategy::Group), g) => {
+                return Err(obj.field("group_size").invalid(format!(
+                    "strategy \"group\" needs a positive group_size, found {}",
+                    g.map_or("null".to_string(), |g| g.to_string())
+                )))
+            }
+            (Some(Strategy::Channel), None | Some(-1)) => (Strategy::Channel, -1),
+            (Some(Strategy::TensorGroup), Some(g)) if g > 0 => (Strategy::TensorGroup, g),
+            (Some(s), None | Some(-1)) => (s, -1),
+            (Some(s), Some(g)) => {
+                return Err(obj.field("group_size").invalid(format!(
+                    "group_size {g} contradicts strategy \"{}\"",
+                    s.name()
+                )))
+            }
+        };
+        let block_structure = match obj.get("block_structure") {
+            None | Some(Value::Null) => None,
+            Some(Value::Array(a)) if a.len() == 2 => {
+                let dims: Option<Vec<u64>> = a.iter().map(Value::as_u64).collect();
+                match dims {
+                    Some(d) if d.iter().all(|&x| x > 0) => Some([d[0], d[1]]),
+                    _ => {
+                        return Err(obj
+                            .field("block_structure")
+                            .invalid("expected two positive integers"))
+                    }
+                }
+            }
+            Some(Value::String(s)) => {
+                // Legacy "128x128" spelling.
+                let parts: Vec<Option<u64>> = s.split('x').map(|p| p.trim().parse().ok()).collect();
+                match parts.as_slice() {
+                    [Some(a), Some(b)] if *a > 0 && *b > 0 => Some([*a, *b]),
+                    _ => {
+                        return Err(obj
+                            .field("block_structure")
+                            .invalid(format!("cannot read \"{s}\" as ROWSxCOLS")))
+                    }
+                }
+            }
+            Some(_) => {
+                return Err(obj
+                    .field("block_structure")
+                    .invalid("expected [rows, cols]"))
+            }
+        };
+        if strategy == Strategy::Block && block_structure.is_none() {
+            return Err(obj
+                .field("block_structure")
+                .invalid("strategy \"block\" needs a block_structure"));
+        }
+        let dynamic = match obj.get("dynamic") {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => Dynamic::Static,
+            Some(Value::Bool(true)) => Dynamic::Dynamic,
+            Some(Value::String(s)) if s == "local" => Dynamic::Local,
+            Some(other) => {
+                return Err(obj
+                    .field("dynamic")
+                    .invalid(format!("expected true, false or \"local\", found {other}")))
+            }
+        };
+        let actorder = match obj.get("actorder") {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => None,
+            Some(Value::Bool(true)) => Some(ActOrder::Group),
+            Some(Value::String(s)) => match s.as_str() {
+                "group" | "dynamic" => Some(ActOrder::Group),
+                "weight" | "static" => Some(ActOrder::Weight),
+                other => {
+                    return Err(obj.field("actorder").invalid(format!(
+                        "unknown actorder \"{other}\" (expected \"group\", \"dynamic\", \"weight\", \"static\", true, false or null)"
+                    )))
+                }
+            },
+            Some(other) => return Err(obj.field("actorder").invalid(format!("expected a string, bool or null, found {other}"))),
+        };
+        if actorder.is_some() && role != ArgsRole::Weights {
+            return Err(obj
+                .field("actorder")
+                .invalid("activation ordering only applies to weights"));
+        }
+        if actorder.is_some() && strategy != Strategy::Group {
+            return Err(obj.field("actorder").invalid(format!(
+                "activation ordering needs strategy \"group\", found \"{}\"",
+                strategy.name()
+            )));
+        }
+        if strategy == Strategy::Token && dynamic == Dynamic::Static {
+            return Err(obj
+                .field("dynamic")
+                .invalid("strategy \"token\" needs dynamic: true"));
+        }
+        let num_bits = u32::try_from(num_bits).unwrap_or(u32::MAX);
+        Ok(QuantArgs {
+            num_bits,
+            qtype,
+            symmetric,
+            strategy,
+            group_size,
+            block_structure,
+            dynamic,
+            actorder,
+        })
+    }
+}
+
+/// compressed-tensors' preset schemes (`quant_scheme.py::PRESET_SCHEMES`), integer ones and the
+/// common float ones, as raw JSON to run through the same parser as written schemes.
+pub fn preset(name: &str) -> Option<(Option<Value>, Option<Value>)> {
+    let int_w = |bits: u32, group: Option<i64>, sym: bool| -> Value {
+        let mut m = Map::new();
+        m.insert("num_bits".into(), json!(bits));
+        m.insert("type".into(), json!("int"));
+        m.insert("symmetric".into(), json!(sym));
+        match group {
+            Some(g) => {
+                m.insert("strategy".into(), json!("group"));
+                m.insert("group_size".into(), json!(g));
+            }
+            None => {
+                m.insert("strategy".into(), json!("channel"));
+            }
+        }
+        Value::Object(m)
+    };
+    let int8_token = json!({"num_bits": 8, "type": "int", "symmetric": true, "strategy": "token", "dynamic": true});
+    let fp8_tensor =
+        json!({"num_bits": 8, "type": "float", "symmetric": true, "strategy": "tensor"});
+    Some(match name {
+        "UNQUANTIZED" => (None, None),
+        "W8A16" => (Some(int_w(8, None, true)), None),
+        "W4A16" => (Some(int_w(4, Some(128), true)), None),
+        "W4A16_ASYM" => (Some(int_w(4, Some(128), false)), None),
+        "W8A8" | "INT8" => (Some(int_w(8, None, true)), Some(int8_token)),
+        "W4A8" => (Some(int_w(4, Some(128), true)), Some(int8_token)),
+        "FP8" => (Some(fp8_tensor.clone()), Some(fp8_tensor)),
+        "FP8_DYNAMIC" => (
+            Some(json!({"num_bits": 8, "type": "float", "symmetric": true, "strategy": "channel"})),
+            Some(
+                json!({"num_bits": 8, "type": "float", "symmetric": true, "strategy": "token", "dynamic": true}),
+            ),
+        ),
+        _ => return None,
+    })
+}
+
+pub const PRESET_NAMES: &[&str] = &[
+    "UNQUANTIZED",
+    "W8A16",
+    "W4A16",
+    "W4A16_ASYM",
+    "W8A8",
+    "INT8",
+    "W4A8",
+    "FP8",
+    "FP8_DYNAMIC",
+];

@@ -1,0 +1,201 @@
+//! `moeq_rs._core`: thin PyO3 bindings over moeq-core. Python inputs are extracted first, then
+//! the GIL is released for the Rust work; core errors become `moeq_rs.errors` exceptions.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use moeq_core::checkpoint::DType;
+use moeq_core::Model;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyDict};
+
+/// Raises the `moeq_rs.errors` class matching the core error's kind.
+fn to_py(py: Python<'_>, e: moeq_core::Error) -> PyErr {
+    let msg = e.to_string();
+    let class = e.kind().python_class();
+    match py.import("moeq_rs.errors").and_then(|m| m.getattr(class)) {
+        Ok(cls) => match cls.call1((msg,)) {
+            Ok(inst) => PyErr::from_value(inst),
+            Err(err) => err,
+        },
+        Err(_) => PyValueError::new_err(msg),
+    }
+}
+
+/// A validated, memory-mapped checkpoint.
+#[pyclass(frozen, module = "moeq_rs._core")]
+struct Checkpoint {
+    model: Arc<Model>,
+}
+
+/// A read-only view of one tensor's bytes inside a mapped file. Exposes the numpy array
+/// interface; the array keeps this object (and so the mapping) alive.
+#[pyclass(frozen, module = "moeq_rs._core")]
+struct TensorBuffer {
+    map: Arc<memmap2::Mmap>,
+    start: usize,
+    len: usize,
+    dtype: DType,
+    shape: Vec<usize>,
+}
+
+#[pymethods]
+impl TensorBuffer {
+    /// The safetensors dtype name (`"BF16"`, `"I32"`, ...).
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.dtype.name()
+    }
+
+    #[getter]
+    fn shape(&self) -> Vec<usize> {
+        self.shape.clone()
+    }
+
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.len
+    }
+
+    #[getter]
+    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        // The range was validated against the mapping when the header was parsed.
+        let data = self
+            .map
+            .get(self.start..self.start + self.len)
+            .unwrap_or(&[]);
+        let d = PyDict::new(py);
+        d.set_item("shape", pyo3::types::PyTuple::new(py, &self.shape)?)?;
+        d.set_item("typestr", self.dtype.numpy_typestr())?;
+        // Read-only: the mapping is private and mapped without write permission.
+        d.set_item("data", (data.as_ptr() as usize, true))?;
+        d.set_item("version", 3)?;
+        Ok(d)
+    }
+}
+
+#[pymethods]
+impl Checkpoint {
+    /// Opens and validates a checkpoint directory (config, quantization config, every header,
+    /// every module's tensors against its scheme). The GIL is released meanwhile.
+    #[staticmethod]
+    fn open(py: Python<'_>, path: PathBuf) -> PyResult<Checkpoint> {
+        let model = py.detach(|| Model::open(&path)).map_err(|e| to_py(py, e))?;
+        Ok(Checkpoint {
+            model: Arc::new(model),
+        })
+    }
+
+    #[getter]
+    fn path(&self) -> PathBuf {
+        self.model.checkpoint().dir().to_path_buf()
+    }
+
+    /// `config.json` as a JSON string.
+    fn config_json(&self) -> String {
+        self.model.checkpoint().config().to_string()
+    }
+
+    /// The checkpoint facts of `moeq inspect --json`, as a JSON string.
+    fn summary_json(&self) -> String {
+        self.model.summary_json().to_string()
+    }
+
+    /// Every tensor name, sorted.
+    fn tensor_names(&self) -> Vec<String> {
+        self.model.checkpoint().tensor_names().to_vec()
+    }
+
+    /// `(dtype, shape, file)` of a tensor.
+    fn tensor_info(
+        &self,
+        py: Python<'_>,
+        name: &str,
+    ) -> PyResult<(&'static str, Vec<usize>, PathBuf)> {
+        let (f, t) = self.locate(py, name)?;
+        Ok((t.dtype.name(), t.shape.clone(), f.path().to_path_buf()))
+    }
+
+    /// A zero-copy, read-only buffer of a tensor (numpy array interface).
+    fn tensor_buffer(&self, py: Python<'_>, name: &str) -> PyResult<TensorBuffer> {
+        let (f, t) = self.locate(py, name)?;
+        Ok(TensorBuffer {
+            map: Arc::clone(f.mmap()),
+            start: t.start,
+            len: t.len,
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+        })
+    }
+
+    /// The resolved scheme and facts of a Linear module, as a JSON string.
+    fn module_json(&self, py: Python<'_>, module: &str) -> PyResult<String> {
+        let m = self.model.module(module).map_err(|e| to_py(py, e))?;
+        let (w, a, f) = moeq_core::model::module_scheme_json(m);
+        let v = serde_json::json!({
+            "module": m.name,
+            "quantized": m.weights().is_some(),
+            "group": m.scheme.as_ref().map(|s| s.group.clone()),
+            "format": f,
+            "weight": w,
+            "activation": a,
+            "out_features": m.out_features,
+            "in_features": m.in_features,
+            "weight_tensor": m.weight_tensor,
+            "weight_dtype": m.weight_dtype.name(),
+            "scale_dtype": m.scale_dtype.map(DType::name),
+            "has_zero_point": m.zero_point.is_some(),
+            "has_g_idx": m.has_g_idx,
+            "has_input_scale": m.has_input_scale,
+        });
+        Ok(v.to_string())
+    }
+
+    /// Dequantises a module: `(bytearray, dtype, [out, in])`, bit-exact with compressed-tensors.
+    fn dequantize<'py>(
+        &self,
+        py: Python<'py>,
+        module: &str,
+    ) -> PyResult<(Bound<'py, PyByteArray>, &'static str, Vec<usize>)> {
+        let model = Arc::clone(&self.model);
+        let module = module.to_string();
+        let d = py
+            .detach(move || model.dequantize(&module))
+            .map_err(|e| to_py(py, e))?;
+        Ok((
+            PyByteArray::new(py, &d.data),
+            d.dtype.name(),
+            d.shape.to_vec(),
+        ))
+    }
+}
+
+impl Checkpoint {
+    fn locate(
+        &self,
+        py: Python<'_>,
+        name: &str,
+    ) -> PyResult<(
+        &moeq_core::checkpoint::SafetensorsFile,
+        &moeq_core::checkpoint::TensorInfo,
+    )> {
+        self.model.checkpoint().locate(name).ok_or_else(|| {
+            to_py(
+                py,
+                moeq_core::error::CheckpointError::MissingTensor {
+                    name: name.to_string(),
+                }
+                .into(),
+            )
+        })
+    }
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<Checkpoint>()?;
+    m.add_class::<TensorBuffer>()?;
+    Ok(())
+}
