@@ -40,6 +40,7 @@ rust-checks:
 
 py-checks: $(VENV)/.test-deps build
 	$(VENV)/bin/ruff check python tests bench
+	$(VENV)/bin/ruff format --check python tests bench
 	$(PY) -m pytest -q
 
 test: rust-checks py-checks
@@ -47,8 +48,8 @@ test: rust-checks py-checks
 # Fuzz the header and config parsers (needs cargo-fuzz; FUZZ_SECONDS per target).
 FUZZ_SECONDS ?= 60
 fuzz:
-	cd rust_core/fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run safetensors_header -- -max_total_time=$(FUZZ_SECONDS)
-	cd rust_core/fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run quant_config -- -max_total_time=$(FUZZ_SECONDS)
+	cd rust_core/fuzz && mkdir -p corpus/safetensors_header && cargo +nightly fuzz run safetensors_header corpus/safetensors_header ../../examples -- -max_total_time=$(FUZZ_SECONDS)
+	cd rust_core/fuzz && mkdir -p corpus/quant_config && cargo +nightly fuzz run quant_config corpus/quant_config seeds/quant_config -- -max_total_time=$(FUZZ_SECONDS)
 
 bench: build
 	$(PY) bench/open_checkpoint.py

@@ -63,6 +63,8 @@ class Checkpoint:
 
     def __init__(self, core: _core.Checkpoint) -> None:
         self._core = core
+        # Bound directly: listing views of thousands of tensors should cost one call each.
+        self.view = core.tensor_buffer
         self._config: dict[str, Any] | None = None
         self._summary: dict[str, Any] | None = None
 
@@ -100,6 +102,16 @@ class Checkpoint:
         """``(dtype, shape, file)`` of a tensor, from the header only."""
         dtype, shape, file = self._core.tensor_info(name)
         return dtype, list(shape), Path(file)
+
+    def view(self, name: str) -> _core.TensorBuffer:  # replaced per instance in __init__
+        """A zero-copy, read-only view of a tensor's bytes in the mapped file: ``.dtype``
+        (safetensors name), ``.shape``, ``.nbytes``; ``numpy.asarray(view)`` makes an array of it
+        without copying (BF16/FP8 as unsigned bit patterns)."""
+        return self._core.tensor_buffer(name)
+
+    def views(self) -> dict[str, _core.TensorBuffer]:
+        """Every tensor's zero-copy view (see :meth:`view`), by name, in name order."""
+        return self._core.tensor_buffers()
 
     def tensor(self, name: str, framework: Framework = "numpy") -> Any:
         """A tensor by name.

@@ -49,9 +49,7 @@ def _layer_row(layer: dict[str, Any]) -> list[str]:
     if layer["weight"] is not None or not layer.get("mixed"):
         projections = [layer]
     else:
-        projections = [
-            p for e in layer["experts"] for p in e["projections"].values()
-        ]
+        projections = [p for e in layer["experts"] for p in e["projections"].values()]
     bits, group, sym, act, fmt = [], [], [], [], []
     for p in projections:
         w = p["weight"]
@@ -61,7 +59,10 @@ def _layer_row(layer: dict[str, Any]) -> list[str]:
             sym.append("-")
         else:
             bits.append(str(w["num_bits"]))
-            group.append(str(w["group_size"]) if w["strategy"] == "group" else w["strategy"])
+            g = str(w["group_size"]) if w["strategy"] == "group" else w["strategy"]
+            if w["actorder"] == "group":
+                g += " act-order"
+            group.append(g)
             sym.append("yes" if w["symmetric"] else "no")
         act.append(_fmt_activation(p["activation"]))
         fmt.append(p["format"] or "-")
@@ -88,10 +89,13 @@ def _print_table(summary: dict[str, Any]) -> None:
     )
     scaling = r["routed_scaling_factor"]
     groups = f", groups {r['topk_group']}/{r['n_group']}" if r["n_group"] else ""
+    cap = r.get("logit_softcapping")
+    softcap = f", logits softcapped at {cap}" if cap else ""
     print(
         f"routing:  {r['scoring_func']} top-{r['top_k']}"
         f"{' renormalised' if r['renormalize'] else ''}{groups}"
         f"{f', scaled x{scaling}' if scaling != 1.0 else ''}"
+        f"{softcap}"
     )
     if summary["dense_layers"]:
         print(f"dense:    layers {', '.join(map(str, summary['dense_layers']))}")
@@ -99,7 +103,7 @@ def _print_table(summary: dict[str, Any]) -> None:
     rows = [header] + [_layer_row(layer) for layer in summary["moe_layers"]]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for i, row in enumerate(rows):
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
         if i == 0:
             print("  ".join("-" * w for w in widths))
     if not summary["moe_layers"]:
@@ -130,7 +134,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "inspect",
         help="one row per MoE layer: experts, bits, group, symmetric, activation, format",
     )
-    p.add_argument("model_dir", metavar="MODEL_DIR", help="checkpoint directory (config.json + safetensors)")
+    p.add_argument(
+        "model_dir", metavar="MODEL_DIR", help="checkpoint directory (config.json + safetensors)"
+    )
     p.add_argument("--json", action="store_true", help="write one JSON document to stdout")
     p.set_defaults(func=_cmd_inspect)
     return parser

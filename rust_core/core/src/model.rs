@@ -1,6 +1,5 @@
 //! An opened checkpoint: files, quantization config, every module cross-checked, MoE layers.
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use rayon::prelude::*;
@@ -19,7 +18,8 @@ use crate::scheme::QuantizationConfig;
 pub struct Model {
     ckpt: Checkpoint,
     quant: Option<QuantizationConfig>,
-    modules: HashMap<String, ModuleInfo>,
+    /// Every analysed Linear module, sorted by name.
+    modules: Vec<ModuleInfo>,
     moe_layers: Vec<MoeLayer>,
     dense_layers: Vec<usize>,
     routing: Routing,
@@ -28,20 +28,31 @@ pub struct Model {
 impl Model {
     pub fn open(dir: &Path) -> Result<Model> {
         let ckpt = Checkpoint::open(dir)?;
-        let quant = QuantizationConfig::from_model_config(&ckpt.config_path(), ckpt.config())?;
-        let names = smod::module_names(&ckpt);
-        let analysed: Vec<ModuleInfo> = names
+        let config_file = ckpt.config_path();
+        let quant = QuantizationConfig::from_model_config(&config_file, ckpt.config())?;
+        let table = smod::ModuleTable::build(&ckpt);
+        let analysed: Vec<ModuleInfo> = table
+            .as_slice()
             .par_iter()
-            .filter(|m| smod::module_class(&ckpt, m) == crate::scheme::ModuleClass::Linear)
-            .map(|m| smod::analyze(&ckpt, quant.as_ref(), m))
+            .filter_map(|(m, slots)| {
+                (smod::module_class(m, slots) == crate::scheme::ModuleClass::Linear)
+                    .then(|| smod::analyze(&ckpt, &config_file, quant.as_ref(), m, slots))
+            })
             .collect::<Result<_>>()?;
-        let modules: HashMap<String, ModuleInfo> =
-            analysed.into_iter().map(|m| (m.name.clone(), m)).collect();
+        let names: Vec<String> = table.names().map(str::to_string).collect();
+        drop(table);
+        // `table` is sorted by name and the parallel collect keeps that order.
+        let modules = analysed;
+        let find = |name: &str| -> Option<&ModuleInfo> {
+            modules
+                .binary_search_by(|m| m.name.as_str().cmp(name))
+                .ok()
+                .and_then(|i| modules.get(i))
+        };
 
         let discovery = moe::discover(&ckpt, &names)?;
         let lookup = |name: &str| -> Result<ModuleInfo> {
-            modules
-                .get(name)
+            find(name)
                 .cloned()
                 .ok_or_else(|| module_error(name, "is not a Linear module with a 2-D weight"))
         };
@@ -180,7 +191,12 @@ impl Model {
 
     /// The analysed Linear module `name`.
     pub fn module(&self, name: &str) -> Result<&ModuleInfo> {
-        self.modules.get(name).ok_or_else(|| {
+        let found = self
+            .modules
+            .binary_search_by(|m| m.name.as_str().cmp(name))
+            .ok()
+            .and_then(|i| self.modules.get(i));
+        found.ok_or_else(|| {
             CheckpointError::Module {
                 module: name.to_string(),
                 reason: "no such Linear module in the checkpoint (expected tensors '<module>.weight' or '<module>.weight_packed')"
@@ -223,6 +239,7 @@ fn routing_json(r: &Routing) -> Value {
         "n_group": r.n_group,
         "topk_group": r.topk_group,
         "routed_scaling_factor": r.routed_scaling_factor,
+        "logit_softcapping": r.logit_softcapping,
     })
 }
 

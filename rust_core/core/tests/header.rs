@@ -31,7 +31,7 @@ fn valid_file_parses_sorted_with_absolute_offsets() {
     assert_eq!(h.tensors.len(), 2);
     assert_eq!(h.tensors[0].name, "a");
     assert_eq!(h.tensors[0].dtype, DType::BF16);
-    assert_eq!(h.tensors[0].shape, vec![2, 2]);
+    assert_eq!(h.tensors[0].shape.as_slice(), &[2, 2]);
     assert_eq!(h.tensors[0].start, h.data_start + 8);
     assert_eq!(h.tensors[1].start, h.data_start);
     assert_eq!(h.metadata.get("format").map(String::as_str), Some("pt"));

@@ -37,7 +37,7 @@ struct TensorBuffer {
     start: usize,
     len: usize,
     dtype: DType,
-    shape: Vec<usize>,
+    shape: moeq_core::checkpoint::header::Shape,
 }
 
 #[pymethods]
@@ -50,7 +50,7 @@ impl TensorBuffer {
 
     #[getter]
     fn shape(&self) -> Vec<usize> {
-        self.shape.clone()
+        self.shape.to_vec()
     }
 
     #[getter]
@@ -66,7 +66,7 @@ impl TensorBuffer {
             .get(self.start..self.start + self.len)
             .unwrap_or(&[]);
         let d = PyDict::new(py);
-        d.set_item("shape", pyo3::types::PyTuple::new(py, &self.shape)?)?;
+        d.set_item("shape", pyo3::types::PyTuple::new(py, self.shape.iter())?)?;
         d.set_item("typestr", self.dtype.numpy_typestr())?;
         // Read-only: the mapping is private and mapped without write permission.
         d.set_item("data", (data.as_ptr() as usize, true))?;
@@ -104,7 +104,11 @@ impl Checkpoint {
 
     /// Every tensor name, sorted.
     fn tensor_names(&self) -> Vec<String> {
-        self.model.checkpoint().tensor_names().to_vec()
+        self.model
+            .checkpoint()
+            .tensor_names()
+            .map(str::to_string)
+            .collect()
     }
 
     /// `(dtype, shape, file)` of a tensor.
@@ -114,7 +118,7 @@ impl Checkpoint {
         name: &str,
     ) -> PyResult<(&'static str, Vec<usize>, PathBuf)> {
         let (f, t) = self.locate(py, name)?;
-        Ok((t.dtype.name(), t.shape.clone(), f.path().to_path_buf()))
+        Ok((t.dtype.name(), t.shape.to_vec(), f.path().to_path_buf()))
     }
 
     /// A zero-copy, read-only buffer of a tensor (numpy array interface).
@@ -127,6 +131,22 @@ impl Checkpoint {
             dtype: t.dtype,
             shape: t.shape.clone(),
         })
+    }
+
+    /// Every tensor as `{name: TensorBuffer}`, in name order, in one call.
+    fn tensor_buffers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        for (f, t) in self.model.checkpoint().tensors() {
+            let buf = TensorBuffer {
+                map: Arc::clone(f.mmap()),
+                start: t.start,
+                len: t.len,
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+            };
+            out.set_item(&t.name, buf)?;
+        }
+        Ok(out)
     }
 
     /// The resolved scheme and facts of a Linear module, as a JSON string.

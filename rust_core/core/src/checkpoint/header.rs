@@ -5,11 +5,12 @@
 //! every tensor's absolute offset is checked against its dtype's alignment so that a typed view
 //! of the mapped bytes is never a misaligned cast.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::fmt;
 
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
+use smallvec::SmallVec;
 
 use super::dtype::DType;
 
@@ -19,12 +20,15 @@ pub const MAX_HEADER_SIZE: u64 = 100_000_000;
 /// The first bytes of a Git LFS pointer file.
 pub const LFS_POINTER_PREFIX: &[u8] = b"version https://git-lfs";
 
+/// A tensor shape; inline up to four dimensions (no allocation for the usual 1-D/2-D tensors).
+pub type Shape = SmallVec<[usize; 4]>;
+
 /// One tensor of a validated header. `start` is the absolute byte offset in the file.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorInfo {
     pub name: String,
     pub dtype: DType,
-    pub shape: Vec<usize>,
+    pub shape: Shape,
     pub start: usize,
     pub len: usize,
 }
@@ -73,40 +77,40 @@ impl HeaderIssue {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct RawEntry {
-    dtype: String,
-    shape: Vec<u64>,
+struct RawEntry<'a> {
+    #[serde(borrow)]
+    dtype: std::borrow::Cow<'a, str>,
+    shape: SmallVec<[u64; 4]>,
     data_offsets: (u64, u64),
 }
 
 /// The header object, read entry by entry so that duplicate keys are seen (a plain map would
 /// silently keep the last one).
-struct RawHeader {
-    entries: Vec<(String, RawEntry)>,
+struct RawHeader<'a> {
+    entries: Vec<(String, RawEntry<'a>)>,
     metadata: BTreeMap<String, String>,
     duplicate: Option<String>,
 }
 
-impl<'de> Deserialize<'de> for RawHeader {
+impl<'de> Deserialize<'de> for RawHeader<'de> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         struct HeaderVisitor;
         impl<'de> Visitor<'de> for HeaderVisitor {
-            type Value = RawHeader;
+            type Value = RawHeader<'de>;
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
                 f.write_str("a JSON object mapping tensor names to {dtype, shape, data_offsets}")
             }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawHeader, A::Error> {
-                let mut seen = HashSet::new();
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawHeader<'de>, A::Error> {
                 let mut out = RawHeader {
                     entries: Vec::new(),
                     metadata: BTreeMap::new(),
                     duplicate: None,
                 };
                 while let Some(key) = map.next_key::<String>()? {
-                    if !seen.insert(key.clone()) && out.duplicate.is_none() {
-                        out.duplicate = Some(key.clone());
-                    }
                     if key == "__metadata__" {
+                        if !out.metadata.is_empty() {
+                            out.duplicate = Some(key.clone());
+                        }
                         let meta: Option<BTreeMap<String, String>> = map.next_value()?;
                         out.metadata = meta.unwrap_or_default();
                     } else {
@@ -192,7 +196,7 @@ pub fn parse_json(json: &[u8], data_start: usize, file_len: usize) -> Result<Hea
                 format!("data_offsets [{begin}, {end}] end before they begin"),
             ));
         }
-        let mut shape = Vec::with_capacity(entry.shape.len());
+        let mut shape = Shape::new();
         let mut numel: usize = 1;
         for &d in &entry.shape {
             let d = usize::try_from(d)
@@ -250,6 +254,16 @@ pub fn parse_json(json: &[u8], data_start: usize, file_len: usize) -> Result<Hea
         });
     }
 
+    // Writers mostly emit names in order: a stable sort is near-linear on such runs.
+    tensors.sort_by(|a, b| a.name.cmp(&b.name));
+    // Duplicate names: adjacent after sorting (a JSON map would silently keep the last one).
+    if let Some(pair) = tensors.windows(2).find(|p| p[0].name == p[1].name) {
+        return Err(HeaderIssue::tensor(
+            &pair[0].name,
+            "appears more than once in the header",
+        ));
+    }
+
     // Offsets must tile the data section exactly: in order, contiguous, no overlaps, no holes.
     let mut order: Vec<usize> = (0..tensors.len()).collect();
     order.sort_by_key(|&i| (tensors[i].start, tensors[i].start + tensors[i].len));
@@ -280,7 +294,6 @@ pub fn parse_json(json: &[u8], data_start: usize, file_len: usize) -> Result<Hea
         )));
     }
 
-    tensors.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(Header {
         tensors,
         metadata: raw.metadata,

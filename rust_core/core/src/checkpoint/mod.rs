@@ -5,7 +5,7 @@ pub mod dtype;
 pub mod file;
 pub mod header;
 
-use std::collections::{BTreeMap, HashMap};
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 
 use rayon::prelude::*;
@@ -27,9 +27,9 @@ pub struct Checkpoint {
     dir: PathBuf,
     config: Value,
     files: Vec<SafetensorsFile>,
-    /// name -> (file index, tensor index within that file's sorted list)
-    lookup: HashMap<String, (usize, usize)>,
-    names: Vec<String>,
+    /// (file index, tensor index within that file's sorted list) of every tensor, sorted by
+    /// name: lookups are binary searches, and no name is copied or hashed when opening.
+    order: Vec<(u32, u32)>,
 }
 
 fn io_err(path: &Path, source: std::io::Error) -> Error {
@@ -113,31 +113,45 @@ impl Checkpoint {
 
         let index_path = dir.join(INDEX_FILE);
         let single_path = dir.join(SINGLE_FILE);
+        let index_bytes = if index_path.is_file() {
+            std::fs::read(&index_path).map_err(|e| io_err(&index_path, e))?
+        } else {
+            Vec::new()
+        };
         let (files, weight_map) = if index_path.is_file() {
-            let (shard_names, weight_map) = read_index(&index_path)?;
-            let paths = shard_names
-                .iter()
-                .map(|n| shard_path(dir, &index_path, n))
-                .collect::<Result<Vec<_>>>()?;
-            for p in &paths {
-                if !p.is_file() {
-                    return Err(CheckpointError::Index {
-                        path: index_path.clone(),
-                        reason: format!(
-                            "names shard '{}' which does not exist",
-                            p.file_name()
-                                .map(|s| s.to_string_lossy())
-                                .unwrap_or_default()
-                        ),
+            // Shard names are known from the file names on disk; parse the index and every shard
+            // header concurrently and cross-check afterwards.
+            let shard_paths = shard_files(dir)?;
+            let (index, files) = rayon::join(
+                || read_index(&index_path, &index_bytes),
+                || {
+                    shard_paths
+                        .par_iter()
+                        .map(|p| SafetensorsFile::open(p).map_err(Error::from))
+                        .collect::<Vec<_>>()
+                },
+            );
+            let (shard_names, weight_map) = index?;
+            let mut opened = Vec::with_capacity(shard_names.len());
+            // Files the index does not name are not part of the checkpoint: their errors are
+            // irrelevant, only the named shards' are reported.
+            let mut files: Vec<Option<Result<SafetensorsFile>>> =
+                files.into_iter().map(Some).collect();
+            for n in &shard_names {
+                let p = shard_path(dir, &index_path, n)?;
+                let pos = shard_paths.iter().position(|q| *q == p);
+                match pos.and_then(|i| files.get_mut(i)).and_then(Option::take) {
+                    Some(f) => opened.push(f?),
+                    None => {
+                        return Err(CheckpointError::Index {
+                            path: index_path.clone(),
+                            reason: format!("names shard '{n}' which does not exist"),
+                        }
+                        .into())
                     }
-                    .into());
                 }
             }
-            let files = paths
-                .par_iter()
-                .map(|p| SafetensorsFile::open(p).map_err(Error::from))
-                .collect::<Result<Vec<_>>>()?;
-            (files, Some(weight_map))
+            (opened, Some(weight_map))
         } else if single_path.is_file() {
             (vec![SafetensorsFile::open(&single_path)?], None)
         } else {
@@ -147,38 +161,16 @@ impl Checkpoint {
             .into());
         };
 
-        let total: usize = files.iter().map(|f| f.tensors().len()).sum();
-        let mut lookup = HashMap::with_capacity(total);
-        let mut names = Vec::with_capacity(total);
-        for (fi, f) in files.iter().enumerate() {
-            for (ti, t) in f.tensors().iter().enumerate() {
-                if let Some((other, _)) = lookup.insert(t.name.clone(), (fi, ti)) {
-                    let other_path: &Path = files
-                        .get(other)
-                        .map(|o: &SafetensorsFile| o.path())
-                        .unwrap_or(f.path());
-                    return Err(CheckpointError::Tensor {
-                        path: f.path().to_path_buf(),
-                        tensor: t.name.clone(),
-                        reason: format!("is also stored in {}", other_path.display()),
-                    }
-                    .into());
-                }
-                names.push(t.name.clone());
-            }
-        }
-        names.sort();
-
+        let order = sorted_order(&files)?;
         if let Some(weight_map) = weight_map {
-            check_index(&index_path, &weight_map, &files, &lookup)?;
+            check_index(&index_path, weight_map, &files, &order)?;
         }
 
         Ok(Checkpoint {
             dir: dir.to_path_buf(),
             config,
             files,
-            lookup,
-            names,
+            order,
         })
     }
 
@@ -199,21 +191,34 @@ impl Checkpoint {
         &self.files
     }
 
+    fn entry(&self, (fi, ti): (u32, u32)) -> Option<(&SafetensorsFile, &TensorInfo)> {
+        let f = self.files.get(fi as usize)?;
+        Some((f, f.tensors().get(ti as usize)?))
+    }
+
     /// All tensor names, sorted.
-    pub fn tensor_names(&self) -> &[String] {
-        &self.names
+    pub fn tensor_names(&self) -> impl ExactSizeIterator<Item = &str> + '_ {
+        self.order
+            .iter()
+            .map(|&e| self.entry(e).map_or("", |(_, t)| t.name.as_str()))
+    }
+
+    /// Every tensor with its file, sorted by name.
+    pub fn tensors(&self) -> impl Iterator<Item = (&SafetensorsFile, &TensorInfo)> + '_ {
+        self.order.iter().filter_map(move |&e| self.entry(e))
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        self.lookup.contains_key(name)
+        self.locate(name).is_some()
     }
 
     /// The file and header entry of a tensor, if present.
     pub fn locate(&self, name: &str) -> Option<(&SafetensorsFile, &TensorInfo)> {
-        let &(fi, ti) = self.lookup.get(name)?;
-        let f = self.files.get(fi)?;
-        let t = f.tensors().get(ti)?;
-        Some((f, t))
+        let i = self
+            .order
+            .binary_search_by(|&e| self.entry(e).map_or("", |(_, t)| t.name.as_str()).cmp(name))
+            .ok()?;
+        self.entry(*self.order.get(i)?)
     }
 
     pub fn info(&self, name: &str) -> Option<&TensorInfo> {
@@ -236,50 +241,133 @@ impl Checkpoint {
     }
 }
 
-type WeightMap = BTreeMap<String, String>;
+/// `weight_map` entries `(tensor, shard file)`, sorted by tensor name, borrowed from the index.
+type WeightMap<'a> = Vec<(Cow<'a, str>, Cow<'a, str>)>;
 
-fn read_index(index_path: &Path) -> Result<(Vec<String>, WeightMap)> {
-    let doc = read_json(index_path)?;
-    let cfg_err = |key: &str, reason: &str| -> Error {
+/// `(file, tensor)` indices of every tensor sorted by name; a name stored twice is an error.
+fn sorted_order(files: &[SafetensorsFile]) -> Result<Vec<(u32, u32)>> {
+    let mut all: Vec<(&str, u32, u32)> =
+        Vec::with_capacity(files.iter().map(|f| f.tensors().len()).sum());
+    for (fi, f) in files.iter().enumerate() {
+        all.extend(
+            f.tensors()
+                .iter()
+                .enumerate()
+                .map(|(ti, t)| (t.name.as_str(), fi as u32, ti as u32)),
+        );
+    }
+    // Each file is already sorted: a stable sort merges the runs.
+    all.sort_by(|a, b| a.0.cmp(b.0));
+    if let Some(pair) = all.windows(2).find(|p| p[0].0 == p[1].0) {
+        let path = |fi: u32| {
+            files
+                .get(fi as usize)
+                .map(|f| f.path().to_path_buf())
+                .unwrap_or_default()
+        };
+        return Err(CheckpointError::Tensor {
+            path: path(pair[1].1),
+            tensor: pair[1].0.to_string(),
+            reason: format!("is also stored in {}", path(pair[0].1).display()),
+        }
+        .into());
+    }
+    Ok(all.into_iter().map(|(_, f, t)| (f, t)).collect())
+}
+
+#[derive(serde::Deserialize)]
+struct IndexDoc<'a> {
+    #[serde(borrow)]
+    weight_map: Option<MapEntries<'a>>,
+}
+
+/// A JSON object read as its list of entries (keeps duplicates visible, borrows the strings).
+struct MapEntries<'a>(Vec<(Cow<'a, str>, Cow<'a, str>)>);
+
+impl<'de: 'a, 'a> serde::Deserialize<'de> for MapEntries<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct V<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> serde::de::Visitor<'de> for V<'a> {
+            type Value = MapEntries<'a>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an object of tensor name -> shard file name")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> std::result::Result<Self::Value, A::Error> {
+                let mut out = Vec::with_capacity(map.size_hint().unwrap_or(0));
+                while let Some(entry) = map.next_entry::<CowStr<'a>, CowStr<'a>>()? {
+                    out.push((entry.0 .0, entry.1 .0));
+                }
+                Ok(MapEntries(out))
+            }
+        }
+        d.deserialize_map(V(std::marker::PhantomData))
+    }
+}
+
+/// A string that borrows from the input when it has no escapes.
+struct CowStr<'a>(Cow<'a, str>);
+
+impl<'de: 'a, 'a> serde::Deserialize<'de> for CowStr<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        #[derive(serde::Deserialize)]
+        struct Wrap<'a>(#[serde(borrow)] Cow<'a, str>);
+        Wrap::deserialize(d).map(|w| CowStr(w.0))
+    }
+}
+
+fn read_index<'a>(index_path: &Path, bytes: &'a [u8]) -> Result<(Vec<String>, WeightMap<'a>)> {
+    let index_err = |reason: String| -> Error {
         CheckpointError::Index {
             path: index_path.to_path_buf(),
-            reason: format!("{key}: {reason}"),
+            reason,
         }
         .into()
     };
-    let map = doc
-        .get("weight_map")
-        .ok_or_else(|| cfg_err("weight_map", "missing"))?
-        .as_object()
-        .ok_or_else(|| {
-            cfg_err(
-                "weight_map",
-                "expected an object of tensor name -> shard file",
-            )
-        })?;
-    let mut weight_map = WeightMap::new();
-    let mut shards: Vec<String> = Vec::new();
-    for (name, file) in map {
-        let file = file
-            .as_str()
-            .ok_or_else(|| cfg_err(&format!("weight_map.{name}"), "expected a file name string"))?;
-        if !shards.iter().any(|s| s == file) {
-            shards.push(file.to_string());
+    if bytes.starts_with(header::LFS_POINTER_PREFIX) {
+        return Err(CheckpointError::LfsPointer {
+            path: index_path.to_path_buf(),
         }
-        weight_map.insert(name.clone(), file.to_string());
+        .into());
     }
-    if shards.is_empty() {
-        return Err(cfg_err("weight_map", "is empty"));
+    // Typed, borrowing parse: an index of many thousand entries is read on every open.
+    let doc: IndexDoc<'a> = serde_json::from_slice(bytes).map_err(|e| {
+        index_err(format!(
+            "not a valid index (expected {{\"weight_map\": {{tensor: shard file}}}}): {e}"
+        ))
+    })?;
+    let mut entries = doc
+        .weight_map
+        .ok_or_else(|| index_err("weight_map: missing".into()))?
+        .0;
+    // Writers emit the map sorted; a stable sort is linear on sorted input.
+    entries.sort_by(|a, b| a.0.cmp(&b.0));
+    if let Some(pair) = entries.windows(2).find(|p| p[0].0 == p[1].0) {
+        return Err(index_err(format!(
+            "weight_map: tensor '{}' is listed twice",
+            pair[0].0
+        )));
+    }
+    let mut shards: Vec<String> = Vec::new();
+    for (_, f) in &entries {
+        if !shards.iter().any(|s| s == f) {
+            shards.push(f.to_string());
+        }
     }
     shards.sort();
-    Ok((shards, weight_map))
+    if shards.is_empty() {
+        return Err(index_err("weight_map: is empty".into()));
+    }
+    Ok((shards, entries))
 }
 
 fn check_index(
     index_path: &Path,
-    weight_map: &WeightMap,
+    weight_map: WeightMap<'_>,
     files: &[SafetensorsFile],
-    lookup: &HashMap<String, (usize, usize)>,
+    order: &[(u32, u32)],
 ) -> Result<()> {
     let err = |reason: String| -> Error {
         CheckpointError::Index {
@@ -288,38 +376,70 @@ fn check_index(
         }
         .into()
     };
-    let file_name = |f: &SafetensorsFile| {
-        f.path()
-            .file_name()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_default()
+    let file_names: Vec<String> = files
+        .iter()
+        .map(|f| {
+            f.path()
+                .file_name()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        })
+        .collect();
+    let stored = |&(fi, ti): &(u32, u32)| -> (&str, &str) {
+        let name = files
+            .get(fi as usize)
+            .and_then(|f| f.tensors().get(ti as usize))
+            .map_or("", |t| t.name.as_str());
+        (name, file_names.get(fi as usize).map_or("", String::as_str))
     };
-    for (name, shard) in weight_map {
-        match lookup.get(name).and_then(|&(fi, _)| files.get(fi)) {
-            None => {
+    // Both lists are sorted by name: walk them together.
+    let (mut i, mut j) = (0, 0);
+    loop {
+        match (weight_map.get(i), order.get(j).map(stored)) {
+            (None, None) => return Ok(()),
+            (Some((name, shard)), None) => {
                 return Err(err(format!(
                     "names tensor '{name}' in shard '{shard}', but that shard does not contain it"
                 )))
             }
-            Some(f) if file_name(f) != *shard => {
+            (None, Some((name, file))) => {
                 return Err(err(format!(
-                    "maps tensor '{name}' to shard '{shard}', but it is stored in '{}'",
-                    file_name(f)
+                    "does not list tensor '{name}' stored in shard '{file}'"
                 )))
             }
-            Some(_) => {}
+            (Some((name, shard)), Some((stored_name, file))) => match name.as_ref().cmp(stored_name)
+            {
+                std::cmp::Ordering::Less => return Err(err(format!(
+                    "names tensor '{name}' in shard '{shard}', but that shard does not contain it"
+                ))),
+                std::cmp::Ordering::Greater => {
+                    return Err(err(format!(
+                        "does not list tensor '{stored_name}' stored in shard '{file}'"
+                    )))
+                }
+                std::cmp::Ordering::Equal => {
+                    if shard != file {
+                        return Err(err(format!(
+                            "maps tensor '{name}' to shard '{shard}', but it is stored in '{file}'"
+                        )));
+                    }
+                    i += 1;
+                    j += 1;
+                }
+            },
         }
     }
-    for f in files {
-        for t in f.tensors() {
-            if !weight_map.contains_key(&t.name) {
-                return Err(err(format!(
-                    "does not list tensor '{}' stored in shard '{}'",
-                    t.name,
-                    file_name(f)
-                )));
-            }
+}
+
+/// The `*.safetensors` files of a sharded checkpoint directory, sorted.
+fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(|e| io_err(dir, e))? {
+        let path = entry.map_err(|e| io_err(dir, e))?.path();
+        if path.extension().is_some_and(|x| x == "safetensors") && path.is_file() {
+            out.push(path);
         }
     }
-    Ok(())
+    out.sort();
+    Ok(out)
 }

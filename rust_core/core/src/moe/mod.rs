@@ -2,6 +2,7 @@
 //! routing parameters of `config.json`.
 
 use std::collections::BTreeMap;
+use std::sync::LazyLock;
 
 use regex::Regex;
 use serde_json::Value;
@@ -102,6 +103,8 @@ pub struct Routing {
     pub n_group: Option<usize>,
     pub topk_group: Option<usize>,
     pub routed_scaling_factor: f64,
+    /// `tanh(logits / c) * c` before scoring when set (Laguna `moe_router_logit_softcapping`).
+    pub logit_softcapping: Option<f64>,
 }
 
 /// Looks a key up in the config, then in a nested `text_config` (multimodal wrappers).
@@ -144,7 +147,11 @@ impl Routing {
         // true, Qwen-MoE to false).
         let renormalize = match cfg(config, "norm_topk_prob").and_then(Value::as_bool) {
             Some(b) => b,
-            None => matches!(mtype.as_str(), "mixtral" | "deepseek_v3" | "minimax"),
+            // Laguna's router always renormalises (transformers `LagunaTopKRouter`).
+            None => matches!(
+                mtype.as_str(),
+                "mixtral" | "deepseek_v3" | "minimax" | "laguna"
+            ),
         };
         let routed_scaling_factor = ["routed_scaling_factor", "moe_routed_scaling_factor"]
             .iter()
@@ -157,6 +164,10 @@ impl Routing {
             n_group: cfg_usize(config, &["n_group"]).filter(|&g| g > 1),
             topk_group: cfg_usize(config, &["topk_group"]),
             routed_scaling_factor,
+            logit_softcapping: ["moe_router_logit_softcapping", "router_logit_softcapping"]
+                .iter()
+                .find_map(|k| cfg(config, k).and_then(Value::as_f64))
+                .filter(|&c| c > 0.0),
         }
     }
 }
@@ -192,9 +203,29 @@ pub struct DiscoveredLayer {
     pub shared_expert_gate: Option<String>,
 }
 
+// Compiled once: compiling a regex costs more than matching every module name of a model.
+static LAYER_RE: LazyLock<Option<Regex>> =
+    LazyLock::new(|| Regex::new(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)").ok());
+
+/// Splits `<prefix>.experts.<e>.<leaf>` without a regex (this runs for every module).
+fn split_expert(module: &str) -> Option<(&str, &str, &str)> {
+    let (rest, leaf) = module.rsplit_once('.')?;
+    let (rest, e) = rest.rsplit_once('.')?;
+    let prefix = rest.strip_suffix(".experts")?;
+    let valid = !prefix.is_empty() && !e.is_empty() && e.bytes().all(|b| b.is_ascii_digit());
+    valid.then_some((prefix, e, leaf))
+}
+
+/// Splits `<prefix>.mlp.{gate,up,down}_proj` (a dense MLP).
+fn split_dense(module: &str) -> Option<&str> {
+    let (rest, leaf) = module.rsplit_once('.')?;
+    let prefix = rest.strip_suffix(".mlp")?;
+    matches!(leaf, "gate_proj" | "up_proj" | "down_proj").then_some(prefix)
+}
+
 fn layer_index(prefix: &str) -> Option<usize> {
     // The last `layers.N` / `h.N` / `blocks.N` component.
-    let re = Regex::new(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)").ok()?;
+    let re = LAYER_RE.as_ref()?;
     re.captures_iter(prefix)
         .last()
         .and_then(|c| c.get(1))
@@ -203,33 +234,23 @@ fn layer_index(prefix: &str) -> Option<usize> {
 
 /// Groups module names into MoE layers (names only; no tensor checks).
 pub fn discover(ckpt: &Checkpoint, modules: &[String]) -> Result<Discovery> {
-    let expert_re = Regex::new(r"^(.+)\.experts\.(\d+)\.([A-Za-z0-9_]+)$")
-        .map_err(|e| module_error("(internal)", e.to_string()))?;
-    let dense_re = Regex::new(r"^(.+)\.mlp\.(gate_proj|up_proj|down_proj)$")
-        .map_err(|e| module_error("(internal)", e.to_string()))?;
-    let mut by_prefix: BTreeMap<String, BTreeMap<usize, BTreeMap<ProjRole, String>>> =
-        BTreeMap::new();
+    let mut by_prefix: BTreeMap<&str, BTreeMap<usize, BTreeMap<ProjRole, &str>>> = BTreeMap::new();
     let mut dense_layers = Vec::new();
     for m in modules {
-        if let Some(c) = expert_re.captures(m) {
-            let (Some(prefix), Some(e), Some(leaf)) = (c.get(1), c.get(2), c.get(3)) else {
-                continue;
-            };
-            let Some(role) = ProjRole::from_leaf(leaf.as_str()) else {
+        if let Some((prefix, e, leaf)) = split_expert(m) {
+            let Some(role) = ProjRole::from_leaf(leaf) else {
                 continue;
             };
             let e: usize = e
-                .as_str()
                 .parse()
                 .map_err(|_| module_error(m, "expert index does not fit in an integer"))?;
             by_prefix
-                .entry(prefix.as_str().to_string())
+                .entry(prefix)
                 .or_default()
                 .entry(e)
                 .or_default()
-                .insert(role, m.clone());
-        } else if let Some(c) = dense_re.captures(m) {
-            let prefix = c.get(1).map_or("", |p| p.as_str());
+                .insert(role, m.as_str());
+        } else if let Some(prefix) = split_dense(m) {
             if let Some(l) = layer_index(prefix) {
                 if !dense_layers.contains(&l) {
                     dense_layers.push(l);
@@ -241,6 +262,16 @@ pub fn discover(ckpt: &Checkpoint, modules: &[String]) -> Result<Discovery> {
 
     let mut layers = Vec::new();
     for (prefix, experts) in by_prefix {
+        let experts: BTreeMap<usize, BTreeMap<ProjRole, String>> = experts
+            .into_iter()
+            .map(|(e, roles)| {
+                (
+                    e,
+                    roles.into_iter().map(|(r, m)| (r, m.to_string())).collect(),
+                )
+            })
+            .collect();
+        let prefix = prefix.to_string();
         let layer = layer_index(&prefix).ok_or_else(|| {
             module_error(
                 &format!("{prefix}.experts"),

@@ -80,8 +80,72 @@ pub fn is_router(module: &str) -> bool {
     module.ends_with(".mlp.gate") || module.ends_with(".block_sparse_moe.gate")
 }
 
+/// The tensors of one module, by position in [`MODULE_TENSOR_SUFFIXES`].
+pub type ModuleSlots<'a> = [Option<&'a TensorInfo>; MODULE_TENSOR_SUFFIXES.len()];
+
+/// Every module of a checkpoint with its tensors, built in one pass over the headers so that
+/// per-module checks never format and hash tensor names again.
+pub struct ModuleTable<'a> {
+    /// Sorted by module name.
+    modules: Vec<(&'a str, ModuleSlots<'a>)>,
+}
+
+impl<'a> ModuleTable<'a> {
+    pub fn build(ckpt: &'a Checkpoint) -> ModuleTable<'a> {
+        let mut parts: Vec<(&'a str, usize, &'a TensorInfo)> = ckpt
+            .tensors()
+            .filter_map(|(_, t)| {
+                let (module, suffix) = t.name.rsplit_once('.')?;
+                let pos = MODULE_TENSOR_SUFFIXES.iter().position(|s| *s == suffix)?;
+                Some((module, pos, t))
+            })
+            .collect();
+        // Tensor names are sorted, but "a.b.weight" sorts between "a.bias" and "a.weight": sort by
+        // module so each module's tensors are adjacent.
+        parts.sort_by(|a, b| a.0.cmp(b.0));
+        let mut modules: Vec<(&'a str, ModuleSlots<'a>)> = Vec::new();
+        for (module, pos, t) in parts {
+            if modules.last().is_none_or(|(m, _)| *m != module) {
+                modules.push((module, [None; MODULE_TENSOR_SUFFIXES.len()]));
+            }
+            if let Some(slot) = modules.last_mut().and_then(|(_, s)| s.get_mut(pos)) {
+                *slot = Some(t);
+            }
+        }
+        ModuleTable { modules }
+    }
+
+    /// Module names, sorted.
+    pub fn names(&self) -> impl ExactSizeIterator<Item = &'a str> + '_ {
+        self.modules.iter().map(|(m, _)| *m)
+    }
+
+    pub fn slots(&self, module: &str) -> Option<&ModuleSlots<'a>> {
+        let i = self
+            .modules
+            .binary_search_by(|(m, _)| (*m).cmp(module))
+            .ok()?;
+        self.modules.get(i).map(|(_, s)| s)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&'a str, &ModuleSlots<'a>)> + '_ {
+        self.modules.iter().map(|(m, s)| (*m, s))
+    }
+
+    pub fn as_slice(&self) -> &[(&'a str, ModuleSlots<'a>)] {
+        &self.modules
+    }
+}
+
+fn slot<'a>(slots: &ModuleSlots<'a>, suffix: &str) -> Option<&'a TensorInfo> {
+    MODULE_TENSOR_SUFFIXES
+        .iter()
+        .position(|s| *s == suffix)
+        .and_then(|p| slots.get(p).copied().flatten())
+}
+
 /// The class compressed-tensors would see, inferred from the stored tensors.
-pub fn module_class(ckpt: &Checkpoint, module: &str) -> ModuleClass {
+pub fn module_class(module: &str, slots: &ModuleSlots<'_>) -> ModuleClass {
     if is_router(module) {
         return ModuleClass::Other;
     }
@@ -89,40 +153,23 @@ pub fn module_class(ckpt: &Checkpoint, module: &str) -> ModuleClass {
     if l.contains("embed") || l == "wte" || l == "wpe" || l.contains("norm") {
         return ModuleClass::Other;
     }
-    if ckpt.contains(&format!("{module}.weight_packed")) {
+    if slot(slots, "weight_packed").is_some() {
         return ModuleClass::Linear;
     }
-    match ckpt.info(&format!("{module}.weight")) {
+    match slot(slots, "weight") {
         Some(t) if t.shape.len() == 2 => ModuleClass::Linear,
         _ => ModuleClass::Other,
     }
 }
 
-/// All module names of a checkpoint: tensor names less their known suffix.
-pub fn module_names(ckpt: &Checkpoint) -> Vec<String> {
-    let mut out: Vec<String> = ckpt
-        .tensor_names()
-        .iter()
-        .filter_map(|n| {
-            let (module, suffix) = n.rsplit_once('.')?;
-            MODULE_TENSOR_SUFFIXES
-                .contains(&suffix)
-                .then(|| module.to_string())
-        })
-        .collect();
-    out.sort();
-    out.dedup();
-    out
+struct Tensors<'a, 's> {
+    module: &'s str,
+    slots: &'s ModuleSlots<'a>,
 }
 
-struct Tensors<'a> {
-    ckpt: &'a Checkpoint,
-    module: &'a str,
-}
-
-impl<'a> Tensors<'a> {
+impl<'a> Tensors<'a, '_> {
     fn get(&self, suffix: &str) -> Option<&'a TensorInfo> {
-        self.ckpt.info(&format!("{}.{suffix}", self.module))
+        slot(self.slots, suffix)
     }
     fn require(&self, suffix: &str, why: &str) -> Result<&'a TensorInfo> {
         self.get(suffix).ok_or_else(|| {
@@ -141,15 +188,17 @@ fn shape_str(s: &[usize]) -> String {
 /// Resolves and cross-checks one module. Errors name the module and the offending tensor.
 pub fn analyze(
     ckpt: &Checkpoint,
+    config_file: &std::path::Path,
     qc: Option<&QuantizationConfig>,
     module: &str,
+    slots: &ModuleSlots<'_>,
 ) -> Result<ModuleInfo> {
-    let t = Tensors { ckpt, module };
-    let class = module_class(ckpt, module);
+    let t = Tensors { module, slots };
+    let class = module_class(module, slots);
     let resolved = match qc {
         None => None,
         Some(qc) => qc
-            .resolve(&ckpt.config_path(), module, class)?
+            .resolve(config_file, module, class)?
             .map(|(s, tier)| ResolvedScheme {
                 group: s.name.clone(),
                 tier,
@@ -163,7 +212,7 @@ pub fn analyze(
         .iter()
         .any(|s| t.get(s).is_some());
 
-    let unquantized = |t: &Tensors<'_>| -> Result<ModuleInfo> {
+    let unquantized = |t: &Tensors<'_, '_>| -> Result<ModuleInfo> {
         let w = t.require("weight", "an unquantized module stores its weight")?;
         let (out_features, in_features) = match w.shape.as_slice() {
             [o, i] => (*o, *i),
