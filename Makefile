@@ -48,8 +48,13 @@ test: rust-checks py-checks
 # Fuzz the header and config parsers (needs cargo-fuzz; FUZZ_SECONDS per target).
 FUZZ_SECONDS ?= 60
 fuzz:
-	cd rust_core/fuzz && mkdir -p corpus/safetensors_header && cargo +nightly fuzz run safetensors_header corpus/safetensors_header ../../examples -- -max_total_time=$(FUZZ_SECONDS)
-	cd rust_core/fuzz && mkdir -p corpus/quant_config && cargo +nightly fuzz run quant_config corpus/quant_config seeds/quant_config -- -max_total_time=$(FUZZ_SECONDS)
+	mkdir -p rust_core/fuzz/corpus/safetensors_header rust_core/fuzz/corpus/quant_config
+	cargo +nightly fuzz run --fuzz-dir rust_core/fuzz safetensors_header \
+		rust_core/fuzz/corpus/safetensors_header rust_core/fuzz/seeds/safetensors_header \
+		-- -max_total_time=$(FUZZ_SECONDS) -max_len=4096
+	cargo +nightly fuzz run --fuzz-dir rust_core/fuzz quant_config \
+		rust_core/fuzz/corpus/quant_config rust_core/fuzz/seeds/quant_config \
+		-- -max_total_time=$(FUZZ_SECONDS)
 
 bench: build
 	$(PY) bench/open_checkpoint.py

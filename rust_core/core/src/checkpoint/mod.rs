@@ -407,26 +407,29 @@ fn check_index(
                     "does not list tensor '{name}' stored in shard '{file}'"
                 )))
             }
-            (Some((name, shard)), Some((stored_name, file))) => match name.as_ref().cmp(stored_name)
-            {
-                std::cmp::Ordering::Less => return Err(err(format!(
-                    "names tensor '{name}' in shard '{shard}', but that shard does not contain it"
-                ))),
-                std::cmp::Ordering::Greater => {
-                    return Err(err(format!(
-                        "does not list tensor '{stored_name}' stored in shard '{file}'"
-                    )))
-                }
-                std::cmp::Ordering::Equal => {
-                    if shard != file {
+            (Some((name, shard)), Some((stored_name, file))) => {
+                match name.as_ref().cmp(stored_name) {
+                    std::cmp::Ordering::Less => {
                         return Err(err(format!(
+                    "names tensor '{name}' in shard '{shard}', but that shard does not contain it"
+                )))
+                    }
+                    std::cmp::Ordering::Greater => {
+                        return Err(err(format!(
+                            "does not list tensor '{stored_name}' stored in shard '{file}'"
+                        )))
+                    }
+                    std::cmp::Ordering::Equal => {
+                        if shard != file {
+                            return Err(err(format!(
                             "maps tensor '{name}' to shard '{shard}', but it is stored in '{file}'"
                         )));
+                        }
+                        i += 1;
+                        j += 1;
                     }
-                    i += 1;
-                    j += 1;
                 }
-            },
+            }
         }
     }
 }
