@@ -33,7 +33,7 @@ build: $(VENV)/.base-deps
 demo: build
 	$(VENV)/bin/moeq inspect $(DEMO_MODEL)
 
-rust-checks:
+rust-checks: $(VENV)/.base-deps
 	cargo fmt --all --check
 	cargo clippy --all-targets --locked -- -D warnings
 	cargo test --locked
