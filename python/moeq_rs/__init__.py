@@ -6,7 +6,7 @@ access to its MoE layers, schemes, tensors and bit-exact dequantised weights.
 
 from __future__ import annotations
 
-from . import _core
+from . import _core, oracle
 from .checkpoint import Checkpoint, open
 from .errors import (
     CheckpointError,
@@ -16,6 +16,7 @@ from .errors import (
     MoeqError,
     UnsupportedSchemeError,
 )
+from .oracle import Plan, plan
 
 __version__: str = _core.__version__
 
@@ -29,4 +30,7 @@ __all__ = [
     "UnsupportedSchemeError",
     "__version__",
     "open",
+    "oracle",
+    "plan",
+    "Plan",
 ]

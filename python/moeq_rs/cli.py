@@ -80,7 +80,7 @@ def _layer_row(layer: dict[str, Any]) -> list[str]:
     ]
 
 
-def _print_table(summary: dict[str, Any]) -> None:
+def _print_table(summary: dict[str, Any], compat: bool) -> None:
     r = summary["routing"]
     print(f"model:    {summary['model_dir']}")
     print(
@@ -99,8 +99,39 @@ def _print_table(summary: dict[str, Any]) -> None:
     )
     if summary["dense_layers"]:
         print(f"dense:    layers {', '.join(map(str, summary['dense_layers']))}")
-    header = ["layer", "experts", "bits", "group", "symmetric", "activation", "format"]
-    rows = [header] + [_layer_row(layer) for layer in summary["moe_layers"]]
+    plat = summary["platform"]
+    where = (
+        f"cuda sm {plat['sm']}"
+        if plat["name"] == "cuda"
+        else ("cpu (" + (", ".join(plat["cpu_features"]) or "scalar") + ")")
+    )
+    extra = (
+        f", backend {summary['requested_backend']} requested"
+        if summary.get("requested_backend")
+        else ""
+    )
+    tp = f", tp {summary['tp_size']}" if summary.get("tp_size", 1) != 1 else ""
+    print(f"platform: {where}{tp}{extra}")
+    header = [
+        "layer",
+        "experts",
+        "bits",
+        "group",
+        "symmetric",
+        "activation",
+        "format",
+        "method",
+        "backend",
+    ]
+    if compat:
+        header += ["vllm"]
+    rows = [header]
+    for layer in summary["moe_layers"]:
+        row = _layer_row(layer) + [layer["method"], layer["backend"] or "-"]
+        if compat:
+            v = layer["vllm"]
+            row.append("error" if v["error"] else f"{v['method'] or '-'} / {v['backend'] or '-'}")
+        rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for i, row in enumerate(rows):
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
@@ -108,18 +139,38 @@ def _print_table(summary: dict[str, Any]) -> None:
             print("  ".join("-" * w for w in widths))
     if not summary["moe_layers"]:
         print("(no MoE layers found)")
+    for layer in summary["moe_layers"]:
+        if layer["error"]:
+            print(f"layer {layer['layer']}: {layer['error']}")
+        if compat and layer["vllm"]["error"]:
+            print(
+                f"layer {layer['layer']}: vLLM {summary['vllm_snapshot']}: {layer['vllm']['error']}"
+            )
+        if compat:
+            for note in layer["vllm"]["notes"]:
+                print(f"layer {layer['layer']}: vLLM: {note}")
+    if compat and summary["vllm_regressions"]:
+        print("known vLLM regressions that concern this checkpoint:")
+        for reg in summary["vllm_regressions"]:
+            layers = ", ".join(map(str, reg["layers"]))
+            print(f"  - [{reg['prs']}] {reg['summary']} (layers {layers})")
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from .checkpoint import open as open_checkpoint
+    from .oracle import plan
 
+    if args.sm is not None and args.platform != "cuda":
+        _fail("--sm needs --platform cuda")
     ckpt = open_checkpoint(args.model_dir)
-    summary = ckpt.summary()
+    summary = plan(
+        ckpt, args.platform, args.sm, backend=args.backend, tp_size=args.tp_size, compat=args.compat
+    )
     if args.json:
         json.dump(summary, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        _print_table(summary)
+        _print_table(summary, compat=args.compat == "vllm")
     return 0
 
 
@@ -138,6 +189,36 @@ def _build_parser() -> argparse.ArgumentParser:
         "model_dir", metavar="MODEL_DIR", help="checkpoint directory (config.json + safetensors)"
     )
     p.add_argument("--json", action="store_true", help="write one JSON document to stdout")
+    p.add_argument(
+        "--platform",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="plan for this platform (default: cpu, this machine's features)",
+    )
+    p.add_argument(
+        "--sm",
+        type=int,
+        default=None,
+        metavar="N",
+        help="CUDA compute capability as major*10+minor, e.g. 90 (default 90)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=["cpu_simd", "cuda_marlin_wna16", "cuda_int8_w8a8"],
+        help="require this backend (layers it cannot run report why)",
+    )
+    p.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tensor-parallel size the plan assumes (default 1)",
+    )
+    p.add_argument(
+        "--compat",
+        choices=["vllm"],
+        help="also report what vLLM (main @7cfb97e33791) would do per layer",
+    )
     p.set_defaults(func=_cmd_inspect)
     return parser
 

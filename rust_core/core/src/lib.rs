@@ -9,6 +9,7 @@ pub mod checkpoint;
 pub mod error;
 pub mod model;
 pub mod moe;
+pub mod oracle;
 pub mod quant;
 pub mod scheme;
 

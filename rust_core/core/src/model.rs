@@ -8,6 +8,10 @@ use serde_json::{json, Value};
 use crate::checkpoint::Checkpoint;
 use crate::error::{module_error, CheckpointError, Result};
 use crate::moe::{self, ExpertModules, MoeLayer, Routing};
+use crate::oracle::{
+    self, Backend, CpuFeatures, ExpertSchemes, LayerInput, LayerPlan, LayerShape, Method, Options,
+    Platform, ProjScheme, QuantConfig,
+};
 use crate::quant::{self, Dequantized};
 use crate::scheme::module::{self as smod, ModuleInfo};
 use crate::scheme::QuantizationConfig;
@@ -215,10 +219,84 @@ impl Model {
         )
     }
 
-    /// The checkpoint facts of `moeq inspect --json` (DESIGN.md "Contracts").
+    /// The oracle's input for one MoE layer.
+    pub fn layer_input(layer: &MoeLayer) -> LayerInput {
+        LayerInput {
+            layer: layer.layer,
+            shape: LayerShape {
+                hidden: layer.hidden_size,
+                intermediate: layer.intermediate_size,
+                num_experts: layer.experts.len(),
+            },
+            experts: layer
+                .experts
+                .iter()
+                .map(|e| ExpertSchemes {
+                    gate: e.gate.as_ref().map(proj_scheme),
+                    up: proj_scheme(&e.up),
+                    down: proj_scheme(&e.down),
+                })
+                .collect(),
+        }
+    }
+
+    /// The plan of every MoE layer.
+    pub fn plan(&self, platform: Platform, opts: Options) -> Vec<LayerPlan> {
+        self.moe_layers
+            .iter()
+            .map(|l| oracle::plan_layer(&Self::layer_input(l), platform, opts))
+            .collect()
+    }
+
+    /// `moeq inspect --json` on the machine's own CPU with default options.
     pub fn summary_json(&self) -> Value {
-        let layers: Vec<Value> = self.moe_layers.iter().map(layer_json).collect();
-        json!({
+        self.report_json(
+            Platform::Cpu(CpuFeatures::detect()),
+            Options::default(),
+            false,
+        )
+    }
+
+    /// The JSON document of `moeq inspect --json` (DESIGN.md "Contracts"): checkpoint facts,
+    /// the oracle's plan per layer, and with `compat` what vLLM would do.
+    pub fn report_json(&self, platform: Platform, opts: Options, compat: bool) -> Value {
+        let mut regressions: Vec<(oracle::vllm::Regression, Vec<usize>)> = Vec::new();
+        let layers: Vec<Value> = self
+            .moe_layers
+            .iter()
+            .map(|l| {
+                let input = Self::layer_input(l);
+                let plan = oracle::plan_layer(&input, platform, opts);
+                let mut v = layer_json(l);
+                add_plan_json(&mut v, &plan);
+                if compat {
+                    let verdict = oracle::vllm::vllm_layer(&input, platform, opts.tp_size);
+                    if let Some(obj) = v.as_object_mut() {
+                        obj.insert(
+                            "vllm".into(),
+                            json!({
+                                "method": verdict.method,
+                                "backend": verdict.backend,
+                                "error": verdict.error,
+                                "notes": verdict.notes,
+                            }),
+                        );
+                    }
+                    for r in oracle::vllm::regressions(&input) {
+                        match regressions.iter_mut().find(|(x, _)| x.id == r.id) {
+                            Some((_, layers)) => layers.push(l.layer),
+                            None => regressions.push((r, vec![l.layer])),
+                        }
+                    }
+                }
+                v
+            })
+            .collect();
+        let (sm, features) = match platform {
+            Platform::Cuda { sm } => (Some(sm), None),
+            Platform::Cpu(f) => (None, Some(f.names())),
+        };
+        let mut doc = json!({
             "model_dir": self.ckpt.dir().display().to_string(),
             "quant_method": self.quant.as_ref().map(|q| q.quant_method.clone()),
             "format": self.quant.as_ref().and_then(|q| q.format).map(|f| f.name()),
@@ -226,8 +304,26 @@ impl Model {
             "model_type": moe::model_type(self.ckpt.config()),
             "routing": routing_json(&self.routing),
             "dense_layers": self.dense_layers,
+            "platform": {"name": platform.name(), "sm": sm, "cpu_features": features},
+            "tp_size": opts.tp_size,
+            "requested_backend": opts.backend.map(Backend::name),
             "moe_layers": layers,
-        })
+        });
+        if compat {
+            if let Some(obj) = doc.as_object_mut() {
+                obj.insert("vllm_snapshot".into(), json!(oracle::vllm::VLLM_SNAPSHOT));
+                obj.insert(
+                    "vllm_regressions".into(),
+                    Value::Array(
+                        regressions
+                            .into_iter()
+                            .map(|(r, layers)| json!({"id": r.id, "prs": r.prs, "summary": r.summary, "layers": layers}))
+                            .collect(),
+                    ),
+                );
+            }
+        }
+        doc
     }
 }
 
@@ -241,6 +337,68 @@ fn routing_json(r: &Routing) -> Value {
         "routed_scaling_factor": r.routed_scaling_factor,
         "logit_softcapping": r.logit_softcapping,
     })
+}
+
+fn proj_scheme(m: &ModuleInfo) -> ProjScheme {
+    ProjScheme {
+        weights: m.weights().cloned(),
+        activation: m.input_activations().cloned(),
+        format: m.format(),
+    }
+}
+
+fn quant_config_json(q: Option<&QuantConfig>) -> Value {
+    q.map_or(Value::Null, |q| {
+        json!({
+            "kind": q.kind.name(),
+            "per_act_token_quant": q.per_act_token_quant,
+            "group_size": q.group_size,
+            "static_act_scales": q.static_act_scales,
+        })
+    })
+}
+
+/// Adds the oracle fields of DESIGN.md's contract to a layer's JSON.
+fn add_plan_json(v: &mut Value, plan: &LayerPlan) {
+    let Some(obj) = v.as_object_mut() else { return };
+    obj.insert("method".into(), json!(plan.method.name()));
+    obj.insert(
+        "scale_kind".into(),
+        json!(plan.scale_kind.unwrap_or(if plan.method == Method::Mixed {
+            "mixed"
+        } else {
+            "none"
+        })),
+    );
+    obj.insert(
+        "quant_config".into(),
+        quant_config_json(plan.quant_config.as_ref()),
+    );
+    obj.insert("backend".into(), json!(plan.backend.map(Backend::name)));
+    obj.insert(
+        "rejected_backends".into(),
+        Value::Array(
+            plan.rejected
+                .iter()
+                .map(|(b, reason)| json!({"backend": b.name(), "reason": reason}))
+                .collect(),
+        ),
+    );
+    obj.insert("error".into(), json!(plan.error));
+    if let (Some(experts), Some(Value::Array(entries))) = (&plan.experts, obj.get_mut("experts")) {
+        for (entry, ep) in entries.iter_mut().zip(experts) {
+            if let Some(e) = entry.as_object_mut() {
+                e.insert("method".into(), json!(ep.method.name()));
+                e.insert("scale_kind".into(), json!(ep.scale_kind));
+                e.insert(
+                    "quant_config".into(),
+                    quant_config_json(ep.quant_config.as_ref()),
+                );
+                e.insert("backend".into(), json!(ep.backend.map(Backend::name)));
+                e.insert("error".into(), json!(ep.error));
+            }
+        }
+    }
 }
 
 /// The scheme facts of one module as JSON: `(weight, activation, format)`.

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use moeq_core::checkpoint::DType;
+use moeq_core::oracle::{self, Backend, CpuFeatures, Options, Platform};
 use moeq_core::Model;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -100,6 +101,34 @@ impl Checkpoint {
     /// The checkpoint facts of `moeq inspect --json`, as a JSON string.
     fn summary_json(&self) -> String {
         self.model.summary_json().to_string()
+    }
+
+    /// `moeq inspect --json` for a platform (`"cpu"` or `"cuda"` with `sm`), an optional explicit
+    /// backend, a tensor-parallel size, and optionally the vLLM compatibility report.
+    #[pyo3(signature = (platform="cpu", sm=None, backend=None, tp_size=1, compat=false))]
+    fn report_json(
+        &self,
+        py: Python<'_>,
+        platform: &str,
+        sm: Option<u32>,
+        backend: Option<&str>,
+        tp_size: usize,
+        compat: bool,
+    ) -> PyResult<String> {
+        let platform = parse_platform(py, platform, sm)?;
+        let backend = match backend {
+            None => None,
+            Some(b) => Some(Backend::parse(b).ok_or_else(|| {
+                config_error(py, format!(
+                    "backend: unknown backend '{b}' (expected one of cpu_simd, cuda_marlin_wna16, cuda_int8_w8a8)"
+                ))
+            })?),
+        };
+        if tp_size == 0 {
+            return Err(config_error(py, "tp_size: must be at least 1".into()));
+        }
+        let opts = Options { backend, tp_size };
+        Ok(self.model.report_json(platform, opts, compat).to_string())
     }
 
     /// Every tensor name, sorted.
@@ -212,8 +241,106 @@ impl Checkpoint {
     }
 }
 
+/// A bad argument: `msg` is `"<argument>: <reason>"`.
+fn config_error(py: Python<'_>, msg: String) -> PyErr {
+    let (key, reason) = msg.split_once(": ").unwrap_or(("argument", msg.as_str()));
+    to_py(
+        py,
+        moeq_core::error::ConfigError {
+            file: PathBuf::from("arguments"),
+            key: key.to_string(),
+            reason: reason.to_string(),
+        }
+        .into(),
+    )
+}
+
+fn unsupported(py: Python<'_>, subject: &str, reason: String) -> PyErr {
+    to_py(
+        py,
+        moeq_core::error::UnsupportedSchemeError {
+            subject: subject.to_string(),
+            reason,
+        }
+        .into(),
+    )
+}
+
+fn parse_platform(py: Python<'_>, platform: &str, sm: Option<u32>) -> PyResult<Platform> {
+    match platform {
+        "cpu" => {
+            if sm.is_some() {
+                return Err(config_error(
+                    py,
+                    "sm: only meaningful with platform 'cuda'".into(),
+                ));
+            }
+            Ok(Platform::Cpu(CpuFeatures::detect()))
+        }
+        "cuda" => Ok(Platform::Cuda {
+            sm: sm.unwrap_or(90),
+        }),
+        other => Err(config_error(
+            py,
+            format!("platform: '{other}' is not 'cpu' or 'cuda'"),
+        )),
+    }
+}
+
+/// The scale kind of a weight-only scheme (`group_size` -1 or None = channelwise).
+#[pyfunction]
+#[pyo3(signature = (num_bits, group_size=None))]
+fn wna16_scale_kind(
+    py: Python<'_>,
+    num_bits: u32,
+    group_size: Option<i64>,
+) -> PyResult<&'static str> {
+    oracle::wna16_scale_kind(num_bits, group_size.unwrap_or(-1))
+        .map_err(|r| unsupported(py, "wna16_scale_kind", r))
+}
+
+/// vLLM's fixed `make_int8_moe_quant_config` truth table: `"int8_w8a8"` or `"int8_w8a16"`.
+#[pyfunction]
+fn int8_moe_quant_kind(
+    py: Python<'_>,
+    has_a1_scale: bool,
+    has_a2_scale: bool,
+    per_act_token_quant: bool,
+) -> PyResult<&'static str> {
+    oracle::int8_moe_quant_kind(has_a1_scale, has_a2_scale, per_act_token_quant)
+        .map(|k| k.name())
+        .map_err(|r| config_error(py, format!("a1_scale/a2_scale: {r}")))
+}
+
+/// Why Marlin cannot run a MoE layer of these sizes, or None when it can.
+#[pyfunction]
+#[pyo3(signature = (hidden_size, intermediate_size_per_partition, group_size=None, allow_tile_padding=true))]
+fn marlin_support_reason(
+    hidden_size: usize,
+    intermediate_size_per_partition: usize,
+    group_size: Option<i64>,
+    allow_tile_padding: bool,
+) -> Option<String> {
+    oracle::backends::marlin_support_reason(
+        hidden_size,
+        intermediate_size_per_partition,
+        group_size.unwrap_or(-1),
+        allow_tile_padding,
+    )
+}
+
+/// CPU features the CPU kernels can use on this machine.
+#[pyfunction]
+fn cpu_features() -> Vec<&'static str> {
+    CpuFeatures::detect().names()
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(wna16_scale_kind, m)?)?;
+    m.add_function(wrap_pyfunction!(int8_moe_quant_kind, m)?)?;
+    m.add_function(wrap_pyfunction!(marlin_support_reason, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_features, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<Checkpoint>()?;
     m.add_class::<TensorBuffer>()?;

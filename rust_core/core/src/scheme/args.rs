@@ -74,8 +74,18 @@ pub enum Dynamic {
     Local,
 }
 
-/// Normalised quantization arguments.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+/// How a checkpoint spelled fields that normalisation merges. Decisions never look at it; the
+/// vLLM compatibility report does, because vLLM treats these spellings differently.
+#[derive(Clone, Debug, Default)]
+pub struct Spelling {
+    /// `group_size` was `null` (channel strategy), not `-1`.
+    pub group_size_null: bool,
+    /// `actorder` as written (`"dynamic"`, `"static"`, `"true"`, ...), when it was set.
+    pub actorder: Option<String>,
+}
+
+/// Normalised quantization arguments. Equality ignores [`Spelling`].
+#[derive(Clone, Debug)]
 pub struct QuantArgs {
     pub num_bits: u32,
     pub qtype: QuantType,
@@ -86,6 +96,48 @@ pub struct QuantArgs {
     pub block_structure: Option<[u64; 2]>,
     pub dynamic: Dynamic,
     pub actorder: Option<ActOrder>,
+    pub spelling: Spelling,
+}
+
+/// The fields that define a scheme (everything but [`Spelling`]).
+type ArgsKey = (
+    u32,
+    QuantType,
+    bool,
+    Strategy,
+    i64,
+    Option<[u64; 2]>,
+    Dynamic,
+    Option<ActOrder>,
+);
+
+impl QuantArgs {
+    fn key(&self) -> ArgsKey {
+        (
+            self.num_bits,
+            self.qtype,
+            self.symmetric,
+            self.strategy,
+            self.group_size,
+            self.block_structure,
+            self.dynamic,
+            self.actorder,
+        )
+    }
+}
+
+impl PartialEq for QuantArgs {
+    fn eq(&self, other: &Self) -> bool {
+        self.key() == other.key()
+    }
+}
+
+impl Eq for QuantArgs {}
+
+impl std::hash::Hash for QuantArgs {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.key().hash(state);
+    }
 }
 
 /// Which slot of a scheme the args came from; activations forbid act-order.
@@ -272,7 +324,16 @@ impl QuantArgs {
                 .invalid("strategy \"token\" needs dynamic: true"));
         }
         let num_bits = u32::try_from(num_bits).unwrap_or(u32::MAX);
+        let spelling = Spelling {
+            group_size_null: strategy == Strategy::Channel && obj.opt_i64("group_size")?.is_none(),
+            actorder: match obj.get("actorder") {
+                Some(Value::String(s)) => Some(s.clone()),
+                Some(Value::Bool(true)) => Some("true".into()),
+                _ => None,
+            },
+        };
         Ok(QuantArgs {
+            spelling,
             num_bits,
             qtype,
             symmetric,

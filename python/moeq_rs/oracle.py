@@ -1,0 +1,248 @@
+"""The config oracle: which method, scale kind, quant config and backend each MoE layer runs.
+
+The decisions are made in Rust (``rust_core/core/src/oracle``); this module gives them
+vLLM-shaped Python names so that a vLLM user finds them where they would look.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any, Literal
+
+from . import _core
+
+if TYPE_CHECKING:
+    from .checkpoint import Checkpoint
+
+__all__ = [
+    "BACKENDS",
+    "Int8MoEQuantConfig",
+    "Plan",
+    "check_moe_marlin_supports_layer",
+    "cpu_features",
+    "make_int8_moe_quant_config",
+    "marlin_support_reason",
+    "plan",
+    "wna16_scale_kind",
+]
+
+BACKENDS = ("cpu_simd", "cuda_marlin_wna16", "cuda_int8_w8a8")
+
+
+def wna16_scale_kind(num_bits: int, group_size: int | None) -> str:
+    """Scale kind of a weight-only MoE scheme: ``int4_static_group32``, ``int4_static_group``,
+    ``int4_static_channel``, ``int8_static_group`` or ``int8_static_channel``.
+
+    ``group_size`` -1 or None means channelwise. Unlike vLLM's scale descriptors, group and
+    channel scales are distinct kinds, and int8 grouped scales are a kind of their own.
+    Raises :class:`moeq_rs.UnsupportedSchemeError` for widths other than 4 and 8.
+    """
+    return _core.wna16_scale_kind(num_bits, group_size)
+
+
+def marlin_support_reason(
+    hidden_size: int,
+    intermediate_size_per_partition: int,
+    group_size: int | None,
+    allow_tile_padding: bool = True,
+) -> str | None:
+    """Why Marlin cannot run a MoE layer of these sizes, or None when it can."""
+    return _core.marlin_support_reason(
+        hidden_size, intermediate_size_per_partition, group_size, allow_tile_padding
+    )
+
+
+def check_moe_marlin_supports_layer(
+    hidden_size: int,
+    intermediate_size_per_partition: int,
+    group_size: int | None,
+    allow_tile_padding: bool = True,
+) -> bool:
+    """vLLM's ``check_moe_marlin_supports_layer`` rules on plain sizes: group size in
+    {-1, 32, 64, 128} (None = -1), ``hidden_size % 128 == 0``, and the intermediate size per
+    partition a multiple of the group size (with tile padding) or of ``max(64, group_size)``
+    (without, as act-order requires). :func:`marlin_support_reason` says why not."""
+    return (
+        marlin_support_reason(
+            hidden_size, intermediate_size_per_partition, group_size, allow_tile_padding
+        )
+        is None
+    )
+
+
+def cpu_features() -> list[str]:
+    """SIMD features of this CPU that moeq_rs's CPU kernels can use."""
+    return _core.cpu_features()
+
+
+class Int8MoEQuantConfig:
+    """The int8 fused-MoE quant config, with vLLM's ``FusedMoEQuantConfig`` property names."""
+
+    __slots__ = (
+        "_kind",
+        "_per_act_token",
+        "w1_scale",
+        "w2_scale",
+        "a1_scale",
+        "a2_scale",
+        "w1_bias",
+        "w2_bias",
+    )
+
+    def __init__(
+        self,
+        kind: str,
+        per_act_token_quant: bool,
+        w1_scale: Any,
+        w2_scale: Any,
+        a1_scale: Any,
+        a2_scale: Any,
+        w1_bias: Any,
+        w2_bias: Any,
+    ) -> None:
+        self._kind = kind
+        self._per_act_token = per_act_token_quant
+        self.w1_scale = w1_scale
+        self.w2_scale = w2_scale
+        self.a1_scale = a1_scale
+        self.a2_scale = a2_scale
+        self.w1_bias = w1_bias
+        self.w2_bias = w2_bias
+
+    @property
+    def kind(self) -> Literal["int8_w8a8", "int8_w8a16"]:
+        return self._kind  # type: ignore[return-value]
+
+    @property
+    def use_int8_w8a8(self) -> bool:
+        return self._kind == "int8_w8a8"
+
+    @property
+    def use_int8_w8a16(self) -> bool:
+        return self._kind == "int8_w8a16"
+
+    @property
+    def use_int4_w4a16(self) -> bool:
+        return False
+
+    @property
+    def use_fp8_w8a8(self) -> bool:
+        return False
+
+    @property
+    def per_act_token_quant(self) -> bool:
+        """Per-token activation scales (dynamic); also switches Triton to per-channel weights."""
+        return self._per_act_token if self.use_int8_w8a8 else False
+
+    @property
+    def per_out_ch_quant(self) -> bool:
+        return False
+
+    @property
+    def block_shape(self) -> None:
+        return None
+
+    @property
+    def quant_dtype(self) -> str | None:
+        """Activation quantization dtype: ``"int8"`` for W8A8, None for 16-bit activations."""
+        return "int8" if self.use_int8_w8a8 else None
+
+    @property
+    def static_act_scales(self) -> bool:
+        return self.a1_scale is not None
+
+    @property
+    def w1_zp(self) -> None:
+        return None
+
+    @property
+    def w2_zp(self) -> None:
+        return None
+
+    @property
+    def is_quantized(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return (
+            f"Int8MoEQuantConfig(kind={self._kind!r}, per_act_token_quant="
+            f"{self.per_act_token_quant}, static_act_scales={self.static_act_scales})"
+        )
+
+
+def make_int8_moe_quant_config(
+    w1_scale: Any,
+    w2_scale: Any,
+    a1_scale: Any = None,
+    a2_scale: Any = None,
+    w1_bias: Any = None,
+    w2_bias: Any = None,
+    per_act_token_quant: bool = False,
+) -> Int8MoEQuantConfig:
+    """vLLM's ``make_int8_moe_quant_config`` with the fixed (post-#50833) semantics:
+
+    ========================  ===================  ===============================
+    a1_scale, a2_scale        per_act_token_quant  result
+    ========================  ===================  ===============================
+    None, None                True                 int8_w8a8, dynamic per token
+    None, None                False                int8_w8a16
+    both set                  any                  int8_w8a8, static
+    only one set              any                  ValueError (ConfigError)
+    ========================  ===================  ===============================
+
+    The pair check is a real exception, so it also holds under ``python -O``. Scales may be torch
+    tensors or numpy arrays and are kept as given.
+    """
+    kind = _core.int8_moe_quant_kind(
+        a1_scale is not None, a2_scale is not None, bool(per_act_token_quant)
+    )
+    return Int8MoEQuantConfig(
+        kind, bool(per_act_token_quant), w1_scale, w2_scale, a1_scale, a2_scale, w1_bias, w2_bias
+    )
+
+
+class Plan(dict):  # type: ignore[type-arg]
+    """The oracle's plan for a checkpoint: the same document as ``moeq inspect --json``."""
+
+    @property
+    def layers(self) -> list[dict[str, Any]]:
+        return list(self["moe_layers"])
+
+    def layer(self, index: int) -> dict[str, Any]:
+        """The plan of decoder layer ``index``."""
+        for layer in self["moe_layers"]:
+            if layer["layer"] == index:
+                return layer
+        raise KeyError(f"decoder layer {index} is not an MoE layer of this checkpoint")
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self, **kwargs)
+
+
+def plan(
+    path_or_checkpoint: str | os.PathLike[str] | Checkpoint,
+    platform: Literal["cpu", "cuda"] = "cpu",
+    sm: int | None = None,
+    *,
+    backend: str | None = None,
+    tp_size: int = 1,
+    compat: Literal["vllm"] | None = None,
+) -> Plan:
+    """Plan every MoE layer of a checkpoint for ``platform`` (``"cuda"`` with ``sm`` = major*10
+    + minor, default 90). ``backend`` forces one backend (layers it cannot run get an ``error``,
+    never a silent fallback); ``compat="vllm"`` adds what vLLM would do per layer."""
+    from .checkpoint import Checkpoint
+    from .checkpoint import open as open_checkpoint
+
+    ckpt = (
+        path_or_checkpoint
+        if isinstance(path_or_checkpoint, Checkpoint)
+        else open_checkpoint(path_or_checkpoint)
+    )
+    if compat not in (None, "vllm"):
+        from .errors import ConfigError
+
+        raise ConfigError(f"arguments: compat: {compat!r} is not 'vllm'")
+    doc = ckpt._core.report_json(platform, sm, backend, tp_size, compat == "vllm")
+    return Plan(json.loads(doc))

@@ -1,0 +1,386 @@
+//! What vLLM main @7cfb97e33791 (2026-08-20) would do with a layer, and which of its known
+//! regressions concern it (`reference/vllm_moe_oracle.md` §2-§7). A model of vLLM's behaviour,
+//! bugs included, so that a user learns before a long load fails.
+
+use super::backends::{marlin_support_reason, WNA16_GROUP_SIZES};
+use super::types::{LayerInput, Platform, ProjScheme};
+use crate::scheme::{Format, QuantArgs, QuantType, Strategy};
+
+pub const VLLM_SNAPSHOT: &str = "7cfb97e33791";
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct VllmVerdict {
+    pub method: Option<String>,
+    pub backend: Option<String>,
+    pub error: Option<String>,
+    /// Silent misbehaviour that raises nothing.
+    pub notes: Vec<String>,
+}
+
+/// A known vLLM regression that concerns a layer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Regression {
+    pub id: &'static str,
+    pub prs: &'static str,
+    pub summary: &'static str,
+}
+
+fn verdict_error(method: Option<&str>, error: String) -> VllmVerdict {
+    VllmVerdict {
+        method: method.map(str::to_string),
+        backend: None,
+        error: Some(error),
+        notes: Vec::new(),
+    }
+}
+
+fn args_repr(a: Option<&QuantArgs>) -> String {
+    match a {
+        None => "None".into(),
+        Some(a) => format!(
+            "num_bits={} type={} strategy={} group_size={} symmetric={} dynamic={}",
+            a.num_bits,
+            if a.qtype == QuantType::Int {
+                "int"
+            } else {
+                "float"
+            },
+            a.strategy.name(),
+            if a.spelling.group_size_null {
+                "None".to_string()
+            } else {
+                a.group_size.to_string()
+            },
+            a.symmetric,
+            a.is_dynamic()
+        ),
+    }
+}
+
+/// vLLM's act-order test is an enum comparison (aliases count) in the method, but a string
+/// comparison with "group" in Triton's rejection and in the non-Marlin assert.
+fn actorder_enum(w: &QuantArgs) -> bool {
+    w.strategy == Strategy::Group && w.actorder == Some(crate::scheme::ActOrder::Group)
+}
+fn actorder_string_is_group(w: &QuantArgs) -> bool {
+    w.spelling.actorder.as_deref() == Some("group")
+        || w.spelling.actorder.as_deref() == Some("true")
+}
+
+/// What vLLM would do for this layer on `platform`.
+pub fn vllm_layer(input: &LayerInput, platform: Platform, tp_size: usize) -> VllmVerdict {
+    let Some(e0) = input.experts.first() else {
+        return verdict_error(None, "the layer has no experts".into());
+    };
+    // vLLM looks at expert 0's gate/up/down only, and needs them equal.
+    let projections: Vec<&ProjScheme> = e0.gate.iter().chain([&e0.up, &e0.down]).collect();
+    let s0 = projections.first().copied().unwrap_or(&e0.up);
+    if projections.iter().any(|p| *p != s0) {
+        return verdict_error(
+            None,
+            "ValueError: All MoE projections need to have same quantization scheme but found multiple".into(),
+        );
+    }
+    let mut v = vllm_scheme(s0, input, platform, tp_size);
+    let others: Vec<usize> = input
+        .experts
+        .iter()
+        .enumerate()
+        .filter(|(_, x)| x.up != e0.up || x.down != e0.down || x.gate != e0.gate)
+        .map(|(i, _)| i)
+        .collect();
+    if let (Some(first), None) = (others.first(), v.error.as_ref()) {
+        v.error = Some(format!(
+            "vLLM applies expert 0's scheme to every expert of the layer; expert {first}{} is stored with another scheme and fails to load (weight shape mismatch) or is mis-decoded",
+            if others.len() > 1 { format!(" and {} more", others.len() - 1) } else { String::new() }
+        ));
+    }
+    v
+}
+
+fn vllm_scheme(
+    s: &ProjScheme,
+    input: &LayerInput,
+    platform: Platform,
+    tp_size: usize,
+) -> VllmVerdict {
+    let Some(w) = &s.weights else {
+        return VllmVerdict {
+            method: Some("UnquantizedFusedMoEMethod".into()),
+            ..VllmVerdict::default()
+        };
+    };
+    let a = s.activation.as_ref();
+    // Row 3: weight-only group/channel (no type check, no symmetry check).
+    if matches!(w.strategy, Strategy::Group | Strategy::Channel) && a.is_none() && !w.is_dynamic() {
+        return vllm_wna16(w, s.format, input, platform, tp_size);
+    }
+    if w.qtype == QuantType::Float {
+        return VllmVerdict {
+            method: Some("CompressedTensorsW8A8Fp8MoEMethod (or another float method)".into()),
+            notes: vec!["float schemes are outside this report".into()],
+            ..VllmVerdict::default()
+        };
+    }
+    let Some(a) = a else {
+        // Row 6 reads `input_quant.num_bits` on None.
+        return verdict_error(
+            None,
+            "AttributeError: 'NoneType' object has no attribute 'num_bits'".into(),
+        );
+    };
+    // Row 6: dynamic per-token int8 W8A8.
+    if w.num_bits == 8
+        && a.num_bits == 8
+        && matches!(w.strategy, Strategy::Tensor | Strategy::Channel)
+        && a.strategy == Strategy::Token
+        && !w.is_dynamic()
+        && a.is_dynamic()
+        && w.symmetric
+    {
+        let method = "CompressedTensorsW8A8Int8MoEMethod";
+        if w.strategy != Strategy::Channel {
+            return verdict_error(
+                Some(method),
+                "ValueError: For INT8 Fused MoE layers, we require channelwise, dynamic per token quantization.".into(),
+            );
+        }
+        let mut v = VllmVerdict {
+            method: Some(method.into()),
+            ..VllmVerdict::default()
+        };
+        if !a.symmetric {
+            v.notes.push(
+                "asymmetric activations are silently run as symmetric (kInt8DynamicTokenSym)"
+                    .into(),
+            );
+        }
+        let i_pp = input.shape.intermediate / tp_size.max(1);
+        match platform {
+            Platform::Cuda { sm } if sm >= 75 => {
+                if input.shape.num_experts.div_ceil(32) * 32 < 1024 {
+                    v.backend = Some("TRITON".into());
+                } else {
+                    v.error = Some("NotImplementedError: No Int8 MoE backend supports the deployment configuration.".into());
+                }
+            }
+            Platform::Cpu(f) if f.amx_int8 && input.shape.hidden % 32 == 0 && i_pp % 32 == 0 => {
+                v.backend = Some("CPU".into());
+            }
+            _ => {
+                v.error = Some("NotImplementedError: No Int8 MoE backend supports the deployment configuration (weight_key=kInt8StaticChannelSym, activation_key=kInt8DynamicTokenSym).".into());
+            }
+        }
+        return v;
+    }
+    // Row 8: int4 weights with int8 dynamic token activations.
+    if w.num_bits == 4
+        && matches!(w.strategy, Strategy::Group | Strategy::Channel)
+        && a.num_bits == 8
+        && a.strategy == Strategy::Token
+        && a.is_dynamic()
+        && w.symmetric
+    {
+        return VllmVerdict {
+            method: Some("CompressedTensorsW4A8Int8MoEMethod".into()),
+            ..VllmVerdict::default()
+        };
+    }
+    verdict_error(
+        None,
+        format!(
+            "RuntimeError: Unsupported FusedMoe scheme: {}, {}",
+            args_repr(Some(w)),
+            args_repr(Some(a))
+        ),
+    )
+}
+
+fn vllm_wna16(
+    w: &QuantArgs,
+    format: Format,
+    input: &LayerInput,
+    platform: Platform,
+    tp_size: usize,
+) -> VllmVerdict {
+    let method = "CompressedTensorsWNA16MoEMethod";
+    if !(2..=8).contains(&w.num_bits) || format != Format::PackQuantized {
+        return verdict_error(
+            None,
+            format!(
+                "ValueError: For Fused MoE layers, only format: pack-quantized and bits: 2..8 is supported (checkpoint: format {}, {} bits)",
+                format.name(),
+                w.num_bits
+            ),
+        );
+    }
+    if !w.symmetric && !matches!(w.num_bits, 4 | 8) {
+        return verdict_error(Some(method), format!("KeyError: {}", w.num_bits));
+    }
+    let is_actorder = actorder_enum(w);
+    let i_pp = input.shape.intermediate / tp_size.max(1);
+    let g = w.group_size;
+    let int4_sym = w.num_bits == 4 && w.symmetric;
+    let g32 = w.num_bits == 4 && g == 32;
+    let mut v = VllmVerdict {
+        method: Some(method.into()),
+        ..VllmVerdict::default()
+    };
+    if w.spelling.actorder.as_deref() == Some("dynamic") {
+        v.notes.push(
+            "actorder \"dynamic\" counts as act-order for Marlin's shape check but not for Triton or g_idx sorting: g_idx may be dropped".into(),
+        );
+    }
+    let backend: Result<&str, String> = match platform {
+        Platform::Cpu(f) => {
+            if int4_sym && !g32 && f.amx_int8 {
+                Ok("CPU")
+            } else {
+                Err(String::new())
+            }
+        }
+        Platform::Cuda { sm } => {
+            let marlin_key = matches!(w.num_bits, 4 | 8) && (w.symmetric || w.num_bits == 4);
+            if (100..110).contains(&sm) && int4_sym && g32 {
+                Ok("FLASHINFER_TRTLLM")
+            } else if sm >= 75 && marlin_key && w.spelling.group_size_null {
+                return verdict_error(
+                    Some(method),
+                    "TypeError: '<=' not supported between instances of 'NoneType' and 'int' (group_size null reaches check_moe_marlin_supports_config; vLLM #52713, fixed after the snapshot by #53163)".into(),
+                );
+            } else if sm >= 75
+                && marlin_key
+                && marlin_support_reason(input.shape.hidden, i_pp, g, !is_actorder).is_none()
+            {
+                Ok("MARLIN")
+            } else {
+                let triton_key = matches!(w.num_bits, 4 | 8) && (w.symmetric || w.num_bits == 4);
+                let triton = sm >= 75
+                    && triton_key
+                    && !actorder_string_is_group(w)
+                    && input.shape.num_experts.div_ceil(32) * 32 < 1024;
+                let emulation = w.num_bits == 4;
+                let chosen = if triton {
+                    Some("TRITON")
+                } else if emulation {
+                    Some("EMULATION")
+                } else {
+                    None
+                };
+                match chosen {
+                    Some(b) if w.strategy != Strategy::Group => {
+                        v.backend = Some(b.into());
+                        v.error = Some(format!(
+                            "AssertionError (channelwise weights are Marlin-only; {b} was selected because Marlin rejected the layer)"
+                        ));
+                        return v;
+                    }
+                    Some(b) if actorder_string_is_group(w) => {
+                        v.backend = Some(b.into());
+                        v.error = Some("AssertionError: act-order is Marlin-only".into());
+                        return v;
+                    }
+                    Some(b) => Ok(b),
+                    None => Err(String::new()),
+                }
+            }
+        }
+    };
+    match backend {
+        Ok(b) => v.backend = Some(b.into()),
+        Err(_) => {
+            v.error = Some(
+                "NotImplementedError: No WNA16 MoE backend supports the deployment configuration."
+                    .into(),
+            )
+        }
+    }
+    v
+}
+
+/// Known vLLM regressions that concern a layer's scheme (any of its experts).
+pub fn regressions(input: &LayerInput) -> Vec<Regression> {
+    let mut out: Vec<Regression> = Vec::new();
+    let mut add = |r: Regression| {
+        if !out.iter().any(|x| x.id == r.id) {
+            out.push(r);
+        }
+    };
+    let schemes = input
+        .experts
+        .iter()
+        .flat_map(|e| e.gate.iter().chain([&e.up, &e.down]));
+    for s in schemes {
+        let Some(w) = &s.weights else { continue };
+        let weight_only = s.activation.is_none();
+        if weight_only && w.num_bits == 8 && w.strategy == Strategy::Group {
+            add(Regression {
+                id: "int8-grouped-wna16",
+                prs: "#42553, #47154, #44570, #52002",
+                summary: "int8 grouped weight-only experts fail to load on vLLM v0.27.0 and v0.27.1 (`assert group_size == -1`, reintroduced by #44570, removed again by #52002)",
+            });
+        }
+        if weight_only && w.strategy == Strategy::Channel && w.spelling.group_size_null {
+            add(Regression {
+                id: "channel-group-size-null",
+                prs: "#44570, #52713, #53163",
+                summary: "channelwise weights with `group_size: null` crash vLLM's Marlin support check with TypeError (#52713) until #53163",
+            });
+        }
+        if w.spelling.actorder.as_deref() == Some("dynamic") {
+            add(Regression {
+                id: "actorder-dynamic-alias",
+                prs: "(open hazard)",
+                summary: "actorder \"dynamic\" is act-order for vLLM's Marlin shape check but not for its `== \"group\"` checks: g_idx can be silently dropped",
+            });
+        }
+        if matches!(w.spelling.actorder.as_deref(), Some("weight" | "static")) {
+            add(Regression {
+                id: "actorder-weight",
+                prs: "#41161",
+                summary: "actorder \"weight\"/\"static\" was treated as act-order before #41161, breaking w2 scale sharding and is_k_full under tensor parallelism",
+            });
+        }
+        if weight_only && w.num_bits == 4 && !w.symmetric {
+            add(Regression {
+                id: "asym-int4",
+                prs: "#39980, #44025",
+                summary: "asymmetric int4 MoE failed with AssertionError \"Only symmetric quantization is supported for MoE\" before #44025",
+            });
+        }
+        if w.num_bits == 8 && !w.symmetric {
+            add(Regression {
+                id: "asym-int8",
+                prs: "(unserved)",
+                summary: "asymmetric int8 MoE weights have no vLLM backend (NotImplementedError)",
+            });
+        }
+        if let Some(a) = &s.activation {
+            if a.num_bits == 8 && a.strategy == Strategy::Token && a.is_dynamic() && w.num_bits == 8
+            {
+                add(Regression {
+                    id: "dynamic-w8a8-as-w8a16",
+                    prs: "#39187, #50833",
+                    summary: "dynamic per-token int8 W8A8 ran as W8A16 (activations never quantized) from #39187 (2026-04-22) until #50833 (2026-08-07)",
+                });
+            }
+            if a.strategy == Strategy::Tensor && !a.is_dynamic() && w.num_bits == 8 {
+                add(Regression {
+                    id: "static-w8a8",
+                    prs: "(unserved)",
+                    summary: "static per-tensor int8 W8A8 is not a vLLM MoE scheme (RuntimeError: Unsupported FusedMoe scheme)",
+                });
+            }
+        }
+    }
+    let e0 = input.experts.first();
+    if input.experts.iter().any(|e| Some(e) != e0) {
+        add(Regression {
+            id: "per-expert-mix",
+            prs: "(design)",
+            summary: "vLLM resolves expert 0's scheme for the whole layer; per-expert mixed precision does not load",
+        });
+    }
+    let _ = WNA16_GROUP_SIZES;
+    out
+}

@@ -1,0 +1,398 @@
+"""The oracle from Python: vLLM-named helpers, the plan of every fixture, the vLLM report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import moeq_rs as mq
+from moeq_rs.oracle import (
+    check_moe_marlin_supports_layer,
+    make_int8_moe_quant_config,
+    marlin_support_reason,
+    wna16_scale_kind,
+)
+
+# ---- make_int8_moe_quant_config: vLLM's fixed truth table ---------------------------------
+
+
+@pytest.mark.parametrize("as_numpy", [False, True])
+def test_int8_quant_config_truth_table(as_numpy: bool) -> None:
+    def t(*shape: int) -> Any:
+        x = torch.rand(*shape)
+        return x.numpy() if as_numpy else x
+
+    w1, w2 = t(8, 256, 1), t(8, 128, 1)
+    dyn = make_int8_moe_quant_config(w1, w2, per_act_token_quant=True)
+    assert (dyn.kind, dyn.use_int8_w8a8, dyn.use_int8_w8a16) == ("int8_w8a8", True, False)
+    assert dyn.per_act_token_quant and dyn.quant_dtype == "int8"
+    assert dyn.a1_scale is None and dyn.a2_scale is None and not dyn.static_act_scales
+    assert dyn.w1_scale is w1 and dyn.w2_scale is w2
+
+    w8a16 = make_int8_moe_quant_config(w1, w2)
+    assert (w8a16.kind, w8a16.use_int8_w8a8, w8a16.use_int8_w8a16) == ("int8_w8a16", False, True)
+    assert not w8a16.per_act_token_quant and w8a16.quant_dtype is None
+
+    a1, a2 = t(8), t(8)
+    for flag in (False, True):
+        static = make_int8_moe_quant_config(w1, w2, a1, a2, per_act_token_quant=flag)
+        assert static.kind == "int8_w8a8" and static.static_act_scales
+        assert static.a1_scale is a1 and static.a2_scale is a2
+        assert static.per_act_token_quant is flag
+
+
+@pytest.mark.parametrize("which", ["a1", "a2"])
+@pytest.mark.parametrize("flag", [False, True])
+def test_int8_quant_config_mismatched_pair(which: str, flag: bool) -> None:
+    s = torch.ones(8)
+    kwargs = {"a1_scale": s} if which == "a1" else {"a2_scale": s}
+    with pytest.raises(ValueError, match="a1_scale and a2_scale must both be provided") as e:
+        make_int8_moe_quant_config(s, s, per_act_token_quant=flag, **kwargs)
+    assert isinstance(e.value, mq.ConfigError)
+
+
+def test_int8_quant_config_pair_check_survives_python_O() -> None:
+    code = "import torch, moeq_rs.oracle as o\nassert False, 'asserts are stripped under -O'\n"
+    r = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, "python -O must strip asserts for this test to mean anything"
+    code = (
+        "import torch, moeq_rs.oracle as o\n"
+        "try:\n"
+        "    o.make_int8_moe_quant_config(torch.ones(2), torch.ones(2), a1_scale=torch.ones(1))\n"
+        "except ValueError as e:\n"
+        "    print('raised', type(e).__name__)\n"
+    )
+    r = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True)
+    assert r.stdout.strip() == "raised ConfigError", r.stderr
+
+
+def test_wna16_scale_kind() -> None:
+    assert wna16_scale_kind(4, 32) == "int4_static_group32"
+    assert wna16_scale_kind(4, 128) == "int4_static_group"
+    assert wna16_scale_kind(4, -1) == wna16_scale_kind(4, None) == "int4_static_channel"
+    assert wna16_scale_kind(8, 128) == "int8_static_group"
+    assert wna16_scale_kind(8, None) == "int8_static_channel"
+    with pytest.raises(mq.UnsupportedSchemeError, match="num_bits 3"):
+        wna16_scale_kind(3, 128)
+
+
+def test_check_moe_marlin_supports_layer() -> None:
+    assert check_moe_marlin_supports_layer(2048, 768, 128)
+    assert check_moe_marlin_supports_layer(2048, 768, None)
+    assert not check_moe_marlin_supports_layer(2000, 768, 128)
+    assert "hidden_size=2000" in marlin_support_reason(2000, 768, 128)
+    assert check_moe_marlin_supports_layer(2048, 96, 32)
+    assert not check_moe_marlin_supports_layer(2048, 96, 32, allow_tile_padding=False)
+
+
+# ---- plans of every fixture -----------------------------------------------------------------
+
+
+def inspect(path: Path, *args: str) -> dict[str, Any]:
+    r = subprocess.run(
+        [sys.executable, "-m", "moeq_rs", "inspect", str(path), "--json", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+# name -> per-layer (method, scale_kind, quant kind, per-token, group, static, cpu backend,
+#          cuda sm90 backend or the start of its error)
+QC = tuple[str, bool, int, bool]
+PLANS: dict[str, list[tuple[str, str, QC | None, str | None, str]]] = {
+    "qwen3_w4a16_g128_sym": [
+        (
+            "wna16",
+            "int4_static_group",
+            ("int4_w4a16", False, 128, False),
+            "cpu_simd",
+            "cuda_marlin_wna16",
+        )
+    ]
+    * 2,
+    "qwen3_w4a16_g128_asym": [
+        (
+            "wna16",
+            "int4_static_group",
+            ("int4_w4a16", False, 128, False),
+            "cpu_simd",
+            "cuda_marlin_wna16",
+        )
+    ]
+    * 2,
+    "qwen3_w8a16_g128": [
+        (
+            "wna16",
+            "int8_static_group",
+            ("int8_w8a16", False, 128, False),
+            "cpu_simd",
+            "cuda_marlin_wna16",
+        )
+    ]
+    * 2,
+    "qwen3_w8a16_channel": [
+        (
+            "wna16",
+            "int8_static_channel",
+            ("int8_w8a16", False, -1, False),
+            "cpu_simd",
+            "cuda_marlin_wna16",
+        )
+    ]
+    * 2,
+    "mixtral_w8a16_channel": [
+        (
+            "wna16",
+            "int8_static_channel",
+            ("int8_w8a16", False, -1, False),
+            "cpu_simd",
+            "cuda_marlin_wna16",
+        )
+    ]
+    * 2,
+    "qwen3_w8a8_dynamic": [
+        (
+            "w8a8_int8",
+            "int8_channel_dynamic_token",
+            ("int8_w8a8", True, -1, False),
+            "cpu_simd",
+            "cuda_int8_w8a8",
+        )
+    ]
+    * 2,
+    "deepseek_v3_w8a8_dynamic": [
+        (
+            "w8a8_int8",
+            "int8_channel_dynamic_token",
+            ("int8_w8a8", True, -1, False),
+            "cpu_simd",
+            "cuda_int8_w8a8",
+        )
+    ]
+    * 2,
+    "qwen3_w8a8_static": [
+        (
+            "w8a8_int8",
+            "int8_channel_static_tensor",
+            ("int8_w8a8", False, -1, True),
+            "cpu_simd",
+            "cuda_int8_w8a8",
+        )
+    ]
+    * 2,
+    "laguna_mixed_int4_int8": [
+        (
+            "wna16",
+            "int4_static_group",
+            ("int4_w4a16", False, 128, False),
+            "cpu_simd",
+            "cuda_marlin_wna16",
+        ),
+        (
+            "wna16",
+            "int8_static_group",
+            ("int8_w8a16", False, 128, False),
+            "cpu_simd",
+            "cuda_marlin_wna16",
+        ),
+    ],
+    # I = 128 = one group along K for w2: act-order Marlin needs more than one group.
+    "qwen3_w4a16_actorder": [
+        (
+            "wna16",
+            "int4_static_group",
+            ("int4_w4a16", False, 128, False),
+            "cpu_simd",
+            "error:no cuda backend can run this layer",
+        )
+    ]
+    * 2,
+    "qwen3_w4a16_sharded": [
+        (
+            "wna16",
+            "int4_static_group",
+            ("int4_w4a16", False, 128, False),
+            "cpu_simd",
+            "cuda_marlin_wna16",
+        )
+    ]
+    * 2,
+    "qwen3_unquantized": [("unquantized", "none", None, None, "none")] * 2,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_plan_fields_of_every_fixture(fixture_path: Callable[[str], Path], name: str) -> None:
+    path = fixture_path(name)
+    cpu = inspect(path)
+    cuda = inspect(path, "--platform", "cuda", "--sm", "90")
+    assert cpu["platform"]["name"] == "cpu" and cuda["platform"] == {
+        "name": "cuda",
+        "sm": 90,
+        "cpu_features": None,
+    }
+    expected = PLANS[name]
+    assert len(cpu["moe_layers"]) == len(expected)
+    for lc, lg, (method, scale, qc, cpu_backend, cuda_outcome) in zip(
+        cpu["moe_layers"], cuda["moe_layers"], expected, strict=True
+    ):
+        for layer in (lc, lg):
+            assert layer["method"] == method
+            assert layer["scale_kind"] == scale
+            if qc is None:
+                assert layer["quant_config"] is None
+            else:
+                assert layer["quant_config"] == {
+                    "kind": qc[0],
+                    "per_act_token_quant": qc[1],
+                    "group_size": qc[2],
+                    "static_act_scales": qc[3],
+                }
+        assert lc["backend"] == cpu_backend
+        assert lc["error"] is None
+        if cuda_outcome == "none":
+            assert lg["backend"] is None and lg["error"] is None
+        elif cuda_outcome.startswith("error:"):
+            assert lg["backend"] is None
+            assert lg["error"].startswith(cuda_outcome.removeprefix("error:"))
+        else:
+            assert lg["backend"] == cuda_outcome and lg["error"] is None
+        for layer in (lc, lg):
+            if layer["backend"] or layer["error"]:
+                names = {r["backend"] for r in layer["rejected_backends"]}
+                assert names == {"cpu_simd", "cuda_marlin_wna16", "cuda_int8_w8a8"} - {
+                    layer["backend"]
+                }
+                assert all(r["reason"] for r in layer["rejected_backends"])
+
+
+def test_plan_per_expert_mix(fixture_path: Callable[[str], Path]) -> None:
+    path = fixture_path("qwen3_mixed_per_expert")
+    cpu = inspect(path)
+    for layer in cpu["moe_layers"]:
+        assert (layer["method"], layer["backend"], layer["error"]) == ("mixed", "cpu_simd", None)
+        assert layer["quant_config"] is None
+        for e in layer["experts"]:
+            kind = "int4_w4a16" if e["expert"] < 4 else "int8_w8a16"
+            assert e["quant_config"]["kind"] == kind and e["backend"] == "cpu_simd"
+            assert e["error"] is None
+    cuda = inspect(path, "--platform", "cuda")
+    for layer in cuda["moe_layers"]:
+        assert layer["backend"] is None and "cpu_simd only" in layer["error"]
+
+
+def test_explicit_backend_does_not_fall_back(fixture_path: Callable[[str], Path]) -> None:
+    doc = inspect(fixture_path("qwen3_w4a16_g128_sym"), "--backend", "cuda_marlin_wna16")
+    for layer in doc["moe_layers"]:
+        assert layer["backend"] is None
+        assert layer["error"].startswith("backend cuda_marlin_wna16 was requested")
+    assert doc["requested_backend"] == "cuda_marlin_wna16"
+
+
+def test_tp_size_reaches_the_plan(fixture_path: Callable[[str], Path]) -> None:
+    # I = 128, tp 2 -> 64 per partition: not a multiple of group 128.
+    doc = inspect(fixture_path("qwen3_w4a16_g128_sym"), "--platform", "cuda", "--tp-size", "2")
+    for layer in doc["moe_layers"]:
+        assert "intermediate per partition 64 is not a multiple of group_size 128" in layer["error"]
+
+
+def test_vllm_compat_report(fixture_path: Callable[[str], Path]) -> None:
+    doc = inspect(fixture_path("laguna_mixed_int4_int8"), "--platform", "cuda", "--compat", "vllm")
+    assert doc["vllm_snapshot"] == "7cfb97e33791"
+    for layer in doc["moe_layers"]:
+        assert layer["vllm"]["method"] == "CompressedTensorsWNA16MoEMethod"
+        assert layer["vllm"]["backend"] == "MARLIN" and layer["vllm"]["error"] is None
+    regs = {r["id"]: r for r in doc["vllm_regressions"]}
+    assert regs["int8-grouped-wna16"]["layers"] == [2]
+    assert "v0.27.0 and v0.27.1" in regs["int8-grouped-wna16"]["summary"]
+
+    doc = inspect(fixture_path("qwen3_w8a8_dynamic"), "--platform", "cuda", "--compat", "vllm")
+    assert {r["id"] for r in doc["vllm_regressions"]} == {"dynamic-w8a8-as-w8a16"}
+    assert doc["moe_layers"][0]["vllm"]["backend"] == "TRITON"
+
+    doc = inspect(fixture_path("qwen3_w8a8_static"), "--platform", "cuda", "--compat", "vllm")
+    assert doc["moe_layers"][0]["vllm"]["error"].startswith("RuntimeError: Unsupported FusedMoe")
+    assert doc["moe_layers"][0]["backend"] == "cuda_int8_w8a8"
+
+    doc = inspect(fixture_path("qwen3_mixed_per_expert"), "--platform", "cuda", "--compat", "vllm")
+    assert "expert 0's scheme" in doc["moe_layers"][0]["vllm"]["error"]
+    # Without --compat there is no vllm key.
+    assert "vllm" not in inspect(fixture_path("qwen3_w8a8_static"))["moe_layers"][0]
+
+
+def test_plan_api(fixture_path: Callable[[str], Path]) -> None:
+    path = fixture_path("laguna_mixed_int4_int8")
+    by_path = mq.plan(path, "cuda", 90)
+    by_ckpt = mq.plan(mq.open(path), platform="cuda", sm=90)
+    assert by_path == by_ckpt
+    assert isinstance(by_path, mq.Plan)
+    assert by_path.layer(2)["quant_config"]["kind"] == "int8_w8a16"
+    with pytest.raises(KeyError):
+        by_path.layer(0)
+    with pytest.raises(mq.ConfigError, match="platform"):
+        mq.plan(path, "tpu")  # type: ignore[arg-type]
+    with pytest.raises(mq.ConfigError, match="backend"):
+        mq.plan(path, backend="marlin")
+
+
+def test_cli_rejects_sm_without_cuda(fixture_path: Callable[[str], Path]) -> None:
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moeq_rs",
+            "inspect",
+            str(fixture_path("qwen3_w8a16_g128")),
+            "--sm",
+            "90",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 1 and r.stderr.startswith("moeq: error: --sm needs --platform cuda")
+
+
+def test_cli_table_with_compat(fixture_path: Callable[[str], Path]) -> None:
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moeq_rs",
+            "inspect",
+            str(fixture_path("laguna_mixed_int4_int8")),
+            "--compat",
+            "vllm",
+            "--platform",
+            "cuda",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    lines = r.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("layer"))
+    assert header.split() == [
+        "layer",
+        "experts",
+        "bits",
+        "group",
+        "symmetric",
+        "activation",
+        "format",
+        "method",
+        "backend",
+        "vllm",
+    ]
+    assert any("v0.27.0 and v0.27.1" in line for line in lines)
+    assert np.any(["cuda_marlin_wna16" in line for line in lines])
