@@ -31,7 +31,9 @@ build: $(VENV)/.base-deps
 	$(VENV)/bin/maturin develop --release -q
 
 demo: build
-	$(VENV)/bin/moeq inspect $(DEMO_MODEL)
+	$(VENV)/bin/moeq inspect $(DEMO_MODEL) --compat vllm
+	@echo
+	$(VENV)/bin/moeq inspect $(DEMO_MODEL) --platform cuda --sm 90 --compat vllm
 
 rust-checks: $(VENV)/.base-deps
 	cargo fmt --all --check
