@@ -6,7 +6,7 @@ access to its MoE layers, schemes, tensors and bit-exact dequantised weights.
 
 from __future__ import annotations
 
-from . import _core, oracle
+from . import _core, oracle, repack
 from .checkpoint import Checkpoint, open
 from .errors import (
     CheckpointError,
@@ -31,6 +31,7 @@ __all__ = [
     "__version__",
     "open",
     "oracle",
+    "repack",
     "plan",
     "Plan",
 ]

@@ -11,6 +11,7 @@ pub mod model;
 pub mod moe;
 pub mod oracle;
 pub mod quant;
+pub mod repack;
 pub mod scheme;
 
 pub use error::{Error, ErrorKind, Result};

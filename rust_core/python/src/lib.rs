@@ -11,8 +11,10 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict};
 
+mod repack;
+
 /// Raises the `moeq_rs.errors` class matching the core error's kind.
-fn to_py(py: Python<'_>, e: moeq_core::Error) -> PyErr {
+pub(crate) fn to_py(py: Python<'_>, e: moeq_core::Error) -> PyErr {
     let msg = e.to_string();
     let class = e.kind().python_class();
     match py.import("moeq_rs.errors").and_then(|m| m.getattr(class)) {
@@ -341,6 +343,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(int8_moe_quant_kind, m)?)?;
     m.add_function(wrap_pyfunction!(marlin_support_reason, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_features, m)?)?;
+    repack::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<Checkpoint>()?;
     m.add_class::<TensorBuffer>()?;

@@ -1,0 +1,203 @@
+"""Marlin repacking with vLLM's names and argument order.
+
+numpy in -> numpy out, torch in -> torch out (same device), contiguous or not. Weights are int32
+(uint32 accepted); scales, zero points and biases keep their dtype, and any 2- or 4-byte dtype is
+accepted (bf16 may arrive as its uint16 bit pattern). Byte reference: vLLM main @7cfb97e33791,
+the "newer main" behaviour of ``reference/marlin_layout.md``. Shape and dtype problems raise
+:class:`moeq_rs.LayoutError` naming the rule (``size_n=200 is not a positive multiple of 64``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import _core
+from .errors import LayoutError
+
+__all__ = [
+    "gptq_marlin_moe_repack",
+    "gptq_marlin_repack",
+    "gptq_marlin_unrepack",
+    "marlin_moe_permute_scales",
+    "marlin_permute_bias",
+    "marlin_permute_scales",
+    "marlin_unpermute_bias",
+    "marlin_unpermute_scales",
+    "marlin_zero_points",
+    "marlin_zero_points_inverse",
+]
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+
+
+def _to_numpy(x: Any, name: str) -> tuple[np.ndarray, Callable[[np.ndarray], Any]]:
+    """A contiguous numpy view of ``x`` and a function turning a result back into x's kind."""
+    if _is_torch(x):
+        import torch
+
+        t = x.detach()
+        device, dtype = t.device, t.dtype
+        t = t.cpu().contiguous()
+        if dtype == torch.bfloat16:
+            t = t.view(torch.int16)
+        arr = t.numpy()
+
+        def back(out: np.ndarray) -> Any:
+            r = torch.from_numpy(out)
+            if r.dtype != dtype:
+                r = r.view(dtype)
+            return r.to(device)
+
+        return arr, back
+    if isinstance(x, np.ndarray):
+        arr = np.ascontiguousarray(x)
+        return arr, lambda out: out.view(arr.dtype) if out.dtype != arr.dtype else out
+    raise LayoutError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}")
+
+
+def _words(arr: np.ndarray, name: str) -> np.ndarray:
+    if arr.dtype not in (np.int32, np.uint32):
+        raise LayoutError(f"{name}: expected int32 packed words, got dtype {arr.dtype}")
+    return arr.reshape(-1).view(np.uint32)
+
+
+def _perm(perm: Any, name: str = "perm") -> np.ndarray:
+    if perm is None:
+        return np.zeros(0, dtype=np.uint32)
+    arr, _ = _to_numpy(perm, name)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.uint32)
+    if arr.dtype.kind not in "iu":
+        raise LayoutError(f"{name}: expected an integer array, got dtype {arr.dtype}")
+    if arr.min() < 0:
+        raise LayoutError(f"{name}: holds a negative index")
+    return np.ascontiguousarray(arr.reshape(-1), dtype=np.uint32)
+
+
+def _check_ndim(arr: np.ndarray, ndim: int, name: str, shape: str) -> None:
+    if arr.ndim != ndim:
+        raise LayoutError(f"{name}: expected {shape}, got shape {list(arr.shape)}")
+
+
+def gptq_marlin_repack(qweight: Any, perm: Any, size_k: int, size_n: int, num_bits: int) -> Any:
+    """``qweight`` int32 ``[size_k / (32 / num_bits), size_n]`` (GPTQ layout) to the Marlin layout
+    int32 ``[size_k / 16, size_n * 16 / (32 / num_bits)]``. ``perm`` is ``[0]`` (no act-order) or
+    ``[size_k]`` (row k of the result is row perm[k] of the input)."""
+    q, back = _to_numpy(qweight, "qweight")
+    _check_ndim(q, 2, "qweight", "[size_k/pack_factor, size_n]")
+    out = _core.gptq_marlin_repack(_words(q, "qweight"), _perm(perm), size_k, size_n, num_bits)
+    pf = 32 // num_bits
+    return back(out.view(np.int32).reshape(size_k // 16, size_n * 16 // pf))
+
+
+def gptq_marlin_unrepack(marlin_q: Any, perm: Any, size_k: int, size_n: int, num_bits: int) -> Any:
+    """The inverse of :func:`gptq_marlin_repack`: the GPTQ ``qweight`` in original row order."""
+    q, back = _to_numpy(marlin_q, "marlin_q")
+    out = _core.gptq_marlin_unrepack(_words(q, "marlin_q"), _perm(perm), size_k, size_n, num_bits)
+    return back(out.view(np.int32).reshape(size_k // (32 // num_bits), size_n))
+
+
+def gptq_marlin_moe_repack(qweight: Any, perm: Any, size_k: int, size_n: int, num_bits: int) -> Any:
+    """Per expert :func:`gptq_marlin_repack`: ``[E, K/pf, N]`` to ``[E, K/16, N*16/pf]``; ``perm``
+    is ``[E, 0]`` or ``[E, K]``."""
+    q, back = _to_numpy(qweight, "qweight")
+    _check_ndim(q, 3, "qweight", "[E, size_k/pack_factor, size_n]")
+    experts = q.shape[0]
+    out = _core.gptq_marlin_moe_repack(
+        _words(q, "qweight"), _perm(perm), experts, size_k, size_n, num_bits
+    )
+    pf = 32 // num_bits
+    return back(out.view(np.int32).reshape(experts, size_k // 16, size_n * 16 // pf))
+
+
+def _permute(
+    s: Any, name: str, fn16: Callable[..., np.ndarray], fn32: Callable[..., np.ndarray], *args: Any
+) -> Any:
+    arr, back = _to_numpy(s, name)
+    flat = arr.reshape(-1)
+    if arr.dtype.itemsize == 2:
+        out = fn16(flat.view(np.uint16), *args)
+    elif arr.dtype.itemsize == 4:
+        out = fn32(flat.view(np.uint32), *args)
+    else:
+        raise LayoutError(f"{name}: expected a 2- or 4-byte dtype, got {arr.dtype}")
+    return back(out.view(arr.dtype).reshape(arr.shape))
+
+
+def marlin_permute_scales(s: Any, size_k: int, size_n: int, group_size: int) -> Any:
+    """Scales ``[G, N]`` to the Marlin order (same shape and dtype): the grouped table when
+    ``group_size != -1 and group_size < size_k``, else the single (channelwise) table."""
+    return _permute(
+        s,
+        "s",
+        _core.marlin_permute_scales_u16,
+        _core.marlin_permute_scales_u32,
+        size_k,
+        size_n,
+        group_size,
+    )
+
+
+def marlin_unpermute_scales(s: Any, size_k: int, size_n: int, group_size: int) -> Any:
+    """The inverse of :func:`marlin_permute_scales`."""
+    return _permute(
+        s,
+        "s",
+        _core.marlin_unpermute_scales_u16,
+        _core.marlin_unpermute_scales_u32,
+        size_k,
+        size_n,
+        group_size,
+    )
+
+
+def marlin_moe_permute_scales(s: Any, size_k: int, size_n: int, group_size: int) -> Any:
+    """Per expert :func:`marlin_permute_scales` on ``[E, G, N]``."""
+    arr, _ = _to_numpy(s, "s")
+    _check_ndim(arr, 3, "s", "[E, G, size_n]")
+    return marlin_permute_scales(s, size_k, size_n, group_size)
+
+
+def marlin_permute_bias(b: Any) -> Any:
+    """vLLM's ``marlin_permute_bias``: the single table on every 32 entries, shape kept."""
+    return _permute(
+        b,
+        "b",
+        lambda x: _core.marlin_permute_bias_u16(x),
+        lambda x: _core.marlin_permute_bias_u32(x),
+    )
+
+
+def marlin_unpermute_bias(b: Any) -> Any:
+    """The inverse of :func:`marlin_permute_bias`."""
+    return _permute(
+        b,
+        "b",
+        lambda x: _core.marlin_unpermute_bias_u16(x),
+        lambda x: _core.marlin_unpermute_bias_u32(x),
+    )
+
+
+def marlin_zero_points(zp: Any, size_k: int, size_n: int, num_bits: int) -> Any:
+    """Zero-point codes ``[size_k=G, size_n=N]`` (unsigned, < 2**num_bits) to the Marlin packed
+    layout int32 ``[G, N * num_bits / 32]``."""
+    arr, back = _to_numpy(zp, "zp")
+    if arr.dtype.kind not in "iu":
+        raise LayoutError(f"zp: expected integer codes, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < 0):
+        raise LayoutError("zp: codes must be unsigned (0 .. 2**num_bits - 1)")
+    codes = np.ascontiguousarray(arr.reshape(-1), dtype=np.uint32)
+    out = _core.marlin_zero_points(codes, size_k, size_n, num_bits)
+    return back(out.view(np.int32).reshape(size_k, size_n * num_bits // 32))
+
+
+def marlin_zero_points_inverse(zp: Any, size_k: int, size_n: int, num_bits: int) -> Any:
+    """The inverse of :func:`marlin_zero_points`: int32 codes ``[size_k, size_n]``."""
+    arr, back = _to_numpy(zp, "zp")
+    out = _core.marlin_zero_points_inverse(_words(arr, "zp"), size_k, size_n, num_bits)
+    return back(out.view(np.int32).reshape(size_k, size_n))

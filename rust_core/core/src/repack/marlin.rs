@@ -1,0 +1,544 @@
+//! Marlin repacking of int4/int8 weights, scales, zero points and biases, byte-identical to
+//! vLLM's load path (`reference/marlin_layout.md`, "newer main"), and the inverse of each step.
+//!
+//! Weights are read through a code accessor `code(k, n)` so that the same tile loop serves GPTQ
+//! input (`[K/pf, N]`), compressed-tensors input (`[N, K/pf]`, i.e. GPTQ transposed), the
+//! gate|up concatenation of MoE w13 and zero padding, without materialising any of them.
+
+use rayon::prelude::*;
+
+use super::tables::{
+    pack_factor, tile_sources, zero_point_interleave, SCALE_PERM_GROUPED, SCALE_PERM_SINGLE,
+    TILE_K, TILE_N, TILE_VALUES,
+};
+use crate::error::LayoutError;
+
+fn layout_error(subject: &str, reason: impl Into<String>) -> LayoutError {
+    LayoutError {
+        subject: subject.to_string(),
+        reason: reason.into(),
+    }
+}
+
+/// Checks the repack shape rules: 4 or 8 bits, `K % 16 == 0`, `N % 64 == 0`.
+pub fn check_repack_shape(
+    subject: &str,
+    size_k: usize,
+    size_n: usize,
+    bits: u32,
+) -> Result<(), LayoutError> {
+    if bits != 4 && bits != 8 {
+        return Err(layout_error(
+            subject,
+            format!("num_bits={bits} is not supported (4 or 8)"),
+        ));
+    }
+    if size_k == 0 || size_k % TILE_K != 0 {
+        return Err(layout_error(
+            subject,
+            format!("size_k={size_k} is not a positive multiple of {TILE_K}"),
+        ));
+    }
+    if size_n == 0 || size_n % TILE_N != 0 {
+        return Err(layout_error(
+            subject,
+            format!("size_n={size_n} is not a positive multiple of {TILE_N}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Number of int32 words of a Marlin weight `[K/16, N*16/pf]`.
+pub fn repacked_words(size_k: usize, size_n: usize, bits: u32) -> usize {
+    size_k / TILE_K * (size_n * TILE_K / pack_factor(bits))
+}
+
+/// The tile loop: fills `out` (`[K/16, N*16/pf]`) from `code(k, n)` (an unsigned code < 2^bits).
+/// Shapes must have been checked with [`check_repack_shape`].
+pub fn repack_codes<F>(code: F, size_k: usize, size_n: usize, bits: u32, out: &mut [u32])
+where
+    F: Fn(usize, usize) -> u32 + Sync,
+{
+    let pf = pack_factor(bits);
+    let words_per_tile = TILE_VALUES / pf;
+    let n_tiles = size_n / TILE_N;
+    let row_words = n_tiles * words_per_tile;
+    debug_assert_eq!(out.len(), size_k / TILE_K * row_words);
+    let src = tile_sources(bits);
+    out.par_chunks_mut(row_words.max(1))
+        .enumerate()
+        .for_each(|(kt, row)| {
+            let k0 = kt * TILE_K;
+            for (nt, tile) in row.chunks_exact_mut(words_per_tile).enumerate() {
+                let n0 = nt * TILE_N;
+                for (w, word) in tile.iter_mut().enumerate() {
+                    let mut acc = 0u32;
+                    for s in 0..pf {
+                        let at = src.get(w * pf + s).copied().unwrap_or(0) as usize;
+                        let (kk, nn) = (at / TILE_N, at % TILE_N);
+                        acc |= code(k0 + kk, n0 + nn) << (s as u32 * bits);
+                    }
+                    *word = acc;
+                }
+            }
+        });
+}
+
+/// The inverse tile loop: calls `put(k, n, code)` for every value of a Marlin weight.
+pub fn unrepack_codes<F>(marlin: &[u32], size_k: usize, size_n: usize, bits: u32, put: F)
+where
+    F: Fn(usize, usize, u32) + Sync,
+{
+    let pf = pack_factor(bits);
+    let words_per_tile = TILE_VALUES / pf;
+    let n_tiles = size_n / TILE_N;
+    let row_words = n_tiles * words_per_tile;
+    let mask = (1u32 << bits) - 1;
+    let src = tile_sources(bits);
+    marlin
+        .par_chunks(row_words.max(1))
+        .take(size_k / TILE_K)
+        .enumerate()
+        .for_each(|(kt, row)| {
+            for (nt, tile) in row.chunks_exact(words_per_tile).enumerate() {
+                for (w, &word) in tile.iter().enumerate() {
+                    for s in 0..pf {
+                        let at = src.get(w * pf + s).copied().unwrap_or(0) as usize;
+                        put(
+                            kt * TILE_K + at / TILE_N,
+                            nt * TILE_N + at % TILE_N,
+                            (word >> (s as u32 * bits)) & mask,
+                        );
+                    }
+                }
+            }
+        });
+}
+
+/// Checks that `perm` is empty (no act-order) or a permutation of `0..size_k`.
+pub fn check_perm(subject: &str, perm: &[u32], size_k: usize) -> Result<(), LayoutError> {
+    if perm.is_empty() {
+        return Ok(());
+    }
+    if perm.len() != size_k {
+        return Err(layout_error(
+            subject,
+            format!(
+                "perm has {} entries, expected 0 or size_k={size_k}",
+                perm.len()
+            ),
+        ));
+    }
+    let mut seen = vec![false; size_k];
+    for (i, &p) in perm.iter().enumerate() {
+        match seen.get_mut(p as usize) {
+            Some(s) if !*s => *s = true,
+            Some(_) => {
+                return Err(layout_error(
+                    subject,
+                    format!("perm[{i}]={p} appears twice (not a permutation)"),
+                ))
+            }
+            None => {
+                return Err(layout_error(
+                    subject,
+                    format!("perm[{i}]={p} is out of range for size_k={size_k}"),
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// vLLM's `gptq_marlin_repack(qweight [K/pf, N], perm, size_k, size_n, num_bits)`:
+/// `[K/16, N*16/pf]` int32 words. `perm` is `[]` (no act-order) or `[K]`: row `k` of the result is
+/// row `perm[k]` of the input.
+pub fn gptq_marlin_repack(
+    qweight: &[u32],
+    perm: &[u32],
+    size_k: usize,
+    size_n: usize,
+    bits: u32,
+) -> Result<Vec<u32>, LayoutError> {
+    const S: &str = "gptq_marlin_repack";
+    check_repack_shape(S, size_k, size_n, bits)?;
+    let pf = pack_factor(bits);
+    if qweight.len() != size_k / pf * size_n {
+        return Err(layout_error(
+            S,
+            format!(
+                "qweight has {} words, expected [size_k/{pf}={}, size_n={size_n}]",
+                qweight.len(),
+                size_k / pf
+            ),
+        ));
+    }
+    check_perm(S, perm, size_k)?;
+    let mut out = vec![0u32; repacked_words(size_k, size_n, bits)];
+    let mask = (1u32 << bits) - 1;
+    let gptq = |ks: usize, n: usize| -> u32 {
+        let w = qweight.get((ks / pf) * size_n + n).copied().unwrap_or(0);
+        (w >> ((ks % pf) as u32 * bits)) & mask
+    };
+    if perm.is_empty() {
+        repack_codes(gptq, size_k, size_n, bits, &mut out);
+    } else {
+        repack_codes(
+            |k, n| gptq(perm.get(k).copied().unwrap_or(0) as usize, n),
+            size_k,
+            size_n,
+            bits,
+            &mut out,
+        );
+    }
+    Ok(out)
+}
+
+/// The inverse of [`gptq_marlin_repack`]: the GPTQ `qweight [K/pf, N]` in original row order.
+pub fn gptq_marlin_unrepack(
+    marlin: &[u32],
+    perm: &[u32],
+    size_k: usize,
+    size_n: usize,
+    bits: u32,
+) -> Result<Vec<u32>, LayoutError> {
+    const S: &str = "gptq_marlin_unrepack";
+    check_repack_shape(S, size_k, size_n, bits)?;
+    if marlin.len() != repacked_words(size_k, size_n, bits) {
+        return Err(layout_error(
+            S,
+            format!(
+                "input has {} words, expected {}",
+                marlin.len(),
+                repacked_words(size_k, size_n, bits)
+            ),
+        ));
+    }
+    check_perm(S, perm, size_k)?;
+    let codes = unrepack_to_codes(marlin, size_k, size_n, bits);
+    if perm.is_empty() {
+        return Ok(pack_rows(&codes, size_k, size_n, bits));
+    }
+    // `codes` is in sorted order: row k holds original row perm[k].
+    let mut orig = vec![0u8; size_k * size_n];
+    for (k, &p) in perm.iter().enumerate() {
+        let (Some(dst), Some(src)) = (
+            orig.get_mut(p as usize * size_n..(p as usize + 1) * size_n),
+            codes.get(k * size_n..(k + 1) * size_n),
+        ) else {
+            continue;
+        };
+        dst.copy_from_slice(src);
+    }
+    Ok(pack_rows(&orig, size_k, size_n, bits))
+}
+
+/// Unsigned codes `[K, N]` of a Marlin weight (in its sorted row order).
+pub fn unrepack_to_codes(marlin: &[u32], size_k: usize, size_n: usize, bits: u32) -> Vec<u8> {
+    let codes: Vec<std::sync::atomic::AtomicU8> = (0..size_k * size_n)
+        .map(|_| std::sync::atomic::AtomicU8::new(0))
+        .collect();
+    unrepack_codes(marlin, size_k, size_n, bits, |k, n, c| {
+        if let Some(x) = codes.get(k * size_n + n) {
+            x.store(c as u8, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    codes
+        .into_iter()
+        .map(std::sync::atomic::AtomicU8::into_inner)
+        .collect()
+}
+
+/// GPTQ packing of codes `[K, N]` along K: `[K/pf, N]` words.
+pub fn pack_rows(codes: &[u8], size_k: usize, size_n: usize, bits: u32) -> Vec<u32> {
+    let pf = pack_factor(bits);
+    let mut q = vec![0u32; size_k / pf * size_n];
+    q.par_chunks_mut(size_n.max(1))
+        .enumerate()
+        .for_each(|(r, row)| {
+            for j in 0..pf {
+                let k = r * pf + j;
+                for (n, w) in row.iter_mut().enumerate() {
+                    *w |= u32::from(codes.get(k * size_n + n).copied().unwrap_or(0))
+                        << (j as u32 * bits);
+                }
+            }
+        });
+    q
+}
+
+/// vLLM's `gptq_marlin_moe_repack(qweight [E, K/pf, N], perm [E, K] or [E, 0], ...)`:
+/// `[E, K/16, N*16/pf]`.
+pub fn gptq_marlin_moe_repack(
+    qweight: &[u32],
+    perm: &[u32],
+    experts: usize,
+    size_k: usize,
+    size_n: usize,
+    bits: u32,
+) -> Result<Vec<u32>, LayoutError> {
+    const S: &str = "gptq_marlin_moe_repack";
+    check_repack_shape(S, size_k, size_n, bits)?;
+    let pf = pack_factor(bits);
+    let per_in = size_k / pf * size_n;
+    if qweight.len() != experts * per_in {
+        return Err(layout_error(
+            S,
+            format!(
+                "qweight has {} words, expected [E={experts}, {}, {size_n}]",
+                qweight.len(),
+                size_k / pf
+            ),
+        ));
+    }
+    if !perm.is_empty() && perm.len() != experts * size_k {
+        return Err(layout_error(
+            S,
+            format!(
+                "perm has {} entries, expected [E={experts}, 0] or [E, size_k={size_k}]",
+                perm.len()
+            ),
+        ));
+    }
+    let per_out = repacked_words(size_k, size_n, bits);
+    let mut out = vec![0u32; experts * per_out];
+    out.par_chunks_mut(per_out.max(1))
+        .enumerate()
+        .try_for_each(|(e, dst)| -> Result<(), LayoutError> {
+            let q = qweight.get(e * per_in..(e + 1) * per_in).unwrap_or(&[]);
+            let p = if perm.is_empty() {
+                &[][..]
+            } else {
+                perm.get(e * size_k..(e + 1) * size_k).unwrap_or(&[])
+            };
+            check_perm(&format!("{S} (expert {e})"), p, size_k)?;
+            let mask = (1u32 << bits) - 1;
+            let gptq = |ks: usize, n: usize| {
+                (q.get((ks / pf) * size_n + n).copied().unwrap_or(0) >> ((ks % pf) as u32 * bits))
+                    & mask
+            };
+            if p.is_empty() {
+                repack_codes(gptq, size_k, size_n, bits, dst);
+            } else {
+                repack_codes(
+                    |k, n| gptq(p.get(k).copied().unwrap_or(0) as usize, n),
+                    size_k,
+                    size_n,
+                    bits,
+                    dst,
+                );
+            }
+            Ok(())
+        })?;
+    Ok(out)
+}
+
+/// Whether `marlin_permute_scales` uses the grouped (64) table.
+pub fn grouped_scales(size_k: usize, group_size: i64) -> bool {
+    group_size != -1 && group_size > 0 && (group_size as usize) < size_k
+}
+
+fn permute_chunks<T: Copy + Send + Sync>(s: &[T], table: &[u8], inverse: bool) -> Vec<T> {
+    let mut out = s.to_vec();
+    out.par_chunks_mut(table.len())
+        .zip(s.par_chunks(table.len()))
+        .for_each(|(dst, src)| {
+            for (j, &t) in table.iter().enumerate() {
+                let t = t as usize;
+                if inverse {
+                    if let (Some(d), Some(v)) = (dst.get_mut(t), src.get(j)) {
+                        *d = *v;
+                    }
+                } else if let (Some(d), Some(v)) = (dst.get_mut(j), src.get(t)) {
+                    *d = *v;
+                }
+            }
+        });
+    out
+}
+
+/// vLLM's `marlin_permute_scales(s [G, N], size_k, size_n, group_size)`: same shape and dtype.
+pub fn marlin_permute_scales<T: Copy + Send + Sync>(
+    s: &[T],
+    size_k: usize,
+    size_n: usize,
+    group_size: i64,
+) -> Result<Vec<T>, LayoutError> {
+    permute_scales_impl(
+        "marlin_permute_scales",
+        s,
+        size_k,
+        size_n,
+        group_size,
+        false,
+    )
+}
+
+/// The inverse of [`marlin_permute_scales`].
+pub fn marlin_unpermute_scales<T: Copy + Send + Sync>(
+    s: &[T],
+    size_k: usize,
+    size_n: usize,
+    group_size: i64,
+) -> Result<Vec<T>, LayoutError> {
+    permute_scales_impl(
+        "marlin_unpermute_scales",
+        s,
+        size_k,
+        size_n,
+        group_size,
+        true,
+    )
+}
+
+fn permute_scales_impl<T: Copy + Send + Sync>(
+    subject: &str,
+    s: &[T],
+    size_k: usize,
+    size_n: usize,
+    group_size: i64,
+    inverse: bool,
+) -> Result<Vec<T>, LayoutError> {
+    if size_n == 0 || size_n % TILE_N != 0 {
+        return Err(layout_error(
+            subject,
+            format!("size_n={size_n} is not a positive multiple of {TILE_N}"),
+        ));
+    }
+    if s.len() % size_n != 0 {
+        return Err(layout_error(
+            subject,
+            format!("{} scales are not whole rows of size_n={size_n}", s.len()),
+        ));
+    }
+    let table: &[u8] = if grouped_scales(size_k, group_size) {
+        &SCALE_PERM_GROUPED
+    } else {
+        &SCALE_PERM_SINGLE
+    };
+    Ok(permute_chunks(s, table, inverse))
+}
+
+/// vLLM's `marlin_moe_permute_scales(s [E, G, N], size_k, size_n, group_size)`.
+pub fn marlin_moe_permute_scales<T: Copy + Send + Sync>(
+    s: &[T],
+    size_k: usize,
+    size_n: usize,
+    group_size: i64,
+) -> Result<Vec<T>, LayoutError> {
+    // The table applies to each 64/32-chunk of the flattened [G, N] rows; rows are whole chunks
+    // (N % 64 == 0), so experts never share a chunk and the whole array permutes at once.
+    marlin_permute_scales(s, size_k, size_n, group_size)
+}
+
+/// vLLM's `marlin_permute_bias(b)`: the single table on every 32 entries.
+pub fn marlin_permute_bias<T: Copy + Send + Sync>(b: &[T]) -> Result<Vec<T>, LayoutError> {
+    if b.len() % SCALE_PERM_SINGLE.len() != 0 {
+        return Err(layout_error(
+            "marlin_permute_bias",
+            format!("{} entries is not a multiple of 32", b.len()),
+        ));
+    }
+    Ok(permute_chunks(b, &SCALE_PERM_SINGLE, false))
+}
+
+/// The inverse of [`marlin_permute_bias`].
+pub fn marlin_unpermute_bias<T: Copy + Send + Sync>(b: &[T]) -> Result<Vec<T>, LayoutError> {
+    if b.len() % SCALE_PERM_SINGLE.len() != 0 {
+        return Err(layout_error(
+            "marlin_unpermute_bias",
+            format!("{} entries is not a multiple of 32", b.len()),
+        ));
+    }
+    Ok(permute_chunks(b, &SCALE_PERM_SINGLE, true))
+}
+
+/// vLLM's `marlin_zero_points(zp [G, N] codes, size_k=G, size_n=N, num_bits)`: `[G, N/pf]`.
+pub fn marlin_zero_points(
+    zp: &[u32],
+    size_k: usize,
+    size_n: usize,
+    bits: u32,
+) -> Result<Vec<u32>, LayoutError> {
+    const S: &str = "marlin_zero_points";
+    if bits != 4 && bits != 8 {
+        return Err(layout_error(
+            S,
+            format!("num_bits={bits} is not supported (4 or 8)"),
+        ));
+    }
+    if zp.len() != size_k * size_n {
+        return Err(layout_error(
+            S,
+            format!(
+                "zp has {} entries, expected [size_k={size_k}, size_n={size_n}]",
+                zp.len()
+            ),
+        ));
+    }
+    if size_n % TILE_N != 0 {
+        return Err(layout_error(
+            S,
+            format!("size_n={size_n} is not a multiple of {TILE_N}"),
+        ));
+    }
+    if let Some((i, v)) = zp.iter().enumerate().find(|(_, &v)| v >> bits != 0) {
+        return Err(layout_error(
+            S,
+            format!("zp[{i}]={v} does not fit in {bits} bits"),
+        ));
+    }
+    let grouped = permute_chunks(zp, &SCALE_PERM_GROUPED, false);
+    let pf = pack_factor(bits);
+    let inter = zero_point_interleave(bits);
+    let mut out = vec![0u32; zp.len() / pf];
+    out.par_iter_mut().enumerate().for_each(|(w, word)| {
+        let run = grouped.get(w * pf..(w + 1) * pf).unwrap_or(&[]);
+        let mut acc = 0u32;
+        for (j, &src) in inter.iter().enumerate() {
+            acc |= run.get(src).copied().unwrap_or(0) << (j as u32 * bits);
+        }
+        *word = acc;
+    });
+    Ok(out)
+}
+
+/// The inverse of [`marlin_zero_points`]: codes `[G, N]`.
+pub fn marlin_zero_points_inverse(
+    packed: &[u32],
+    size_k: usize,
+    size_n: usize,
+    bits: u32,
+) -> Result<Vec<u32>, LayoutError> {
+    const S: &str = "marlin_zero_points_inverse";
+    if bits != 4 && bits != 8 {
+        return Err(layout_error(
+            S,
+            format!("num_bits={bits} is not supported (4 or 8)"),
+        ));
+    }
+    let pf = pack_factor(bits);
+    if packed.len() * pf != size_k * size_n || size_n % TILE_N != 0 {
+        return Err(layout_error(
+            S,
+            format!(
+                "{} words do not hold [size_k={size_k}, size_n={size_n}] codes",
+                packed.len()
+            ),
+        ));
+    }
+    let inter = zero_point_interleave(bits);
+    let mask = (1u32 << bits) - 1;
+    let mut grouped = vec![0u32; size_k * size_n];
+    grouped
+        .par_chunks_mut(pf)
+        .zip(packed.par_iter())
+        .for_each(|(run, &word)| {
+            for (j, &src) in inter.iter().enumerate() {
+                if let Some(x) = run.get_mut(src) {
+                    *x = (word >> (j as u32 * bits)) & mask;
+                }
+            }
+        });
+    Ok(permute_chunks(&grouped, &SCALE_PERM_GROUPED, true))
+}

@@ -1,0 +1,4 @@
+//! Repacking quantized weights into kernel layouts (Marlin for CUDA).
+
+pub mod marlin;
+pub mod tables;
