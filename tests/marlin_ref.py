@@ -91,3 +91,75 @@ def zero_points(zp: np.ndarray, bits: int) -> np.ndarray:
     interleave = [0, 2, 4, 6, 1, 3, 5, 7] if bits == 4 else [0, 2, 1, 3]
     z = z.reshape(-1, len(interleave))[:, interleave].reshape(g, n)
     return pack_along_last(z, bits)
+
+
+def ct_unpack_rows(packed: np.ndarray, bits: int, cols: int) -> np.ndarray:
+    """CT weight_packed [rows, ceil(cols*bits/32)] to unsigned codes [rows, cols]."""
+    return unpack_along_last(packed, bits)[:, :cols]
+
+
+def ct_unpack_zero_points(zp: np.ndarray, bits: int, rows: int) -> np.ndarray:
+    """compressed-tensors packed zero points [ceil(rows*bits/32), G] to codes [G, rows]."""
+    return unpack_along_last(np.ascontiguousarray(zp.T), bits)[:, :rows]
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def ct_moe_to_marlin(
+    experts: list[dict[str, np.ndarray]],
+    hidden: int,
+    inter: int,
+    bits: int,
+    group: int,
+    symmetric: bool,
+    act_order: bool,
+) -> dict[str, np.ndarray]:
+    """The "newer main" CT MoE -> Marlin recipe of reference/marlin_layout.md §8/§8b.
+
+    ``experts[e]`` maps ``"gate"|"up"|"down"`` + ``"_packed" | "_scale" | "_zp" | "_g_idx"`` to
+    the checkpoint arrays (scales as raw 16/32-bit patterns).
+    """
+    pf = 32 // bits
+    lcm = 64 if group <= 0 else np.lcm(64, group)
+    ip = inter if act_order else _round_up(inter, int(lcm))
+    out: dict[str, list[np.ndarray]] = {
+        k: [] for k in ("w13", "w2", "s13", "s2", "z13", "z2", "g13", "p13", "g2", "p2")
+    }
+    for x in experts:
+        gate = ct_unpack_rows(x["gate_packed"], bits, hidden).T  # [H, I]
+        up = ct_unpack_rows(x["up_packed"], bits, hidden).T
+        down = ct_unpack_rows(x["down_packed"], bits, inter).T  # [I, H]
+        w13 = np.zeros((hidden, 2 * ip), dtype=np.uint32)
+        w13[:, :inter], w13[:, ip : ip + inter] = gate, up
+        w2 = np.zeros((ip, hidden), dtype=np.uint32)
+        w2[:inter] = down
+        if act_order:
+            p13 = np.argsort(x["gate_g_idx"], kind="stable")
+            p2 = np.argsort(x["down_g_idx"], kind="stable")
+            w13, w2 = w13[p13], w2[p2]
+            out["g13"].append(x["gate_g_idx"][p13].astype(np.int32))
+            out["p13"].append(p13.astype(np.int32))
+            out["g2"].append(x["down_g_idx"][p2].astype(np.int32))
+            out["p2"].append(p2.astype(np.int32))
+        out["w13"].append(marlin_weights(w13, bits))
+        out["w2"].append(marlin_weights(w2, bits))
+        gh = x["gate_scale"].shape[1]
+        s13 = np.zeros((gh, 2 * ip), dtype=x["gate_scale"].dtype)
+        s13[:, :inter], s13[:, ip : ip + inter] = x["gate_scale"].T, x["up_scale"].T
+        out["s13"].append(permute_scales(s13, inter, group))
+        gi_src = x["down_scale"].shape[1]
+        gi = ip // group if group > 0 else 1
+        s2 = np.zeros((gi, hidden), dtype=x["down_scale"].dtype)
+        s2[:gi_src] = x["down_scale"].T
+        out["s2"].append(permute_scales(s2, gi * (group if group > 0 else pf), group))
+        if not symmetric:
+            z13 = np.zeros((gh, 2 * ip), dtype=np.uint32)
+            z13[:, :inter] = ct_unpack_zero_points(x["gate_zp"], bits, inter)
+            z13[:, ip : ip + inter] = ct_unpack_zero_points(x["up_zp"], bits, inter)
+            z2 = np.zeros((gi, hidden), dtype=np.uint32)
+            z2[:gi_src] = ct_unpack_zero_points(x["down_zp"], bits, hidden)
+            out["z13"].append(zero_points(z13, bits))
+            out["z2"].append(zero_points(z2, bits))
+    return {k: np.stack(v) for k, v in out.items() if v}

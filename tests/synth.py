@@ -59,14 +59,17 @@ def quant_config(**overrides: Any) -> dict[str, Any]:
     return qc
 
 
-def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+def tensors(
+    seed: int = 0, hidden: int = HIDDEN, inter: int = INTER, g_idx: str | None = None
+) -> dict[str, torch.Tensor]:
+    """``g_idx``: None, "shared" (gate and up get the same act-order g_idx) or "distinct"."""
     rng = np.random.default_rng(seed)
     out: dict[str, torch.Tensor] = {}
     for e in range(EXPERTS):
         for proj, (o, i) in {
-            "gate_proj": (INTER, HIDDEN),
-            "up_proj": (INTER, HIDDEN),
-            "down_proj": (HIDDEN, INTER),
+            "gate_proj": (inter, hidden),
+            "up_proj": (inter, hidden),
+            "down_proj": (hidden, inter),
         }.items():
             m = f"model.layers.0.mlp.experts.{e}.{proj}"
             q = rng.integers(-8, 8, size=(o, i))
@@ -74,8 +77,15 @@ def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
             scale = rng.uniform(0.001, 0.02, size=(o, i // GROUP)).astype(np.float32)
             out[f"{m}.weight_scale"] = torch.from_numpy(scale).to(torch.bfloat16)
             out[f"{m}.weight_shape"] = torch.tensor([o, i], dtype=torch.int64)
+            if g_idx is not None:
+                proj_index = ["gate_proj", "up_proj", "down_proj"].index(proj)
+                key = 0 if (g_idx == "shared" and proj != "down_proj") else 1 + 3 * e + proj_index
+                perm = np.random.default_rng(key).permutation(i)
+                gi = np.empty(i, dtype=np.int32)
+                gi[perm] = np.arange(i) // GROUP
+                out[f"{m}.weight_g_idx"] = torch.from_numpy(gi)
     out["model.layers.0.mlp.gate.weight"] = torch.randn(
-        EXPERTS, HIDDEN, generator=torch.Generator().manual_seed(seed)
+        EXPERTS, hidden, generator=torch.Generator().manual_seed(seed)
     ).to(torch.bfloat16)
     return out
 
@@ -87,14 +97,17 @@ def write_checkpoint(
     drop: tuple[str, ...] = (),
     replace: dict[str, torch.Tensor] | None = None,
     shards: int = 1,
+    hidden: int = HIDDEN,
+    inter: int = INTER,
+    g_idx: str | None = None,
 ) -> Path:
     """A valid tiny Qwen3-MoE W4A16 checkpoint (1 layer, 2 experts), optionally altered."""
     path.mkdir(parents=True, exist_ok=True)
     config = {
         "model_type": "qwen3_moe",
         "architectures": ["Qwen3MoeForCausalLM"],
-        "hidden_size": HIDDEN,
-        "moe_intermediate_size": INTER,
+        "hidden_size": hidden,
+        "moe_intermediate_size": inter,
         "num_experts": EXPERTS,
         "num_experts_per_tok": 1,
         "norm_topk_prob": True,
@@ -102,7 +115,7 @@ def write_checkpoint(
         "quantization_config": qc if qc is not None else quant_config(),
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    ts = tensors()
+    ts = tensors(hidden=hidden, inter=inter, g_idx=g_idx)
     ts.update(replace or {})
     for name in drop:
         ts.pop(name)

@@ -87,6 +87,8 @@ def _print_table(summary: dict[str, Any], compat: bool) -> None:
         f"quant:    {summary['quant_method'] or 'none'}"
         f" (format {summary['format'] or '-'}, version {summary.get('version') or '-'})"
     )
+    if summary.get("layout", "compressed-tensors") != "compressed-tensors":
+        print(f"layout:   {summary['layout']} (written by moeq repack)")
     scaling = r["routed_scaling_factor"]
     groups = f", groups {r['topk_group']}/{r['n_group']}" if r["n_group"] else ""
     cap = r.get("logit_softcapping")
@@ -174,6 +176,68 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+class _ProgressBar:
+    """A one-line progress bar on stderr: redrawn in place on a terminal, a line per 10% else."""
+
+    def __init__(self) -> None:
+        import time
+
+        self._t0 = time.perf_counter()
+        self._tty = sys.stderr.isatty()
+        self._last_decile = -1
+
+    def __call__(self, stage: str, done: int, total: int, written: int, wtotal: int) -> None:
+        import time
+
+        secs = max(time.perf_counter() - self._t0, 1e-9)
+        frac = written / wtotal if wtotal else 1.0
+        width = 30
+        bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
+        line = (
+            f"repack [{bar}] {stage:6} {done}/{total}  {written / 1e6:9.1f} / "
+            f"{wtotal / 1e6:.1f} MB  {written / 1e6 / secs:7.1f} MB/s"
+        )
+        if self._tty:
+            print("\r" + line, end="", file=sys.stderr, flush=True)
+        elif int(frac * 10) != self._last_decile or stage == "verify":
+            self._last_decile = int(frac * 10)
+            print(line, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._tty:
+            print(file=sys.stderr)
+
+
+def _cmd_repack(args: argparse.Namespace) -> int:
+    from .checkpoint import open as open_checkpoint
+    from .repack import parse_size, repack_checkpoint
+
+    size = parse_size(args.max_shard_size)
+    ckpt = open_checkpoint(args.model_dir)
+    bar = _ProgressBar()
+    try:
+        r = repack_checkpoint(
+            ckpt,
+            args.out_dir,
+            target=args.target,
+            force=args.force,
+            max_shard_size=size,
+            verify=args.verify,
+            progress=bar,
+        )
+    finally:
+        bar.close()
+    rate = r["bytes_written"] / 1e6 / max(r["seconds"], 1e-9)
+    verified = (
+        f"; verified {r['verified_modules']} expert projections bit for bit" if args.verify else ""
+    )
+    print(
+        f"wrote {r['out_dir']}: {r['layers']} MoE layers, {r['tensors']} tensors, "
+        f"{r['bytes_written'] / 1e6:.1f} MB in {r['seconds']:.2f} s ({rate:.1f} MB/s){verified}"
+    )
+    return 0
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="moeq", description="Inspect and prepare quantized MoE checkpoints.")
     from . import __version__
@@ -220,6 +284,28 @@ def _build_parser() -> argparse.ArgumentParser:
         help="also report what vLLM (main @7cfb97e33791) would do per layer",
     )
     p.set_defaults(func=_cmd_inspect)
+    rp = sub.add_parser("repack", help="write the checkpoint in a kernel layout (Marlin)")
+    rp.add_argument("model_dir", metavar="MODEL_DIR", help="source checkpoint directory")
+    rp.add_argument("out_dir", metavar="OUT_DIR", help="new directory to create")
+    rp.add_argument(
+        "--target",
+        choices=["marlin", "cpu"],
+        required=True,
+        help="layout to write (marlin: vLLM's fused-MoE Marlin tensors)",
+    )
+    rp.add_argument(
+        "--verify",
+        action="store_true",
+        help="dequantize the output and compare it with the source, bit for bit",
+    )
+    rp.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    rp.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="largest shard file (default 5GB; e.g. 500MB, 2GiB)",
+    )
+    rp.set_defaults(func=_cmd_repack)
     return parser
 
 
@@ -233,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:
         _fail(f"{e.filename or ''}: {e.strerror or e}".lstrip(": "))
     except KeyboardInterrupt:
-        print("moeq: interrupted", file=sys.stderr)
+        print("\nmoeq: interrupted; nothing was written", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - the CLI must never print a traceback
         if os.environ.get("MOEQ_DEBUG"):

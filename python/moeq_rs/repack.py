@@ -18,6 +18,8 @@ from . import _core
 from .errors import LayoutError
 
 __all__ = [
+    "parse_size",
+    "repack_checkpoint",
     "gptq_marlin_moe_repack",
     "gptq_marlin_repack",
     "gptq_marlin_unrepack",
@@ -201,3 +203,57 @@ def marlin_zero_points_inverse(zp: Any, size_k: int, size_n: int, num_bits: int)
     arr, back = _to_numpy(zp, "zp")
     out = _core.marlin_zero_points_inverse(_words(arr, "zp"), size_k, size_n, num_bits)
     return back(out.view(np.int32).reshape(size_k, size_n))
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a plain byte count."""
+    if isinstance(text, int):
+        return text
+    units = {
+        "": 1,
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }
+    s = text.strip().upper().replace(" ", "")
+    num = s.rstrip("KMGTIB")
+    unit = s[len(num) :]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value <= 0:
+        raise LayoutError(f"max shard size: cannot read {text!r} (use e.g. 5GB, 500MB or bytes)")
+    return int(value * units[unit])
+
+
+def repack_checkpoint(
+    model_dir: Any,
+    out_dir: Any,
+    *,
+    target: str = "marlin",
+    force: bool = False,
+    max_shard_size: str | int = "5GB",
+    verify: bool = False,
+    progress: Callable[[str, int, int, int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Write ``model_dir`` (a path or an open :class:`moeq_rs.Checkpoint`) repacked for the
+    ``target`` layout into ``out_dir``: one MoE layer at a time, through a temporary directory
+    beside ``out_dir`` that is renamed at the end (on any error or Ctrl-C nothing is left at
+    ``out_dir``). Returns ``{"out_dir", "layers", "tensors", "bytes_written", "seconds",
+    "verified_modules"}``."""
+    import os
+
+    from .checkpoint import Checkpoint
+    from .checkpoint import open as open_checkpoint
+
+    ckpt = model_dir if isinstance(model_dir, Checkpoint) else open_checkpoint(model_dir)
+    return ckpt._core.repack(
+        os.fspath(out_dir), target, force, parse_size(max_shard_size), verify, progress
+    )

@@ -33,6 +33,8 @@ pub enum CheckpointError {
     MissingTensor { name: String },
     #[error("module '{module}': {reason}")]
     Module { module: String, reason: String },
+    #[error("{path}: {reason}")]
+    Output { path: PathBuf, reason: String },
 }
 
 /// A `config.json` / `quantization_config` that is malformed. `key` is the dotted path of the

@@ -6,6 +6,8 @@ use rayon::prelude::*;
 use serde_json::{json, Value};
 
 use crate::checkpoint::Checkpoint;
+use crate::checkpoint::DType;
+use crate::error::UnsupportedSchemeError;
 use crate::error::{module_error, CheckpointError, Result};
 use crate::moe::{self, ExpertModules, MoeLayer, Routing};
 use crate::oracle::{
@@ -13,6 +15,9 @@ use crate::oracle::{
     Platform, ProjScheme, QuantConfig,
 };
 use crate::quant::{self, Dequantized};
+use crate::repack::checkpoint::LAYOUT_VERSION;
+use crate::repack::moe_layer::MarlinGeometry;
+use crate::scheme::json::Obj;
 use crate::scheme::module::{self as smod, ModuleInfo};
 use crate::scheme::QuantizationConfig;
 
@@ -27,6 +32,125 @@ pub struct Model {
     moe_layers: Vec<MoeLayer>,
     dense_layers: Vec<usize>,
     routing: Routing,
+    layout: Option<RepackedLayout>,
+}
+
+/// A checkpoint written by `moeq repack`: its `config.json` `"moeq"` object.
+#[derive(Clone, Debug)]
+pub struct RepackedLayout {
+    pub layout: String,
+    pub version: u64,
+    pub layers: Vec<RepackedLayer>,
+}
+
+#[derive(Clone, Debug)]
+pub struct RepackedLayer {
+    pub layer: usize,
+    pub geometry: MarlinGeometry,
+    pub weights: Option<crate::scheme::QuantArgs>,
+}
+
+fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
+    let file = ckpt.config_path();
+    let Some(root) = ckpt.config().as_object() else {
+        return Ok(None);
+    };
+    let root = Obj::root(&file, "", root);
+    let Some(m) = root.field("moeq").opt_object()? else {
+        return Ok(None);
+    };
+    let layout = m.opt_str("layout")?.unwrap_or("").to_string();
+    if layout != "marlin" {
+        return Err(UnsupportedSchemeError {
+            subject: format!("{}: moeq.layout", file.display()),
+            reason: format!(
+                "layout \"{layout}\" cannot be read by this version of moeq_rs (supported: marlin)"
+            ),
+        }
+        .into());
+    }
+    let version = m.opt_u64("layout_version")?.unwrap_or(0);
+    if version != LAYOUT_VERSION {
+        return Err(m.field("layout_version").invalid(format!(
+            "layout_version {version} is not supported (this moeq_rs reads version {LAYOUT_VERSION})"
+        )));
+    }
+    let mut layers = Vec::new();
+    for (i, v) in m
+        .field("layers")
+        .opt_array()?
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        let f = crate::scheme::json::Field::new(&file, format!("moeq.layers[{i}]"), Some(v));
+        let o = f.object()?;
+        let need_u = |k: &str| -> Result<usize> {
+            o.opt_u64(k)?
+                .map(|v| v as usize)
+                .ok_or_else(|| o.field(k).invalid("missing"))
+        };
+        let scale_dtype = o
+            .opt_str("scale_dtype")?
+            .and_then(DType::from_header)
+            .ok_or_else(|| o.field("scale_dtype").invalid("expected a dtype name"))?;
+        let weights = match o.field("weights").opt_object()? {
+            Some(w) => Some(crate::scheme::QuantArgs::parse_obj(
+                &w,
+                crate::scheme::ArgsRole::Weights,
+            )?),
+            None => None,
+        };
+        let geometry = MarlinGeometry {
+            prefix: o
+                .opt_str("prefix")?
+                .ok_or_else(|| o.field("prefix").invalid("missing"))?
+                .to_string(),
+            experts: need_u("num_experts")?,
+            hidden: need_u("hidden_size")?,
+            intermediate: need_u("intermediate_size")?,
+            intermediate_padded: need_u("intermediate_size_padded")?,
+            bits: need_u("num_bits")? as u32,
+            group_size: o.opt_i64("group_size")?.unwrap_or(-1),
+            symmetric: o.opt_bool("symmetric")?.unwrap_or(true),
+            act_order: o.opt_bool("act_order")?.unwrap_or(false),
+            scale_dtype,
+        };
+        // Every stacked tensor must be there with the recorded shape.
+        for (name, dtype, shape) in geometry.specs() {
+            match ckpt.info(&name) {
+                Some(t) if t.dtype == dtype && t.shape.as_slice() == shape.as_slice() => {}
+                Some(t) => {
+                    return Err(module_error(
+                        &name,
+                        format!(
+                            "is {} {:?}, the recorded Marlin layout says {} {:?}",
+                            t.dtype,
+                            t.shape.as_slice(),
+                            dtype,
+                            shape
+                        ),
+                    ))
+                }
+                None => {
+                    return Err(module_error(
+                        &name,
+                        "is missing from the repacked checkpoint",
+                    ))
+                }
+            }
+        }
+        layers.push(RepackedLayer {
+            layer: need_u("layer")?,
+            geometry,
+            weights,
+        });
+    }
+    Ok(Some(RepackedLayout {
+        layout,
+        version,
+        layers,
+    }))
 }
 
 impl Model {
@@ -166,8 +290,21 @@ impl Model {
                 shared_expert_gate: d.shared_expert_gate,
             });
         }
+        let layout = parse_layout(&ckpt)?;
+        if let Some(l) = &layout {
+            any_bias |= l.layers.iter().any(|rl| {
+                let lp = rl
+                    .geometry
+                    .prefix
+                    .strip_suffix(".experts")
+                    .unwrap_or(&rl.geometry.prefix);
+                ckpt.contains(&format!("{lp}.gate.e_score_correction_bias"))
+                    || ckpt.contains(&format!("{}.e_score_correction_bias", rl.geometry.prefix))
+            });
+        }
         let routing = Routing::from_config(config, any_bias);
         Ok(Model {
+            layout,
             ckpt,
             quant,
             modules,
@@ -191,6 +328,10 @@ impl Model {
     }
     pub fn routing(&self) -> &Routing {
         &self.routing
+    }
+    /// The repacked layout, when this checkpoint was written by `moeq repack`.
+    pub fn layout(&self) -> Option<&RepackedLayout> {
+        self.layout.as_ref()
     }
 
     /// The analysed Linear module `name`.
@@ -292,6 +433,71 @@ impl Model {
                 v
             })
             .collect();
+        let mut layers = layers;
+        if let Some(layout) = &self.layout {
+            for rl in &layout.layers {
+                let g = &rl.geometry;
+                let scheme = ProjScheme {
+                    weights: rl.weights.clone(),
+                    activation: None,
+                    format: crate::scheme::Format::PackQuantized,
+                };
+                let input = LayerInput {
+                    layer: rl.layer,
+                    shape: LayerShape {
+                        hidden: g.hidden,
+                        intermediate: g.intermediate,
+                        num_experts: g.experts,
+                    },
+                    experts: vec![
+                        ExpertSchemes {
+                            gate: Some(scheme.clone()),
+                            up: scheme.clone(),
+                            down: scheme
+                        };
+                        g.experts
+                    ],
+                };
+                let plan = oracle::plan_layer(&input, platform, opts);
+                let layer_prefix = g
+                    .prefix
+                    .strip_suffix(".experts")
+                    .unwrap_or(&g.prefix)
+                    .to_string();
+                let router = format!("{layer_prefix}.gate");
+                let bias = [
+                    format!("{router}.e_score_correction_bias"),
+                    format!("{}.e_score_correction_bias", g.prefix),
+                ]
+                .into_iter()
+                .find(|b| self.ckpt.contains(b));
+                let shared = ["shared_experts", "shared_expert"].iter().find_map(|s| {
+                    let sp = format!("{layer_prefix}.{s}");
+                    let up = self.module(&format!("{sp}.up_proj")).ok()?;
+                    let (w, a, f) = module_scheme_json(up);
+                    Some(json!({"prefix": sp, "intermediate_size": up.out_features, "weight": w, "activation": a, "format": f}))
+                });
+                let mut v = json!({
+                    "layer": rl.layer,
+                    "prefix": layer_prefix,
+                    "num_experts": g.experts,
+                    "hidden_size": g.hidden,
+                    "intermediate_size": g.intermediate,
+                    "intermediate_size_padded": g.intermediate_padded,
+                    "gated": true,
+                    "layout": layout.layout,
+                    "router": self.ckpt.contains(&format!("{router}.weight")).then(|| json!({"module": router, "e_score_correction_bias": bias})),
+                    "shared_experts": shared,
+                    "weight": rl.weights.as_ref().map(|w| w.weight_json()),
+                    "activation": null,
+                    "format": "pack-quantized",
+                    "mixed": false,
+                });
+                add_plan_json(&mut v, &plan);
+                layers.push(v);
+            }
+            layers.sort_by_key(|l| l.get("layer").and_then(Value::as_u64).unwrap_or(0));
+        }
         let (sm, features) = match platform {
             Platform::Cuda { sm } => (Some(sm), None),
             Platform::Cpu(f) => (None, Some(f.names())),
@@ -302,6 +508,7 @@ impl Model {
             "format": self.quant.as_ref().and_then(|q| q.format).map(|f| f.name()),
             "version": self.quant.as_ref().and_then(|q| q.version.clone()),
             "model_type": moe::model_type(self.ckpt.config()),
+            "layout": self.layout.as_ref().map_or("compressed-tensors", |l| l.layout.as_str()),
             "routing": routing_json(&self.routing),
             "dense_layers": self.dense_layers,
             "platform": {"name": platform.name(), "sm": sm, "cpu_features": features},

@@ -164,6 +164,73 @@ impl Checkpoint {
         })
     }
 
+    /// Repacks this checkpoint into `out_dir` (`target` "marlin"). `progress(stage, done, total,
+    /// bytes_written, bytes_total)` is called after each unit of work; an exception it raises
+    /// (Ctrl-C included) aborts the repack and leaves nothing at `out_dir`.
+    #[pyo3(signature = (out_dir, target="marlin", force=false, max_shard_size=5_000_000_000, verify=false, progress=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn repack<'py>(
+        &self,
+        py: Python<'py>,
+        out_dir: PathBuf,
+        target: &str,
+        force: bool,
+        max_shard_size: u64,
+        verify: bool,
+        progress: Option<Py<PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        if target != "marlin" {
+            return Err(unsupported(
+                py,
+                "repack",
+                format!("target '{target}' is not available (supported: marlin; the cpu layout comes with the CPU MoE backend)"),
+            ));
+        }
+        let model = Arc::clone(&self.model);
+        let opts = moeq_core::repack::checkpoint::RepackOptions {
+            force,
+            max_shard_size,
+            verify,
+        };
+        let callback_error: std::sync::Mutex<Option<PyErr>> = std::sync::Mutex::new(None);
+        let result = py.detach(|| {
+            let mut cb = |p: &moeq_core::repack::checkpoint::Progress| -> moeq_core::Result<()> {
+                let outcome = Python::attach(|py| -> PyResult<()> {
+                    if let Some(f) = &progress {
+                        f.call1(
+                            py,
+                            (p.stage, p.done, p.total, p.bytes_written, p.bytes_total),
+                        )?;
+                    }
+                    py.check_signals()
+                });
+                outcome.map_err(|e| {
+                    if let Ok(mut slot) = callback_error.lock() {
+                        *slot = Some(e);
+                    }
+                    moeq_core::error::CheckpointError::Output {
+                        path: PathBuf::from("repack"),
+                        reason: "interrupted".into(),
+                    }
+                    .into()
+                })
+            };
+            moeq_core::repack::checkpoint::repack_marlin(&model, &out_dir, &opts, &mut cb)
+        });
+        if let Some(e) = callback_error.lock().ok().and_then(|mut s| s.take()) {
+            return Err(e);
+        }
+        let r = result.map_err(|e| to_py(py, e))?;
+        let d = PyDict::new(py);
+        d.set_item("out_dir", r.out_dir)?;
+        d.set_item("layers", r.layers)?;
+        d.set_item("tensors", r.tensors)?;
+        d.set_item("bytes_written", r.bytes_written)?;
+        d.set_item("seconds", r.seconds)?;
+        d.set_item("verified_modules", r.verified_modules)?;
+        Ok(d)
+    }
+
     /// Every tensor as `{name: TensorBuffer}`, in name order, in one call.
     fn tensor_buffers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let out = PyDict::new(py);

@@ -110,6 +110,26 @@ impl SafetensorsFile {
             .and_then(|i| self.header.tensors.get(i))
     }
 
+    /// Drops the page-cache pages of a tensor from this process's mapping (they are re-read from
+    /// the file if touched again), so streaming through a large checkpoint keeps RSS flat.
+    pub fn release(&self, info: &TensorInfo) {
+        const PAGE: usize = 4096;
+        let start = info.start.div_ceil(PAGE) * PAGE;
+        let end = (info.start + info.len) / PAGE * PAGE;
+        if end > start {
+            // SAFETY: the mapping is private and never written through (it is mapped read-only),
+            // so MADV_DONTNEED only discards clean copies of file pages; later reads fault them
+            // back in from the file. The range lies inside the mapping (validated offsets).
+            let _ = unsafe {
+                self.mmap.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    start,
+                    end - start,
+                )
+            };
+        }
+    }
+
     /// A zero-copy view of a tensor of this file.
     pub fn view<'a>(&'a self, info: &'a TensorInfo) -> TensorView<'a> {
         // Offsets were validated against the mapping length in `header::parse`.
@@ -156,7 +176,7 @@ element!(i8, DType::I8);
 element!(u16, DType::U16, DType::BF16, DType::F16);
 element!(i16, DType::I16);
 element!(i32, DType::I32);
-element!(u32, DType::U32, DType::I32);
+element!(u32, DType::U32, DType::I32, DType::F32);
 element!(f32, DType::F32);
 element!(i64, DType::I64);
 element!(u64, DType::U64);

@@ -4,6 +4,7 @@
 pub mod dtype;
 pub mod file;
 pub mod header;
+pub mod writer;
 
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};

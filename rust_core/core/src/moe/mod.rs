@@ -140,7 +140,9 @@ impl Routing {
         let scoring = match cfg(config, "scoring_func").and_then(Value::as_str) {
             Some("sigmoid") => Scoring::Sigmoid,
             Some(_) => Scoring::Softmax,
-            None if mtype == "deepseek_v3" || has_correction_bias => Scoring::Sigmoid,
+            None if matches!(mtype.as_str(), "deepseek_v3" | "laguna") || has_correction_bias => {
+                Scoring::Sigmoid
+            }
             None => Scoring::Softmax,
         };
         // Mixtral always renormalises; others say so with norm_topk_prob (DeepSeek-V3 defaults to

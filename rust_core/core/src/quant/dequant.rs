@@ -51,6 +51,47 @@ impl Arith {
     }
 }
 
+impl Arith {
+    fn of(dtype: DType) -> Option<Arith> {
+        match dtype {
+            DType::BF16 => Some(Arith::BF16),
+            DType::F16 => Some(Arith::F16),
+            DType::F32 => Some(Arith::F32),
+            _ => None,
+        }
+    }
+
+    fn decode(self, bits: u32) -> f32 {
+        match self {
+            Arith::BF16 => bf16::from_bits(bits as u16).to_f32(),
+            Arith::F16 => f16::from_bits(bits as u16).to_f32(),
+            Arith::F32 => f32::from_bits(bits),
+        }
+    }
+
+    /// `(q - zp) * scale` with compressed-tensors' rounding (every operation in the scale dtype).
+    #[inline]
+    fn value(self, q: i64, zp: Option<i64>, scale: f32) -> f32 {
+        let d = match zp {
+            Some(z) => self.round(self.round(q as f32) - self.round(z as f32)),
+            None => self.round(q as f32),
+        };
+        self.round(d * scale)
+    }
+}
+
+/// One dequantised value (signed code `q`, signed zero point, the scale's bit pattern) as the
+/// little-endian bytes of `dtype` (2 or 4 of the 4 returned bytes are meaningful).
+pub fn dequant_value(dtype: DType, q: i64, zp: Option<i64>, scale_bits: u32) -> [u8; 4] {
+    let mut out = [0u8; 4];
+    if let Some(a) = Arith::of(dtype) {
+        let v = a.value(q, zp, a.decode(scale_bits));
+        let n = a.size();
+        a.store(v, &mut out[..n]);
+    }
+    out
+}
+
 /// Reads float values of a BF16/F16/F32 tensor as f32.
 fn float_values(view: &TensorView<'_>) -> Result<Vec<f32>> {
     let b = view.bytes;

@@ -1,4 +1,6 @@
 //! Repacking quantized weights into kernel layouts (Marlin for CUDA).
 
+pub mod checkpoint;
 pub mod marlin;
+pub mod moe_layer;
 pub mod tables;

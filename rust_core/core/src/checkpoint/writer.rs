@@ -1,0 +1,203 @@
+//! Writing safetensors shards whose layout is planned before any tensor exists: headers first,
+//! then each tensor's bytes at its final offset, in any order. This is what lets the repacker
+//! stream one layer at a time. Output is deterministic (fixed order, space-padded headers) and
+//! every tensor is aligned to its dtype.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Map, Value};
+
+use super::DType;
+use crate::error::{CheckpointError, Result};
+
+/// Where one planned tensor goes.
+#[derive(Clone, Debug)]
+pub struct Slot {
+    pub shard: usize,
+    /// Absolute byte offset in the shard file.
+    pub offset: u64,
+    pub nbytes: u64,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+}
+
+#[derive(Clone, Debug)]
+pub struct ShardPlan {
+    pub file_name: String,
+    pub header: Vec<u8>,
+    pub size: u64,
+    pub tensors: Vec<String>,
+}
+
+/// The planned files of a checkpoint.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub shards: Vec<ShardPlan>,
+    pub slots: BTreeMap<String, Slot>,
+}
+
+fn io(path: &Path, e: std::io::Error) -> crate::error::Error {
+    CheckpointError::Io {
+        path: path.to_path_buf(),
+        source: e,
+    }
+    .into()
+}
+
+impl Plan {
+    /// Assigns tensors (name, dtype, shape) to shards of at most `max_shard_size` bytes (a tensor
+    /// larger than that gets a shard of its own), in name order.
+    pub fn new(mut tensors: Vec<(String, DType, Vec<usize>)>, max_shard_size: u64) -> Plan {
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut groups: Vec<Vec<(String, DType, Vec<usize>)>> = vec![Vec::new()];
+        let mut current = 0u64;
+        for t in tensors {
+            let nbytes = (t.2.iter().product::<usize>() * t.1.bit_size() / 8) as u64;
+            if current > 0 && current + nbytes > max_shard_size {
+                groups.push(Vec::new());
+                current = 0;
+            }
+            current += nbytes;
+            if let Some(g) = groups.last_mut() {
+                g.push(t);
+            }
+        }
+        let n = groups.len();
+        let mut shards = Vec::with_capacity(n);
+        let mut slots = BTreeMap::new();
+        for (si, mut group) in groups.into_iter().enumerate() {
+            let file_name = if n == 1 {
+                "model.safetensors".to_string()
+            } else {
+                format!("model-{:05}-of-{:05}.safetensors", si + 1, n)
+            };
+            // Data order: widest alignment first, so every tensor starts aligned.
+            group.sort_by(|a, b| {
+                b.1.alignment()
+                    .cmp(&a.1.alignment())
+                    .then_with(|| a.0.cmp(&b.0))
+            });
+            let mut entries: Vec<(String, Value)> = Vec::with_capacity(group.len());
+            let mut offset = 0u64;
+            let mut local = Vec::with_capacity(group.len());
+            for (name, dtype, shape) in &group {
+                let nbytes = (shape.iter().product::<usize>() * dtype.bit_size() / 8) as u64;
+                entries.push((
+                    name.clone(),
+                    json!({"dtype": dtype.name(), "shape": shape, "data_offsets": [offset, offset + nbytes]}),
+                ));
+                local.push((name.clone(), *dtype, shape.clone(), offset, nbytes));
+                offset += nbytes;
+            }
+            entries.sort_by(|a, b| a.0.cmp(&b.0));
+            let mut obj = Map::new();
+            obj.insert("__metadata__".into(), json!({"format": "pt"}));
+            for (k, v) in entries {
+                obj.insert(k, v);
+            }
+            let mut text = Value::Object(obj).to_string().into_bytes();
+            while (8 + text.len()) % 8 != 0 {
+                text.push(b' ');
+            }
+            let data_start = 8 + text.len() as u64;
+            let mut header = (text.len() as u64).to_le_bytes().to_vec();
+            header.extend_from_slice(&text);
+            for (name, dtype, shape, off, nbytes) in local {
+                slots.insert(
+                    name,
+                    Slot {
+                        shard: si,
+                        offset: data_start + off,
+                        nbytes,
+                        dtype,
+                        shape,
+                    },
+                );
+            }
+            shards.push(ShardPlan {
+                file_name,
+                header,
+                size: data_start + offset,
+                tensors: group.into_iter().map(|t| t.0).collect(),
+            });
+        }
+        Plan { shards, slots }
+    }
+
+    /// `model.safetensors.index.json` for a multi-shard plan.
+    pub fn index_json(&self) -> Option<Value> {
+        if self.shards.len() < 2 {
+            return None;
+        }
+        let total: u64 = self.slots.values().map(|s| s.nbytes).sum();
+        let mut map = Map::new();
+        for (name, slot) in &self.slots {
+            if let Some(s) = self.shards.get(slot.shard) {
+                map.insert(name.clone(), json!(s.file_name));
+            }
+        }
+        Some(json!({"metadata": {"total_size": total}, "weight_map": map}))
+    }
+}
+
+/// Open shard files of a plan, headers written, data filled in by [`ShardWriter::write`].
+pub struct ShardWriter {
+    plan: Plan,
+    files: Vec<(PathBuf, File)>,
+}
+
+impl ShardWriter {
+    pub fn create(dir: &Path, plan: Plan) -> Result<ShardWriter> {
+        let mut files = Vec::with_capacity(plan.shards.len());
+        for s in &plan.shards {
+            let path = dir.join(&s.file_name);
+            let f = File::create(&path).map_err(|e| io(&path, e))?;
+            f.set_len(s.size).map_err(|e| io(&path, e))?;
+            f.write_all_at(&s.header, 0).map_err(|e| io(&path, e))?;
+            files.push((path, f));
+        }
+        Ok(ShardWriter { plan, files })
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// Writes one planned tensor's bytes.
+    pub fn write(&self, name: &str, data: &[u8]) -> Result<()> {
+        let slot = self
+            .plan
+            .slots
+            .get(name)
+            .ok_or_else(|| CheckpointError::Output {
+                path: PathBuf::from(name),
+                reason: "tensor was not planned".into(),
+            })?;
+        if data.len() as u64 != slot.nbytes {
+            return Err(CheckpointError::Output {
+                path: PathBuf::from(name),
+                reason: format!("{} bytes given, {} planned", data.len(), slot.nbytes),
+            }
+            .into());
+        }
+        let (path, f) = self
+            .files
+            .get(slot.shard)
+            .ok_or_else(|| CheckpointError::Output {
+                path: PathBuf::from(name),
+                reason: "shard missing".into(),
+            })?;
+        f.write_all_at(data, slot.offset).map_err(|e| io(path, e))
+    }
+
+    /// Flushes every shard to disk.
+    pub fn finish(self) -> Result<()> {
+        for (path, f) in &self.files {
+            f.sync_all().map_err(|e| io(path, e))?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,690 @@
+//! One compressed-tensors MoE layer to vLLM's Marlin fused-MoE tensors, and back.
+//!
+//! Byte reference: vLLM main @7cfb97e33791 (`reference/marlin_layout.md` §3.2, §8, §8b "newer
+//! main"): w13 = gate then up along N, the intermediate size zero-padded to the tile without
+//! act-order, w13 scales permuted with `size_k = I`, 4-bit zero points, act-order sort indices
+//! from a stable argsort.
+
+use rayon::prelude::*;
+
+use super::marlin::{
+    check_repack_shape, grouped_scales, marlin_permute_scales, marlin_unpermute_scales,
+    marlin_zero_points, marlin_zero_points_inverse, repack_codes, repacked_words,
+    unrepack_to_codes,
+};
+use super::tables::pack_factor;
+use crate::checkpoint::{Checkpoint, DType};
+use crate::error::{Error, LayoutError, Result, UnsupportedSchemeError};
+use crate::moe::MoeLayer;
+use crate::quant::pack::{field, PackVariant};
+use crate::scheme::module::{ModuleInfo, ZeroPointLayout};
+use crate::scheme::{ActOrder, Format, Strategy};
+
+/// The Marlin group sizes (`-1` = channelwise).
+pub const MARLIN_GROUPS: [i64; 4] = [-1, 32, 64, 128];
+
+/// A stored tensor looked up by name: dtype, shape and bytes.
+pub type FetchedTensor = (DType, Vec<usize>, Vec<u8>);
+
+/// A tensor to write: name, dtype, shape and little-endian bytes.
+#[derive(Clone, Debug)]
+pub struct OutTensor {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub data: Vec<u8>,
+}
+
+/// The Marlin geometry of one layer, known before any byte is converted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MarlinGeometry {
+    /// `<layer prefix>.experts`
+    pub prefix: String,
+    pub experts: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    /// The intermediate size after tile padding (equal to `intermediate` with act-order).
+    pub intermediate_padded: usize,
+    pub bits: u32,
+    pub group_size: i64,
+    pub symmetric: bool,
+    pub act_order: bool,
+    pub scale_dtype: DType,
+}
+
+impl MarlinGeometry {
+    fn groups_h(&self) -> usize {
+        if self.group_size > 0 {
+            self.hidden / self.group_size as usize
+        } else {
+            1
+        }
+    }
+    fn groups_i(&self) -> usize {
+        if self.group_size > 0 {
+            self.intermediate_padded / self.group_size as usize
+        } else {
+            1
+        }
+    }
+
+    /// Name, dtype and shape of every output tensor, in a fixed order.
+    pub fn specs(&self) -> Vec<(String, DType, Vec<usize>)> {
+        let (e, h, ip, i) = (
+            self.experts,
+            self.hidden,
+            self.intermediate_padded,
+            self.intermediate,
+        );
+        let pf = pack_factor(self.bits);
+        let p = &self.prefix;
+        let mut out = vec![
+            (
+                format!("{p}.w13_weight_packed"),
+                DType::I32,
+                vec![e, h / 16, 2 * ip * 16 / pf],
+            ),
+            (
+                format!("{p}.w2_weight_packed"),
+                DType::I32,
+                vec![e, ip / 16, h * 16 / pf],
+            ),
+            (
+                format!("{p}.w13_weight_scale"),
+                self.scale_dtype,
+                vec![e, self.groups_h(), 2 * ip],
+            ),
+            (
+                format!("{p}.w2_weight_scale"),
+                self.scale_dtype,
+                vec![e, self.groups_i(), h],
+            ),
+        ];
+        if !self.symmetric {
+            out.push((
+                format!("{p}.w13_weight_zero_point"),
+                DType::I32,
+                vec![e, self.groups_h(), 2 * ip / pf],
+            ));
+            out.push((
+                format!("{p}.w2_weight_zero_point"),
+                DType::I32,
+                vec![e, self.groups_i(), h / pf],
+            ));
+        }
+        if self.act_order {
+            out.push((format!("{p}.w13_weight_g_idx"), DType::I32, vec![e, h]));
+            out.push((format!("{p}.w2_weight_g_idx"), DType::I32, vec![e, i]));
+            out.push((
+                format!("{p}.w13_g_idx_sort_indices"),
+                DType::I32,
+                vec![e, h],
+            ));
+            out.push((format!("{p}.w2_g_idx_sort_indices"), DType::I32, vec![e, i]));
+        }
+        out
+    }
+
+    /// Bytes of the largest tensors together (what converting the layer holds in memory).
+    pub fn bytes(&self) -> usize {
+        self.specs()
+            .iter()
+            .map(|(_, d, s)| s.iter().product::<usize>() * d.bit_size() / 8)
+            .sum()
+    }
+}
+
+fn unsupported(subject: &str, reason: String) -> Error {
+    UnsupportedSchemeError {
+        subject: subject.to_string(),
+        reason,
+    }
+    .into()
+}
+
+fn layout(subject: &str, reason: String) -> Error {
+    LayoutError {
+        subject: subject.to_string(),
+        reason,
+    }
+    .into()
+}
+
+fn lcm(a: usize, b: usize) -> usize {
+    fn gcd(a: usize, b: usize) -> usize {
+        if b == 0 {
+            a
+        } else {
+            gcd(b, a % b)
+        }
+    }
+    if a == 0 || b == 0 {
+        0
+    } else {
+        a / gcd(a, b) * b
+    }
+}
+
+/// Checks that a layer can be stored in the Marlin layout and returns its geometry.
+pub fn geometry(layer: &MoeLayer) -> Result<MarlinGeometry> {
+    let prefix = format!("{}.experts", layer.prefix);
+    if !layer.gated {
+        return Err(unsupported(
+            &prefix,
+            "non-gated experts (no gate_proj) have no Marlin w13 layout".into(),
+        ));
+    }
+    let first = layer
+        .experts
+        .first()
+        .ok_or_else(|| layout(&prefix, "the layer has no experts".into()))?;
+    let reference = &first.up;
+    let Some(w) = reference.weights() else {
+        return Err(unsupported(
+            &prefix,
+            "the experts are not quantized; there is nothing to repack".into(),
+        ));
+    };
+    for (e, x) in layer.experts.iter().enumerate() {
+        for (role, m) in x.modules() {
+            if m.scheme
+                .as_ref()
+                .map(|s| (&s.weights, &s.input_activations, s.format))
+                != reference
+                    .scheme
+                    .as_ref()
+                    .map(|s| (&s.weights, &s.input_activations, s.format))
+            {
+                return Err(unsupported(
+                    &prefix,
+                    format!("expert {e} {}_proj has another scheme than expert 0: per-expert mixed precision cannot be stored as one Marlin layer", role.name()),
+                ));
+            }
+        }
+    }
+    if reference.format() != Format::PackQuantized || reference.input_activations().is_some() {
+        return Err(unsupported(
+            &prefix,
+            format!(
+                "the Marlin target needs weight-only pack-quantized experts, found {}",
+                reference.format().name()
+            ),
+        ));
+    }
+    if w.num_bits != 4 && w.num_bits != 8 {
+        return Err(unsupported(
+            &prefix,
+            format!(
+                "{}-bit weights are not supported by Marlin (4 or 8)",
+                w.num_bits
+            ),
+        ));
+    }
+    if !w.symmetric && w.num_bits == 8 {
+        return Err(unsupported(
+            &prefix,
+            "asymmetric int8 weights are not supported by Marlin (zero points are 4-bit only)"
+                .into(),
+        ));
+    }
+    if !matches!(w.strategy, Strategy::Group | Strategy::Channel) {
+        return Err(unsupported(
+            &prefix,
+            format!(
+                "strategy \"{}\" is not supported by Marlin",
+                w.strategy.name()
+            ),
+        ));
+    }
+    if !MARLIN_GROUPS.contains(&w.group_size) {
+        return Err(unsupported(
+            &prefix,
+            format!(
+                "group_size {} is not supported by Marlin (-1, 32, 64, 128)",
+                w.group_size
+            ),
+        ));
+    }
+    let act_order = w.actorder == Some(ActOrder::Group) && reference.has_g_idx;
+    let (h, i) = (layer.hidden_size, layer.intermediate_size);
+    let g = w.group_size;
+    let ip = if act_order {
+        let need = (g.max(0) as usize).max(64);
+        if i % need != 0 {
+            return Err(layout(&prefix, format!("act-order cannot be padded: intermediate_size={i} must be a multiple of max(64, group_size)={need}")));
+        }
+        i
+    } else {
+        let tile = lcm(64, g.max(1) as usize);
+        i.div_ceil(tile) * tile
+    };
+    check_repack_shape(&format!("{prefix} (w13)"), h, 2 * ip, w.num_bits)?;
+    check_repack_shape(&format!("{prefix} (w2)"), ip, h, w.num_bits)?;
+    if g > 0 && h % g as usize != 0 {
+        return Err(layout(
+            &prefix,
+            format!("hidden_size={h} is not a multiple of group_size {g}"),
+        ));
+    }
+    let scale_dtype = reference
+        .scale_dtype
+        .ok_or_else(|| layout(&prefix, "experts have no weight_scale".into()))?;
+    Ok(MarlinGeometry {
+        prefix,
+        experts: layer.experts.len(),
+        hidden: h,
+        intermediate: i,
+        intermediate_padded: ip,
+        bits: w.num_bits,
+        group_size: g,
+        symmetric: w.symmetric,
+        act_order,
+        scale_dtype,
+    })
+}
+
+/// Raw words of a packed int32 tensor.
+fn words<'a>(ckpt: &'a Checkpoint, name: &str) -> Result<&'a [u32]> {
+    Ok(ckpt.tensor(name)?.typed::<u32>()?)
+}
+
+/// Scale elements as u32 bit patterns (2-byte dtypes widened), `[rows, cols]` row-major.
+fn scale_bits(ckpt: &Checkpoint, name: &str) -> Result<Vec<u32>> {
+    let v = ckpt.tensor(name)?;
+    Ok(match v.dtype().bit_size() {
+        16 => v.typed::<u16>()?.iter().map(|&x| u32::from(x)).collect(),
+        _ => v.typed::<u32>()?.to_vec(),
+    })
+}
+
+/// Unsigned zero-point codes `[G, out]` of a module.
+fn zero_point_codes(
+    ckpt: &Checkpoint,
+    m: &ModuleInfo,
+    bits: u32,
+    groups: usize,
+    variant: PackVariant,
+) -> Result<Vec<u32>> {
+    let name = format!("{}.weight_zero_point", m.name);
+    let out = m.out_features;
+    let mut codes = vec![0u32; groups * out];
+    match m.zero_point {
+        Some(ZeroPointLayout::Packed) => {
+            let zp = words(ckpt, &name)?;
+            for g in 0..groups {
+                let word = |w: usize| zp.get(w * groups + g).copied().unwrap_or(0);
+                for r in 0..out {
+                    if let Some(c) = codes.get_mut(g * out + r) {
+                        *c = field(word, r, bits, variant);
+                    }
+                }
+            }
+        }
+        Some(ZeroPointLayout::Unpacked) => {
+            let signed = ckpt.tensor(&name)?.to_i64_vec()?;
+            let offset = 1i64 << (bits - 1);
+            for r in 0..out {
+                for g in 0..groups {
+                    let v = signed.get(r * groups + g).copied().unwrap_or(0) + offset;
+                    if let Some(c) = codes.get_mut(g * out + r) {
+                        *c = v.clamp(0, (1 << bits) - 1) as u32;
+                    }
+                }
+            }
+        }
+        None => {}
+    }
+    Ok(codes)
+}
+
+/// g_idx of a module and its stable argsort (vLLM sorts on the GPU, where the sort is stable).
+fn g_idx_and_perm(ckpt: &Checkpoint, m: &ModuleInfo) -> Result<(Vec<i32>, Vec<u32>)> {
+    let g: Vec<i32> = ckpt
+        .tensor(&format!("{}.weight_g_idx", m.name))?
+        .to_i64_vec()?
+        .into_iter()
+        .map(|v| v as i32)
+        .collect();
+    let mut perm: Vec<u32> = (0..g.len() as u32).collect();
+    perm.sort_by_key(|&i| g.get(i as usize).copied().unwrap_or(0));
+    Ok((g, perm))
+}
+
+fn to_bytes_u32(v: &[u32]) -> Vec<u8> {
+    v.iter().flat_map(|w| w.to_le_bytes()).collect()
+}
+
+fn scale_bytes(v: &[u32], dtype: DType) -> Vec<u8> {
+    if dtype.bit_size() == 16 {
+        v.iter().flat_map(|&w| (w as u16).to_le_bytes()).collect()
+    } else {
+        to_bytes_u32(v)
+    }
+}
+
+/// Everything one expert contributes, before stacking.
+struct ExpertOut {
+    w13: Vec<u32>,
+    w2: Vec<u32>,
+    s13: Vec<u32>,
+    s2: Vec<u32>,
+    z13: Vec<u32>,
+    z2: Vec<u32>,
+    g13: Vec<i32>,
+    p13: Vec<u32>,
+    g2: Vec<i32>,
+    p2: Vec<u32>,
+}
+
+/// Converts one MoE layer. `version` is the quantization config's compressed-tensors version.
+pub fn convert_layer(
+    ckpt: &Checkpoint,
+    layer: &MoeLayer,
+    geo: &MarlinGeometry,
+    version: Option<&str>,
+) -> Result<Vec<OutTensor>> {
+    let variant = PackVariant::for_version(version);
+    let (h, i, ip, bits) = (
+        geo.hidden,
+        geo.intermediate,
+        geo.intermediate_padded,
+        geo.bits,
+    );
+    let pf = pack_factor(bits);
+    let mask = (1u32 << bits) - 1;
+    let (gh, gi) = (geo.groups_h(), geo.groups_i());
+    let gi_src = if geo.group_size > 0 {
+        i / geo.group_size as usize
+    } else {
+        1
+    };
+    let per_expert: Vec<ExpertOut> = layer
+        .experts
+        .par_iter()
+        .enumerate()
+        .map(|(e, x)| -> Result<ExpertOut> {
+            let gate = x.gate.as_ref().ok_or_else(|| layout(&geo.prefix, format!("expert {e} has no gate_proj")))?;
+            let (up, down) = (&x.up, &x.down);
+            let gw = words(ckpt, &gate.weight_tensor)?;
+            let uw = words(ckpt, &up.weight_tensor)?;
+            let dw = words(ckpt, &down.weight_tensor)?;
+            // Act-order: one w13 g_idx per expert, so gate's and up's must agree.
+            let (g13, p13, g2, p2) = if geo.act_order {
+                let (gg, gp) = g_idx_and_perm(ckpt, gate)?;
+                let (ug, _) = g_idx_and_perm(ckpt, up)?;
+                if gg != ug {
+                    return Err(layout(
+                        &geo.prefix,
+                        format!("expert {e}: '{}.weight_g_idx' and '{}.weight_g_idx' differ; Marlin keeps one w13 g_idx per expert", gate.name, up.name),
+                    ));
+                }
+                let (dg, dp) = g_idx_and_perm(ckpt, down)?;
+                (gp.iter().map(|&k| gg[k as usize]).collect(), gp, dp.iter().map(|&k| dg[k as usize]).collect(), dp)
+            } else {
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new())
+            };
+            // Codes straight from the compressed-tensors [N, K/pf] words: GPTQ transposed.
+            let kw_h = (h * bits as usize).div_ceil(32);
+            let kw_i = (i * bits as usize).div_ceil(32);
+            let ct = |src: &[u32], kwords: usize, n: usize, k: usize| -> u32 {
+                field(|w| src.get(n * kwords + w).copied().unwrap_or(0), k, bits, variant) & mask
+            };
+            let mut w13 = vec![0u32; repacked_words(h, 2 * ip, bits)];
+            let code13 = |k: usize, n: usize| -> u32 {
+                let ks = if p13.is_empty() { k } else { p13.get(k).copied().unwrap_or(0) as usize };
+                if n < ip {
+                    if n < i { ct(gw, kw_h, n, ks) } else { 0 }
+                } else if n - ip < i {
+                    ct(uw, kw_h, n - ip, ks)
+                } else {
+                    0
+                }
+            };
+            repack_codes(code13, h, 2 * ip, bits, &mut w13);
+            let mut w2 = vec![0u32; repacked_words(ip, h, bits)];
+            let code2 = |k: usize, n: usize| -> u32 {
+                let ks = if p2.is_empty() { k } else { p2.get(k).copied().unwrap_or(0) as usize };
+                if ks < i { ct(dw, kw_i, n, ks) } else { 0 }
+            };
+            repack_codes(code2, ip, h, bits, &mut w2);
+
+            // Scales: [N, G] -> [G, N], zero-padded, then Marlin-permuted.
+            let gs = scale_bits(ckpt, &format!("{}.weight_scale", gate.name))?;
+            let us = scale_bits(ckpt, &format!("{}.weight_scale", up.name))?;
+            let ds = scale_bits(ckpt, &format!("{}.weight_scale", down.name))?;
+            let mut s13 = vec![0u32; gh * 2 * ip];
+            for g in 0..gh {
+                for n in 0..i {
+                    s13[g * 2 * ip + n] = gs.get(n * gh + g).copied().unwrap_or(0);
+                    s13[g * 2 * ip + ip + n] = us.get(n * gh + g).copied().unwrap_or(0);
+                }
+            }
+            let s13 = marlin_permute_scales(&s13, i, 2 * ip, geo.group_size)?;
+            let mut s2 = vec![0u32; gi * h];
+            for g in 0..gi_src {
+                for n in 0..h {
+                    s2[g * h + n] = ds.get(n * gi_src + g).copied().unwrap_or(0);
+                }
+            }
+            let size_k2 = gi * if geo.group_size > 0 { geo.group_size as usize } else { pf };
+            let s2 = marlin_permute_scales(&s2, size_k2, h, geo.group_size)?;
+
+            let (z13, z2) = if geo.symmetric {
+                (Vec::new(), Vec::new())
+            } else {
+                let gz = zero_point_codes(ckpt, gate, bits, gh, variant)?;
+                let uz = zero_point_codes(ckpt, up, bits, gh, variant)?;
+                let dz = zero_point_codes(ckpt, down, bits, gi_src, variant)?;
+                let mut z13 = vec![0u32; gh * 2 * ip];
+                for g in 0..gh {
+                    for n in 0..i {
+                        z13[g * 2 * ip + n] = gz.get(g * i + n).copied().unwrap_or(0);
+                        z13[g * 2 * ip + ip + n] = uz.get(g * i + n).copied().unwrap_or(0);
+                    }
+                }
+                let mut z2 = vec![0u32; gi * h];
+                z2[..gi_src * h].copy_from_slice(dz.get(..gi_src * h).unwrap_or(&[]));
+                (marlin_zero_points(&z13, gh, 2 * ip, bits)?, marlin_zero_points(&z2, gi, h, bits)?)
+            };
+            Ok(ExpertOut { w13, w2, s13, s2, z13, z2, g13, p13, g2, p2 })
+        })
+        .collect::<Result<_>>()?;
+
+    let specs = geo.specs();
+    let mut out = Vec::with_capacity(specs.len());
+    for (name, dtype, shape) in specs {
+        let suffix = name.rsplit('.').next().unwrap_or("");
+        let data: Vec<u8> = per_expert
+            .iter()
+            .flat_map(|x| match suffix {
+                "w13_weight_packed" => to_bytes_u32(&x.w13),
+                "w2_weight_packed" => to_bytes_u32(&x.w2),
+                "w13_weight_scale" => scale_bytes(&x.s13, dtype),
+                "w2_weight_scale" => scale_bytes(&x.s2, dtype),
+                "w13_weight_zero_point" => to_bytes_u32(&x.z13),
+                "w2_weight_zero_point" => to_bytes_u32(&x.z2),
+                "w13_weight_g_idx" => x.g13.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                "w2_weight_g_idx" => x.g2.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                "w13_g_idx_sort_indices" => to_bytes_u32(&x.p13),
+                "w2_g_idx_sort_indices" => to_bytes_u32(&x.p2),
+                _ => Vec::new(),
+            })
+            .collect();
+        let expected = shape.iter().product::<usize>() * dtype.bit_size() / 8;
+        if data.len() != expected {
+            return Err(layout(
+                &name,
+                format!("produced {} bytes, expected {expected}", data.len()),
+            ));
+        }
+        out.push(OutTensor {
+            name,
+            dtype,
+            shape,
+            data,
+        });
+    }
+    let _ = grouped_scales;
+    Ok(out)
+}
+
+/// Dequantises expert `e`'s `role` projection ("gate", "up" or "down") from the Marlin tensors of
+/// a layer: `[out, in]` in the scale dtype, with the same arithmetic as compressed-tensors.
+pub fn dequantize_marlin(
+    tensors: &dyn Fn(&str) -> Option<FetchedTensor>,
+    geo: &MarlinGeometry,
+    expert: usize,
+    role: &str,
+) -> Result<crate::quant::Dequantized> {
+    let p = &geo.prefix;
+    let (h, i, ip, bits) = (
+        geo.hidden,
+        geo.intermediate,
+        geo.intermediate_padded,
+        geo.bits,
+    );
+    let pf = pack_factor(bits);
+    let get = |suffix: &str| {
+        tensors(&format!("{p}.{suffix}")).ok_or_else(|| layout(p, format!("missing {p}.{suffix}")))
+    };
+    let u32s = |b: &[u8]| -> Vec<u32> {
+        b.chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    };
+    let w13 = role != "down";
+    let (k, n_total) = if w13 { (h, 2 * ip) } else { (ip, h) };
+    let (_, _, wbytes) = get(if w13 {
+        "w13_weight_packed"
+    } else {
+        "w2_weight_packed"
+    })?;
+    let per = repacked_words(k, n_total, bits);
+    let words_all = u32s(&wbytes);
+    let wexp = words_all
+        .get(expert * per..(expert + 1) * per)
+        .ok_or_else(|| layout(p, format!("no expert {expert}")))?;
+    let codes = unrepack_to_codes(wexp, k, n_total, bits);
+    let perm: Vec<u32> = if geo.act_order {
+        let (_, _, b) = get(if w13 {
+            "w13_g_idx_sort_indices"
+        } else {
+            "w2_g_idx_sort_indices"
+        })?;
+        let all = u32s(&b);
+        let kk = if w13 { h } else { i };
+        all.get(expert * kk..(expert + 1) * kk)
+            .unwrap_or(&[])
+            .to_vec()
+    } else {
+        Vec::new()
+    };
+    let groups = if w13 { geo.groups_h() } else { geo.groups_i() };
+    let (sdtype, _, sbytes) = get(if w13 {
+        "w13_weight_scale"
+    } else {
+        "w2_weight_scale"
+    })?;
+    let es = sdtype.bit_size() / 8;
+    let sall: Vec<u32> = if es == 2 {
+        sbytes
+            .chunks_exact(2)
+            .map(|c| u32::from(u16::from_le_bytes([c[0], c[1]])))
+            .collect()
+    } else {
+        u32s(&sbytes)
+    };
+    let sper = groups * n_total;
+    let sexp = sall.get(expert * sper..(expert + 1) * sper).unwrap_or(&[]);
+    let size_k_scales = if w13 {
+        i
+    } else {
+        groups
+            * if geo.group_size > 0 {
+                geo.group_size as usize
+            } else {
+                pf
+            }
+    };
+    let scales = marlin_unpermute_scales(sexp, size_k_scales, n_total, geo.group_size)?;
+    let zps: Option<Vec<u32>> = if geo.symmetric {
+        None
+    } else {
+        let (_, _, zb) = get(if w13 {
+            "w13_weight_zero_point"
+        } else {
+            "w2_weight_zero_point"
+        })?;
+        let zall = u32s(&zb);
+        let zper = groups * n_total / pf;
+        Some(marlin_zero_points_inverse(
+            zall.get(expert * zper..(expert + 1) * zper).unwrap_or(&[]),
+            groups,
+            n_total,
+            bits,
+        )?)
+    };
+    let (col0, out_f, in_f) = match role {
+        "gate" => (0, i, h),
+        "up" => (ip, i, h),
+        _ => (0, h, i),
+    };
+    let g_of_sorted: Vec<usize> = if geo.act_order {
+        let (_, _, gb) = get(if w13 {
+            "w13_weight_g_idx"
+        } else {
+            "w2_weight_g_idx"
+        })?;
+        let all = u32s(&gb);
+        let kk = if w13 { h } else { i };
+        all.get(expert * kk..(expert + 1) * kk)
+            .unwrap_or(&[])
+            .iter()
+            .map(|&v| v as usize)
+            .collect()
+    } else {
+        (0..k)
+            .map(|kk| {
+                if geo.group_size > 0 {
+                    kk / geo.group_size as usize
+                } else {
+                    0
+                }
+            })
+            .collect()
+    };
+    let offset = 1i64 << (bits - 1);
+    let mut w = vec![0u8; out_f * in_f * es];
+    for sk in 0..in_f {
+        // Sorted row sk holds original input row perm[sk].
+        let orig_k = if perm.is_empty() {
+            sk
+        } else {
+            perm.get(sk).copied().unwrap_or(0) as usize
+        };
+        let g = g_of_sorted.get(sk).copied().unwrap_or(0);
+        for n in 0..out_f {
+            let col = col0 + n;
+            let code = i64::from(codes.get(sk * n_total + col).copied().unwrap_or(0));
+            let sbits = scales.get(g * n_total + col).copied().unwrap_or(0);
+            let zp = zps
+                .as_ref()
+                .map(|z| i64::from(z.get(g * n_total + col).copied().unwrap_or(0)));
+            let val = crate::quant::dequant::dequant_value(
+                sdtype,
+                code - offset,
+                zp.map(|z| z - offset),
+                sbits,
+            );
+            let at = (n * in_f + orig_k) * es;
+            if let Some(dst) = w.get_mut(at..at + es) {
+                dst.copy_from_slice(&val[..es]);
+            }
+        }
+    }
+    Ok(crate::quant::Dequantized {
+        dtype: sdtype,
+        shape: [out_f, in_f],
+        data: w,
+    })
+}

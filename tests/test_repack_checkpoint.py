@@ -1,0 +1,298 @@
+"""`moeq repack --target marlin`: the bytes against an independent numpy implementation of the
+spec, bit-exact dequantisation (--verify), determinism, atomic output, and bad inputs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from marlin_ref import ct_moe_to_marlin
+
+import moeq_rs as mq
+from moeq_rs.repack import repack_checkpoint
+from synth import GROUP, quant_config, write_checkpoint
+
+WNA16 = [
+    "qwen3_w4a16_g128_sym",
+    "qwen3_w4a16_g128_asym",
+    "qwen3_w8a16_g128",
+    "qwen3_w8a16_channel",
+    "qwen3_w4a16_actorder",
+    "mixtral_w8a16_channel",
+    "laguna_mixed_int4_int8",
+    "qwen3_w4a16_sharded",
+]
+
+
+def raw(ckpt: mq.Checkpoint, name: str) -> np.ndarray:
+    return np.asarray(ckpt.tensor(name))
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "moeq_rs", *args], capture_output=True, text=True, check=False
+    )
+
+
+def digest(path: Path) -> dict[str, str]:
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.iterdir())
+        if p.is_file()
+    }
+
+
+@pytest.mark.parametrize("name", WNA16)
+def test_repack_matches_numpy_reference_and_verifies(
+    fixture_path: Callable[[str], Path], tmp_path: Path, name: str
+) -> None:
+    src_dir = fixture_path(name)
+    out = tmp_path / "marlin"
+    r = cli("repack", str(src_dir), str(out), "--target", "marlin", "--verify")
+    assert r.returncode == 0, r.stderr
+    assert "verified" in r.stdout and "repack [" in r.stderr
+    src, dst = mq.open(src_dir), mq.open(out)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["moeq"]["layout"] == "marlin" and cfg["moeq"]["layout_version"] == 1
+    assert dst.summary()["layout"] == "marlin"
+    src_names = set(src.tensor_names())
+    for meta, layer in zip(cfg["moeq"]["layers"], src.moe_layers(), strict=True):
+        p = meta["prefix"]
+        assert p == f"{layer['prefix']}.experts"
+        bits, group, sym = meta["num_bits"], meta["group_size"], meta["symmetric"]
+        act_order = meta["act_order"]
+        w1, w3, w2 = (
+            ("w1", "w3", "w2")
+            if name.startswith("mixtral")
+            else ("gate_proj", "up_proj", "down_proj")
+        )
+        experts = []
+        for e in range(meta["num_experts"]):
+            x: dict[str, Any] = {}
+            for role, proj in (("gate", w1), ("up", w3), ("down", w2)):
+                m = f"{p}.{e}.{proj}"
+                x[f"{role}_packed"] = raw(src, f"{m}.weight_packed")
+                x[f"{role}_scale"] = raw(src, f"{m}.weight_scale")
+                if not sym:
+                    x[f"{role}_zp"] = raw(src, f"{m}.weight_zero_point")
+                if act_order:
+                    x[f"{role}_g_idx"] = raw(src, f"{m}.weight_g_idx")
+            experts.append(x)
+        ref = ct_moe_to_marlin(
+            experts, meta["hidden_size"], meta["intermediate_size"], bits, group, sym, act_order
+        )
+        pairs = {
+            "w13_weight_packed": "w13",
+            "w2_weight_packed": "w2",
+            "w13_weight_scale": "s13",
+            "w2_weight_scale": "s2",
+        }
+        if not sym:
+            pairs |= {"w13_weight_zero_point": "z13", "w2_weight_zero_point": "z2"}
+        if act_order:
+            pairs |= {
+                "w13_weight_g_idx": "g13",
+                "w2_weight_g_idx": "g2",
+                "w13_g_idx_sort_indices": "p13",
+                "w2_g_idx_sort_indices": "p2",
+            }
+        for tensor, key in pairs.items():
+            got = raw(dst, f"{p}.{tensor}")
+            want = ref[key]
+            assert got.shape == want.shape, tensor
+            assert got.tobytes() == want.astype(got.dtype).tobytes(), f"{p}.{tensor}"
+        # No per-expert tensor of a converted layer survives; everything else is copied.
+        assert not any(n.startswith(f"{p}.0.") for n in dst.tensor_names())
+    for n in dst.tensor_names():
+        if n in src_names:
+            assert raw(dst, n).tobytes() == raw(src, n).tobytes(), n
+
+
+def test_repack_is_deterministic(fixture_path: Callable[[str], Path], tmp_path: Path) -> None:
+    src = fixture_path("qwen3_w4a16_g128_asym")
+    a, b = tmp_path / "a", tmp_path / "b"
+    repack_checkpoint(src, a)
+    repack_checkpoint(src, b, max_shard_size="600KB")
+    c = tmp_path / "c"
+    repack_checkpoint(src, c, max_shard_size="600KB")
+    assert digest(b) == digest(c)
+    assert len(list(b.glob("*.safetensors"))) > 1 and (b / "model.safetensors.index.json").exists()
+    assert (a / "model.safetensors").exists()
+    # Shard splits change the files, never the tensors.
+    ta, tb = mq.open(a), mq.open(b)
+    assert ta.tensor_names() == tb.tensor_names()
+    for n in ta.tensor_names():
+        assert raw(ta, n).tobytes() == raw(tb, n).tobytes()
+
+
+def test_existing_output_is_refused_without_force(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    src = fixture_path("qwen3_w8a16_g128")
+    out = tmp_path / "out"
+    out.mkdir()
+    r = cli("repack", str(src), str(out), "--target", "marlin")
+    assert r.returncode == 1 and "already exists (pass --force" in r.stderr
+    assert list(out.iterdir()) == []
+    r = cli("repack", str(src), str(out), "--target", "marlin", "--force")
+    assert r.returncode == 0, r.stderr
+    assert (out / "config.json").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["out"], "temporary directories left behind"
+
+
+def test_interrupted_write_leaves_nothing(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    src = fixture_path("qwen3_w4a16_g128_sym")
+    out = tmp_path / "out"
+    calls = []
+
+    def progress(stage: str, done: int, total: int, written: int, wtotal: int) -> None:
+        calls.append(stage)
+        if stage == "layers":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        repack_checkpoint(src, out, progress=progress)
+    assert "layers" in calls
+    assert list(tmp_path.iterdir()) == [], "nothing may be left beside or at OUT_DIR"
+
+
+def test_interrupt_from_signal(fixture_path: Callable[[str], Path], tmp_path: Path) -> None:
+    # A real SIGINT mid-run: the progress callback sees it and the CLI exits 130, cleanly.
+    src = fixture_path("qwen3_w4a16_g128_sym")
+    out = tmp_path / "out"
+    code = (
+        "import os, signal, sys\n"
+        "from moeq_rs import cli, repack\n"
+        "orig = repack.repack_checkpoint\n"
+        "def wrapped(*a, **k):\n"
+        "    p = k['progress']\n"
+        "    def prog(stage, *rest):\n"
+        "        p(stage, *rest)\n"
+        "        if stage == 'layers': os.kill(os.getpid(), signal.SIGINT)\n"
+        "    k['progress'] = prog\n"
+        "    return orig(*a, **k)\n"
+        "repack.repack_checkpoint = wrapped\n"
+        f"sys.exit(cli.main(['repack', {str(src)!r}, {str(out)!r}, '--target', 'marlin']))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 130, r.stderr
+    assert "interrupted" in r.stderr and "Traceback" not in r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_read_only_output_location(fixture_path: Callable[[str], Path]) -> None:
+    # /proc refuses new directories even to root.
+    r = cli("repack", str(fixture_path("qwen3_w8a16_g128")), "/proc/moeq-out", "--target", "marlin")
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1].startswith("moeq: error: /proc/") and "Traceback" not in r.stderr
+    assert not os.path.exists("/proc/moeq-out")
+
+
+def test_missing_parent_directory(fixture_path: Callable[[str], Path], tmp_path: Path) -> None:
+    r = cli(
+        "repack",
+        str(fixture_path("qwen3_w8a16_g128")),
+        str(tmp_path / "a" / "b"),
+        "--target",
+        "marlin",
+    )
+    assert r.returncode == 1 and "parent directory" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "name,error,match",
+    [
+        ("qwen3_w8a8_dynamic", "UnsupportedSchemeError", "weight-only pack-quantized"),
+        ("qwen3_mixed_per_expert", "UnsupportedSchemeError", "per-expert mixed precision"),
+        ("qwen3_unquantized", "UnsupportedSchemeError", "not quantized"),
+    ],
+)
+def test_unsupported_schemes(
+    fixture_path: Callable[[str], Path], tmp_path: Path, name: str, error: str, match: str
+) -> None:
+    with pytest.raises(getattr(mq, error), match=match):
+        repack_checkpoint(fixture_path(name), tmp_path / "out")
+    r = cli("repack", str(fixture_path(name)), str(tmp_path / "out"), "--target", "marlin")
+    assert r.returncode == 1 and r.stderr.startswith("moeq: error:") and match in r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_shape_not_tileable(tmp_path: Path) -> None:
+    src = write_checkpoint(tmp_path / "src", hidden=96)
+    with pytest.raises(mq.LayoutError, match="size_n=96 is not a positive multiple of 64"):
+        repack_checkpoint(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_gate_and_up_g_idx_must_agree(tmp_path: Path) -> None:
+    qc = quant_config()
+    qc["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    # hidden 128 and intermediate 64 keep two groups of 32 along both K dimensions.
+    src = write_checkpoint(tmp_path / "src", qc=qc, hidden=128, inter=64, g_idx="distinct")
+    with pytest.raises(
+        mq.LayoutError,
+        match=r"experts\.0\.gate_proj\.weight_g_idx' and "
+        r"'.*experts\.0\.up_proj\.weight_g_idx' differ",
+    ):
+        repack_checkpoint(src, tmp_path / "out")
+    ok = write_checkpoint(tmp_path / "ok", qc=qc, hidden=128, inter=64, g_idx="shared")
+    r = repack_checkpoint(ok, tmp_path / "out", verify=True)
+    assert r["verified_modules"] == 6 and GROUP == 32
+
+
+def test_target_cpu_is_not_available_yet(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    r = cli("repack", str(fixture_path("qwen3_w8a16_g128")), str(tmp_path / "o"), "--target", "cpu")
+    assert r.returncode == 1 and "target 'cpu' is not available" in r.stderr
+
+
+def test_bad_max_shard_size(fixture_path: Callable[[str], Path], tmp_path: Path) -> None:
+    r = cli(
+        "repack",
+        str(fixture_path("qwen3_w8a16_g128")),
+        str(tmp_path / "o"),
+        "--target",
+        "marlin",
+        "--max-shard-size",
+        "lots",
+    )
+    assert r.returncode == 1 and "cannot read 'lots'" in r.stderr
+
+
+def test_repacked_checkpoint_inspects(fixture_path: Callable[[str], Path], tmp_path: Path) -> None:
+    out = tmp_path / "m"
+    repack_checkpoint(fixture_path("laguna_mixed_int4_int8"), out)
+    doc = json.loads(cli("inspect", str(out), "--json", "--platform", "cuda").stdout)
+    assert doc["layout"] == "marlin"
+    assert [
+        (layer["layer"], layer["weight"]["num_bits"], layer["backend"])
+        for layer in doc["moe_layers"]
+    ] == [(1, 4, "cuda_marlin_wna16"), (2, 8, "cuda_marlin_wna16")]
+    assert doc["routing"]["scoring_func"] == "sigmoid"
+    # Opening validates the recorded layout against the stored shapes.
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["moeq"]["layers"][0]["num_experts"] = 9
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(mq.CheckpointError, match="recorded Marlin layout"):
+        mq.open(out)
+    cfg["moeq"]["layout_version"] = 2
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(mq.ConfigError, match="layout_version 2"):
+        mq.open(out)
+    with pytest.raises(mq.CheckpointError, match="already a repacked checkpoint"):
+        cfg["moeq"]["layout_version"] = 1
+        cfg["moeq"]["layers"][0]["num_experts"] = 8
+        (out / "config.json").write_text(json.dumps(cfg))
+        repack_checkpoint(out, tmp_path / "again")
