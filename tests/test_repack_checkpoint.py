@@ -296,3 +296,34 @@ def test_repacked_checkpoint_inspects(fixture_path: Callable[[str], Path], tmp_p
         cfg["moeq"]["layers"][0]["num_experts"] = 8
         (out / "config.json").write_text(json.dumps(cfg))
         repack_checkpoint(out, tmp_path / "again")
+
+
+@pytest.mark.parametrize("inter", [96, 160])
+def test_intermediate_padding_matches_reference(tmp_path: Path, inter: int) -> None:
+    # I = 96 or 160 with group 32: padded to a multiple of lcm(64, 32) = 64 without act-order.
+    src_dir = write_checkpoint(tmp_path / "src", hidden=128, inter=inter)
+    r = repack_checkpoint(src_dir, tmp_path / "out", verify=True)
+    assert r["verified_modules"] == 6
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    meta = cfg["moeq"]["layers"][0]
+    assert meta["intermediate_size_padded"] == (inter + 63) // 64 * 64
+    src, dst = mq.open(src_dir), mq.open(tmp_path / "out")
+    p = meta["prefix"]
+    experts = []
+    for e in range(meta["num_experts"]):
+        experts.append(
+            {
+                f"{role}_{kind}": raw(src, f"{p}.{e}.{role}_proj.weight_{t}")
+                for role in ("gate", "up", "down")
+                for kind, t in (("packed", "packed"), ("scale", "scale"))
+            }
+        )
+    ref = ct_moe_to_marlin(experts, 128, inter, 4, 32, True, False)
+    for tensor, key in (
+        ("w13_weight_packed", "w13"),
+        ("w2_weight_packed", "w2"),
+        ("w13_weight_scale", "s13"),
+        ("w2_weight_scale", "s2"),
+    ):
+        got = raw(dst, f"{p}.{tensor}")
+        assert got.tobytes() == ref[key].astype(got.dtype).tobytes(), tensor

@@ -20,6 +20,37 @@ fn layout_error(subject: &str, reason: impl Into<String>) -> LayoutError {
     }
 }
 
+/// A zeroed buffer for a large output. Linux: the kernel is asked to back it with transparent
+/// huge pages first, so filling it takes a few hundred page faults instead of one per 4 KiB (on
+/// virtual machines a 4 KiB fault costs microseconds, more than the repack itself).
+pub fn output_buffer(len: usize) -> Vec<u32> {
+    let mut v: Vec<u32> = Vec::with_capacity(len);
+    #[cfg(target_os = "linux")]
+    {
+        const HUGE: usize = 2 << 20;
+        let bytes = len * std::mem::size_of::<u32>();
+        if bytes >= 4 * HUGE {
+            let start = v.as_mut_ptr() as usize;
+            let aligned = start.div_ceil(HUGE) * HUGE;
+            let end = (start + bytes) / HUGE * HUGE;
+            if end > aligned {
+                // SAFETY: [aligned, end) lies inside the allocation just reserved by
+                // `with_capacity` (we rounded inwards to 2 MiB boundaries); MADV_HUGEPAGE only
+                // changes how the kernel backs those pages and never their contents.
+                unsafe {
+                    libc::madvise(
+                        aligned as *mut libc::c_void,
+                        end - aligned,
+                        libc::MADV_HUGEPAGE,
+                    );
+                }
+            }
+        }
+    }
+    v.resize(len, 0);
+    v
+}
+
 /// Checks the repack shape rules: 4 or 8 bits, `K % 16 == 0`, `N % 64 == 0`.
 pub fn check_repack_shape(
     subject: &str,
@@ -82,6 +113,146 @@ where
                 }
             }
         });
+}
+
+/// The 16 codes of column `n` in tile row `kt` (rows `16kt..16kt+16`), packed: 4-bit codes as
+/// nibbles in the low 64 bits (row `16kt+j` at bits `4j..4j+4`), 8-bit codes as the 16 bytes.
+/// This is exactly two (4-bit) or four (8-bit) consecutive GPTQ words of one column.
+pub type Column16 = u128;
+
+/// The fast tile loop: fills `out` (`[K/16, N*16/pf]`) from whole 16-row columns. Produces the
+/// same words as [`repack_codes`] (the table-driven reference), with a few shifts per word.
+pub fn repack_columns<F>(column: F, size_k: usize, size_n: usize, bits: u32, out: &mut [u32])
+where
+    F: Fn(usize, usize) -> Column16 + Sync,
+{
+    // The bit width is a compile-time constant inside the loops: it decides every shift.
+    if bits == 4 {
+        repack_columns_const::<4, F>(column, size_k, size_n, out);
+    } else {
+        repack_columns_const::<8, F>(column, size_k, size_n, out);
+    }
+}
+
+fn repack_columns_const<const BITS: u32, F>(
+    column: F,
+    size_k: usize,
+    size_n: usize,
+    out: &mut [u32],
+) where
+    F: Fn(usize, usize) -> Column16 + Sync,
+{
+    let pf = pack_factor(BITS);
+    let words_per_tile = TILE_VALUES / pf;
+    let n_tiles = size_n / TILE_N;
+    let row_words = n_tiles * words_per_tile;
+    debug_assert_eq!(out.len(), size_k / TILE_K * row_words);
+    out.par_chunks_mut(row_words.max(1))
+        .enumerate()
+        .for_each(|(kt, row)| {
+            let mut cols = [0u128; TILE_N];
+            for (nt, tile) in row.chunks_exact_mut(words_per_tile).enumerate() {
+                for (nn, c) in cols.iter_mut().enumerate() {
+                    *c = column(kt, nt * TILE_N + nn);
+                }
+                if BITS == 4 {
+                    tile_words_4bit(&cols, tile);
+                } else {
+                    tile_words_8bit(&cols, tile);
+                }
+            }
+        });
+}
+
+/// One 4-bit tile: word `4*(4*col + t) + warp` takes, from columns `c = 16*warp + col` and
+/// `c + 8`, the bytes holding rows (2t, 2t+1) and (2t+8, 2t+9); low nibbles go to slots 0-3,
+/// high nibbles to slots 4-7 (`reference/marlin_layout.md` §5.2).
+#[inline]
+fn tile_words_4bit(cols: &[u128; TILE_N], tile: &mut [u32]) {
+    for warp in 0..4 {
+        for col in 0..8 {
+            let c0 = cols[16 * warp + col] as u64;
+            let c1 = cols[16 * warp + col + 8] as u64;
+            for t in 0..4 {
+                let a = ((c0 >> (8 * t)) & 0xff) as u32;
+                let b = ((c0 >> (32 + 8 * t)) & 0xff) as u32;
+                let c = ((c1 >> (8 * t)) & 0xff) as u32;
+                let d = ((c1 >> (32 + 8 * t)) & 0xff) as u32;
+                let lo = (a & 15) | (b & 15) << 4 | (c & 15) << 8 | (d & 15) << 12;
+                let hi = (a >> 4) | (b >> 4) << 4 | (c >> 4) << 8 | (d >> 4) << 12;
+                if let Some(w) = tile.get_mut(4 * (4 * col + t) + warp) {
+                    *w = lo | hi << 16;
+                }
+            }
+        }
+    }
+}
+
+/// One 8-bit tile: word `8*(4*col + t) + 2*warp + half` holds rows 2t, 2t+8, 2t+1, 2t+9 of
+/// column `16*warp + col + 8*half`, one per byte.
+#[inline]
+fn tile_words_8bit(cols: &[u128; TILE_N], tile: &mut [u32]) {
+    for warp in 0..4 {
+        for half in 0..2 {
+            for col in 0..8 {
+                let c = cols[16 * warp + 8 * half + col];
+                for t in 0..4 {
+                    let byte = |k: usize| ((c >> (8 * k)) & 0xff) as u32;
+                    let word = byte(2 * t)
+                        | byte(2 * t + 8) << 8
+                        | byte(2 * t + 1) << 16
+                        | byte(2 * t + 9) << 24;
+                    if let Some(w) = tile.get_mut(8 * (4 * col + t) + 2 * warp + half) {
+                        *w = word;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Builds a [`Column16`] code by code (for act-order gathers and padding).
+#[inline]
+pub fn column_from_codes(bits: u32, code: impl Fn(usize) -> u32) -> Column16 {
+    let mut c: u128 = 0;
+    for j in 0..TILE_K {
+        c |= u128::from(code(j)) << (j as u32 * bits);
+    }
+    c
+}
+
+/// The column of compressed-tensors words `[N, K/pf]` (GPTQ transposed): `16/pf` consecutive
+/// words of row `n`, `kwords` words per row.
+#[inline(always)]
+pub fn ct_column(words: &[u32], kwords: usize, bits: u32, kt: usize, n: usize) -> Column16 {
+    let rows = TILE_K / pack_factor(bits);
+    let at = n * kwords + kt * rows;
+    let mut c: u128 = 0;
+    if let Some(ws) = words.get(at..at + rows) {
+        for (r, &w) in ws.iter().enumerate() {
+            c |= u128::from(w) << (32 * r);
+        }
+    }
+    c
+}
+
+/// The column of GPTQ words `[K/pf, N]` (no permutation): consecutive words of column `n`.
+#[inline(always)]
+pub fn gptq_column(q: &[u32], size_n: usize, bits: u32, kt: usize, n: usize) -> Column16 {
+    if bits == 4 {
+        gptq_column_rows::<2>(q, size_n, kt, n)
+    } else {
+        gptq_column_rows::<4>(q, size_n, kt, n)
+    }
+}
+
+#[inline(always)]
+fn gptq_column_rows<const ROWS: usize>(q: &[u32], size_n: usize, kt: usize, n: usize) -> Column16 {
+    let mut c: u128 = 0;
+    for r in 0..ROWS {
+        c |= u128::from(q.get((kt * ROWS + r) * size_n + n).copied().unwrap_or(0)) << (32 * r);
+    }
+    c
 }
 
 /// The inverse tile loop: calls `put(k, n, code)` for every value of a Marlin weight.
@@ -174,17 +345,24 @@ pub fn gptq_marlin_repack(
         ));
     }
     check_perm(S, perm, size_k)?;
-    let mut out = vec![0u32; repacked_words(size_k, size_n, bits)];
+    let mut out = output_buffer(repacked_words(size_k, size_n, bits));
     let mask = (1u32 << bits) - 1;
     let gptq = |ks: usize, n: usize| -> u32 {
         let w = qweight.get((ks / pf) * size_n + n).copied().unwrap_or(0);
         (w >> ((ks % pf) as u32 * bits)) & mask
     };
     if perm.is_empty() {
-        repack_codes(gptq, size_k, size_n, bits, &mut out);
+        repack_columns(
+            |kt, n| gptq_column(qweight, size_n, bits, kt, n),
+            size_k,
+            size_n,
+            bits,
+            &mut out,
+        );
     } else {
-        repack_codes(
-            |k, n| gptq(perm.get(k).copied().unwrap_or(0) as usize, n),
+        let p = |k: usize| perm.get(k).copied().unwrap_or(0) as usize;
+        repack_columns(
+            |kt, n| column_from_codes(bits, |j| gptq(p(kt * TILE_K + j), n)),
             size_k,
             size_n,
             bits,
@@ -301,10 +479,10 @@ pub fn gptq_marlin_moe_repack(
         ));
     }
     let per_out = repacked_words(size_k, size_n, bits);
-    let mut out = vec![0u32; experts * per_out];
-    out.par_chunks_mut(per_out.max(1))
-        .enumerate()
-        .try_for_each(|(e, dst)| -> Result<(), LayoutError> {
+    let mut out = output_buffer(experts * per_out);
+    // Experts in sequence: each expert's tile rows are already spread over the pool.
+    out.chunks_mut(per_out.max(1)).enumerate().try_for_each(
+        |(e, dst)| -> Result<(), LayoutError> {
             let q = qweight.get(e * per_in..(e + 1) * per_in).unwrap_or(&[]);
             let p = if perm.is_empty() {
                 &[][..]
@@ -318,10 +496,17 @@ pub fn gptq_marlin_moe_repack(
                     & mask
             };
             if p.is_empty() {
-                repack_codes(gptq, size_k, size_n, bits, dst);
+                repack_columns(
+                    |kt, n| gptq_column(q, size_n, bits, kt, n),
+                    size_k,
+                    size_n,
+                    bits,
+                    dst,
+                );
             } else {
-                repack_codes(
-                    |k, n| gptq(p.get(k).copied().unwrap_or(0) as usize, n),
+                let pk = |k: usize| p.get(k).copied().unwrap_or(0) as usize;
+                repack_columns(
+                    |kt, n| column_from_codes(bits, |j| gptq(pk(kt * TILE_K + j), n)),
                     size_k,
                     size_n,
                     bits,
@@ -329,7 +514,8 @@ pub fn gptq_marlin_moe_repack(
                 );
             }
             Ok(())
-        })?;
+        },
+    )?;
     Ok(out)
 }
 
@@ -541,4 +727,32 @@ pub fn marlin_zero_points_inverse(
             }
         });
     Ok(permute_chunks(&grouped, &SCALE_PERM_GROUPED, true))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        /// The fast column path equals the table-driven reference on random words.
+        #[test]
+        fn fast_path_equals_reference(bits in prop_oneof![Just(4u32), Just(8)], kt in 1usize..5, nt in 1usize..4, seed in any::<u64>(), with_perm in any::<bool>()) {
+            let (k, n) = (kt * 16, nt * 64);
+            let pf = pack_factor(bits);
+            let mut x = seed | 1;
+            let q: Vec<u32> = (0..k / pf * n).map(|_| { x ^= x << 13; x ^= x >> 7; x ^= x << 17; x as u32 }).collect();
+            let perm: Vec<u32> = if with_perm { let mut p: Vec<u32> = (0..k as u32).collect(); p.reverse(); p.swap(0, k / 2); p } else { Vec::new() };
+            let fast = gptq_marlin_repack(&q, &perm, k, n, bits).unwrap();
+            let mask = (1u32 << bits) - 1;
+            let code = |kk: usize, nn: usize| {
+                let ks = if perm.is_empty() { kk } else { perm[kk] as usize };
+                (q[(ks / pf) * n + nn] >> ((ks % pf) as u32 * bits)) & mask
+            };
+            let mut reference = vec![0u32; repacked_words(k, n, bits)];
+            repack_codes(code, k, n, bits, &mut reference);
+            prop_assert_eq!(fast, reference);
+        }
+    }
 }

@@ -8,9 +8,9 @@
 use rayon::prelude::*;
 
 use super::marlin::{
-    check_repack_shape, grouped_scales, marlin_permute_scales, marlin_unpermute_scales,
-    marlin_zero_points, marlin_zero_points_inverse, repack_codes, repacked_words,
-    unrepack_to_codes,
+    check_repack_shape, column_from_codes, ct_column, marlin_permute_scales,
+    marlin_unpermute_scales, marlin_zero_points, marlin_zero_points_inverse, output_buffer,
+    repack_columns, repacked_words, unrepack_to_codes, Column16,
 };
 use super::tables::pack_factor;
 use crate::checkpoint::{Checkpoint, DType};
@@ -429,24 +429,39 @@ pub fn convert_layer(
             let ct = |src: &[u32], kwords: usize, n: usize, k: usize| -> u32 {
                 field(|w| src.get(n * kwords + w).copied().unwrap_or(0), k, bits, variant) & mask
             };
-            let mut w13 = vec![0u32; repacked_words(h, 2 * ip, bits)];
-            let code13 = |k: usize, n: usize| -> u32 {
-                let ks = if p13.is_empty() { k } else { p13.get(k).copied().unwrap_or(0) as usize };
-                if n < ip {
-                    if n < i { ct(gw, kw_h, n, ks) } else { 0 }
-                } else if n - ip < i {
-                    ct(uw, kw_h, n - ip, ks)
+            // Whole 16-row columns straight from the [N, K/pf] words; act-order gathers rows
+            // code by code. Padding columns (w13) and rows (w2) are zero codes.
+            let mut w13 = output_buffer(repacked_words(h, 2 * ip, bits));
+            let col13 = |kt: usize, n: usize| -> Column16 {
+                let (src, nn) = if n < ip { (gw, n) } else { (uw, n - ip) };
+                if nn >= i {
+                    return 0;
+                }
+                if p13.is_empty() {
+                    ct_column(src, kw_h, bits, kt, nn)
                 } else {
-                    0
+                    column_from_codes(bits, |j| {
+                        ct(src, kw_h, nn, p13.get(kt * 16 + j).copied().unwrap_or(0) as usize)
+                    })
                 }
             };
-            repack_codes(code13, h, 2 * ip, bits, &mut w13);
-            let mut w2 = vec![0u32; repacked_words(ip, h, bits)];
-            let code2 = |k: usize, n: usize| -> u32 {
-                let ks = if p2.is_empty() { k } else { p2.get(k).copied().unwrap_or(0) as usize };
-                if ks < i { ct(dw, kw_i, n, ks) } else { 0 }
+            repack_columns(col13, h, 2 * ip, bits, &mut w13);
+            let mut w2 = output_buffer(repacked_words(ip, h, bits));
+            let col2 = |kt: usize, n: usize| -> Column16 {
+                if p2.is_empty() {
+                    if (kt + 1) * 16 <= i {
+                        ct_column(dw, kw_i, bits, kt, n)
+                    } else {
+                        column_from_codes(bits, |j| {
+                            let k = kt * 16 + j;
+                            if k < i { ct(dw, kw_i, n, k) } else { 0 }
+                        })
+                    }
+                } else {
+                    column_from_codes(bits, |j| ct(dw, kw_i, n, p2.get(kt * 16 + j).copied().unwrap_or(0) as usize))
+                }
             };
-            repack_codes(code2, ip, h, bits, &mut w2);
+            repack_columns(col2, ip, h, bits, &mut w2);
 
             // Scales: [N, G] -> [G, N], zero-padded, then Marlin-permuted.
             let gs = scale_bits(ckpt, &format!("{}.weight_scale", gate.name))?;
@@ -524,7 +539,6 @@ pub fn convert_layer(
             data,
         });
     }
-    let _ = grouped_scales;
     Ok(out)
 }
 
