@@ -193,6 +193,38 @@ impl ShardWriter {
         f.write_all_at(data, slot.offset).map_err(|e| io(path, e))
     }
 
+    /// Writes `data` at byte `offset` inside a planned tensor (a slice of a stacked tensor).
+    pub fn write_part(&self, name: &str, offset: u64, data: &[u8]) -> Result<()> {
+        let slot = self
+            .plan
+            .slots
+            .get(name)
+            .ok_or_else(|| CheckpointError::Output {
+                path: PathBuf::from(name),
+                reason: "tensor was not planned".into(),
+            })?;
+        if offset + data.len() as u64 > slot.nbytes {
+            return Err(CheckpointError::Output {
+                path: PathBuf::from(name),
+                reason: format!(
+                    "bytes {offset}..{} fall outside the {} planned",
+                    offset + data.len() as u64,
+                    slot.nbytes
+                ),
+            }
+            .into());
+        }
+        let (path, f) = self
+            .files
+            .get(slot.shard)
+            .ok_or_else(|| CheckpointError::Output {
+                path: PathBuf::from(name),
+                reason: "shard missing".into(),
+            })?;
+        f.write_all_at(data, slot.offset + offset)
+            .map_err(|e| io(path, e))
+    }
+
     /// Flushes every shard to disk.
     pub fn finish(self) -> Result<()> {
         for (path, f) in &self.files {

@@ -225,21 +225,24 @@ pub fn repack_marlin(
     let version = model.quantization_config().and_then(|q| q.version.clone());
     let mut layer_meta = Vec::new();
     for (l, g) in &layers {
-        let tensors = convert_layer(ckpt, l, g, version.as_deref())?;
-        for t in &tensors {
-            writer.write(&t.name, &t.data)?;
-            written += t.data.len() as u64;
-        }
-        drop(tensors);
-        for e in &l.experts {
-            for (_, m) in e.modules() {
-                for s in MODULE_TENSOR_SUFFIXES {
-                    if let Some((f, t)) = ckpt.locate(&format!("{}.{s}", m.name)) {
-                        f.release(t);
+        let mut sink = |e: usize, name: &str, data: &[u8]| -> Result<()> {
+            writer.write_part(name, (e * data.len()) as u64, data)?;
+            written += data.len() as u64;
+            Ok(())
+        };
+        // The source pages of an expert are dropped as soon as it is converted.
+        let mut release = |e: usize| {
+            if let Some(x) = l.experts.get(e) {
+                for (_, m) in x.modules() {
+                    for s in MODULE_TENSOR_SUFFIXES {
+                        if let Some((f, t)) = ckpt.locate(&format!("{}.{s}", m.name)) {
+                            f.release(t);
+                        }
                     }
                 }
             }
-        }
+        };
+        convert_layer(ckpt, l, g, version.as_deref(), &mut sink, &mut release)?;
         let weights = l
             .experts
             .first()

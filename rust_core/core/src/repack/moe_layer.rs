@@ -5,8 +5,6 @@
 //! act-order, w13 scales permuted with `size_k = I`, 4-bit zero points, act-order sort indices
 //! from a stable argsort.
 
-use rayon::prelude::*;
-
 use super::marlin::{
     check_repack_shape, column_from_codes, ct_column, marlin_permute_scales,
     marlin_unpermute_scales, marlin_zero_points, marlin_zero_points_inverse, output_buffer,
@@ -377,12 +375,18 @@ struct ExpertOut {
 }
 
 /// Converts one MoE layer. `version` is the quantization config's compressed-tensors version.
+///
+/// Experts are converted one after the other (each one's tile loops use the whole thread pool),
+/// and each expert's slices of the stacked tensors go to `sink(expert, tensor name, bytes)` as
+/// soon as they exist, followed by `done(expert)`: memory stays near one expert, not one layer.
 pub fn convert_layer(
     ckpt: &Checkpoint,
     layer: &MoeLayer,
     geo: &MarlinGeometry,
     version: Option<&str>,
-) -> Result<Vec<OutTensor>> {
+    sink: &mut dyn FnMut(usize, &str, &[u8]) -> Result<()>,
+    done: &mut dyn FnMut(usize),
+) -> Result<()> {
     let variant = PackVariant::for_version(version);
     let (h, i, ip, bits) = (
         geo.hidden,
@@ -398,148 +402,191 @@ pub fn convert_layer(
     } else {
         1
     };
-    let per_expert: Vec<ExpertOut> = layer
-        .experts
-        .par_iter()
-        .enumerate()
-        .map(|(e, x)| -> Result<ExpertOut> {
-            let gate = x.gate.as_ref().ok_or_else(|| layout(&geo.prefix, format!("expert {e} has no gate_proj")))?;
-            let (up, down) = (&x.up, &x.down);
-            let gw = words(ckpt, &gate.weight_tensor)?;
-            let uw = words(ckpt, &up.weight_tensor)?;
-            let dw = words(ckpt, &down.weight_tensor)?;
-            // Act-order: one w13 g_idx per expert, so gate's and up's must agree.
-            let (g13, p13, g2, p2) = if geo.act_order {
-                let (gg, gp) = g_idx_and_perm(ckpt, gate)?;
-                let (ug, _) = g_idx_and_perm(ckpt, up)?;
-                if gg != ug {
-                    return Err(layout(
+    let specs = geo.specs();
+    let convert = |e: usize, x: &crate::moe::ExpertModules| -> Result<ExpertOut> {
+        let gate = x
+            .gate
+            .as_ref()
+            .ok_or_else(|| layout(&geo.prefix, format!("expert {e} has no gate_proj")))?;
+        let (up, down) = (&x.up, &x.down);
+        let gw = words(ckpt, &gate.weight_tensor)?;
+        let uw = words(ckpt, &up.weight_tensor)?;
+        let dw = words(ckpt, &down.weight_tensor)?;
+        // Act-order: one w13 g_idx per expert, so gate's and up's must agree.
+        let (g13, p13, g2, p2) = if geo.act_order {
+            let (gg, gp) = g_idx_and_perm(ckpt, gate)?;
+            let (ug, _) = g_idx_and_perm(ckpt, up)?;
+            if gg != ug {
+                return Err(layout(
                         &geo.prefix,
                         format!("expert {e}: '{}.weight_g_idx' and '{}.weight_g_idx' differ; Marlin keeps one w13 g_idx per expert", gate.name, up.name),
                     ));
-                }
-                let (dg, dp) = g_idx_and_perm(ckpt, down)?;
-                (gp.iter().map(|&k| gg[k as usize]).collect(), gp, dp.iter().map(|&k| dg[k as usize]).collect(), dp)
+            }
+            let (dg, dp) = g_idx_and_perm(ckpt, down)?;
+            (
+                gp.iter().map(|&k| gg[k as usize]).collect(),
+                gp,
+                dp.iter().map(|&k| dg[k as usize]).collect(),
+                dp,
+            )
+        } else {
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new())
+        };
+        // Codes straight from the compressed-tensors [N, K/pf] words: GPTQ transposed.
+        let kw_h = (h * bits as usize).div_ceil(32);
+        let kw_i = (i * bits as usize).div_ceil(32);
+        let ct = |src: &[u32], kwords: usize, n: usize, k: usize| -> u32 {
+            field(
+                |w| src.get(n * kwords + w).copied().unwrap_or(0),
+                k,
+                bits,
+                variant,
+            ) & mask
+        };
+        // Whole 16-row columns straight from the [N, K/pf] words; act-order gathers rows
+        // code by code. Padding columns (w13) and rows (w2) are zero codes.
+        let mut w13 = output_buffer(repacked_words(h, 2 * ip, bits));
+        let col13 = |kt: usize, n: usize| -> Column16 {
+            let (src, nn) = if n < ip { (gw, n) } else { (uw, n - ip) };
+            if nn >= i {
+                return 0;
+            }
+            if p13.is_empty() {
+                ct_column(src, kw_h, bits, kt, nn)
             } else {
-                (Vec::new(), Vec::new(), Vec::new(), Vec::new())
-            };
-            // Codes straight from the compressed-tensors [N, K/pf] words: GPTQ transposed.
-            let kw_h = (h * bits as usize).div_ceil(32);
-            let kw_i = (i * bits as usize).div_ceil(32);
-            let ct = |src: &[u32], kwords: usize, n: usize, k: usize| -> u32 {
-                field(|w| src.get(n * kwords + w).copied().unwrap_or(0), k, bits, variant) & mask
-            };
-            // Whole 16-row columns straight from the [N, K/pf] words; act-order gathers rows
-            // code by code. Padding columns (w13) and rows (w2) are zero codes.
-            let mut w13 = output_buffer(repacked_words(h, 2 * ip, bits));
-            let col13 = |kt: usize, n: usize| -> Column16 {
-                let (src, nn) = if n < ip { (gw, n) } else { (uw, n - ip) };
-                if nn >= i {
-                    return 0;
-                }
-                if p13.is_empty() {
-                    ct_column(src, kw_h, bits, kt, nn)
+                column_from_codes(bits, |j| {
+                    ct(
+                        src,
+                        kw_h,
+                        nn,
+                        p13.get(kt * 16 + j).copied().unwrap_or(0) as usize,
+                    )
+                })
+            }
+        };
+        repack_columns(col13, h, 2 * ip, bits, &mut w13);
+        let mut w2 = output_buffer(repacked_words(ip, h, bits));
+        let col2 = |kt: usize, n: usize| -> Column16 {
+            if p2.is_empty() {
+                if (kt + 1) * 16 <= i {
+                    ct_column(dw, kw_i, bits, kt, n)
                 } else {
                     column_from_codes(bits, |j| {
-                        ct(src, kw_h, nn, p13.get(kt * 16 + j).copied().unwrap_or(0) as usize)
+                        let k = kt * 16 + j;
+                        if k < i {
+                            ct(dw, kw_i, n, k)
+                        } else {
+                            0
+                        }
                     })
                 }
-            };
-            repack_columns(col13, h, 2 * ip, bits, &mut w13);
-            let mut w2 = output_buffer(repacked_words(ip, h, bits));
-            let col2 = |kt: usize, n: usize| -> Column16 {
-                if p2.is_empty() {
-                    if (kt + 1) * 16 <= i {
-                        ct_column(dw, kw_i, bits, kt, n)
-                    } else {
-                        column_from_codes(bits, |j| {
-                            let k = kt * 16 + j;
-                            if k < i { ct(dw, kw_i, n, k) } else { 0 }
-                        })
-                    }
-                } else {
-                    column_from_codes(bits, |j| ct(dw, kw_i, n, p2.get(kt * 16 + j).copied().unwrap_or(0) as usize))
-                }
-            };
-            repack_columns(col2, ip, h, bits, &mut w2);
+            } else {
+                column_from_codes(bits, |j| {
+                    ct(
+                        dw,
+                        kw_i,
+                        n,
+                        p2.get(kt * 16 + j).copied().unwrap_or(0) as usize,
+                    )
+                })
+            }
+        };
+        repack_columns(col2, ip, h, bits, &mut w2);
 
-            // Scales: [N, G] -> [G, N], zero-padded, then Marlin-permuted.
-            let gs = scale_bits(ckpt, &format!("{}.weight_scale", gate.name))?;
-            let us = scale_bits(ckpt, &format!("{}.weight_scale", up.name))?;
-            let ds = scale_bits(ckpt, &format!("{}.weight_scale", down.name))?;
-            let mut s13 = vec![0u32; gh * 2 * ip];
+        // Scales: [N, G] -> [G, N], zero-padded, then Marlin-permuted.
+        let gs = scale_bits(ckpt, &format!("{}.weight_scale", gate.name))?;
+        let us = scale_bits(ckpt, &format!("{}.weight_scale", up.name))?;
+        let ds = scale_bits(ckpt, &format!("{}.weight_scale", down.name))?;
+        let mut s13 = vec![0u32; gh * 2 * ip];
+        for g in 0..gh {
+            for n in 0..i {
+                s13[g * 2 * ip + n] = gs.get(n * gh + g).copied().unwrap_or(0);
+                s13[g * 2 * ip + ip + n] = us.get(n * gh + g).copied().unwrap_or(0);
+            }
+        }
+        let s13 = marlin_permute_scales(&s13, i, 2 * ip, geo.group_size)?;
+        let mut s2 = vec![0u32; gi * h];
+        for g in 0..gi_src {
+            for n in 0..h {
+                s2[g * h + n] = ds.get(n * gi_src + g).copied().unwrap_or(0);
+            }
+        }
+        let size_k2 = gi
+            * if geo.group_size > 0 {
+                geo.group_size as usize
+            } else {
+                pf
+            };
+        let s2 = marlin_permute_scales(&s2, size_k2, h, geo.group_size)?;
+
+        let (z13, z2) = if geo.symmetric {
+            (Vec::new(), Vec::new())
+        } else {
+            let gz = zero_point_codes(ckpt, gate, bits, gh, variant)?;
+            let uz = zero_point_codes(ckpt, up, bits, gh, variant)?;
+            let dz = zero_point_codes(ckpt, down, bits, gi_src, variant)?;
+            let mut z13 = vec![0u32; gh * 2 * ip];
             for g in 0..gh {
                 for n in 0..i {
-                    s13[g * 2 * ip + n] = gs.get(n * gh + g).copied().unwrap_or(0);
-                    s13[g * 2 * ip + ip + n] = us.get(n * gh + g).copied().unwrap_or(0);
+                    z13[g * 2 * ip + n] = gz.get(g * i + n).copied().unwrap_or(0);
+                    z13[g * 2 * ip + ip + n] = uz.get(g * i + n).copied().unwrap_or(0);
                 }
             }
-            let s13 = marlin_permute_scales(&s13, i, 2 * ip, geo.group_size)?;
-            let mut s2 = vec![0u32; gi * h];
-            for g in 0..gi_src {
-                for n in 0..h {
-                    s2[g * h + n] = ds.get(n * gi_src + g).copied().unwrap_or(0);
-                }
-            }
-            let size_k2 = gi * if geo.group_size > 0 { geo.group_size as usize } else { pf };
-            let s2 = marlin_permute_scales(&s2, size_k2, h, geo.group_size)?;
-
-            let (z13, z2) = if geo.symmetric {
-                (Vec::new(), Vec::new())
-            } else {
-                let gz = zero_point_codes(ckpt, gate, bits, gh, variant)?;
-                let uz = zero_point_codes(ckpt, up, bits, gh, variant)?;
-                let dz = zero_point_codes(ckpt, down, bits, gi_src, variant)?;
-                let mut z13 = vec![0u32; gh * 2 * ip];
-                for g in 0..gh {
-                    for n in 0..i {
-                        z13[g * 2 * ip + n] = gz.get(g * i + n).copied().unwrap_or(0);
-                        z13[g * 2 * ip + ip + n] = uz.get(g * i + n).copied().unwrap_or(0);
-                    }
-                }
-                let mut z2 = vec![0u32; gi * h];
-                z2[..gi_src * h].copy_from_slice(dz.get(..gi_src * h).unwrap_or(&[]));
-                (marlin_zero_points(&z13, gh, 2 * ip, bits)?, marlin_zero_points(&z2, gi, h, bits)?)
-            };
-            Ok(ExpertOut { w13, w2, s13, s2, z13, z2, g13, p13, g2, p2 })
+            let mut z2 = vec![0u32; gi * h];
+            z2[..gi_src * h].copy_from_slice(dz.get(..gi_src * h).unwrap_or(&[]));
+            (
+                marlin_zero_points(&z13, gh, 2 * ip, bits)?,
+                marlin_zero_points(&z2, gi, h, bits)?,
+            )
+        };
+        Ok(ExpertOut {
+            w13,
+            w2,
+            s13,
+            s2,
+            z13,
+            z2,
+            g13,
+            p13,
+            g2,
+            p2,
         })
-        .collect::<Result<_>>()?;
+    };
 
-    let specs = geo.specs();
-    let mut out = Vec::with_capacity(specs.len());
-    for (name, dtype, shape) in specs {
-        let suffix = name.rsplit('.').next().unwrap_or("");
-        let data: Vec<u8> = per_expert
-            .iter()
-            .flat_map(|x| match suffix {
-                "w13_weight_packed" => to_bytes_u32(&x.w13),
-                "w2_weight_packed" => to_bytes_u32(&x.w2),
-                "w13_weight_scale" => scale_bytes(&x.s13, dtype),
-                "w2_weight_scale" => scale_bytes(&x.s2, dtype),
-                "w13_weight_zero_point" => to_bytes_u32(&x.z13),
-                "w2_weight_zero_point" => to_bytes_u32(&x.z2),
-                "w13_weight_g_idx" => x.g13.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                "w2_weight_g_idx" => x.g2.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                "w13_g_idx_sort_indices" => to_bytes_u32(&x.p13),
-                "w2_g_idx_sort_indices" => to_bytes_u32(&x.p2),
+    for (e, x) in layer.experts.iter().enumerate() {
+        let out = convert(e, x)?;
+        for (name, dtype, shape) in &specs {
+            let suffix = name.rsplit('.').next().unwrap_or("");
+            let data: Vec<u8> = match suffix {
+                "w13_weight_packed" => to_bytes_u32(&out.w13),
+                "w2_weight_packed" => to_bytes_u32(&out.w2),
+                "w13_weight_scale" => scale_bytes(&out.s13, *dtype),
+                "w2_weight_scale" => scale_bytes(&out.s2, *dtype),
+                "w13_weight_zero_point" => to_bytes_u32(&out.z13),
+                "w2_weight_zero_point" => to_bytes_u32(&out.z2),
+                "w13_weight_g_idx" => out.g13.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                "w2_weight_g_idx" => out.g2.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                "w13_g_idx_sort_indices" => to_bytes_u32(&out.p13),
+                "w2_g_idx_sort_indices" => to_bytes_u32(&out.p2),
                 _ => Vec::new(),
-            })
-            .collect();
-        let expected = shape.iter().product::<usize>() * dtype.bit_size() / 8;
-        if data.len() != expected {
-            return Err(layout(
-                &name,
-                format!("produced {} bytes, expected {expected}", data.len()),
-            ));
+            };
+            let expected =
+                shape.iter().product::<usize>() * dtype.bit_size() / 8 / geo.experts.max(1);
+            if data.len() != expected {
+                return Err(layout(
+                    name,
+                    format!(
+                        "expert {e} produced {} bytes, expected {expected}",
+                        data.len()
+                    ),
+                ));
+            }
+            sink(e, name, &data)?;
         }
-        out.push(OutTensor {
-            name,
-            dtype,
-            shape,
-            data,
-        });
+        drop(out);
+        done(e);
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Dequantises expert `e`'s `role` projection ("gate", "up" or "down") from the Marlin tensors of
