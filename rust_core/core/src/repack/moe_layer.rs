@@ -21,17 +21,11 @@ use crate::scheme::{ActOrder, Format, Strategy};
 /// The Marlin group sizes (`-1` = channelwise).
 pub const MARLIN_GROUPS: [i64; 4] = [-1, 32, 64, 128];
 
+/// Receives `(expert, stacked tensor name, that expert's bytes)`.
+pub type ExpertSink<'a> = dyn FnMut(usize, &str, &[u8]) -> Result<()> + 'a;
+
 /// A stored tensor looked up by name: dtype, shape and bytes.
 pub type FetchedTensor = (DType, Vec<usize>, Vec<u8>);
-
-/// A tensor to write: name, dtype, shape and little-endian bytes.
-#[derive(Clone, Debug)]
-pub struct OutTensor {
-    pub name: String,
-    pub dtype: DType,
-    pub shape: Vec<usize>,
-    pub data: Vec<u8>,
-}
 
 /// The Marlin geometry of one layer, known before any byte is converted.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -384,7 +378,7 @@ pub fn convert_layer(
     layer: &MoeLayer,
     geo: &MarlinGeometry,
     version: Option<&str>,
-    sink: &mut dyn FnMut(usize, &str, &[u8]) -> Result<()>,
+    sink: &mut ExpertSink<'_>,
     done: &mut dyn FnMut(usize),
 ) -> Result<()> {
     let variant = PackVariant::for_version(version);
