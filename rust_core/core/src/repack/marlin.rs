@@ -24,19 +24,22 @@ fn layout_error(subject: &str, reason: impl Into<String>) -> LayoutError {
 /// huge pages first, so filling it takes a few hundred page faults instead of one per 4 KiB (on
 /// virtual machines a 4 KiB fault costs microseconds, more than the repack itself).
 pub fn output_buffer(len: usize) -> Vec<u32> {
-    let mut v: Vec<u32> = Vec::with_capacity(len);
+    // `vec![0; n]` is a calloc: large ones are fresh zero pages, not yet touched, so the advice
+    // below applies before the first fault, and the faults (with the kernel's zeroing) happen
+    // in the parallel repack loop rather than in a single-threaded memset.
+    let v: Vec<u32> = vec![0u32; len];
     #[cfg(target_os = "linux")]
     {
         const HUGE: usize = 2 << 20;
         let bytes = len * std::mem::size_of::<u32>();
         if bytes >= 4 * HUGE {
-            let start = v.as_mut_ptr() as usize;
+            let start = v.as_ptr() as usize;
             let aligned = start.div_ceil(HUGE) * HUGE;
             let end = (start + bytes) / HUGE * HUGE;
             if end > aligned {
-                // SAFETY: [aligned, end) lies inside the allocation just reserved by
-                // `with_capacity` (we rounded inwards to 2 MiB boundaries); MADV_HUGEPAGE only
-                // changes how the kernel backs those pages and never their contents.
+                // SAFETY: [aligned, end) lies inside the allocation of `v` (rounded inwards to
+                // 2 MiB boundaries); MADV_HUGEPAGE only changes how the kernel backs those pages,
+                // never their contents.
                 unsafe {
                     libc::madvise(
                         aligned as *mut libc::c_void,
@@ -47,7 +50,6 @@ pub fn output_buffer(len: usize) -> Vec<u32> {
             }
         }
     }
-    v.resize(len, 0);
     v
 }
 
@@ -155,20 +157,40 @@ fn repack_columns_const<const BITS: u32, F>(
                 for (nn, c) in cols.iter_mut().enumerate() {
                     *c = column(kt, nt * TILE_N + nn);
                 }
-                if BITS == 4 {
-                    tile_words_4bit(&cols, tile);
-                } else {
-                    tile_words_8bit(&cols, tile);
-                }
+                dispatch_tile::<BITS>(&cols, tile);
             }
         });
+}
+
+/// Runs the SIMD tile kernel when the CPU has it, else the scalar one.
+#[inline]
+fn dispatch_tile<const BITS: u32>(cols: &[u128; TILE_N], tile: &mut [u32]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::available() {
+        if BITS == 4 {
+            if let Ok(t) = <&mut [u32; 128]>::try_from(&mut *tile) {
+                // SAFETY: `available()` checked SSSE3 support at run time.
+                unsafe { super::simd::tile_words_4bit(cols, t) };
+                return;
+            }
+        } else if let Ok(t) = <&mut [u32; 256]>::try_from(&mut *tile) {
+            // SAFETY: `available()` checked SSSE3 support at run time.
+            unsafe { super::simd::tile_words_8bit(cols, t) };
+            return;
+        }
+    }
+    if BITS == 4 {
+        scalar_tile_words_4bit(cols, tile);
+    } else {
+        scalar_tile_words_8bit(cols, tile);
+    }
 }
 
 /// One 4-bit tile: word `4*(4*col + t) + warp` takes, from columns `c = 16*warp + col` and
 /// `c + 8`, the bytes holding rows (2t, 2t+1) and (2t+8, 2t+9); low nibbles go to slots 0-3,
 /// high nibbles to slots 4-7 (`reference/marlin_layout.md` §5.2).
 #[inline]
-fn tile_words_4bit(cols: &[u128; TILE_N], tile: &mut [u32]) {
+pub(crate) fn scalar_tile_words_4bit(cols: &[u128; TILE_N], tile: &mut [u32]) {
     for warp in 0..4 {
         for col in 0..8 {
             let c0 = cols[16 * warp + col] as u64;
@@ -191,7 +213,7 @@ fn tile_words_4bit(cols: &[u128; TILE_N], tile: &mut [u32]) {
 /// One 8-bit tile: word `8*(4*col + t) + 2*warp + half` holds rows 2t, 2t+8, 2t+1, 2t+9 of
 /// column `16*warp + col + 8*half`, one per byte.
 #[inline]
-fn tile_words_8bit(cols: &[u128; TILE_N], tile: &mut [u32]) {
+pub(crate) fn scalar_tile_words_8bit(cols: &[u128; TILE_N], tile: &mut [u32]) {
     for warp in 0..4 {
         for half in 0..2 {
             for col in 0..8 {

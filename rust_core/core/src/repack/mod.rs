@@ -3,4 +3,5 @@
 pub mod checkpoint;
 pub mod marlin;
 pub mod moe_layer;
+pub mod simd;
 pub mod tables;
