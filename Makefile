@@ -60,6 +60,7 @@ fuzz:
 
 bench: build
 	$(PY) bench/open_checkpoint.py
+	$(PY) bench/repack.py
 
 clean:
 	rm -rf target $(VENV) tests/fixtures/out

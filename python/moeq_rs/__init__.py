@@ -6,7 +6,7 @@ access to its MoE layers, schemes, tensors and bit-exact dequantised weights.
 
 from __future__ import annotations
 
-from . import _core, oracle, repack
+from . import _core, cuda, oracle, repack
 from .checkpoint import Checkpoint, open
 from .errors import (
     CheckpointError,
@@ -30,6 +30,7 @@ __all__ = [
     "UnsupportedSchemeError",
     "__version__",
     "open",
+    "cuda",
     "oracle",
     "repack",
     "plan",
