@@ -799,3 +799,73 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn vllm_wna16_backend_priority_rows() {
+    // SM10x, int4 g32 symmetric: FLASHINFER_TRTLLM ranks first.
+    let v = vllm_layer(&layer(wna16(w(4, 32, true))), cuda(100), 1);
+    assert_eq!(v.backend.as_deref(), Some("FLASHINFER_TRTLLM"));
+    // Marlin rejects (hidden not a multiple of 128): grouped int4 falls to TRITON.
+    let v = vllm_layer(
+        &layer_of(vec![wna16(w(4, 64, true)); 8], 192, 768),
+        cuda(90),
+        1,
+    );
+    assert_eq!((v.backend.as_deref(), v.error), (Some("TRITON"), None));
+    // ... but channelwise weights are Marlin-only: the non-Marlin assert fires.
+    let v = vllm_layer(
+        &layer_of(vec![wna16(w(4, -1, true)); 8], 192, 768),
+        cuda(90),
+        1,
+    );
+    assert!(v.error.unwrap().starts_with("AssertionError"));
+    // CPU: only int4 symmetric non-g32 with AMX.
+    let amx = Platform::Cpu(CpuFeatures {
+        amx_int8: true,
+        ..CpuFeatures::default()
+    });
+    assert_eq!(
+        vllm_layer(&layer(wna16(w(4, 128, true))), amx, 1)
+            .backend
+            .as_deref(),
+        Some("CPU")
+    );
+    assert!(vllm_layer(&layer(wna16(w(4, 32, true))), amx, 1)
+        .error
+        .unwrap()
+        .starts_with("NotImplementedError"));
+    assert!(vllm_layer(&layer(wna16(w(4, 128, true))), cpu(), 1)
+        .error
+        .unwrap()
+        .starts_with("NotImplementedError"));
+    // int8 W8A8 on CPU needs AMX too.
+    assert_eq!(
+        vllm_layer(&layer(w8a8(w(8, -1, true), token(true))), amx, 1)
+            .backend
+            .as_deref(),
+        Some("CPU")
+    );
+    // Asymmetric 3-bit: KeyError in the WNA16 method.
+    assert_eq!(
+        vllm_layer(&layer(wna16(w(3, 128, false))), cuda(90), 1)
+            .error
+            .as_deref(),
+        Some("KeyError: 3")
+    );
+    // Format other than pack-quantized: the ValueError of row 3.
+    let int_q = ProjScheme {
+        format: Format::IntQuantized,
+        ..wna16(w(8, -1, true))
+    };
+    assert!(vllm_layer(&layer(int_q), cuda(90), 1)
+        .error
+        .unwrap()
+        .contains("only format: pack-quantized"));
+    // gate/up/down of expert 0 differ.
+    let mut input = layer(wna16(w(4, 128, true)));
+    input.experts[0].down = wna16(w(8, 128, true));
+    assert!(vllm_layer(&input, cuda(90), 1)
+        .error
+        .unwrap()
+        .contains("All MoE projections need to have same"));
+}
