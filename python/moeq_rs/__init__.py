@@ -20,12 +20,23 @@ from .oracle import Plan, plan
 
 __version__: str = _core.__version__
 
+
+def __getattr__(name: str):  # type: ignore[no-untyped-def]
+    # MoELayer subclasses torch.nn.Module: import torch only when it is asked for.
+    if name == "MoELayer":
+        from .moe import MoELayer
+
+        return MoELayer
+    raise AttributeError(f"module 'moeq_rs' has no attribute {name!r}")
+
+
 __all__ = [
     "Checkpoint",
     "CheckpointError",
     "ConfigError",
     "CudaUnavailableError",
     "LayoutError",
+    "MoELayer",
     "MoeqError",
     "UnsupportedSchemeError",
     "__version__",

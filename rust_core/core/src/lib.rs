@@ -6,6 +6,7 @@
 //! together. No pyo3 here: the Python bindings live in `rust_core/python`.
 
 pub mod checkpoint;
+pub mod cpu;
 pub mod error;
 pub mod model;
 pub mod moe;

@@ -11,6 +11,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict};
 
+mod cpu;
 mod repack;
 
 /// Raises the `moeq_rs.errors` class matching the core error's kind.
@@ -28,8 +29,8 @@ pub(crate) fn to_py(py: Python<'_>, e: moeq_core::Error) -> PyErr {
 
 /// A validated, memory-mapped checkpoint.
 #[pyclass(frozen, module = "moeq_rs._core")]
-struct Checkpoint {
-    model: Arc<Model>,
+pub(crate) struct Checkpoint {
+    pub(crate) model: Arc<Model>,
 }
 
 /// A read-only view of one tensor's bytes inside a mapped file. Exposes the numpy array
@@ -411,6 +412,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(marlin_support_reason, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_features, m)?)?;
     repack::register(m)?;
+    cpu::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<Checkpoint>()?;
     m.add_class::<TensorBuffer>()?;

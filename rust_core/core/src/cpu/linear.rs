@@ -1,0 +1,177 @@
+//! One quantized linear layer on the CPU, in the numerics of DESIGN.md: weight-only schemes
+//! compute in fp32 on the dequantised weights; W8A8 quantises activations to int8 (dynamic per
+//! token or static per tensor), accumulates in int32 and rescales in fp32.
+//!
+//! These are the scalar reference kernels; SIMD kernels (a later step) must match them exactly on
+//! the integer accumulators.
+
+use rayon::prelude::*;
+
+/// A linear layer `y = x W^T` with `W` `[n, k]`.
+#[derive(Clone, Debug)]
+pub enum Linear {
+    /// Unquantized weights in fp32.
+    Dense { n: usize, k: usize, w: Vec<f32> },
+    /// int4/int8 codes with per-(row, group) scales and optional zero points. Columns are stored
+    /// in `perm` order (act-order sorted) so every group is a contiguous run `group_starts`.
+    WeightOnly {
+        n: usize,
+        k: usize,
+        q: Vec<i8>,
+        zp: Option<Vec<i8>>,
+        scale: Vec<f32>,
+        group_starts: Vec<usize>,
+        perm: Option<Vec<u32>>,
+    },
+    /// int8 weights with per-channel scales; activations quantised per token (dynamic) or with a
+    /// static per-tensor `input_scale`.
+    Int8 {
+        n: usize,
+        k: usize,
+        q: Vec<i8>,
+        scale: Vec<f32>,
+        input_scale: Option<f32>,
+    },
+}
+
+/// Dynamic per-token int8 quantisation: `s = max|x| / 127`, `q = clamp(rne(x / s))`; a zero row
+/// gives `q = 0` (and `s = 0`).
+pub fn quantize_row_dynamic(x: &[f32], q: &mut [i8]) -> f32 {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let s = amax / 127.0;
+    quantize_row_static(x, s, q);
+    s
+}
+
+/// `q = clamp(rne(x / s), -128, 127)`; `s == 0` gives zeros.
+pub fn quantize_row_static(x: &[f32], s: f32, q: &mut [i8]) {
+    for (o, &v) in q.iter_mut().zip(x) {
+        *o = if s > 0.0 {
+            (v / s).round_ties_even().clamp(-128.0, 127.0) as i8
+        } else {
+            0
+        };
+    }
+}
+
+/// `Σ a[i] * b[i]` in int32.
+pub fn dot_i8(a: &[i8], b: &[i8]) -> i32 {
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| i32::from(x) * i32::from(y))
+        .sum()
+}
+
+impl Linear {
+    pub fn out_features(&self) -> usize {
+        match self {
+            Linear::Dense { n, .. } | Linear::WeightOnly { n, .. } | Linear::Int8 { n, .. } => *n,
+        }
+    }
+    pub fn in_features(&self) -> usize {
+        match self {
+            Linear::Dense { k, .. } | Linear::WeightOnly { k, .. } | Linear::Int8 { k, .. } => *k,
+        }
+    }
+
+    /// `y[m, n]` for `x[m, k]` (row-major f32); `parallel` splits the output rows over threads.
+    pub fn forward(&self, x: &[f32], m: usize, parallel: bool) -> Vec<f32> {
+        let (n, k) = (self.out_features(), self.in_features());
+        let mut y = vec![0f32; m * n];
+        match self {
+            Linear::Dense { w, .. } => {
+                let row = |r: usize, out: &mut [f32]| {
+                    let xr = &x[r * k..(r + 1) * k];
+                    for (j, o) in out.iter_mut().enumerate() {
+                        *o = w[j * k..(j + 1) * k]
+                            .iter()
+                            .zip(xr)
+                            .map(|(a, b)| a * b)
+                            .sum();
+                    }
+                };
+                for_rows(&mut y, n, parallel, row);
+            }
+            Linear::WeightOnly {
+                q,
+                zp,
+                scale,
+                group_starts,
+                perm,
+                ..
+            } => {
+                let groups = group_starts.len();
+                let xs: Vec<f32> = match perm {
+                    Some(p) => (0..m)
+                        .flat_map(|r| p.iter().map(move |&c| x[r * k + c as usize]))
+                        .collect(),
+                    None => x[..m * k].to_vec(),
+                };
+                let row = |r: usize, out: &mut [f32]| {
+                    let xr = &xs[r * k..(r + 1) * k];
+                    for (j, o) in out.iter_mut().enumerate() {
+                        let qr = &q[j * k..(j + 1) * k];
+                        let mut acc = 0f32;
+                        for g in 0..groups {
+                            let (a, b) = (
+                                group_starts[g],
+                                group_starts.get(g + 1).copied().unwrap_or(k),
+                            );
+                            let z = zp.as_ref().map_or(0f32, |z| f32::from(z[j * groups + g]));
+                            let part: f32 = qr[a..b]
+                                .iter()
+                                .zip(&xr[a..b])
+                                .map(|(&c, &v)| (f32::from(c) - z) * v)
+                                .sum();
+                            acc += part * scale[j * groups + g];
+                        }
+                        *o = acc;
+                    }
+                };
+                for_rows(&mut y, n, parallel, row);
+            }
+            Linear::Int8 {
+                q,
+                scale,
+                input_scale,
+                ..
+            } => {
+                let mut qx = vec![0i8; m * k];
+                let mut sx = vec![0f32; m];
+                for r in 0..m {
+                    let xr = &x[r * k..(r + 1) * k];
+                    let qr = &mut qx[r * k..(r + 1) * k];
+                    sx[r] = match input_scale {
+                        Some(s) => {
+                            quantize_row_static(xr, *s, qr);
+                            *s
+                        }
+                        None => quantize_row_dynamic(xr, qr),
+                    };
+                }
+                let row = |r: usize, out: &mut [f32]| {
+                    let qr = &qx[r * k..(r + 1) * k];
+                    for (j, o) in out.iter_mut().enumerate() {
+                        let acc = dot_i8(qr, &q[j * k..(j + 1) * k]);
+                        *o = acc as f32 * sx[r] * scale[j];
+                    }
+                };
+                for_rows(&mut y, n, parallel, row);
+            }
+        }
+        y
+    }
+}
+
+fn for_rows(y: &mut [f32], n: usize, parallel: bool, f: impl Fn(usize, &mut [f32]) + Sync) {
+    if n == 0 {
+        return;
+    }
+    if parallel {
+        y.par_chunks_mut(n)
+            .enumerate()
+            .for_each(|(r, out)| f(r, out));
+    } else {
+        y.chunks_mut(n).enumerate().for_each(|(r, out)| f(r, out));
+    }
+}

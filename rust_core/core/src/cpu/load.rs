@@ -1,0 +1,303 @@
+//! Building [`CpuMoe`] layers from an opened checkpoint.
+
+use half::{bf16, f16};
+
+use super::linear::Linear;
+use super::moe::{CpuExpert, CpuMoe};
+use crate::checkpoint::{Checkpoint, DType};
+use crate::error::{module_error, Result, UnsupportedSchemeError};
+use crate::model::Model;
+use crate::moe::{ExpertModules, MoeLayer};
+use crate::oracle::{Backend, CpuFeatures, Method, Options, Platform};
+use crate::quant::pack::{field, PackVariant};
+use crate::scheme::module::{ModuleInfo, ZeroPointLayout};
+use crate::scheme::{ActOrder, Format, Strategy};
+
+/// A float tensor (BF16, F16 or F32) as f32 values.
+pub fn floats(ckpt: &Checkpoint, name: &str) -> Result<Vec<f32>> {
+    let v = ckpt.tensor(name)?;
+    let b = v.bytes;
+    Ok(match v.dtype() {
+        DType::BF16 => b
+            .chunks_exact(2)
+            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        DType::F16 => b
+            .chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        DType::F32 => b
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        other => {
+            return Err(module_error(
+                name,
+                format!("has dtype {other}, expected a float dtype"),
+            ))
+        }
+    })
+}
+
+/// One module as a CPU linear layer.
+pub fn linear(ckpt: &Checkpoint, m: &ModuleInfo, version: Option<&str>) -> Result<Linear> {
+    let (n, k) = (m.out_features, m.in_features);
+    let Some(w) = m.weights() else {
+        return Ok(Linear::Dense {
+            n,
+            k,
+            w: floats(ckpt, &m.weight_tensor)?,
+        });
+    };
+    let unsupported = |reason: String| -> crate::error::Error {
+        UnsupportedSchemeError {
+            subject: format!("module '{}'", m.name),
+            reason,
+        }
+        .into()
+    };
+    let name = &m.name;
+    match (m.format(), m.input_activations()) {
+        (Format::IntQuantized, Some(a)) => {
+            if w.num_bits != 8 || w.strategy != Strategy::Channel || !w.symmetric || !a.symmetric {
+                return Err(unsupported("the CPU int8 path needs symmetric channelwise int8 weights and symmetric activations".into()));
+            }
+            let q: Vec<i8> = ckpt
+                .tensor(&m.weight_tensor)?
+                .bytes
+                .iter()
+                .map(|&b| b as i8)
+                .collect();
+            let scale = floats(ckpt, &format!("{name}.weight_scale"))?;
+            let input_scale = if a.is_dynamic() {
+                None
+            } else {
+                floats(ckpt, &format!("{name}.input_scale"))?
+                    .first()
+                    .copied()
+            };
+            Ok(Linear::Int8 {
+                n,
+                k,
+                q,
+                scale,
+                input_scale,
+            })
+        }
+        (Format::PackQuantized, None) => {
+            let bits = w.num_bits;
+            let variant = PackVariant::for_version(version);
+            let offset = 1i32 << (bits - 1);
+            let words: Vec<u32> = ckpt
+                .tensor(&m.weight_tensor)?
+                .bytes
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            let kw = (k * bits as usize).div_ceil(32);
+            let groups = match w.strategy {
+                Strategy::Group => k / w.group_size.max(1) as usize,
+                Strategy::Channel => 1,
+                s => {
+                    return Err(unsupported(format!(
+                        "strategy \"{}\" is not a weight-only CPU scheme",
+                        s.name()
+                    )))
+                }
+            };
+            // Column order: act-order sorts columns by group so each group is contiguous.
+            let col_group: Vec<u32> = if m.has_g_idx && w.actorder == Some(ActOrder::Group) {
+                ckpt.tensor(&format!("{name}.weight_g_idx"))?
+                    .to_i64_vec()?
+                    .into_iter()
+                    .map(|g| g.max(0) as u32)
+                    .collect()
+            } else {
+                (0..k)
+                    .map(|c| {
+                        if groups > 1 {
+                            (c / (k / groups)) as u32
+                        } else {
+                            0
+                        }
+                    })
+                    .collect()
+            };
+            let mut perm: Vec<u32> = (0..k as u32).collect();
+            perm.sort_by_key(|&c| col_group.get(c as usize).copied().unwrap_or(0));
+            let identity = perm.iter().enumerate().all(|(i, &p)| i as u32 == p);
+            let mut q = vec![0i8; n * k];
+            for r in 0..n {
+                let word = |i: usize| words.get(r * kw + i).copied().unwrap_or(0);
+                for (j, &c) in perm.iter().enumerate() {
+                    q[r * k + j] = (field(word, c as usize, bits, variant) as i32 - offset) as i8;
+                }
+            }
+            let mut group_starts = Vec::with_capacity(groups);
+            let mut last = u32::MAX;
+            for (j, &c) in perm.iter().enumerate() {
+                let g = col_group.get(c as usize).copied().unwrap_or(0);
+                if g != last {
+                    group_starts.push(j);
+                    last = g;
+                }
+            }
+            if group_starts.len() != groups {
+                return Err(module_error(
+                    name,
+                    format!(
+                        "g_idx names {} groups, the scales have {groups}",
+                        group_starts.len()
+                    ),
+                ));
+            }
+            let scale = floats(ckpt, &format!("{name}.weight_scale"))?;
+            let zp = match m.zero_point {
+                None => None,
+                Some(ZeroPointLayout::Unpacked) => Some(
+                    ckpt.tensor(&format!("{name}.weight_zero_point"))?
+                        .to_i64_vec()?
+                        .into_iter()
+                        .map(|v| v as i8)
+                        .collect(),
+                ),
+                Some(ZeroPointLayout::Packed) => {
+                    let zw: Vec<u32> = ckpt
+                        .tensor(&format!("{name}.weight_zero_point"))?
+                        .bytes
+                        .chunks_exact(4)
+                        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect();
+                    let mut z = vec![0i8; n * groups];
+                    for g in 0..groups {
+                        let word = |i: usize| zw.get(i * groups + g).copied().unwrap_or(0);
+                        for r in 0..n {
+                            z[r * groups + g] =
+                                (field(word, r, bits, variant) as i32 - offset) as i8;
+                        }
+                    }
+                    Some(z)
+                }
+            };
+            Ok(Linear::WeightOnly {
+                n,
+                k,
+                q,
+                zp,
+                scale,
+                group_starts,
+                perm: (!identity).then_some(perm),
+            })
+        }
+        (f, _) => Err(unsupported(format!(
+            "format \"{}\" has no CPU kernel",
+            f.name()
+        ))),
+    }
+}
+
+fn expert(ckpt: &Checkpoint, e: &ExpertModules, version: Option<&str>) -> Result<CpuExpert> {
+    let gate = match &e.gate {
+        Some(g) => Some(linear(ckpt, g, version)?),
+        None => None,
+    };
+    let up = linear(ckpt, &e.up, version)?;
+    if let (
+        Some(Linear::Int8 {
+            input_scale: Some(a),
+            ..
+        }),
+        Linear::Int8 {
+            input_scale: Some(b),
+            ..
+        },
+    ) = (&gate, &up)
+    {
+        if a.to_bits() != b.to_bits() {
+            let gname = e.gate.as_ref().map_or("gate_proj", |g| g.name.as_str());
+            return Err(UnsupportedSchemeError {
+                subject: format!("'{gname}' and '{}'", e.up.name),
+                reason: format!("static input scales differ ({a} vs {b}); gate and up see the same input and must share one"),
+            }
+            .into());
+        }
+    }
+    Ok(CpuExpert {
+        gate,
+        up,
+        down: linear(ckpt, &e.down, version)?,
+    })
+}
+
+/// The CPU MoE of decoder layer `layer`, after checking that the oracle plans it onto
+/// `cpu_simd` (or that it is unquantized).
+pub fn moe_layer(model: &Model, layer: usize) -> Result<CpuMoe> {
+    let l: &MoeLayer = model
+        .moe_layers()
+        .iter()
+        .find(|l| l.layer == layer)
+        .ok_or_else(|| {
+            let have: Vec<usize> = model.moe_layers().iter().map(|l| l.layer).collect();
+            module_error(
+                &format!("layer {layer}"),
+                format!("is not an MoE layer of this checkpoint (MoE layers: {have:?})"),
+            )
+        })?;
+    let plan = crate::oracle::plan_layer(
+        &Model::layer_input(l),
+        Platform::Cpu(CpuFeatures::detect()),
+        Options::default(),
+    );
+    if plan.method != Method::Unquantized && plan.backend != Some(Backend::CpuSimd) {
+        return Err(UnsupportedSchemeError {
+            subject: format!("{} (layer {layer})", l.prefix),
+            reason: plan.error.unwrap_or_else(|| "no CPU plan".into()),
+        }
+        .into());
+    }
+    let ckpt = model.checkpoint();
+    let version = model.quantization_config().and_then(|q| q.version.clone());
+    let experts = l
+        .experts
+        .iter()
+        .map(|e| expert(ckpt, e, version.as_deref()))
+        .collect::<Result<Vec<_>>>()?;
+    let shared = match &l.shared_experts {
+        Some(s) => Some(expert(ckpt, s, version.as_deref())?),
+        None => None,
+    };
+    let sized = |name: &str, v: Vec<f32>, want: usize| -> Result<Vec<f32>> {
+        if v.len() == want {
+            Ok(v)
+        } else {
+            Err(module_error(
+                name,
+                format!("holds {} values, expected {want}", v.len()),
+            ))
+        }
+    };
+    let shared_gate = match &l.shared_expert_gate {
+        Some(g) => {
+            let name = format!("{g}.weight");
+            Some(sized(&name, floats(ckpt, &name)?, l.hidden_size)?)
+        }
+        None => None,
+    };
+    let correction_bias = match l.router.as_ref().and_then(|r| r.correction_bias.as_ref()) {
+        Some(b) => Some(sized(b, floats(ckpt, b)?, l.experts.len())?),
+        None => None,
+    };
+    let top_k = model
+        .routing()
+        .top_k
+        .ok_or_else(|| module_error(&l.prefix, "config.json has no num_experts_per_tok"))?;
+    Ok(CpuMoe {
+        hidden: l.hidden_size,
+        experts,
+        shared,
+        shared_gate,
+        routing: model.routing().clone(),
+        top_k,
+        correction_bias,
+    })
+}

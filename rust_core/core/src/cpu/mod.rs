@@ -1,0 +1,8 @@
+//! The CPU MoE path: routing, quantized linear layers and the fused forward.
+
+pub mod linear;
+pub mod load;
+pub mod moe;
+pub mod routing;
+
+pub use moe::{CpuExpert, CpuMoe};

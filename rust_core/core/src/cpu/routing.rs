@@ -1,0 +1,126 @@
+//! Top-k routing: softmax (Qwen-MoE, Mixtral) and sigmoid with score-correction bias, expert
+//! groups and routed scaling (DeepSeek-V3, Laguna).
+
+use crate::moe::{Routing, Scoring};
+
+/// Routing of `t` tokens: `ids[t * k + j]`, `weights[t * k + j]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Routed {
+    pub top_k: usize,
+    pub ids: Vec<u32>,
+    pub weights: Vec<f32>,
+}
+
+/// Indices of the `k` largest values, largest first; ties keep the lower index (like
+/// `torch.topk` on CPU for distinct values; ties are measure-zero with real logits).
+fn top_k_indices(values: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..values.len()).collect();
+    idx.sort_by(|&a, &b| {
+        let (va, vb) = (values[a], values[b]);
+        vb.partial_cmp(&va)
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(a.cmp(&b))
+    });
+    idx.truncate(k);
+    idx
+}
+
+/// Routes `logits` (`[tokens, experts]`, f32) with the model's routing parameters.
+/// `correction_bias` is `[experts]` when the router has one. `apply_scaling` multiplies the
+/// weights by the routed scaling factor (what `forward` does; `forward_topk` does not).
+pub fn route(
+    logits: &[f32],
+    experts: usize,
+    routing: &Routing,
+    top_k: usize,
+    correction_bias: Option<&[f32]>,
+    apply_scaling: bool,
+) -> Routed {
+    let tokens = logits.len().checked_div(experts).unwrap_or(0);
+    let k = top_k.min(experts);
+    let mut ids = Vec::with_capacity(tokens * k);
+    let mut weights = Vec::with_capacity(tokens * k);
+    for row in logits.chunks_exact(experts.max(1)).take(tokens) {
+        let capped: Vec<f32> = match routing.logit_softcapping {
+            Some(c) if c > 0.0 => row
+                .iter()
+                .map(|&x| ((x as f64 / c).tanh() * c) as f32)
+                .collect(),
+            _ => row.to_vec(),
+        };
+        let (chosen, mut w): (Vec<usize>, Vec<f32>) = match routing.scoring {
+            Scoring::Softmax => {
+                let max = capped.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let exps: Vec<f32> = capped.iter().map(|&x| (x - max).exp()).collect();
+                let sum: f32 = exps.iter().sum();
+                let probs: Vec<f32> = exps.iter().map(|&e| e / sum).collect();
+                let chosen = top_k_indices(&probs, k);
+                let w = chosen.iter().map(|&i| probs[i]).collect();
+                (chosen, w)
+            }
+            Scoring::Sigmoid => {
+                let scores: Vec<f32> = capped.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect();
+                let choice: Vec<f32> = match correction_bias {
+                    Some(b) if b.len() == scores.len() => {
+                        scores.iter().zip(b).map(|(s, b)| s + b).collect()
+                    }
+                    _ => scores.clone(),
+                };
+                let masked = match (routing.n_group, routing.topk_group) {
+                    (Some(groups), Some(keep)) if groups > 1 && experts % groups == 0 => {
+                        let per = experts / groups;
+                        // Group score: sum of the two best corrected scores in the group.
+                        let gscore: Vec<f32> = (0..groups)
+                            .map(|g| {
+                                let best =
+                                    top_k_indices(&choice[g * per..(g + 1) * per], 2.min(per));
+                                best.iter().map(|&i| choice[g * per + i]).sum()
+                            })
+                            .collect();
+                        let kept = top_k_indices(&gscore, keep.min(groups));
+                        choice
+                            .iter()
+                            .enumerate()
+                            .map(|(e, &c)| {
+                                if kept.contains(&(e / per)) {
+                                    c
+                                } else {
+                                    f32::NEG_INFINITY
+                                }
+                            })
+                            .collect()
+                    }
+                    _ => choice,
+                };
+                let chosen = top_k_indices(&masked, k);
+                let w = chosen.iter().map(|&i| scores[i]).collect();
+                (chosen, w)
+            }
+        };
+        if routing.renormalize {
+            let sum: f32 = w.iter().sum();
+            let denom = if routing.scoring == Scoring::Sigmoid {
+                sum + 1e-20
+            } else {
+                sum
+            };
+            if denom > 0.0 {
+                for x in &mut w {
+                    *x /= denom;
+                }
+            }
+        }
+        if apply_scaling && routing.routed_scaling_factor != 1.0 {
+            for x in &mut w {
+                *x *= routing.routed_scaling_factor as f32;
+            }
+        }
+        ids.extend(chosen.iter().map(|&i| i as u32));
+        weights.extend(w);
+    }
+    Routed {
+        top_k: k,
+        ids,
+        weights,
+    }
+}

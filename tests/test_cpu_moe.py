@@ -1,0 +1,228 @@
+"""MoELayer on the CPU against an fp64 torch emulation built from each checkpoint's integer codes,
+zero points and scales (W8A8: DESIGN.md's activation quantisation, emulated exactly)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import moeq_rs as mq
+
+CASES = [  # (fixture, layer, emulation mode)
+    ("qwen3_w4a16_g128_sym", 0, "weight_only"),
+    ("qwen3_w4a16_g128_asym", 1, "weight_only"),
+    ("qwen3_w8a16_g128", 0, "weight_only"),
+    ("qwen3_w8a16_channel", 1, "weight_only"),
+    ("qwen3_w4a16_actorder", 0, "weight_only"),
+    ("mixtral_w8a16_channel", 1, "weight_only"),
+    ("laguna_mixed_int4_int8", 1, "weight_only"),
+    ("laguna_mixed_int4_int8", 2, "weight_only"),
+    ("qwen3_mixed_per_expert", 0, "weight_only"),
+    ("qwen3_unquantized", 0, "weight_only"),
+    ("qwen3_w8a8_dynamic", 0, "w8a8"),
+    ("deepseek_v3_w8a8_dynamic", 1, "w8a8"),
+    ("qwen3_w8a8_static", 1, "w8a8"),
+]
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+class Emulation:
+    """fp64 reference of one MoE layer, from the checkpoint's stored codes and scales."""
+
+    def __init__(self, ckpt: mq.Checkpoint, layer: int, quantize_activations: bool) -> None:
+        self.ckpt = ckpt
+        self.info = next(x for x in ckpt.moe_layers() if x["layer"] == layer)
+        self.quant = quantize_activations
+        self.prefix = self.info["prefix"]
+        mixtral = self.prefix.endswith("block_sparse_moe")
+        self.names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+
+    def linear(self, module: str, x: torch.Tensor) -> torch.Tensor:
+        m = self.ckpt.module(module)
+        act = m["activation"]
+        if act is None or not self.quant:
+            w = (
+                self.ckpt.dequantize(module)
+                if m["quantized"]
+                else self.ckpt.tensor(m["weight_tensor"], "torch")
+            )
+            return x.double() @ w.double().T
+        q = self.ckpt.tensor(f"{module}.weight", "torch").double()
+        sw = self.ckpt.tensor(f"{module}.weight_scale", "torch").float().double().reshape(-1)
+        x32 = x.float()
+        if act["dynamic"]:
+            s = x32.abs().amax(dim=-1, keepdim=True) / 127.0
+        else:
+            s = self.ckpt.tensor(f"{module}.input_scale", "torch").float().reshape(1, 1)
+            s = s.expand(x32.shape[0], 1)
+        qx = torch.where(s > 0, torch.round(x32 / torch.where(s > 0, s, 1)), 0).clamp(-128, 127)
+        return (qx.double() @ q.T) * s.double() * sw
+
+    def expert(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
+        g, u, d = (f"{prefix}.{n}" for n in self.names)
+        h = torch.nn.functional.silu(self.linear(g, x)) * self.linear(u, x)
+        return self.linear(d, h)
+
+    def topk(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(x.shape, dtype=torch.float64)
+        for t in range(x.shape[0]):
+            for j in range(ids.shape[1]):
+                e = int(ids[t, j])
+                out[t] += (
+                    float(weights[t, j])
+                    * self.expert(f"{self.prefix}.experts.{e}", x[t : t + 1])[0]
+                )
+        return out
+
+
+def random_routing(tokens: int, experts: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = torch.randn(tokens, experts)
+    w, ids = torch.softmax(logits, -1).topk(k, dim=-1)
+    return w / w.sum(-1, keepdim=True), ids
+
+
+@pytest.mark.parametrize("name,layer,mode", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_topk_matches_emulation(
+    fixture_path: Callable[[str], Path], name: str, layer: int, mode: str, dtype: torch.dtype
+) -> None:
+    ckpt = mq.open(fixture_path(name))
+    moe = mq.MoELayer.from_checkpoint(ckpt, layer)
+    tokens = 9
+    x = torch.randn(tokens, moe.hidden_size).to(dtype)
+    w, ids = random_routing(tokens, moe.num_experts, moe.top_k)
+    got = moe.forward_topk(x, w, ids.to(torch.int32))
+    assert got.dtype == dtype and got.shape == x.shape and torch.isfinite(got).all()
+    want = Emulation(ckpt, layer, mode == "w8a8").topk(x.float(), w, ids)
+    err = rel_l2(got, want)
+    if dtype == torch.bfloat16 or name == "qwen3_w8a8_static":
+        limit = 1e-2
+    elif mode == "w8a8":
+        limit = 2e-3
+    else:
+        limit = 5e-3
+    assert err <= limit, f"{name} layer {layer} {dtype}: relative L2 error {err:.2e} > {limit}"
+
+
+def test_dynamic_w8a8_is_measurably_w8a8(fixture_path: Callable[[str], Path]) -> None:
+    ckpt = mq.open(fixture_path("qwen3_w8a8_dynamic"))
+    moe = mq.MoELayer.from_checkpoint(ckpt, 0)
+    x = torch.randn(16, moe.hidden_size)
+    w, ids = random_routing(16, moe.num_experts, moe.top_k)
+    got = moe.forward_topk(x, w, ids)
+    w8a8 = Emulation(ckpt, 0, True).topk(x, w, ids)
+    w8a16 = Emulation(ckpt, 0, False).topk(x, w, ids)
+    near, far = rel_l2(got, w8a8), rel_l2(got, w8a16)
+    assert near < far / 5, f"error vs W8A8 emulation {near:.2e}, vs no activation quant {far:.2e}"
+
+
+def torch_route(
+    cfg: dict, routing: dict, logits: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing written from the model definitions (transformers' Qwen3-MoE / DeepSeek-V3)."""
+    k = routing["top_k"]
+    logits = logits.double()
+    if routing["scoring_func"] == "softmax":
+        probs = torch.softmax(logits, -1)
+        w, ids = probs.topk(k, dim=-1)
+    else:
+        scores = torch.sigmoid(logits)
+        choice = scores + (bias.double() if bias is not None else 0)
+        if routing["n_group"]:
+            g = routing["n_group"]
+            e = logits.shape[-1]
+            grouped = choice.view(-1, g, e // g)
+            gscore = grouped.topk(2, dim=-1).values.sum(-1)
+            keep = gscore.topk(routing["topk_group"], dim=-1).indices
+            mask = torch.zeros_like(gscore).scatter_(1, keep, 1).bool()
+            choice = choice.masked_fill(~mask.repeat_interleave(e // g, dim=1), float("-inf"))
+        ids = choice.topk(k, dim=-1).indices
+        w = scores.gather(1, ids)
+    if routing["renormalize"]:
+        w = w / w.sum(-1, keepdim=True)
+    return w * routing["routed_scaling_factor"], ids
+
+
+@pytest.mark.parametrize(
+    "name,layer,mode",
+    [
+        ("qwen3_w4a16_g128_sym", 1, "weight_only"),
+        ("deepseek_v3_w8a8_dynamic", 2, "w8a8"),
+        ("laguna_mixed_int4_int8", 2, "weight_only"),
+        ("mixtral_w8a16_channel", 0, "weight_only"),
+    ],
+)
+def test_forward_routes_and_adds_shared_experts(
+    fixture_path: Callable[[str], Path], name: str, layer: int, mode: str
+) -> None:
+    path = fixture_path(name)
+    ckpt = mq.open(path)
+    cfg = json.loads((path / "config.json").read_text())
+    routing = ckpt.summary()["routing"]
+    info = next(x for x in ckpt.moe_layers() if x["layer"] == layer)
+    moe = mq.MoELayer.from_checkpoint(ckpt, layer)
+    x = torch.randn(6, moe.hidden_size)
+    logits = torch.randn(6, moe.num_experts)
+    bias_name = (info["router"] or {}).get("e_score_correction_bias")
+    bias = ckpt.tensor(bias_name, "torch").float() if bias_name else None
+    w, ids = torch_route(cfg, routing, logits, bias)
+    emu = Emulation(ckpt, layer, mode == "w8a8")
+    want = emu.topk(x, w, ids)
+    if info["shared_experts"]:
+        want += emu.expert(info["shared_experts"]["prefix"], x)
+    got = moe(x, logits)
+    limit = 2e-3 if mode == "w8a8" else 5e-3
+    assert rel_l2(got, want) <= limit
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (lambda m, x, w, i: m.forward_topk(x.t(), w, i), "contiguous|expected"),
+        (lambda m, x, w, i: m.forward_topk(x[:, :10].contiguous(), w, i), "hidden_states"),
+        (lambda m, x, w, i: m.forward_topk(x, w, i.float()), "topk_ids"),
+        (lambda m, x, w, i: m.forward_topk(x, w[:, :1], i), "topk_weights"),
+        (lambda m, x, w, i: m.forward_topk(x, w, i + 100), "not an expert"),
+        (lambda m, x, w, i: m.forward_topk(x.int(), w, i), "hidden_states"),
+        (lambda m, x, w, i: m(x, w), "router_logits"),
+        (lambda m, x, w, i: m.forward_topk(x.numpy(), w, i), "torch.Tensor"),
+    ],
+)
+def test_bad_arguments_name_the_argument(
+    fixture_path: Callable[[str], Path], bad, match: str
+) -> None:  # type: ignore[no-untyped-def]
+    moe = mq.MoELayer.from_checkpoint(fixture_path("qwen3_w8a16_g128"), 0)
+    x = torch.randn(4, moe.hidden_size)
+    w, ids = random_routing(4, moe.num_experts, moe.top_k)
+    with pytest.raises(mq.MoeqError, match=match):
+        bad(moe, x, w, ids)
+
+
+def test_unsupported_layers_are_refused(tmp_path: Path) -> None:
+    from synth import quant_config, write_checkpoint
+
+    qc = quant_config()
+    qc["config_groups"]["group_0"]["weights"]["num_bits"] = 8
+    qc["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    path = write_checkpoint(tmp_path / "m", qc=qc)
+    with pytest.raises((mq.UnsupportedSchemeError, mq.CheckpointError)):
+        mq.MoELayer.from_checkpoint(path, 0)
+    with pytest.raises(mq.CheckpointError, match="not an MoE layer"):
+        mq.MoELayer.from_checkpoint(write_checkpoint(tmp_path / "ok"), 5)
+
+
+def test_inference_mode_and_no_grad(fixture_path: Callable[[str], Path]) -> None:
+    moe = mq.MoELayer.from_checkpoint(fixture_path("qwen3_w4a16_g128_sym"), 0)
+    x = torch.randn(3, moe.hidden_size)
+    w, ids = random_routing(3, moe.num_experts, moe.top_k)
+    with torch.inference_mode():
+        a = moe.forward_topk(x, w, ids)
+    b = moe.forward_topk(x, w, ids)
+    assert torch.equal(a, b), "the forward is deterministic"
