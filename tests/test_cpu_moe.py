@@ -226,3 +226,155 @@ def test_inference_mode_and_no_grad(fixture_path: Callable[[str], Path]) -> None
         a = moe.forward_topk(x, w, ids)
     b = moe.forward_topk(x, w, ids)
     assert torch.equal(a, b), "the forward is deterministic"
+
+
+def stack_from_checkpoint(ckpt: mq.Checkpoint, layer: int, scheme: str) -> dict:
+    """Raw from_tensors inputs built from a fixture layer's stored tensors."""
+    info = next(x for x in ckpt.moe_layers() if x["layer"] == layer)
+    p = info["prefix"] + ".experts"
+    e = info["num_experts"]
+
+    def t(name: str) -> torch.Tensor:
+        return ckpt.tensor(name, "torch")
+
+    def weights(m: str) -> torch.Tensor:
+        if scheme.startswith("w8a8"):
+            return t(f"{m}.weight")
+        packed = t(f"{m}.weight_packed")
+        if scheme == "w4a16":
+            return packed
+        # int8 codes = stored bytes - 128
+        return (packed.view(torch.uint8).to(torch.int16) - 128).to(torch.int8)
+
+    out: dict = {
+        "w13": [],
+        "w2": [],
+        "w13_scale": [],
+        "w2_scale": [],
+        "zp13": [],
+        "zp2": [],
+        "a13": [],
+        "a2": [],
+    }
+    for i in range(e):
+        g, u, d = (f"{p}.{i}.{n}" for n in ("gate_proj", "up_proj", "down_proj"))
+        out["w13"].append(torch.cat([weights(g), weights(u)]))
+        out["w2"].append(weights(d))
+        out["w13_scale"].append(torch.cat([t(f"{g}.weight_scale"), t(f"{u}.weight_scale")]))
+        out["w2_scale"].append(t(f"{d}.weight_scale"))
+        if ckpt.module(g)["has_zero_point"]:
+            out["zp13"].append(
+                torch.cat([t(f"{g}.weight_zero_point"), t(f"{u}.weight_zero_point")])
+            )
+            out["zp2"].append(t(f"{d}.weight_zero_point"))
+        if ckpt.module(g)["has_input_scale"]:
+            out["a13"].append(t(f"{g}.input_scale").float())
+            out["a2"].append(t(f"{d}.input_scale").float())
+    stacked = {k: torch.stack(v) if v else None for k, v in out.items()}
+    return stacked
+
+
+@pytest.mark.parametrize(
+    "name,scheme,group",
+    [
+        ("qwen3_w8a8_dynamic", "w8a8_dynamic", -1),
+        ("qwen3_w8a8_static", "w8a8_static", -1),
+        ("qwen3_w8a16_g128", "w8a16", 128),
+        ("qwen3_w8a16_channel", "w8a16", -1),
+        ("qwen3_w4a16_g128_sym", "w4a16", 128),
+        ("qwen3_w4a16_g128_asym", "w4a16", 128),
+    ],
+)
+def test_from_tensors_equals_from_checkpoint(
+    fixture_path: Callable[[str], Path], name: str, scheme: str, group: int
+) -> None:
+    ckpt = mq.open(fixture_path(name))
+    s = stack_from_checkpoint(ckpt, 0, scheme)
+    layer = mq.MoELayer.from_tensors(
+        s["w13"],
+        s["w2"],
+        s["w13_scale"],
+        s["w2_scale"],
+        scheme=scheme,
+        group_size=group,
+        w13_zero_point=s["zp13"],
+        w2_zero_point=s["zp2"],
+        a13_scale=s["a13"],
+        a2_scale=s["a2"],
+        top_k=2,
+    )
+    ref = mq.MoELayer.from_checkpoint(ckpt, 0)
+    x = torch.randn(11, 256)
+    w, ids = random_routing(11, 8, 2)
+    got = layer.forward_topk(x, w, ids)
+    assert torch.equal(got, ref.forward_topk(x, w, ids))
+    functional = mq.fused_moe(
+        x,
+        s["w13"],
+        s["w2"],
+        s["w13_scale"],
+        s["w2_scale"],
+        w,
+        ids,
+        scheme=scheme,
+        group_size=group,
+        w13_zero_point=s["zp13"],
+        w2_zero_point=s["zp2"],
+        a13_scale=s["a13"],
+        a2_scale=s["a2"],
+    )
+    assert torch.equal(functional, got)
+    # forward() routes with softmax top-k, renormalised.
+    logits = torch.randn(11, 8)
+    wr, idr = torch.softmax(logits, -1).topk(2, dim=-1)
+    wr = wr / wr.sum(-1, keepdim=True)
+    assert rel_l2(layer(x, logits), layer.forward_topk(x, wr, idr)) < 1e-6
+
+
+def test_from_tensors_rejects_bad_inputs() -> None:
+    e, i, h = 2, 64, 128
+    w13 = torch.randint(-128, 127, (e, 2 * i, h), dtype=torch.int8)
+    w2 = torch.randint(-128, 127, (e, h, i), dtype=torch.int8)
+    s13, s2 = torch.rand(e, 2 * i, 1), torch.rand(e, h, 1)
+    ok = mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a8_dynamic", top_k=1)
+    assert ok.num_experts == 2
+    cases = [
+        (dict(scheme="w9a9"), "scheme"),
+        (dict(scheme="w4a16"), "w13: expected dtype torch.int32"),
+        (dict(scheme="w8a8_static"), "a13_scale"),
+        (dict(scheme="w8a16", group_size=32), "groups do not match"),
+        (dict(scheme="w8a8_dynamic", top_k=5), "top_k"),
+    ]
+    for kwargs, match in cases:
+        kw = {"scheme": "w8a8_dynamic", "top_k": 1} | kwargs
+        with pytest.raises(mq.MoeqError, match=match):
+            mq.MoELayer.from_tensors(w13, w2, s13, s2, **kw)
+    with pytest.raises(mq.LayoutError, match="w2: expected"):
+        mq.MoELayer.from_tensors(w13, w2[:, :, :32], s13, s2, scheme="w8a8_dynamic", top_k=1)
+    with pytest.raises(mq.LayoutError, match="w13: expected a contiguous"):
+        mq.MoELayer.from_tensors(w13.transpose(1, 2), w2, s13, s2, scheme="w8a8_dynamic", top_k=1)
+    with pytest.raises(mq.CudaUnavailableError):
+        mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a8_dynamic", top_k=1, device="cuda")
+
+
+def test_torch_compile_and_custom_ops(fixture_path: Callable[[str], Path]) -> None:
+    moe = mq.MoELayer.from_checkpoint(fixture_path("qwen3_w8a8_dynamic"), 0)
+    x = torch.randn(5, 256)
+    w, ids = random_routing(5, 8, 2)
+    logits = torch.randn(5, 8)
+    eager = moe.forward_topk(x, w, ids)
+    assert torch.equal(torch.ops.moeq.moe_forward_topk(x, w, ids, moe._handle), eager)
+    compiled = torch.compile(moe.forward_topk, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x, w, ids), eager)
+    compiled_fwd = torch.compile(moe, backend="eager", fullgraph=True)
+    with torch.inference_mode():
+        assert torch.equal(compiled_fwd(x, logits), moe(x, logits))
+    # The fake implementation gives shapes and dtypes without running the kernels.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fx = torch.empty(7, 256, dtype=torch.bfloat16)
+        out = torch.ops.moeq.moe_forward_topk(
+            fx, torch.empty(7, 2), torch.empty(7, 2, dtype=torch.int64), moe._handle
+        )
+        assert out.shape == (7, 256) and out.dtype == torch.bfloat16

@@ -23,10 +23,10 @@ __version__: str = _core.__version__
 
 def __getattr__(name: str):  # type: ignore[no-untyped-def]
     # MoELayer subclasses torch.nn.Module: import torch only when it is asked for.
-    if name == "MoELayer":
-        from .moe import MoELayer
+    if name in ("MoELayer", "fused_moe"):
+        from . import moe
 
-        return MoELayer
+        return getattr(moe, name)
     raise AttributeError(f"module 'moeq_rs' has no attribute {name!r}")
 
 
@@ -37,6 +37,7 @@ __all__ = [
     "CudaUnavailableError",
     "LayoutError",
     "MoELayer",
+    "fused_moe",
     "MoeqError",
     "UnsupportedSchemeError",
     "__version__",

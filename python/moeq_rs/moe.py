@@ -9,6 +9,7 @@ topk_ids)`` is the weighted sum of the routed experts only. Outputs have the hid
 from __future__ import annotations
 
 import os
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,7 +20,7 @@ from .errors import LayoutError
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
 
-__all__ = ["MoELayer"]
+__all__ = ["MoELayer", "fused_moe"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -50,6 +51,7 @@ class MoELayer(torch.nn.Module):
     def __init__(self, core: _core.CpuMoeLayer) -> None:
         super().__init__()
         self._core = core
+        self._handle = _register(self)
 
     @classmethod
     def from_checkpoint(
@@ -87,6 +89,23 @@ class MoELayer(torch.nn.Module):
         return self._core.top_k
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """Routed experts (routing per the model config, routed scaling) plus shared experts."""
+        _check(hidden_states, "hidden_states", 2, True)
+        _check(router_logits, "router_logits", 2, True)
+        return torch.ops.moeq.moe_forward(hidden_states, router_logits, self._handle)
+
+    def forward_topk(
+        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """``sum_k topk_weights[t, k] * expert[topk_ids[t, k]](x_t)``: routed experts only."""
+        _check(hidden_states, "hidden_states", 2, True)
+        _check(topk_weights, "topk_weights", 2, True)
+        _check(topk_ids, "topk_ids", 2, False)
+        return torch.ops.moeq.moe_forward_topk(hidden_states, topk_weights, topk_ids, self._handle)
+
+    def _forward_eager(
+        self, hidden_states: torch.Tensor, router_logits: torch.Tensor
+    ) -> torch.Tensor:
         x = _check(hidden_states, "hidden_states", 2, True)
         logits = _check(router_logits, "router_logits", 2, True)
         t, h = x.shape
@@ -101,7 +120,7 @@ class MoELayer(torch.nn.Module):
         out = self._core.forward(_f32(x), t, _f32(logits))
         return torch.from_numpy(out).reshape(t, h).to(x.dtype)
 
-    def forward_topk(
+    def _forward_topk_eager(
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         x = _check(hidden_states, "hidden_states", 2, True)
@@ -124,3 +143,258 @@ class MoELayer(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}"
+
+
+_SCHEMES = ("w8a8_dynamic", "w8a8_static", "w8a16", "w4a16")
+
+
+def _np(t: object, name: str, dtypes: tuple[torch.dtype, ...], ndims: tuple[int, ...]):  # type: ignore[no-untyped-def]
+    if not isinstance(t, torch.Tensor):
+        raise LayoutError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise LayoutError(f"{name}: expected a CPU tensor, got device {t.device}")
+    if t.dtype not in dtypes:
+        raise LayoutError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.dim() not in ndims:
+        raise LayoutError(
+            f"{name}: expected {' or '.join(map(str, ndims))} dimensions, got shape {list(t.shape)}"
+        )
+    if not t.is_contiguous():
+        raise LayoutError(f"{name}: expected a contiguous tensor")
+    return t
+
+
+def _scales(t: object, name: str, e: int, n: int) -> tuple[object, int]:
+    s = _np(t, name, _FLOATS, (2, 3))
+    if s.dim() == 2:
+        s = s.unsqueeze(-1)
+    if tuple(s.shape[:2]) != (e, n):
+        raise LayoutError(f"{name}: expected [{e}, {n}, groups], got {list(s.shape)}")
+    return s.to(torch.float32).contiguous().reshape(-1).numpy(), s.shape[2]
+
+
+def _act_scales(t: object, name: str, e: int):  # type: ignore[no-untyped-def]
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        t = torch.tensor(t, dtype=torch.float32)
+    s = t.detach().to(torch.float32).reshape(-1)
+    if s.numel() == 1:
+        s = s.expand(e)
+    if s.numel() != e:
+        raise LayoutError(
+            f"{name}: expected one static scale per expert ([{e}]), got {list(t.shape)}"
+        )
+    return s.contiguous().numpy()
+
+
+def _zero_points(t: object, name: str, e: int, n: int, groups: int):  # type: ignore[no-untyped-def]
+    if t is None:
+        return None, None
+    z = _np(t, name, (torch.int8, torch.int32), (3,))
+    if z.dtype == torch.int8:
+        if tuple(z.shape) != (e, n, groups):
+            raise LayoutError(f"{name}: int8 zero points must be [{e}, {n}, {groups}]")
+        return z.reshape(-1).numpy(), None
+    if tuple(z.shape) != (e, (n + 7) // 8, groups):
+        raise LayoutError(f"{name}: packed zero points must be [{e}, {(n + 7) // 8}, {groups}]")
+    return None, z.reshape(-1).numpy().view("uint32")
+
+
+def _from_tensors(
+    w13,
+    w2,
+    w13_scale,
+    w2_scale,
+    scheme,
+    group_size,
+    w13_zero_point,  # type: ignore[no-untyped-def]
+    w2_zero_point,
+    a13_scale,
+    a2_scale,
+    top_k,
+    renormalize,
+):
+    from .errors import UnsupportedSchemeError
+
+    if scheme not in _SCHEMES:
+        raise LayoutError(f"scheme: {scheme!r} is not one of {', '.join(_SCHEMES)}")
+    int4 = scheme == "w4a16"
+    wdt = (torch.int32,) if int4 else (torch.int8,)
+    a = _np(w13, "w13", wdt, (3,))
+    b = _np(w2, "w2", wdt, (3,))
+    e, n13, k13 = a.shape
+    h = k13 * 8 if int4 else k13
+    if n13 % 2:
+        raise LayoutError(
+            f"w13: expected [E, 2*I, H] (gate rows, then up rows), got {list(a.shape)}"
+        )
+    i = n13 // 2
+    want = (e, h, i // 8 if int4 else i)
+    if tuple(b.shape) != want:
+        raise LayoutError(f"w2: expected {list(want)}, got {list(b.shape)}")
+    s13, g13 = _scales(w13_scale, "w13_scale", e, n13)
+    s2, g2 = _scales(w2_scale, "w2_scale", e, h)
+    groups_expected = (1, 1) if group_size == -1 else (h // group_size, i // group_size)
+    if (g13, g2) != groups_expected:
+        raise LayoutError(
+            f"w13_scale/w2_scale: {g13}/{g2} groups do not match group_size "
+            f"{group_size} (expected {groups_expected[0]}/{groups_expected[1]})"
+        )
+    zp13 = _zero_points(w13_zero_point, "w13_zero_point", e, n13, g13)
+    zp2 = _zero_points(w2_zero_point, "w2_zero_point", e, h, g2)
+    if scheme == "w8a16" and (w13_zero_point is not None or w2_zero_point is not None):
+        raise UnsupportedSchemeError("w13_zero_point: asymmetric int8 weights are not supported")
+    if scheme.startswith("w8a8") and (w13_zero_point is not None or w2_zero_point is not None):
+        raise UnsupportedSchemeError("w13_zero_point: W8A8 needs symmetric int8 weights")
+    static = scheme == "w8a8_static"
+    if static and (a13_scale is None or a2_scale is None):
+        raise LayoutError("a13_scale: w8a8_static needs a13_scale and a2_scale")
+    if not static and (a13_scale is not None or a2_scale is not None):
+        raise LayoutError(f"a13_scale: static activation scales make no sense with {scheme}")
+    w13_np = a.reshape(-1).numpy()
+    w2_np = b.reshape(-1).numpy()
+    return _core.CpuMoeLayer.from_tensors(
+        scheme,
+        e,
+        h,
+        i,
+        group_size,
+        None if int4 else w13_np,
+        w13_np.view("uint32") if int4 else None,
+        s13,
+        zp13[0],
+        zp13[1],
+        _act_scales(a13_scale, "a13_scale", e),
+        None if int4 else w2_np,
+        w2_np.view("uint32") if int4 else None,
+        s2,
+        zp2[0],
+        zp2[1],
+        _act_scales(a2_scale, "a2_scale", e),
+        top_k,
+        renormalize,
+    )
+
+
+def _layer_from_tensors(cls, *args) -> MoELayer:  # type: ignore[no-untyped-def]
+    return cls(_from_tensors(*args))
+
+
+def from_tensors(
+    cls,
+    w13,
+    w2,
+    w13_scale,
+    w2_scale,
+    *,
+    scheme: str,
+    group_size: int = -1,  # type: ignore[no-untyped-def]
+    w13_zero_point=None,
+    w2_zero_point=None,
+    a13_scale=None,
+    a2_scale=None,
+    top_k: int,
+    renormalize: bool = True,
+    device: str = "cpu",
+) -> MoELayer:
+    """A layer from raw stacked tensors. ``scheme``: ``"w8a8_dynamic"``, ``"w8a8_static"``,
+    ``"w8a16"`` (int8 ``w13 [E, 2I, H]``, gate rows then up rows, ``w2 [E, H, I]``) or
+    ``"w4a16"`` (int32 words as compressed-tensors packs them, ``[E, N, K/8]``); scales
+    ``[E, N, groups]`` (``[E, N]`` for channelwise); zero points int8 ``[E, N, groups]`` or packed
+    int32 ``[E, N/8, groups]``; static activation scales one per expert. ``forward`` routes with
+    softmax top-k (renormalised when ``renormalize``)."""
+    from .errors import CudaUnavailableError
+
+    if device != "cpu":
+        raise CudaUnavailableError(f"device={device!r}: only the CPU path exists so far")
+    return _layer_from_tensors(
+        cls,
+        w13,
+        w2,
+        w13_scale,
+        w2_scale,
+        scheme,
+        group_size,
+        w13_zero_point,
+        w2_zero_point,
+        a13_scale,
+        a2_scale,
+        top_k,
+        renormalize,
+    )
+
+
+MoELayer.from_tensors = classmethod(from_tensors)  # type: ignore[attr-defined]
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    w13,
+    w2,
+    w13_scale,
+    w2_scale,  # type: ignore[no-untyped-def]
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    scheme: str,
+    group_size: int = -1,
+    w13_zero_point=None,
+    w2_zero_point=None,
+    a13_scale=None,
+    a2_scale=None,
+) -> torch.Tensor:
+    """Functional form: the weighted sum of the routed experts for raw tensors (the layer is built
+    for this call; build a :class:`MoELayer` once to reuse it)."""
+    layer = MoELayer.from_tensors(  # type: ignore[attr-defined]
+        w13,
+        w2,
+        w13_scale,
+        w2_scale,
+        scheme=scheme,
+        group_size=group_size,
+        w13_zero_point=w13_zero_point,
+        w2_zero_point=w2_zero_point,
+        a13_scale=a13_scale,
+        a2_scale=a2_scale,
+        top_k=int(topk_ids.shape[-1]),
+    )
+    return layer.forward_topk(hidden_states, topk_weights, topk_ids)
+
+
+# ---- torch.ops.moeq.* custom ops (with fake implementations for torch.compile) ----------------
+
+# Layers by handle for the custom ops (weak: a layer dropped by its owner is freed).
+_LAYERS: weakref.WeakValueDictionary[int, MoELayer] = weakref.WeakValueDictionary()
+
+
+def _register(layer: MoELayer) -> int:
+    handle = id(layer)
+    _LAYERS[handle] = layer
+    return handle
+
+
+@torch.library.custom_op("moeq::moe_forward_topk", mutates_args=())
+def _op_forward_topk(
+    hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer: int
+) -> torch.Tensor:
+    return _LAYERS[layer]._forward_topk_eager(hidden_states, topk_weights, topk_ids)
+
+
+@_op_forward_topk.register_fake
+def _(
+    hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer: int
+) -> torch.Tensor:
+    return torch.empty_like(hidden_states)
+
+
+@torch.library.custom_op("moeq::moe_forward", mutates_args=())
+def _op_forward(
+    hidden_states: torch.Tensor, router_logits: torch.Tensor, layer: int
+) -> torch.Tensor:
+    return _LAYERS[layer]._forward_eager(hidden_states, router_logits)
+
+
+@_op_forward.register_fake
+def _(hidden_states: torch.Tensor, router_logits: torch.Tensor, layer: int) -> torch.Tensor:
+    return torch.empty_like(hidden_states)

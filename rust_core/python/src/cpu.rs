@@ -43,6 +43,90 @@ impl CpuMoeLayer {
         Ok(CpuMoeLayer { moe: Arc::new(moe) })
     }
 
+    /// Builds a layer from raw stacked tensors (see `MoELayer.from_tensors`). Each projection
+    /// passes its weights as int8 codes or int32 words, its scales as f32 `[E, N, G]`, optional
+    /// zero points (int8 `[E, N, G]` or packed int32 `[E, N/8, G]`) and optional static
+    /// activation scales `[E]`.
+    #[staticmethod]
+    #[pyo3(signature = (scheme, experts, hidden, intermediate, group_size, w13_i8, w13_u32, w13_scale, w13_zp_i8, w13_zp_u32, a13, w2_i8, w2_u32, w2_scale, w2_zp_i8, w2_zp_u32, a2, top_k, renormalize))]
+    #[allow(clippy::too_many_arguments)]
+    fn from_tensors(
+        py: Python<'_>,
+        scheme: &str,
+        experts: usize,
+        hidden: usize,
+        intermediate: usize,
+        group_size: i64,
+        w13_i8: Option<PyReadonlyArray1<'_, i8>>,
+        w13_u32: Option<PyReadonlyArray1<'_, u32>>,
+        w13_scale: PyReadonlyArray1<'_, f32>,
+        w13_zp_i8: Option<PyReadonlyArray1<'_, i8>>,
+        w13_zp_u32: Option<PyReadonlyArray1<'_, u32>>,
+        a13: Option<PyReadonlyArray1<'_, f32>>,
+        w2_i8: Option<PyReadonlyArray1<'_, i8>>,
+        w2_u32: Option<PyReadonlyArray1<'_, u32>>,
+        w2_scale: PyReadonlyArray1<'_, f32>,
+        w2_zp_i8: Option<PyReadonlyArray1<'_, i8>>,
+        w2_zp_u32: Option<PyReadonlyArray1<'_, u32>>,
+        a2: Option<PyReadonlyArray1<'_, f32>>,
+        top_k: usize,
+        renormalize: bool,
+    ) -> PyResult<CpuMoeLayer> {
+        use moeq_core::cpu::build::{from_raw, RawProj, RawScheme};
+        let scheme = match scheme {
+            "w8a8_dynamic" => RawScheme::W8a8Dynamic,
+            "w8a8_static" => RawScheme::W8a8Static,
+            "w8a16" => RawScheme::W8a16,
+            "w4a16" => RawScheme::W4a16,
+            other => {
+                return Err(to_py(
+                    py,
+                    moeq_core::error::LayoutError {
+                        subject: "scheme".into(),
+                        reason: format!(
+                            "'{other}' is not one of w8a8_dynamic, w8a8_static, w8a16, w4a16"
+                        ),
+                    }
+                    .into(),
+                ))
+            }
+        };
+        let w13 = RawProj {
+            weights: raw_weights(py, &w13_i8, &w13_u32, "w13")?,
+            scales: contiguous(py, &w13_scale, "w13_scale")?,
+            zero_points: raw_zero_points(py, &w13_zp_i8, &w13_zp_u32, "w13_zero_point")?,
+            act_scales: match &a13 {
+                Some(a) => Some(contiguous(py, a, "a13_scale")?),
+                None => None,
+            },
+        };
+        let w2 = RawProj {
+            weights: raw_weights(py, &w2_i8, &w2_u32, "w2")?,
+            scales: contiguous(py, &w2_scale, "w2_scale")?,
+            zero_points: raw_zero_points(py, &w2_zp_i8, &w2_zp_u32, "w2_zero_point")?,
+            act_scales: match &a2 {
+                Some(a) => Some(contiguous(py, a, "a2_scale")?),
+                None => None,
+            },
+        };
+        let moe = py
+            .detach(|| {
+                from_raw(
+                    scheme,
+                    experts,
+                    hidden,
+                    intermediate,
+                    group_size,
+                    w13,
+                    w2,
+                    top_k,
+                    renormalize,
+                )
+            })
+            .map_err(|e| to_py(py, e))?;
+        Ok(CpuMoeLayer { moe: Arc::new(moe) })
+    }
+
     #[getter]
     fn hidden_size(&self) -> usize {
         self.moe.hidden
@@ -118,6 +202,41 @@ impl CpuMoeLayer {
             .map_err(|e| to_py(py, e))?;
         Ok(PyArray1::from_vec(py, out))
     }
+}
+
+fn raw_weights<'a>(
+    py: Python<'_>,
+    i8s: &'a Option<PyReadonlyArray1<'_, i8>>,
+    u32s: &'a Option<PyReadonlyArray1<'_, u32>>,
+    name: &str,
+) -> PyResult<moeq_core::cpu::build::RawWeights<'a>> {
+    use moeq_core::cpu::build::RawWeights;
+    match (i8s, u32s) {
+        (Some(a), _) => Ok(RawWeights::Int8(contiguous(py, a, name)?)),
+        (None, Some(a)) => Ok(RawWeights::Int4Packed(contiguous(py, a, name)?)),
+        (None, None) => Err(to_py(
+            py,
+            moeq_core::error::LayoutError {
+                subject: name.into(),
+                reason: "missing".into(),
+            }
+            .into(),
+        )),
+    }
+}
+
+fn raw_zero_points<'a>(
+    py: Python<'_>,
+    i8s: &'a Option<PyReadonlyArray1<'_, i8>>,
+    u32s: &'a Option<PyReadonlyArray1<'_, u32>>,
+    name: &str,
+) -> PyResult<Option<moeq_core::cpu::build::RawZeroPoints<'a>>> {
+    use moeq_core::cpu::build::RawZeroPoints;
+    Ok(match (i8s, u32s) {
+        (Some(a), _) => Some(RawZeroPoints::Int8(contiguous(py, a, name)?)),
+        (None, Some(a)) => Some(RawZeroPoints::Int4Packed(contiguous(py, a, name)?)),
+        (None, None) => None,
+    })
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -1,0 +1,285 @@
+//! Building a [`CpuMoe`] from raw stacked tensors (`MoELayer.from_tensors`).
+
+use super::linear::Linear;
+use super::moe::{CpuExpert, CpuMoe};
+use crate::error::{LayoutError, Result};
+use crate::moe::{Routing, Scoring};
+
+/// Weight storage of `from_tensors`, per scheme.
+pub enum RawWeights<'a> {
+    /// int8 codes `[E, N, K]` (w8a8_dynamic, w8a8_static, w8a16).
+    Int8(&'a [i8]),
+    /// int4 codes as compressed-tensors packs them: int32 words `[E, N, K/8]`, each value + 8.
+    Int4Packed(&'a [u32]),
+}
+
+/// Zero points of `from_tensors` (w4a16 asymmetric).
+pub enum RawZeroPoints<'a> {
+    /// signed int8 `[E, N, G]`
+    Int8(&'a [i8]),
+    /// compressed-tensors packing `[E, N/8, G]` int32, each value + 8
+    Int4Packed(&'a [u32]),
+}
+
+pub struct RawProj<'a> {
+    pub weights: RawWeights<'a>,
+    /// `[E, N, G]` f32
+    pub scales: &'a [f32],
+    pub zero_points: Option<RawZeroPoints<'a>>,
+    /// static activation scale per expert `[E]` (w8a8_static)
+    pub act_scales: Option<&'a [f32]>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RawScheme {
+    W8a8Dynamic,
+    W8a8Static,
+    W8a16,
+    W4a16,
+}
+
+fn err(arg: &str, reason: String) -> crate::error::Error {
+    LayoutError {
+        subject: arg.to_string(),
+        reason,
+    }
+    .into()
+}
+
+/// One expert's projection `[n, k]` from the stacked raw tensors.
+#[allow(clippy::too_many_arguments)]
+fn proj(
+    arg: &str,
+    p: &RawProj<'_>,
+    scheme: RawScheme,
+    experts: usize,
+    e: usize,
+    rows: std::ops::Range<usize>,
+    n_total: usize,
+    k: usize,
+    group_size: i64,
+) -> Result<Linear> {
+    let n = rows.len();
+    let groups = if group_size > 0 {
+        k / group_size as usize
+    } else {
+        1
+    };
+    let scale_row = |r: usize| -> &[f32] {
+        p.scales
+            .get((e * n_total + r) * groups..(e * n_total + r + 1) * groups)
+            .unwrap_or(&[])
+    };
+    let scale: Vec<f32> = rows
+        .clone()
+        .flat_map(|r| scale_row(r).iter().copied())
+        .collect();
+    if scale.len() != n * groups {
+        return Err(err(
+            &format!("{arg}_scale"),
+            format!("expected [E={experts}, {n_total}, {groups}] scales"),
+        ));
+    }
+    let codes: Vec<i8> = match p.weights {
+        RawWeights::Int8(q) => {
+            let at = (e * n_total + rows.start) * k;
+            q.get(at..at + n * k)
+                .ok_or_else(|| err(arg, format!("expected [E={experts}, {n_total}, {k}] int8")))?
+                .to_vec()
+        }
+        RawWeights::Int4Packed(w) => {
+            let kw = k / 8;
+            let at = (e * n_total + rows.start) * kw;
+            let words = w.get(at..at + n * kw).ok_or_else(|| {
+                err(
+                    arg,
+                    format!("expected [E={experts}, {n_total}, {kw}] int32"),
+                )
+            })?;
+            let mut out = Vec::with_capacity(n * k);
+            for word in words {
+                for j in 0..8 {
+                    out.push(((word >> (4 * j)) & 15) as i8 - 8);
+                }
+            }
+            out
+        }
+    };
+    match scheme {
+        RawScheme::W8a8Dynamic | RawScheme::W8a8Static => {
+            if groups != 1 {
+                return Err(err(
+                    &format!("{arg}_scale"),
+                    "W8A8 needs per-channel scales (group_size=-1)".into(),
+                ));
+            }
+            let input_scale = match (scheme, p.act_scales) {
+                (RawScheme::W8a8Static, Some(a)) => Some(*a.get(e).ok_or_else(|| {
+                    err(
+                        arg,
+                        format!("static activation scales must be [E={experts}]"),
+                    )
+                })?),
+                (RawScheme::W8a8Static, None) => {
+                    return Err(err(arg, "w8a8_static needs activation scales".into()))
+                }
+                _ => None,
+            };
+            Ok(Linear::Int8 {
+                n,
+                k,
+                q: codes,
+                scale,
+                input_scale,
+            })
+        }
+        RawScheme::W8a16 | RawScheme::W4a16 => {
+            let zp = match &p.zero_points {
+                None => None,
+                Some(RawZeroPoints::Int8(z)) => {
+                    let mut out = Vec::with_capacity(n * groups);
+                    for r in rows.clone() {
+                        let at = (e * n_total + r) * groups;
+                        out.extend_from_slice(z.get(at..at + groups).ok_or_else(|| {
+                            err(
+                                &format!("{arg}_zero_point"),
+                                format!("expected [E={experts}, {n_total}, {groups}] int8"),
+                            )
+                        })?);
+                    }
+                    Some(out)
+                }
+                Some(RawZeroPoints::Int4Packed(w)) => {
+                    let nw = n_total.div_ceil(8);
+                    if w.len() != experts * nw * groups {
+                        return Err(err(
+                            &format!("{arg}_zero_point"),
+                            format!("expected [E={experts}, {nw}, {groups}] int32"),
+                        ));
+                    }
+                    let mut out = Vec::with_capacity(n * groups);
+                    for r in rows.clone() {
+                        for g in 0..groups {
+                            let word = w[(e * nw + r / 8) * groups + g];
+                            out.push(((word >> (4 * (r % 8))) & 15) as i8 - 8);
+                        }
+                    }
+                    Some(out)
+                }
+            };
+            let group_starts: Vec<usize> = (0..groups).map(|g| g * (k / groups)).collect();
+            Ok(Linear::WeightOnly {
+                n,
+                k,
+                q: codes,
+                zp,
+                scale,
+                group_starts,
+                perm: None,
+            })
+        }
+    }
+}
+
+/// Builds the layer; `hidden`/`intermediate` are H and I (w13 is `[E, 2I, H]`, w2 `[E, H, I]`).
+#[allow(clippy::too_many_arguments)]
+pub fn from_raw(
+    scheme: RawScheme,
+    experts: usize,
+    hidden: usize,
+    intermediate: usize,
+    group_size: i64,
+    w13: RawProj<'_>,
+    w2: RawProj<'_>,
+    top_k: usize,
+    renormalize: bool,
+) -> Result<CpuMoe> {
+    if experts == 0 || hidden == 0 || intermediate == 0 {
+        return Err(err(
+            "w13",
+            "experts, hidden and intermediate sizes must be positive".into(),
+        ));
+    }
+    if top_k == 0 || top_k > experts {
+        return Err(err(
+            "top_k",
+            format!("must be between 1 and the number of experts ({experts})"),
+        ));
+    }
+    if group_size != -1
+        && (group_size <= 0
+            || hidden % group_size as usize != 0
+            || intermediate % group_size as usize != 0)
+    {
+        return Err(err(
+            "group_size",
+            format!(
+                "{group_size} must be -1 or divide hidden={hidden} and intermediate={intermediate}"
+            ),
+        ));
+    }
+    if matches!(scheme, RawScheme::W4a16) && (hidden % 8 != 0 || intermediate % 8 != 0) {
+        return Err(err(
+            "w13",
+            "int4 packing needs hidden and intermediate multiples of 8".into(),
+        ));
+    }
+    let mut list = Vec::with_capacity(experts);
+    for e in 0..experts {
+        let gate = proj(
+            "w13",
+            &w13,
+            scheme,
+            experts,
+            e,
+            0..intermediate,
+            2 * intermediate,
+            hidden,
+            group_size,
+        )?;
+        let up = proj(
+            "w13",
+            &w13,
+            scheme,
+            experts,
+            e,
+            intermediate..2 * intermediate,
+            2 * intermediate,
+            hidden,
+            group_size,
+        )?;
+        let down = proj(
+            "w2",
+            &w2,
+            scheme,
+            experts,
+            e,
+            0..hidden,
+            hidden,
+            intermediate,
+            group_size,
+        )?;
+        list.push(CpuExpert {
+            gate: Some(gate),
+            up,
+            down,
+        });
+    }
+    Ok(CpuMoe {
+        hidden,
+        experts: list,
+        shared: None,
+        shared_gate: None,
+        routing: Routing {
+            top_k: Some(top_k),
+            renormalize,
+            scoring: Scoring::Softmax,
+            n_group: None,
+            topk_group: None,
+            routed_scaling_factor: 1.0,
+            logit_softcapping: None,
+        },
+        top_k,
+        correction_bias: None,
+    })
+}
