@@ -7,6 +7,8 @@
 
 use rayon::prelude::*;
 
+use super::kernels;
+
 /// A linear layer `y = x W^T` with `W` `[n, k]`.
 #[derive(Clone, Debug)]
 pub enum Linear {
@@ -74,23 +76,20 @@ impl Linear {
         }
     }
 
-    /// `y[m, n]` for `x[m, k]` (row-major f32); `parallel` splits the output rows over threads.
+    /// `y[m, n]` for `x[m, k]` (row-major f32). Work is split over output features, so each
+    /// weight row is read once per call whatever the number of tokens; `parallel` uses the
+    /// thread pool.
     pub fn forward(&self, x: &[f32], m: usize, parallel: bool) -> Vec<f32> {
         let (n, k) = (self.out_features(), self.in_features());
-        let mut y = vec![0f32; m * n];
+        let mut yt = vec![0f32; m * n]; // [n, m]: one contiguous run per output feature
         match self {
             Linear::Dense { w, .. } => {
-                let row = |r: usize, out: &mut [f32]| {
-                    let xr = &x[r * k..(r + 1) * k];
-                    for (j, o) in out.iter_mut().enumerate() {
-                        *o = w[j * k..(j + 1) * k]
-                            .iter()
-                            .zip(xr)
-                            .map(|(a, b)| a * b)
-                            .sum();
+                for_features(&mut yt, m, parallel, |j, out| {
+                    let wr = &w[j * k..(j + 1) * k];
+                    for (r, o) in out.iter_mut().enumerate() {
+                        *o = kernels::dot_f32(wr, &x[r * k..(r + 1) * k]);
                     }
-                };
-                for_rows(&mut y, n, parallel, row);
+                });
             }
             Linear::WeightOnly {
                 q,
@@ -107,10 +106,10 @@ impl Linear {
                         .collect(),
                     None => x[..m * k].to_vec(),
                 };
-                let row = |r: usize, out: &mut [f32]| {
-                    let xr = &xs[r * k..(r + 1) * k];
-                    for (j, o) in out.iter_mut().enumerate() {
-                        let qr = &q[j * k..(j + 1) * k];
+                for_features(&mut yt, m, parallel, |j, out| {
+                    let qr = &q[j * k..(j + 1) * k];
+                    for (r, o) in out.iter_mut().enumerate() {
+                        let xr = &xs[r * k..(r + 1) * k];
                         let mut acc = 0f32;
                         for g in 0..groups {
                             let (a, b) = (
@@ -118,17 +117,12 @@ impl Linear {
                                 group_starts.get(g + 1).copied().unwrap_or(k),
                             );
                             let z = zp.as_ref().map_or(0f32, |z| f32::from(z[j * groups + g]));
-                            let part: f32 = qr[a..b]
-                                .iter()
-                                .zip(&xr[a..b])
-                                .map(|(&c, &v)| (f32::from(c) - z) * v)
-                                .sum();
-                            acc += part * scale[j * groups + g];
+                            acc +=
+                                kernels::dot_q_f32(&qr[a..b], &xr[a..b], z) * scale[j * groups + g];
                         }
                         *o = acc;
                     }
-                };
-                for_rows(&mut y, n, parallel, row);
+                });
             }
             Linear::Int8 {
                 q,
@@ -149,29 +143,40 @@ impl Linear {
                         None => quantize_row_dynamic(xr, qr),
                     };
                 }
-                let row = |r: usize, out: &mut [f32]| {
-                    let qr = &qx[r * k..(r + 1) * k];
-                    for (j, o) in out.iter_mut().enumerate() {
-                        let acc = dot_i8(qr, &q[j * k..(j + 1) * k]);
+                for_features(&mut yt, m, parallel, |j, out| {
+                    let wr = &q[j * k..(j + 1) * k];
+                    for (r, o) in out.iter_mut().enumerate() {
+                        let acc = kernels::dot_i8(&qx[r * k..(r + 1) * k], wr);
                         *o = acc as f32 * sx[r] * scale[j];
                     }
-                };
-                for_rows(&mut y, n, parallel, row);
+                });
+            }
+        }
+        // [n, m] -> [m, n]
+        if m == 1 {
+            return yt;
+        }
+        let mut y = vec![0f32; m * n];
+        for j in 0..n {
+            for r in 0..m {
+                y[r * n + j] = yt[j * m + r];
             }
         }
         y
     }
 }
 
-fn for_rows(y: &mut [f32], n: usize, parallel: bool, f: impl Fn(usize, &mut [f32]) + Sync) {
-    if n == 0 {
+/// Calls `f(feature, out)` for each output feature with its `m` outputs, in parallel chunks.
+fn for_features(yt: &mut [f32], m: usize, parallel: bool, f: impl Fn(usize, &mut [f32]) + Sync) {
+    if m == 0 {
         return;
     }
     if parallel {
-        y.par_chunks_mut(n)
+        yt.par_chunks_mut(m)
+            .with_min_len(16)
             .enumerate()
-            .for_each(|(r, out)| f(r, out));
+            .for_each(|(j, out)| f(j, out));
     } else {
-        y.chunks_mut(n).enumerate().for_each(|(r, out)| f(r, out));
+        yt.chunks_mut(m).enumerate().for_each(|(j, out)| f(j, out));
     }
 }

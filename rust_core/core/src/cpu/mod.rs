@@ -1,6 +1,7 @@
 //! The CPU MoE path: routing, quantized linear layers and the fused forward.
 
 pub mod build;
+pub mod kernels;
 pub mod linear;
 pub mod load;
 pub mod moe;

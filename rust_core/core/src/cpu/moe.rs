@@ -92,7 +92,9 @@ impl CpuMoe {
                 by_expert[e].push((t, routed.weights[t * k + j]));
             }
         }
-        let parallel_inside = tokens >= 64;
+        // Few experts busy (decode): parallelise inside each expert; many: across experts.
+        let parallel_inside =
+            by_expert.iter().filter(|r| !r.is_empty()).count() < rayon::current_num_threads() * 2;
         let partial: Vec<(usize, Vec<f32>)> = by_expert
             .par_iter()
             .enumerate()

@@ -1,0 +1,127 @@
+"""Benchmark: the CPU MoE forward against torch bf16 eager, interleaved in one process.
+
+Shapes: Qwen3-30B-A3B (H2048 I768 E128 k8), DeepSeek-V2-Lite (H2048 I1408 E64 k6), Mixtral
+(H4096 I14336 E8 k2); T in {1, 16, 128, 1024}. Weights cold: a 640 MB buffer is read before
+every call. Different routing each call. torch: softmax top-k, per-expert ``x @ W13^T``,
+SiLU*up, ``@ W2^T``, ``index_add_``. Reports per-call medians, the speedup over torch, and for
+T=1 the fraction of the measured memory read bandwidth the touched experts' bytes imply.
+
+    MOEQ_NUM_THREADS=2 .venv/bin/python bench/moe_cpu.py [--rounds N] [--shapes qwen3,...]
+        [--tokens 1,16,...] [--scheme w8a8_dynamic|w8a16|w4a16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import moeq_rs as mq
+
+SHAPES = {
+    "qwen3": (2048, 768, 128, 8),
+    "dsv2lite": (2048, 1408, 64, 6),
+    "mixtral": (4096, 14336, 8, 2),
+}
+FLUSH = np.ones(640 * 2**20 // 8, dtype=np.float64)
+
+
+def flush() -> None:
+    FLUSH.sum()
+
+
+def read_bandwidth() -> float:
+    """Best of 5 reads of a 512 MB buffer with torch's threads (a sum reads each byte once)."""
+    a = torch.ones(512 * 2**20 // 4, dtype=torch.float32)
+    best = 0.0
+    for _ in range(5):
+        t = time.perf_counter()
+        a.sum()
+        best = max(best, a.numel() * 4 / (time.perf_counter() - t))
+    return best
+
+
+def build(h: int, i: int, e: int, k: int, scheme: str):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(0)
+    if scheme == "w4a16":
+        w13 = torch.randint(-2**31, 2**31 - 1, (e, 2 * i, h // 8), dtype=torch.int32, generator=g)
+        w2 = torch.randint(-2**31, 2**31 - 1, (e, h, i // 8), dtype=torch.int32, generator=g)
+        group = 128
+    else:
+        w13 = torch.randint(-127, 128, (e, 2 * i, h), dtype=torch.int8, generator=g)
+        w2 = torch.randint(-127, 128, (e, h, i), dtype=torch.int8, generator=g)
+        group = -1 if scheme == "w8a8_dynamic" else 128
+    g13 = 1 if group == -1 else h // group
+    g2 = 1 if group == -1 else i // group
+    s13 = torch.rand(e, 2 * i, g13, generator=g) * 1e-3
+    s2 = torch.rand(e, h, g2, generator=g) * 1e-3
+    layer = mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme=scheme, group_size=group, top_k=k)
+    weight_bytes_per_expert = (w13[0].numel() * w13.element_size()
+                               + w2[0].numel() * w2.element_size())
+    # torch bf16 reference weights of the same shapes
+    tw13 = torch.randn(e, 2 * i, h, dtype=torch.bfloat16, generator=g)
+    tw2 = torch.randn(e, h, i, dtype=torch.bfloat16, generator=g)
+    return layer, tw13, tw2, weight_bytes_per_expert
+
+
+def torch_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              k: int) -> torch.Tensor:
+    probs = torch.softmax(logits.float(), -1)
+    w, ids = probs.topk(k, dim=-1)
+    w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
+    out = torch.zeros_like(x)
+    i = w2.shape[2]
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        gu = x[tok] @ w13[e].T
+        hdn = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]
+        out.index_add_(0, tok, (hdn @ w2[e].T) * w[tok, slot, None])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--shapes", default="qwen3,dsv2lite,mixtral")
+    ap.add_argument("--tokens", default="1,16,128,1024")
+    ap.add_argument("--scheme", default="w8a8_dynamic")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    bw = read_bandwidth()
+    print(f"scheme {args.scheme}; measured read bandwidth {bw / 1e9:.1f} GB/s; "
+          f"torch {torch.__version__} bf16 eager, {torch.get_num_threads()} threads")
+    print(f"{'shape':9} {'T':>5} {'moeq ms':>9} {'torch ms':>9} {'speedup':>8} "
+          f"{'experts hit':>11} {'% of BW bound':>13}")
+    for name in args.shapes.split(","):
+        h, i, e, k = SHAPES[name]
+        layer, tw13, tw2, per_expert = build(h, i, e, k, args.scheme)
+        for t in map(int, args.tokens.split(",")):
+            ours, theirs, ratios, hits = [], [], [], []
+            for _ in range(args.rounds):
+                x = torch.randn(t, h, dtype=torch.bfloat16)
+                logits = torch.randn(t, e)
+                hits.append(len(logits.softmax(-1).topk(k, -1).indices.unique()))
+                flush()
+                t0 = time.perf_counter()
+                layer(x, logits)
+                a = time.perf_counter() - t0
+                flush()
+                t0 = time.perf_counter()
+                torch_moe(x, logits, tw13, tw2, k)
+                b = time.perf_counter() - t0
+                ours.append(a)
+                theirs.append(b)
+                ratios.append(b / a)
+            mo = statistics.median(ours)
+            bound = statistics.median(hits) * per_expert / bw
+            print(f"{name:9} {t:>5} {mo * 1e3:9.2f} {statistics.median(theirs) * 1e3:9.2f} "
+                  f"{statistics.median(ratios):8.2f} {statistics.median(hits):>11.0f} "
+                  f"{100 * bound / mo:12.0f}%")
+        del layer, tw13, tw2
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+//! Dot-product kernels with runtime dispatch: AVX-512BW, AVX2, and the scalar reference.
+//! The int8 kernels widen to int16 and use `madd` (exact int32 sums, no saturation), so every
+//! path returns exactly the scalar reference's accumulator.
+
+/// The best int8 kernel this CPU runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Scalar,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+pub fn isa() -> Isa {
+    static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+    *ISA.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::env::var_os("MOEQ_FORCE_SCALAR").is_some() {
+                return Isa::Scalar;
+            }
+            if std::arch::is_x86_feature_detected!("avx512bw") {
+                return Isa::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Scalar
+    })
+}
+
+/// `Σ a[i] * b[i]` in int32: the scalar reference.
+pub fn dot_i8_scalar(a: &[i8], b: &[i8]) -> i32 {
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| i32::from(x) * i32::from(y))
+        .sum()
+}
+
+/// `Σ a[i] * b[i]` in int32 with the best kernel of this CPU.
+#[inline]
+pub fn dot_i8(a: &[i8], b: &[i8]) -> i32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    match isa() {
+        Isa::Scalar => dot_i8_scalar(a, b),
+        // SAFETY: `isa()` returned this variant only after detecting the feature at run time.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::dot_i8_avx2(a, b) },
+        // SAFETY: as above, AVX-512BW was detected.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::dot_i8_avx512(a, b) },
+    }
+}
+
+/// `Σ (q[i] - z) * x[i]` in f32 with 16 independent lanes (vectorisable; the summation order
+/// differs from a sequential sum, which the weight-only numerics allow).
+#[inline]
+pub fn dot_q_f32(q: &[i8], x: &[f32], z: f32) -> f32 {
+    let mut lanes = [0f32; 16];
+    let mut qc = q.chunks_exact(16);
+    let mut xc = x.chunks_exact(16);
+    for (qq, xx) in (&mut qc).zip(&mut xc) {
+        for l in 0..16 {
+            lanes[l] += (f32::from(qq[l]) - z) * xx[l];
+        }
+    }
+    let mut tail = 0f32;
+    for (&c, &v) in qc.remainder().iter().zip(xc.remainder()) {
+        tail += (f32::from(c) - z) * v;
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
+/// `Σ w[i] * x[i]` in f32, 16 lanes.
+#[inline]
+pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
+    let mut lanes = [0f32; 16];
+    let mut wc = w.chunks_exact(16);
+    let mut xc = x.chunks_exact(16);
+    for (ww, xx) in (&mut wc).zip(&mut xc) {
+        for l in 0..16 {
+            lanes[l] += ww[l] * xx[l];
+        }
+    }
+    let tail: f32 = wc
+        .remainder()
+        .iter()
+        .zip(xc.remainder())
+        .map(|(a, b)| a * b)
+        .sum();
+    lanes.iter().sum::<f32>() + tail
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// The CPU must support AVX2; `a` and `b` have the same length.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn dot_i8_avx2(a: &[i8], b: &[i8]) -> i32 {
+        let n = a.len();
+        let mut acc = _mm256_setzero_si256();
+        let mut i = 0;
+        while i + 16 <= n {
+            // SAFETY: i + 16 <= n = a.len() = b.len(): both 16-byte loads are in bounds.
+            let (va, vb) = unsafe {
+                (
+                    _mm_loadu_si128(a.as_ptr().add(i).cast::<__m128i>()),
+                    _mm_loadu_si128(b.as_ptr().add(i).cast::<__m128i>()),
+                )
+            };
+            let wa = _mm256_cvtepi8_epi16(va);
+            let wb = _mm256_cvtepi8_epi16(vb);
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(wa, wb));
+            i += 16;
+        }
+        let mut lanes = [0i32; 8];
+        // SAFETY: `lanes` is 32 bytes, exactly one unaligned 256-bit store.
+        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast::<__m256i>(), acc) };
+        let mut sum: i32 = lanes.iter().sum();
+        for j in i..n {
+            sum += i32::from(a[j]) * i32::from(b[j]);
+        }
+        sum
+    }
+
+    /// # Safety
+    /// The CPU must support AVX-512BW; `a` and `b` have the same length.
+    #[target_feature(enable = "avx512bw")]
+    pub unsafe fn dot_i8_avx512(a: &[i8], b: &[i8]) -> i32 {
+        let n = a.len();
+        let mut acc = _mm512_setzero_si512();
+        let mut i = 0;
+        while i + 32 <= n {
+            // SAFETY: i + 32 <= n = a.len() = b.len(): both 32-byte loads are in bounds.
+            let (va, vb) = unsafe {
+                (
+                    _mm256_loadu_si256(a.as_ptr().add(i).cast::<__m256i>()),
+                    _mm256_loadu_si256(b.as_ptr().add(i).cast::<__m256i>()),
+                )
+            };
+            let wa = _mm512_cvtepi8_epi16(va);
+            let wb = _mm512_cvtepi8_epi16(vb);
+            acc = _mm512_add_epi32(acc, _mm512_madd_epi16(wa, wb));
+            i += 32;
+        }
+        let mut sum = _mm512_reduce_add_epi32(acc);
+        for j in i..n {
+            sum += i32::from(a[j]) * i32::from(b[j]);
+        }
+        sum
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Every SIMD path's integer accumulator equals the scalar reference exactly.
+        #[test]
+        fn simd_dot_equals_scalar(v in proptest::collection::vec((any::<i8>(), any::<i8>()), 0..700)) {
+            let (a, b): (Vec<i8>, Vec<i8>) = v.into_iter().unzip();
+            let reference = dot_i8_scalar(&a, &b);
+            prop_assert_eq!(dot_i8(&a, &b), reference);
+            #[cfg(target_arch = "x86_64")]
+            {
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    // SAFETY: AVX2 detected just above.
+                    prop_assert_eq!(unsafe { x86::dot_i8_avx2(&a, &b) }, reference);
+                }
+                if std::arch::is_x86_feature_detected!("avx512bw") {
+                    // SAFETY: AVX-512BW detected just above.
+                    prop_assert_eq!(unsafe { x86::dot_i8_avx512(&a, &b) }, reference);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn extremes_do_not_saturate() {
+        let a = vec![-128i8; 4096];
+        let b = vec![-128i8; 4096];
+        assert_eq!(dot_i8(&a, &b), 4096 * 16384);
+        assert_eq!(dot_i8_scalar(&a, &b), 4096 * 16384);
+    }
+}
