@@ -7,7 +7,7 @@ use moeq_core::checkpoint::DType;
 /// Builds a file image: length prefix, header JSON (padded with spaces to `pad_to`), data.
 fn image(header: &str, data: &[u8], pad_to: usize) -> Vec<u8> {
     let mut h = header.as_bytes().to_vec();
-    while pad_to > 0 && (8 + h.len()) % pad_to != 0 {
+    while pad_to > 0 && !(8 + h.len()).is_multiple_of(pad_to) {
         h.push(b' ');
     }
     let mut out = (h.len() as u64).to_le_bytes().to_vec();

@@ -214,13 +214,13 @@ impl<'a> TensorView<'a> {
             )));
         }
         let size = std::mem::size_of::<T>();
-        if self.bytes.len() % size != 0 {
+        if !self.bytes.len().is_multiple_of(size) {
             return Err(err(format!(
                 "{} bytes is not a whole number of {size}-byte elements",
                 self.bytes.len()
             )));
         }
-        if (self.bytes.as_ptr() as usize) % std::mem::align_of::<T>() != 0 {
+        if !(self.bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()) {
             return Err(err(format!(
                 "data is not aligned to {} bytes",
                 std::mem::align_of::<T>()

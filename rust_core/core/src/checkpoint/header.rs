@@ -236,7 +236,7 @@ pub fn parse_json(json: &[u8], data_start: usize, file_len: usize) -> Result<Hea
         }
         // Both fit in usize: end <= data_len.
         let start = data_start + begin as usize;
-        if start % dtype.alignment() != 0 {
+        if !start.is_multiple_of(dtype.alignment()) {
             return Err(HeaderIssue::tensor(
                 &name,
                 format!(

@@ -99,7 +99,7 @@ impl Plan {
                 obj.insert(k, v);
             }
             let mut text = Value::Object(obj).to_string().into_bytes();
-            while (8 + text.len()) % 8 != 0 {
+            while !(8 + text.len()).is_multiple_of(8) {
                 text.push(b' ');
             }
             let data_start = 8 + text.len() as u64;

@@ -208,8 +208,8 @@ pub fn from_raw(
     }
     if group_size != -1
         && (group_size <= 0
-            || hidden % group_size as usize != 0
-            || intermediate % group_size as usize != 0)
+            || !hidden.is_multiple_of(group_size as usize)
+            || !intermediate.is_multiple_of(group_size as usize))
     {
         return Err(err(
             "group_size",
@@ -218,7 +218,9 @@ pub fn from_raw(
             ),
         ));
     }
-    if matches!(scheme, RawScheme::W4a16) && (hidden % 8 != 0 || intermediate % 8 != 0) {
+    if matches!(scheme, RawScheme::W4a16)
+        && (!hidden.is_multiple_of(8) || !intermediate.is_multiple_of(8))
+    {
         return Err(err(
             "w13",
             "int4 packing needs hidden and intermediate multiples of 8".into(),

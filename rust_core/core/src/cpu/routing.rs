@@ -67,7 +67,7 @@ pub fn route(
                     _ => scores.clone(),
                 };
                 let masked = match (routing.n_group, routing.topk_group) {
-                    (Some(groups), Some(keep)) if groups > 1 && experts % groups == 0 => {
+                    (Some(groups), Some(keep)) if groups > 1 && experts.is_multiple_of(groups) => {
                         let per = experts / groups;
                         // Group score: sum of the two best corrected scores in the group.
                         let gscore: Vec<f32> = (0..groups)

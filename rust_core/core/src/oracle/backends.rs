@@ -179,7 +179,7 @@ fn check_k_groups(hidden: usize, intermediate: usize, group_size: i64) -> Result
 }
 
 fn check_multiple(what: &str, value: usize, multiple: usize, why: &str) -> Result<(), String> {
-    if multiple == 0 || value % multiple == 0 {
+    if multiple == 0 || value.is_multiple_of(multiple) {
         Ok(())
     } else {
         Err(format!(
@@ -189,7 +189,7 @@ fn check_multiple(what: &str, value: usize, multiple: usize, why: &str) -> Resul
 }
 
 fn per_partition(intermediate: usize, tp: usize) -> Result<usize, String> {
-    if intermediate % tp != 0 {
+    if !intermediate.is_multiple_of(tp) {
         return Err(format!(
             "intermediate={intermediate} does not split evenly over tp_size={tp}"
         ));
@@ -210,18 +210,18 @@ pub fn marlin_support_reason(
             "group_size {group_size} is not one of -1, 32, 64, 128"
         ));
     }
-    if hidden % MARLIN_HIDDEN_MULTIPLE != 0 {
+    if !hidden.is_multiple_of(MARLIN_HIDDEN_MULTIPLE) {
         return Some(format!("hidden_size={hidden} is not a multiple of 128"));
     }
     if allow_tile_padding {
-        if group_size > 0 && intermediate_per_partition % group_size as usize != 0 {
+        if group_size > 0 && !intermediate_per_partition.is_multiple_of(group_size as usize) {
             return Some(format!(
                 "intermediate_size_per_partition={intermediate_per_partition} is not a multiple of group_size {group_size}"
             ));
         }
     } else {
         let need = (group_size.max(0) as usize).max(MARLIN_MIN_THREAD_N);
-        if intermediate_per_partition % need != 0 {
+        if !intermediate_per_partition.is_multiple_of(need) {
             return Some(format!(
                 "intermediate_size_per_partition={intermediate_per_partition} is not a multiple of max(64, group_size) = {need}"
             ));

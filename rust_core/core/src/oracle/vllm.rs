@@ -164,7 +164,11 @@ fn vllm_scheme(
                     v.error = Some("NotImplementedError: No Int8 MoE backend supports the deployment configuration.".into());
                 }
             }
-            Platform::Cpu(f) if f.amx_int8 && input.shape.hidden % 32 == 0 && i_pp % 32 == 0 => {
+            Platform::Cpu(f)
+                if f.amx_int8
+                    && input.shape.hidden.is_multiple_of(32)
+                    && i_pp.is_multiple_of(32) =>
+            {
                 v.backend = Some("CPU".into());
             }
             _ => {

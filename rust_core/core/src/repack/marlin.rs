@@ -66,13 +66,13 @@ pub fn check_repack_shape(
             format!("num_bits={bits} is not supported (4 or 8)"),
         ));
     }
-    if size_k == 0 || size_k % TILE_K != 0 {
+    if size_k == 0 || !size_k.is_multiple_of(TILE_K) {
         return Err(layout_error(
             subject,
             format!("size_k={size_k} is not a positive multiple of {TILE_K}"),
         ));
     }
-    if size_n == 0 || size_n % TILE_N != 0 {
+    if size_n == 0 || !size_n.is_multiple_of(TILE_N) {
         return Err(layout_error(
             subject,
             format!("size_n={size_n} is not a positive multiple of {TILE_N}"),
@@ -607,13 +607,13 @@ fn permute_scales_impl<T: Copy + Send + Sync>(
     group_size: i64,
     inverse: bool,
 ) -> Result<Vec<T>, LayoutError> {
-    if size_n == 0 || size_n % TILE_N != 0 {
+    if size_n == 0 || !size_n.is_multiple_of(TILE_N) {
         return Err(layout_error(
             subject,
             format!("size_n={size_n} is not a positive multiple of {TILE_N}"),
         ));
     }
-    if s.len() % size_n != 0 {
+    if !s.len().is_multiple_of(size_n) {
         return Err(layout_error(
             subject,
             format!("{} scales are not whole rows of size_n={size_n}", s.len()),
@@ -641,7 +641,7 @@ pub fn marlin_moe_permute_scales<T: Copy + Send + Sync>(
 
 /// vLLM's `marlin_permute_bias(b)`: the single table on every 32 entries.
 pub fn marlin_permute_bias<T: Copy + Send + Sync>(b: &[T]) -> Result<Vec<T>, LayoutError> {
-    if b.len() % SCALE_PERM_SINGLE.len() != 0 {
+    if !b.len().is_multiple_of(SCALE_PERM_SINGLE.len()) {
         return Err(layout_error(
             "marlin_permute_bias",
             format!("{} entries is not a multiple of 32", b.len()),
@@ -652,7 +652,7 @@ pub fn marlin_permute_bias<T: Copy + Send + Sync>(b: &[T]) -> Result<Vec<T>, Lay
 
 /// The inverse of [`marlin_permute_bias`].
 pub fn marlin_unpermute_bias<T: Copy + Send + Sync>(b: &[T]) -> Result<Vec<T>, LayoutError> {
-    if b.len() % SCALE_PERM_SINGLE.len() != 0 {
+    if !b.len().is_multiple_of(SCALE_PERM_SINGLE.len()) {
         return Err(layout_error(
             "marlin_unpermute_bias",
             format!("{} entries is not a multiple of 32", b.len()),
@@ -684,7 +684,7 @@ pub fn marlin_zero_points(
             ),
         ));
     }
-    if size_n % TILE_N != 0 {
+    if !size_n.is_multiple_of(TILE_N) {
         return Err(layout_error(
             S,
             format!("size_n={size_n} is not a multiple of {TILE_N}"),
@@ -726,7 +726,7 @@ pub fn marlin_zero_points_inverse(
         ));
     }
     let pf = pack_factor(bits);
-    if packed.len() * pf != size_k * size_n || size_n % TILE_N != 0 {
+    if packed.len() * pf != size_k * size_n || !size_n.is_multiple_of(TILE_N) {
         return Err(layout_error(
             S,
             format!(
