@@ -125,13 +125,7 @@ fn proj(
                 }
                 _ => None,
             };
-            Ok(Linear::Int8 {
-                n,
-                k,
-                q: codes,
-                scale,
-                input_scale,
-            })
+            Ok(Linear::int8(n, k, codes, scale, input_scale))
         }
         RawScheme::W8a16 | RawScheme::W4a16 => {
             let zp = match &p.zero_points {

@@ -10,6 +10,9 @@ pub enum Isa {
     Avx2,
     #[cfg(target_arch = "x86_64")]
     Avx512,
+    /// AVX-512 VNNI: `vpdpbusd` on (x + 128) as u8 times w as i8, minus 128 * sum(w).
+    #[cfg(target_arch = "x86_64")]
+    Avx512Vnni,
 }
 
 pub fn isa() -> Isa {
@@ -21,6 +24,9 @@ pub fn isa() -> Isa {
                 return Isa::Scalar;
             }
             if std::arch::is_x86_feature_detected!("avx512bw") {
+                if std::arch::is_x86_feature_detected!("avx512vnni") {
+                    return Isa::Avx512Vnni;
+                }
                 return Isa::Avx512;
             }
             if std::arch::is_x86_feature_detected!("avx2") {
@@ -49,9 +55,35 @@ pub fn dot_i8(a: &[i8], b: &[i8]) -> i32 {
         // SAFETY: `isa()` returned this variant only after detecting the feature at run time.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { x86::dot_i8_avx2(a, b) },
-        // SAFETY: as above, AVX-512BW was detected.
+        // SAFETY: as above, AVX-512BW was detected (VNNI implies it here).
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { x86::dot_i8_avx512(a, b) },
+        Isa::Avx512 | Isa::Avx512Vnni => unsafe { x86::dot_i8_avx512(a, b) },
+    }
+}
+
+/// `out[r] = Σ_i x[r, i] * w[i]` for `m` activation rows `x` (`[m, k]` int8, also given as
+/// `xu = x + 128` in u8) against one weight row `w` whose element sum is `wsum`.
+pub fn dot_rows(x: &[i8], xu: &[u8], m: usize, k: usize, w: &[i8], wsum: i32, out: &mut [i32]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx512Vnni {
+        let mut r = 0;
+        while r + 4 <= m {
+            // SAFETY: VNNI detected by `isa()`; rows r..r+4 of `xu` exist (r + 4 <= m, xu is m * k).
+            let d = unsafe { x86::dot4_vnni(&xu[r * k..(r + 4) * k], k, &w[..k]) };
+            for (j, v) in d.iter().enumerate() {
+                out[r + j] = v - 128 * wsum;
+            }
+            r += 4;
+        }
+        for rr in r..m {
+            // SAFETY: VNNI detected by `isa()`; row rr of `xu` exists (rr < m, xu is m * k).
+            out[rr] = unsafe { x86::dot1_vnni(&xu[rr * k..(rr + 1) * k], &w[..k]) } - 128 * wsum;
+        }
+        return;
+    }
+    let _ = (xu, wsum);
+    for (r, o) in out.iter_mut().enumerate().take(m) {
+        *o = dot_i8(&x[r * k..(r + 1) * k], w);
     }
 }
 
@@ -128,6 +160,74 @@ mod x86 {
         sum
     }
 
+    /// Four dot products of `xu` rows (`[4, k]`, u8) with one int8 weight row, in int32.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 VNNI and BW; `xu.len() == 4 * k` and `w.len() == k`.
+    #[target_feature(enable = "avx512vnni,avx512bw")]
+    pub unsafe fn dot4_vnni(xu: &[u8], k: usize, w: &[i8]) -> [i32; 4] {
+        let mut acc = [_mm512_setzero_si512(); 4];
+        let mut i = 0;
+        while i + 64 <= k {
+            // SAFETY: i + 64 <= k: the 64-byte loads of w and of each of the 4 rows of xu (each
+            // k bytes long) are in bounds.
+            unsafe {
+                let vw = _mm512_loadu_si512(w.as_ptr().add(i).cast());
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let vx = _mm512_loadu_si512(xu.as_ptr().add(r * k + i).cast());
+                    *a = _mm512_dpbusd_epi32(*a, vx, vw);
+                }
+            }
+            i += 64;
+        }
+        let mut out = [0i32; 4];
+        for (r, o) in out.iter_mut().enumerate() {
+            let mut sum = _mm512_reduce_add_epi32(acc[r]);
+            for j in i..k {
+                sum += i32::from(xu[r * k + j]) * i32::from(w[j]);
+            }
+            *o = sum;
+        }
+        out
+    }
+
+    /// One dot product of a u8 row with an int8 weight row, in int32 (two accumulators).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 VNNI and BW; `xu.len() == w.len()`.
+    #[target_feature(enable = "avx512vnni,avx512bw")]
+    pub unsafe fn dot1_vnni(xu: &[u8], w: &[i8]) -> i32 {
+        let k = xu.len().min(w.len());
+        let (mut a0, mut a1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+        let mut i = 0;
+        while i + 128 <= k {
+            // SAFETY: i + 128 <= k: all four 64-byte loads are in bounds of both slices.
+            unsafe {
+                let x0 = _mm512_loadu_si512(xu.as_ptr().add(i).cast());
+                let w0 = _mm512_loadu_si512(w.as_ptr().add(i).cast());
+                let x1 = _mm512_loadu_si512(xu.as_ptr().add(i + 64).cast());
+                let w1 = _mm512_loadu_si512(w.as_ptr().add(i + 64).cast());
+                a0 = _mm512_dpbusd_epi32(a0, x0, w0);
+                a1 = _mm512_dpbusd_epi32(a1, x1, w1);
+            }
+            i += 128;
+        }
+        while i + 64 <= k {
+            // SAFETY: i + 64 <= k: both 64-byte loads are in bounds.
+            unsafe {
+                let x0 = _mm512_loadu_si512(xu.as_ptr().add(i).cast());
+                let w0 = _mm512_loadu_si512(w.as_ptr().add(i).cast());
+                a0 = _mm512_dpbusd_epi32(a0, x0, w0);
+            }
+            i += 64;
+        }
+        let mut sum = _mm512_reduce_add_epi32(_mm512_add_epi32(a0, a1));
+        for j in i..k {
+            sum += i32::from(xu[j]) * i32::from(w[j]);
+        }
+        sum
+    }
+
     /// # Safety
     /// The CPU must support AVX-512BW; `a` and `b` have the same length.
     #[target_feature(enable = "avx512bw")]
@@ -160,6 +260,24 @@ mod x86 {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    proptest! {
+        /// The blocked VNNI path (and its fallbacks) equals the scalar reference exactly.
+        #[test]
+        fn dot_rows_equals_scalar(m in 0usize..9, k in 0usize..300, seed in any::<u64>()) {
+            let mut s = seed | 1;
+            let mut next = || { s ^= s << 13; s ^= s >> 7; s ^= s << 17; s as i8 };
+            let x: Vec<i8> = (0..m * k).map(|_| next()).collect();
+            let w: Vec<i8> = (0..k).map(|_| next()).collect();
+            let xu: Vec<u8> = x.iter().map(|&v| (v as u8) ^ 0x80).collect();
+            let wsum: i32 = w.iter().map(|&v| i32::from(v)).sum();
+            let mut out = vec![0i32; m];
+            dot_rows(&x, &xu, m, k, &w, wsum, &mut out);
+            for r in 0..m {
+                prop_assert_eq!(out[r], dot_i8_scalar(&x[r * k..(r + 1) * k], &w));
+            }
+        }
+    }
 
     proptest! {
         /// Every SIMD path's integer accumulator equals the scalar reference exactly.

@@ -33,6 +33,8 @@ pub enum Linear {
         q: Vec<i8>,
         scale: Vec<f32>,
         input_scale: Option<f32>,
+        /// Σ of each weight row: the compensation term of the u8 x i8 VNNI kernels.
+        wsum: Vec<i32>,
     },
 }
 
@@ -65,6 +67,29 @@ pub fn dot_i8(a: &[i8], b: &[i8]) -> i32 {
 }
 
 impl Linear {
+    /// An int8 W8A8 layer; computes the per-row weight sums.
+    pub fn int8(
+        n: usize,
+        k: usize,
+        q: Vec<i8>,
+        scale: Vec<f32>,
+        input_scale: Option<f32>,
+    ) -> Linear {
+        let wsum = q
+            .chunks(k.max(1))
+            .take(n)
+            .map(|r| r.iter().map(|&v| i32::from(v)).sum())
+            .collect();
+        Linear::Int8 {
+            n,
+            k,
+            q,
+            scale,
+            input_scale,
+            wsum,
+        }
+    }
+
     pub fn out_features(&self) -> usize {
         match self {
             Linear::Dense { n, .. } | Linear::WeightOnly { n, .. } | Linear::Int8 { n, .. } => *n,
@@ -128,6 +153,7 @@ impl Linear {
                 q,
                 scale,
                 input_scale,
+                wsum,
                 ..
             } => {
                 let mut qx = vec![0i8; m * k];
@@ -143,11 +169,13 @@ impl Linear {
                         None => quantize_row_dynamic(xr, qr),
                     };
                 }
+                let qxu: Vec<u8> = qx.iter().map(|&v| (v as u8) ^ 0x80).collect();
                 for_features(&mut yt, m, parallel, |j, out| {
                     let wr = &q[j * k..(j + 1) * k];
+                    let mut acc: smallvec::SmallVec<[i32; 64]> = smallvec::smallvec![0; m];
+                    kernels::dot_rows(&qx, &qxu, m, k, wr, wsum[j], &mut acc);
                     for (r, o) in out.iter_mut().enumerate() {
-                        let acc = kernels::dot_i8(&qx[r * k..(r + 1) * k], wr);
-                        *o = acc as f32 * sx[r] * scale[j];
+                        *o = acc[r] as f32 * sx[r] * scale[j];
                     }
                 });
             }

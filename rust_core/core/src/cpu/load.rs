@@ -76,13 +76,7 @@ pub fn linear(ckpt: &Checkpoint, m: &ModuleInfo, version: Option<&str>) -> Resul
                     .first()
                     .copied()
             };
-            Ok(Linear::Int8 {
-                n,
-                k,
-                q,
-                scale,
-                input_scale,
-            })
+            Ok(Linear::int8(n, k, q, scale, input_scale))
         }
         (Format::PackQuantized, None) => {
             let bits = w.num_bits;
