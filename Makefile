@@ -34,6 +34,7 @@ demo: build
 	$(VENV)/bin/moeq inspect $(DEMO_MODEL) --compat vllm
 	@echo
 	$(VENV)/bin/moeq inspect $(DEMO_MODEL) --platform cuda --sm 90 --compat vllm
+	$(PY) examples/demo.py $(DEMO_MODEL)
 
 rust-checks: $(VENV)/.base-deps
 	cargo fmt --all --check
@@ -41,8 +42,8 @@ rust-checks: $(VENV)/.base-deps
 	cargo test --locked
 
 py-checks: $(VENV)/.test-deps build
-	$(VENV)/bin/ruff check python tests bench
-	$(VENV)/bin/ruff format --check python tests bench
+	$(VENV)/bin/ruff check python tests bench examples
+	$(VENV)/bin/ruff format --check python tests bench examples
 	$(PY) -m pytest -q
 
 test: rust-checks py-checks

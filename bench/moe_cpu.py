@@ -47,8 +47,8 @@ def read_bandwidth() -> float:
 def build(h: int, i: int, e: int, k: int, scheme: str):  # type: ignore[no-untyped-def]
     g = torch.Generator().manual_seed(0)
     if scheme == "w4a16":
-        w13 = torch.randint(-2**31, 2**31 - 1, (e, 2 * i, h // 8), dtype=torch.int32, generator=g)
-        w2 = torch.randint(-2**31, 2**31 - 1, (e, h, i // 8), dtype=torch.int32, generator=g)
+        w13 = torch.randint(-(2**31), 2**31 - 1, (e, 2 * i, h // 8), dtype=torch.int32, generator=g)
+        w2 = torch.randint(-(2**31), 2**31 - 1, (e, h, i // 8), dtype=torch.int32, generator=g)
         group = 128
     else:
         w13 = torch.randint(-127, 128, (e, 2 * i, h), dtype=torch.int8, generator=g)
@@ -59,16 +59,18 @@ def build(h: int, i: int, e: int, k: int, scheme: str):  # type: ignore[no-untyp
     s13 = torch.rand(e, 2 * i, g13, generator=g) * 1e-3
     s2 = torch.rand(e, h, g2, generator=g) * 1e-3
     layer = mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme=scheme, group_size=group, top_k=k)
-    weight_bytes_per_expert = (w13[0].numel() * w13.element_size()
-                               + w2[0].numel() * w2.element_size())
+    weight_bytes_per_expert = (
+        w13[0].numel() * w13.element_size() + w2[0].numel() * w2.element_size()
+    )
     # torch bf16 reference weights of the same shapes
     tw13 = torch.randn(e, 2 * i, h, dtype=torch.bfloat16, generator=g)
     tw2 = torch.randn(e, h, i, dtype=torch.bfloat16, generator=g)
     return layer, tw13, tw2, weight_bytes_per_expert
 
 
-def torch_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              k: int) -> torch.Tensor:
+def torch_moe(
+    x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, k: int
+) -> torch.Tensor:
     probs = torch.softmax(logits.float(), -1)
     w, ids = probs.topk(k, dim=-1)
     w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
@@ -91,10 +93,14 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     bw = read_bandwidth()
-    print(f"scheme {args.scheme}; measured read bandwidth {bw / 1e9:.1f} GB/s; "
-          f"torch {torch.__version__} bf16 eager, {torch.get_num_threads()} threads")
-    print(f"{'shape':9} {'T':>5} {'moeq ms':>9} {'torch ms':>9} {'speedup':>8} "
-          f"{'experts hit':>11} {'% of BW bound':>13}")
+    print(
+        f"scheme {args.scheme}; measured read bandwidth {bw / 1e9:.1f} GB/s; "
+        f"torch {torch.__version__} bf16 eager, {torch.get_num_threads()} threads"
+    )
+    print(
+        f"{'shape':9} {'T':>5} {'moeq ms':>9} {'torch ms':>9} {'speedup':>8} "
+        f"{'experts hit':>11} {'% of BW bound':>13}"
+    )
     for name in args.shapes.split(","):
         h, i, e, k = SHAPES[name]
         layer, tw13, tw2, per_expert = build(h, i, e, k, args.scheme)
@@ -117,9 +123,11 @@ def main() -> None:
                 ratios.append(b / a)
             mo = statistics.median(ours)
             bound = statistics.median(hits) * per_expert / bw
-            print(f"{name:9} {t:>5} {mo * 1e3:9.2f} {statistics.median(theirs) * 1e3:9.2f} "
-                  f"{statistics.median(ratios):8.2f} {statistics.median(hits):>11.0f} "
-                  f"{100 * bound / mo:12.0f}%")
+            print(
+                f"{name:9} {t:>5} {mo * 1e3:9.2f} {statistics.median(theirs) * 1e3:9.2f} "
+                f"{statistics.median(ratios):8.2f} {statistics.median(hits):>11.0f} "
+                f"{100 * bound / mo:12.0f}%"
+            )
         del layer, tw13, tw2
 
 

@@ -346,3 +346,18 @@ def test_demo_checkpoint_matches_its_reference() -> None:
     for key, expected in ref.items():
         got = ckpt.dequantize(key.removesuffix(".weight"))
         assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), key
+
+
+@pytest.mark.parametrize(
+    "name", ["qwen3_w4a16_g128_asym", "qwen3_w8a8_static", "qwen3_w4a16_actorder"]
+)
+def test_exact_dequantize_rounds_to_the_bit_exact_one(
+    fixture_path: Callable[[str], Path], name: str
+) -> None:
+    ckpt = mq.open(fixture_path(name))
+    module = "model.layers.1.mlp.experts.5.gate_proj"
+    exact = ckpt.dequantize(module, exact=True)
+    rounded = ckpt.dequantize(module)
+    assert exact.dtype == torch.float32
+    assert torch.equal(exact.to(rounded.dtype).view(torch.int16), rounded.view(torch.int16))
+    assert not torch.equal(exact, rounded.float()), "exact values keep the unrounded bits"

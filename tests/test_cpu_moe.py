@@ -7,8 +7,10 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from marlin_ref import ct_unpack_rows, ct_unpack_zero_points
 
 import moeq_rs as mq
 
@@ -48,12 +50,7 @@ class Emulation:
         m = self.ckpt.module(module)
         act = m["activation"]
         if act is None or not self.quant:
-            w = (
-                self.ckpt.dequantize(module)
-                if m["quantized"]
-                else self.ckpt.tensor(m["weight_tensor"], "torch")
-            )
-            return x.double() @ w.double().T
+            return x.double() @ exact_weight(self.ckpt, module).T
         q = self.ckpt.tensor(f"{module}.weight", "torch").double()
         sw = self.ckpt.tensor(f"{module}.weight_scale", "torch").float().double().reshape(-1)
         x32 = x.float()
@@ -82,6 +79,35 @@ class Emulation:
         return out
 
 
+def exact_weight(ckpt: mq.Checkpoint, module: str) -> torch.Tensor:
+    """``(q - zp) * scale`` in fp64 from the stored integer codes (no rounding to the scale
+    dtype, unlike compressed-tensors' own dequantisation)."""
+    m = ckpt.module(module)
+    if not m["quantized"]:
+        return ckpt.tensor(m["weight_tensor"], "torch").double()
+    w = m["weight"]
+    bits, out_f, in_f = w["num_bits"], m["out_features"], m["in_features"]
+    scale = ckpt.tensor(f"{module}.weight_scale", "torch").double().reshape(out_f, -1)
+    if m["format"] == "pack-quantized":
+        q = torch.from_numpy(
+            ct_unpack_rows(np.asarray(ckpt.tensor(m["weight_tensor"])), bits, in_f).astype(np.int64)
+        ) - (1 << (bits - 1))
+    else:
+        q = ckpt.tensor(m["weight_tensor"], "torch").to(torch.int64)
+    groups = scale.shape[1]
+    if m["has_g_idx"]:
+        col_group = ckpt.tensor(f"{module}.weight_g_idx", "torch").long()
+    else:
+        col_group = torch.arange(in_f) // (in_f // groups)
+    zp = torch.zeros(out_f, groups, dtype=torch.int64)
+    if m["has_zero_point"]:
+        zpt = np.asarray(ckpt.tensor(f"{module}.weight_zero_point"))
+        zp = torch.from_numpy(ct_unpack_zero_points(zpt, bits, out_f).T.astype(np.int64)) - (
+            1 << (bits - 1)
+        )
+    return (q - zp[:, col_group]).double() * scale[:, col_group]
+
+
 def random_routing(tokens: int, experts: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     logits = torch.randn(tokens, experts)
     w, ids = torch.softmax(logits, -1).topk(k, dim=-1)
@@ -107,7 +133,7 @@ def test_forward_topk_matches_emulation(
     elif mode == "w8a8":
         limit = 2e-3
     else:
-        limit = 5e-3
+        limit = 1e-5  # fp32 compute on exact weights: far inside the issue's 5e-3
     assert err <= limit, f"{name} layer {layer} {dtype}: relative L2 error {err:.2e} > {limit}"
 
 
@@ -178,7 +204,7 @@ def test_forward_routes_and_adds_shared_experts(
     if info["shared_experts"]:
         want += emu.expert(info["shared_experts"]["prefix"], x)
     got = moe(x, logits)
-    limit = 2e-3 if mode == "w8a8" else 5e-3
+    limit = 2e-3 if mode == "w8a8" else 1e-4
     assert rel_l2(got, want) <= limit
 
 

@@ -148,12 +148,15 @@ class Checkpoint:
             return None
         return {k: m[k] for k in ("group", "format", "weight", "activation")}
 
-    def dequantize(self, module: str) -> torch.Tensor:
+    def dequantize(self, module: str, exact: bool = False) -> torch.Tensor:
         """The module's weight ``[out_features, in_features]`` in the scale dtype, bit-exact with
-        compressed-tensors' own decompression. Unquantized modules come back as stored."""
+        compressed-tensors' own decompression. Unquantized modules come back as stored.
+
+        ``exact=True``: ``(q - zp) * scale`` as float32 without the final rounding to the scale
+        dtype (what the CPU kernels compute with)."""
         import torch
 
-        data, dtype, shape = self._core.dequantize(module)
+        data, dtype, shape = self._core.dequantize(module, exact)
         if len(data) == 0:
             return torch.empty(shape, dtype=_torch_dtype(dtype))
         return torch.frombuffer(data, dtype=_torch_dtype(dtype)).reshape(shape)

@@ -352,12 +352,14 @@ impl Model {
     }
 
     pub fn dequantize(&self, name: &str) -> Result<Dequantized> {
+        self.dequantize_with(name, false)
+    }
+
+    /// With `exact_f32`, `(q - zp) * scale` in f32 without rounding to the scale dtype.
+    pub fn dequantize_with(&self, name: &str, exact_f32: bool) -> Result<Dequantized> {
         let info = self.module(name)?;
-        quant::dequantize(
-            &self.ckpt,
-            info,
-            self.quant.as_ref().and_then(|q| q.version.as_deref()),
-        )
+        let version = self.quant.as_ref().and_then(|q| q.version.as_deref());
+        quant::dequantize_with(&self.ckpt, info, version, exact_f32)
     }
 
     /// The oracle's input for one MoE layer.

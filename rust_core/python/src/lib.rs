@@ -271,16 +271,19 @@ impl Checkpoint {
         Ok(v.to_string())
     }
 
-    /// Dequantises a module: `(bytearray, dtype, [out, in])`, bit-exact with compressed-tensors.
+    /// Dequantises a module: `(bytearray, dtype, [out, in])`, bit-exact with compressed-tensors;
+    /// with `exact` the unrounded values in F32.
+    #[pyo3(signature = (module, exact=false))]
     fn dequantize<'py>(
         &self,
         py: Python<'py>,
         module: &str,
+        exact: bool,
     ) -> PyResult<(Bound<'py, PyByteArray>, &'static str, Vec<usize>)> {
         let model = Arc::clone(&self.model);
         let module = module.to_string();
         let d = py
-            .detach(move || model.dequantize(&module))
+            .detach(move || model.dequantize_with(&module, exact))
             .map_err(|e| to_py(py, e))?;
         Ok((
             PyByteArray::new(py, &d.data),

@@ -130,6 +130,17 @@ pub fn dequantize(
     info: &ModuleInfo,
     version: Option<&str>,
 ) -> Result<Dequantized> {
+    dequantize_with(ckpt, info, version, false)
+}
+
+/// Like [`dequantize`]; with `exact_f32` the result is `(q - zp) * scale` in f32 without the
+/// rounding to the scale dtype (exact: the operands have at most 9 + 11 significant bits).
+pub fn dequantize_with(
+    ckpt: &Checkpoint,
+    info: &ModuleInfo,
+    version: Option<&str>,
+    exact_f32: bool,
+) -> Result<Dequantized> {
     let (out_f, in_f) = (info.out_features, info.in_features);
     let weight = ckpt.tensor(&info.weight_tensor)?;
     let Some(args) = info.weights() else {
@@ -165,6 +176,12 @@ pub fn dequantize(
                 format!("weight_scale has dtype {other}, expected BF16, F16 or F32"),
             ))
         }
+    };
+    let arith = if exact_f32 { Arith::F32 } else { arith };
+    let out_dtype = if exact_f32 {
+        DType::F32
+    } else {
+        scale_view.dtype()
     };
     let scales = float_values(&scale_view)?;
     let bits = args.num_bits;
@@ -246,7 +263,7 @@ pub fn dequantize(
     let row_bytes = in_f * esize;
     if row_bytes == 0 {
         return Ok(Dequantized {
-            dtype: scale_view.dtype(),
+            dtype: out_dtype,
             shape: [out_f, in_f],
             data,
         });
@@ -283,16 +300,11 @@ pub fn dequantize(
                 let g = col_group.get(k).copied().unwrap_or(0);
                 let zp = zp_at(r, g);
                 let s = scale_at(r, g);
-                let d = if zps.is_some() {
-                    arith.round(arith.round(q as f32) - arith.round(zp as f32))
-                } else {
-                    arith.round(q as f32)
-                };
-                arith.store(arith.round(d * s), out);
+                arith.store(arith.value(q, zps.is_some().then_some(zp), s), out);
             }
         });
     Ok(Dequantized {
-        dtype: scale_view.dtype(),
+        dtype: out_dtype,
         shape: [out_f, in_f],
         data,
     })

@@ -3,5 +3,5 @@
 pub mod dequant;
 pub mod pack;
 
-pub use dequant::{dequant_value, dequantize, Dequantized};
+pub use dequant::{dequant_value, dequantize, dequantize_with, Dequantized};
 pub use pack::PackVariant;
