@@ -7,28 +7,12 @@ use moeq_core::cpu::CpuMoe;
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 
+use crate::repack::slice as contiguous;
 use crate::{to_py, Checkpoint};
 
 #[pyclass(frozen, module = "moeq_rs._core")]
 pub struct CpuMoeLayer {
     moe: Arc<CpuMoe>,
-}
-
-fn contiguous<'a, T: numpy::Element>(
-    py: Python<'_>,
-    a: &'a PyReadonlyArray1<'_, T>,
-    name: &str,
-) -> PyResult<&'a [T]> {
-    a.as_slice().map_err(|_| {
-        to_py(
-            py,
-            moeq_core::error::LayoutError {
-                subject: name.to_string(),
-                reason: "must be contiguous".into(),
-            }
-            .into(),
-        )
-    })
 }
 
 #[pymethods]

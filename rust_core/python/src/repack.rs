@@ -12,7 +12,8 @@ fn layout(py: Python<'_>, e: moeq_core::error::LayoutError) -> PyErr {
     to_py(py, e.into())
 }
 
-fn slice<'a, T: numpy::Element>(
+/// The contiguous data of a 1-D numpy array, or a `LayoutError` naming the argument.
+pub(crate) fn slice<'a, T: numpy::Element>(
     py: Python<'_>,
     a: &'a PyReadonlyArray1<'_, T>,
     name: &str,

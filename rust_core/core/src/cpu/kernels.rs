@@ -87,10 +87,21 @@ pub fn dot_rows(x: &[i8], xu: &[u8], m: usize, k: usize, w: &[i8], wsum: i32, ou
     }
 }
 
-/// `Σ (q[i] - z) * x[i]` in f32 with 16 independent lanes (vectorisable; the summation order
-/// differs from a sequential sum, which the weight-only numerics allow).
+/// `Σ (q[i] - z) * x[i]` in f32 with the best kernel of this CPU (fp32 compute, as the
+/// weight-only numerics require; lanes sum in a different order than a sequential loop).
 #[inline]
 pub fn dot_q_f32(q: &[i8], x: &[f32], z: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(isa(), Isa::Avx512 | Isa::Avx512Vnni) {
+        let n = q.len().min(x.len());
+        // SAFETY: AVX-512 (F and BW) detected by `isa()`; both slices cut to the same length.
+        return unsafe { x86::dot_q_f32_avx512(&q[..n], &x[..n], z) };
+    }
+    dot_q_f32_lanes(q, x, z)
+}
+
+/// The portable version of [`dot_q_f32`]: 16 independent lanes.
+pub fn dot_q_f32_lanes(q: &[i8], x: &[f32], z: f32) -> f32 {
     let mut lanes = [0f32; 16];
     let mut qc = q.chunks_exact(16);
     let mut xc = x.chunks_exact(16);
@@ -189,6 +200,45 @@ mod x86 {
             *o = sum;
         }
         out
+    }
+
+    /// `Σ (q[i] - z) * x[i]`, 16 lanes of f32 FMA.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F; `q.len() == x.len()`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dot_q_f32_avx512(q: &[i8], x: &[f32], z: f32) -> f32 {
+        let n = q.len();
+        let vz = _mm512_set1_ps(z);
+        let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let mut i = 0;
+        while i + 32 <= n {
+            // SAFETY: i + 32 <= n: two 16-byte loads of q and two 64-byte loads of x in bounds.
+            unsafe {
+                let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                    q.as_ptr().add(i).cast(),
+                )));
+                let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                    q.as_ptr().add(i + 16).cast(),
+                )));
+                a0 = _mm512_fmadd_ps(
+                    _mm512_sub_ps(q0, vz),
+                    _mm512_loadu_ps(x.as_ptr().add(i)),
+                    a0,
+                );
+                a1 = _mm512_fmadd_ps(
+                    _mm512_sub_ps(q1, vz),
+                    _mm512_loadu_ps(x.as_ptr().add(i + 16)),
+                    a1,
+                );
+            }
+            i += 32;
+        }
+        let mut sum = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+        for j in i..n {
+            sum += (f32::from(q[j]) - z) * x[j];
+        }
+        sum
     }
 
     /// One dot product of a u8 row with an int8 weight row, in int32 (two accumulators).
@@ -297,6 +347,25 @@ mod tests {
                     prop_assert_eq!(unsafe { x86::dot_i8_avx512(&a, &b) }, reference);
                 }
             }
+        }
+    }
+
+    #[test]
+    fn float_dot_matches_reference() {
+        let q: Vec<i8> = (0..1000).map(|i| ((i * 37) % 255 - 127) as i8).collect();
+        let x: Vec<f32> = (0..1000)
+            .map(|i| ((i * 13) % 17) as f32 * 0.25 - 2.0)
+            .collect();
+        let exact: f64 = q
+            .iter()
+            .zip(&x)
+            .map(|(&a, &b)| (f64::from(a) - 1.5) * f64::from(b))
+            .sum();
+        for got in [dot_q_f32(&q, &x, 1.5), dot_q_f32_lanes(&q, &x, 1.5)] {
+            assert!(
+                (f64::from(got) - exact).abs() <= 1e-4 * exact.abs().max(1.0),
+                "{got} vs {exact}"
+            );
         }
     }
 

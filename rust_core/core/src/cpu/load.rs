@@ -1,10 +1,8 @@
 //! Building [`CpuMoe`] layers from an opened checkpoint.
 
-use half::{bf16, f16};
-
 use super::linear::Linear;
 use super::moe::{CpuExpert, CpuMoe};
-use crate::checkpoint::{Checkpoint, DType};
+use crate::checkpoint::Checkpoint;
 use crate::error::{module_error, Result, UnsupportedSchemeError};
 use crate::model::Model;
 use crate::moe::{ExpertModules, MoeLayer};
@@ -15,28 +13,7 @@ use crate::scheme::{ActOrder, Format, Strategy};
 
 /// A float tensor (BF16, F16 or F32) as f32 values.
 pub fn floats(ckpt: &Checkpoint, name: &str) -> Result<Vec<f32>> {
-    let v = ckpt.tensor(name)?;
-    let b = v.bytes;
-    Ok(match v.dtype() {
-        DType::BF16 => b
-            .chunks_exact(2)
-            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        DType::F16 => b
-            .chunks_exact(2)
-            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        DType::F32 => b
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        other => {
-            return Err(module_error(
-                name,
-                format!("has dtype {other}, expected a float dtype"),
-            ))
-        }
-    })
+    crate::quant::dequant::float_values(&ckpt.tensor(name)?)
 }
 
 /// One module as a CPU linear layer.

@@ -93,7 +93,7 @@ pub fn dequant_value(dtype: DType, q: i64, zp: Option<i64>, scale_bits: u32) -> 
 }
 
 /// Reads float values of a BF16/F16/F32 tensor as f32.
-fn float_values(view: &TensorView<'_>) -> Result<Vec<f32>> {
+pub fn float_values(view: &TensorView<'_>) -> Result<Vec<f32>> {
     let b = view.bytes;
     Ok(match view.dtype() {
         DType::BF16 => b
