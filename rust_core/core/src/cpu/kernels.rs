@@ -287,6 +287,36 @@ mod x86 {
         sum
     }
 
+    /// Four weight rows against one activation row: `out[f] = Σ xu[i] * w[f, i]`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 VNNI and BW; `xu.len() == k`, `w.len() == 4 * k`.
+    #[target_feature(enable = "avx512vnni,avx512bw")]
+    pub unsafe fn dot4x1_vnni(xu: &[u8], w: &[i8], k: usize) -> [i32; 4] {
+        let mut acc = [_mm512_setzero_si512(); 4];
+        let mut i = 0;
+        while i + 64 <= k {
+            // SAFETY: i + 64 <= k: the 64-byte loads stay inside `xu` and each k-byte row of `w`.
+            unsafe {
+                let vx = _mm512_loadu_si512(xu.as_ptr().add(i).cast());
+                for (f, a) in acc.iter_mut().enumerate() {
+                    let vw = _mm512_loadu_si512(w.as_ptr().add(f * k + i).cast());
+                    *a = _mm512_dpbusd_epi32(*a, vx, vw);
+                }
+            }
+            i += 64;
+        }
+        let mut out = [0i32; 4];
+        for (f, o) in out.iter_mut().enumerate() {
+            let mut sum = _mm512_reduce_add_epi32(acc[f]);
+            for j in i..k {
+                sum += i32::from(xu[j]) * i32::from(w[f * k + j]);
+            }
+            *o = sum;
+        }
+        out
+    }
+
     /// A 4 x 4 tile: `out[f * 4 + t] = Σ xu[t, i] * w[f, i]` (u8 x i8 in int32).
     ///
     /// # Safety
