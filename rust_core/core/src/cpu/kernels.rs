@@ -77,20 +77,13 @@ pub fn dot_rows4(x: &[i8], xu: &[u8], m: usize, k: usize, w: &[i8], wsum: &[i32]
             }
             r += 4;
         }
-        if r < m {
+        while r < m {
+            // SAFETY: VNNI detected by `isa()`; row r of `xu` and the 4 rows of `w` exist.
+            let d = unsafe { x86::dot4x1_vnni(&xu[r * k..(r + 1) * k], &w[..4 * k], k) };
             for f in 0..4 {
-                let mut tail = vec![0i32; m - r];
-                dot_rows(
-                    &x[r * k..m * k],
-                    &xu[r * k..m * k],
-                    m - r,
-                    k,
-                    &w[f * k..(f + 1) * k],
-                    wsum[f],
-                    &mut tail,
-                );
-                out[f * m + r..f * m + m].copy_from_slice(&tail);
+                out[f * m + r] = d[f] - 128 * wsum[f];
             }
+            r += 1;
         }
         return;
     }
