@@ -271,3 +271,14 @@ def test_cli_bad_input_is_one_line_exit_1(ckpt: Path, corrupt: str) -> None:
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("moeq: error: "), r.stderr
     assert "Traceback" not in r.stderr and "panick" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["inspect"], ["inspect", "x", "--platform", "tpu"], ["repack", "a", "b"], ["frobnicate"]],
+)
+def test_cli_usage_errors_are_one_line(argv: list[str]) -> None:
+    r = subprocess.run([sys.executable, "-m", "moeq_rs", *argv], capture_output=True, text=True)
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moeq: error: "), r.stderr

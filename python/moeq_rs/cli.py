@@ -20,8 +20,12 @@ __all__ = ["main"]
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
-        _fail(message)
+        # One line, like every other moeq error; `moeq -h` shows the usage.
+        _fail(
+            f"{message} (see 'moeq {self.prog.split(' ', 1)[-1]} -h')"
+            if " " in self.prog
+            else f"{message} (see 'moeq -h')"
+        )
 
 
 def _fail(message: str) -> NoReturn:
