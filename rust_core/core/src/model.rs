@@ -171,12 +171,7 @@ impl Model {
         drop(table);
         // `table` is sorted by name and the parallel collect keeps that order.
         let modules = analysed;
-        let find = |name: &str| -> Option<&ModuleInfo> {
-            modules
-                .binary_search_by(|m| m.name.as_str().cmp(name))
-                .ok()
-                .and_then(|i| modules.get(i))
-        };
+        let find = |name: &str| find_module(&modules, name);
 
         let discovery = moe::discover(&ckpt, &names)?;
         let lookup = |name: &str| -> Result<ModuleInfo> {
@@ -336,11 +331,7 @@ impl Model {
 
     /// The analysed Linear module `name`.
     pub fn module(&self, name: &str) -> Result<&ModuleInfo> {
-        let found = self
-            .modules
-            .binary_search_by(|m| m.name.as_str().cmp(name))
-            .ok()
-            .and_then(|i| self.modules.get(i));
+        let found = find_module(&self.modules, name);
         found.ok_or_else(|| {
             CheckpointError::Module {
                 module: name.to_string(),
@@ -546,6 +537,14 @@ fn routing_json(r: &Routing) -> Value {
         "routed_scaling_factor": r.routed_scaling_factor,
         "logit_softcapping": r.logit_softcapping,
     })
+}
+
+/// The analysed module `name` (the list is sorted by name).
+fn find_module<'a>(modules: &'a [ModuleInfo], name: &str) -> Option<&'a ModuleInfo> {
+    let i = modules
+        .binary_search_by(|m| m.name.as_str().cmp(name))
+        .ok()?;
+    modules.get(i)
 }
 
 fn proj_scheme(m: &ModuleInfo) -> ProjScheme {

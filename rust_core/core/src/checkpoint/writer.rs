@@ -168,29 +168,17 @@ impl ShardWriter {
 
     /// Writes one planned tensor's bytes.
     pub fn write(&self, name: &str, data: &[u8]) -> Result<()> {
-        let slot = self
-            .plan
-            .slots
-            .get(name)
-            .ok_or_else(|| CheckpointError::Output {
-                path: PathBuf::from(name),
-                reason: "tensor was not planned".into(),
-            })?;
-        if data.len() as u64 != slot.nbytes {
-            return Err(CheckpointError::Output {
-                path: PathBuf::from(name),
-                reason: format!("{} bytes given, {} planned", data.len(), slot.nbytes),
+        // A whole tensor must fill its slot exactly; write_part checks the rest.
+        if let Some(slot) = self.plan.slots.get(name) {
+            if data.len() as u64 != slot.nbytes {
+                return Err(CheckpointError::Output {
+                    path: PathBuf::from(name),
+                    reason: format!("{} bytes given, {} planned", data.len(), slot.nbytes),
+                }
+                .into());
             }
-            .into());
         }
-        let (path, f) = self
-            .files
-            .get(slot.shard)
-            .ok_or_else(|| CheckpointError::Output {
-                path: PathBuf::from(name),
-                reason: "shard missing".into(),
-            })?;
-        f.write_all_at(data, slot.offset).map_err(|e| io(path, e))
+        self.write_part(name, 0, data)
     }
 
     /// Writes `data` at byte `offset` inside a planned tensor (a slice of a stacked tensor).

@@ -125,11 +125,13 @@ impl Linear {
                 ..
             } => {
                 let groups = group_starts.len();
-                let xs: Vec<f32> = match perm {
+                // Act-order: gather x into the sorted column order once; otherwise use x as it is.
+                let xs: std::borrow::Cow<'_, [f32]> = match perm {
                     Some(p) => (0..m)
                         .flat_map(|r| p.iter().map(move |&c| x[r * k + c as usize]))
-                        .collect(),
-                    None => x[..m * k].to_vec(),
+                        .collect::<Vec<f32>>()
+                        .into(),
+                    None => std::borrow::Cow::Borrowed(&x[..m * k]),
                 };
                 for_features(&mut yt, m, parallel, |j, out| {
                     let qr = &q[j * k..(j + 1) * k];
@@ -176,7 +178,7 @@ impl Linear {
                 let (head, tail) = yt.split_at_mut(quads * 4 * m);
                 let quad = |jq: usize, out: &mut [f32]| {
                     let j0 = 4 * jq;
-                    let mut acc = vec![0i32; 4 * m];
+                    let mut acc: smallvec::SmallVec<[i32; 256]> = smallvec::smallvec![0; 4 * m];
                     kernels::dot_rows4(
                         &qx,
                         &qxu,
@@ -204,7 +206,7 @@ impl Linear {
                 }
                 for (f, out) in tail.chunks_mut(m).enumerate() {
                     let j = quads * 4 + f;
-                    let mut acc = vec![0i32; m];
+                    let mut acc: smallvec::SmallVec<[i32; 64]> = smallvec::smallvec![0; m];
                     kernels::dot_rows(&qx, &qxu, m, k, &q[j * k..(j + 1) * k], wsum[j], &mut acc);
                     for (r, o) in out.iter_mut().enumerate() {
                         *o = acc[r] as f32 * sx[r] * scale[j];

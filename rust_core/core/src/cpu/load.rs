@@ -59,12 +59,7 @@ pub fn linear(ckpt: &Checkpoint, m: &ModuleInfo, version: Option<&str>) -> Resul
             let bits = w.num_bits;
             let variant = PackVariant::for_version(version);
             let offset = 1i32 << (bits - 1);
-            let words: Vec<u32> = ckpt
-                .tensor(&m.weight_tensor)?
-                .bytes
-                .chunks_exact(4)
-                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
+            let words: &[u32] = ckpt.tensor(&m.weight_tensor)?.typed::<u32>()?;
             let kw = (k * bits as usize).div_ceil(32);
             let groups = match w.strategy {
                 Strategy::Group => k / w.group_size.max(1) as usize,
@@ -133,12 +128,9 @@ pub fn linear(ckpt: &Checkpoint, m: &ModuleInfo, version: Option<&str>) -> Resul
                         .collect(),
                 ),
                 Some(ZeroPointLayout::Packed) => {
-                    let zw: Vec<u32> = ckpt
+                    let zw: &[u32] = ckpt
                         .tensor(&format!("{name}.weight_zero_point"))?
-                        .bytes
-                        .chunks_exact(4)
-                        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                        .collect();
+                        .typed::<u32>()?;
                     let mut z = vec![0i8; n * groups];
                     for g in 0..groups {
                         let word = |i: usize| zw.get(i * groups + g).copied().unwrap_or(0);

@@ -9,9 +9,10 @@ use serde_json::{json, Value};
 
 use super::moe_layer::{convert_layer, dequantize_marlin, geometry, FetchedTensor, MarlinGeometry};
 use crate::checkpoint::writer::{Plan, ShardWriter};
-use crate::checkpoint::{SafetensorsFile, CONFIG_FILE, INDEX_FILE};
+use crate::checkpoint::{Checkpoint, SafetensorsFile, TensorInfo, CONFIG_FILE, INDEX_FILE};
 use crate::error::{CheckpointError, Error, LayoutError, Result};
 use crate::model::Model;
+use crate::moe::ExpertModules;
 use crate::scheme::module::MODULE_TENSOR_SUFFIXES;
 
 /// Layout version recorded in `config.json` (`"moeq": {"layout_version": ...}`).
@@ -148,19 +149,11 @@ pub fn repack_marlin(
     let mut replaced: BTreeSet<&str> = BTreeSet::new();
     for (l, _) in &layers {
         for e in &l.experts {
-            for (_, m) in e.modules() {
-                for s in MODULE_TENSOR_SUFFIXES {
-                    let full = format!("{}.{s}", m.name);
-                    if let Some((_, t)) = ckpt.locate(&full) {
-                        replaced.insert(t.name.as_str());
-                    }
-                }
-            }
+            replaced.extend(expert_tensors(ckpt, e).map(|(_, t)| t.name.as_str()));
         }
     }
     let mut specs = Vec::new();
-    for (f, t) in ckpt.tensors() {
-        let _ = f;
+    for (_, t) in ckpt.tensors() {
         if !replaced.contains(t.name.as_str()) {
             specs.push((t.name.clone(), t.dtype, t.shape.to_vec()));
         }
@@ -233,12 +226,8 @@ pub fn repack_marlin(
         // The source pages of an expert are dropped as soon as it is converted.
         let mut release = |e: usize| {
             if let Some(x) = l.experts.get(e) {
-                for (_, m) in x.modules() {
-                    for s in MODULE_TENSOR_SUFFIXES {
-                        if let Some((f, t)) = ckpt.locate(&format!("{}.{s}", m.name)) {
-                            f.release(t);
-                        }
-                    }
+                for (f, t) in expert_tensors(ckpt, x) {
+                    f.release(t);
                 }
             }
         };
@@ -317,6 +306,18 @@ pub fn repack_marlin(
         bytes_written: written,
         seconds: t0.elapsed().as_secs_f64(),
         verified_modules: verified,
+    })
+}
+
+/// Every stored tensor of an expert's projections (`weight_packed`, `weight_scale`, ...).
+fn expert_tensors<'a>(
+    ckpt: &'a Checkpoint,
+    e: &'a ExpertModules,
+) -> impl Iterator<Item = (&'a SafetensorsFile, &'a TensorInfo)> + 'a {
+    e.modules().flat_map(move |(_, m)| {
+        MODULE_TENSOR_SUFFIXES
+            .iter()
+            .filter_map(move |s| ckpt.locate(&format!("{}.{s}", m.name)))
     })
 }
 

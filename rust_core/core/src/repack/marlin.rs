@@ -53,6 +53,18 @@ pub fn output_buffer(len: usize) -> Vec<u32> {
     v
 }
 
+/// Marlin holds 4- and 8-bit codes only.
+fn check_bits(subject: &str, bits: u32) -> Result<(), LayoutError> {
+    if bits == 4 || bits == 8 {
+        Ok(())
+    } else {
+        Err(layout_error(
+            subject,
+            format!("num_bits={bits} is not supported (4 or 8)"),
+        ))
+    }
+}
+
 /// Checks the repack shape rules: 4 or 8 bits, `K % 16 == 0`, `N % 64 == 0`.
 pub fn check_repack_shape(
     subject: &str,
@@ -60,12 +72,7 @@ pub fn check_repack_shape(
     size_n: usize,
     bits: u32,
 ) -> Result<(), LayoutError> {
-    if bits != 4 && bits != 8 {
-        return Err(layout_error(
-            subject,
-            format!("num_bits={bits} is not supported (4 or 8)"),
-        ));
-    }
+    check_bits(subject, bits)?;
     if size_k == 0 || !size_k.is_multiple_of(TILE_K) {
         return Err(layout_error(
             subject,
@@ -669,12 +676,7 @@ pub fn marlin_zero_points(
     bits: u32,
 ) -> Result<Vec<u32>, LayoutError> {
     const S: &str = "marlin_zero_points";
-    if bits != 4 && bits != 8 {
-        return Err(layout_error(
-            S,
-            format!("num_bits={bits} is not supported (4 or 8)"),
-        ));
-    }
+    check_bits(S, bits)?;
     if zp.len() != size_k * size_n {
         return Err(layout_error(
             S,
@@ -719,12 +721,7 @@ pub fn marlin_zero_points_inverse(
     bits: u32,
 ) -> Result<Vec<u32>, LayoutError> {
     const S: &str = "marlin_zero_points_inverse";
-    if bits != 4 && bits != 8 {
-        return Err(layout_error(
-            S,
-            format!("num_bits={bits} is not supported (4 or 8)"),
-        ));
-    }
+    check_bits(S, bits)?;
     let pf = pack_factor(bits);
     if packed.len() * pf != size_k * size_n || !size_n.is_multiple_of(TILE_N) {
         return Err(layout_error(

@@ -602,55 +602,39 @@ pub fn dequantize_marlin(
     let get = |suffix: &str| {
         tensors(&format!("{p}.{suffix}")).ok_or_else(|| layout(p, format!("missing {p}.{suffix}")))
     };
-    let u32s = |b: &[u8]| -> Vec<u32> {
-        b.chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect()
-    };
     let w13 = role != "down";
-    let (k, n_total) = if w13 { (h, 2 * ip) } else { (ip, h) };
-    let (_, _, wbytes) = get(if w13 {
-        "w13_weight_packed"
-    } else {
-        "w2_weight_packed"
-    })?;
-    let per = repacked_words(k, n_total, bits);
-    let words_all = u32s(&wbytes);
-    let wexp = words_all
-        .get(expert * per..(expert + 1) * per)
-        .ok_or_else(|| layout(p, format!("no expert {expert}")))?;
-    let codes = unrepack_to_codes(wexp, k, n_total, bits);
-    let perm: Vec<u32> = if geo.act_order {
-        let (_, _, b) = get(if w13 {
-            "w13_g_idx_sort_indices"
+    // One expert's elements of a stacked tensor (w13_* or w2_*), decoded to u32: only that
+    // expert's bytes are touched, whatever the number of experts.
+    let expert_elems = |suffix: &str, per: usize| -> Result<(DType, Vec<u32>)> {
+        let name = format!("{}_{suffix}", if w13 { "w13" } else { "w2" });
+        let (dtype, _, bytes) = get(&name)?;
+        let es = dtype.bit_size() / 8;
+        let part = bytes
+            .get(expert * per * es..(expert + 1) * per * es)
+            .ok_or_else(|| layout(p, format!("{p}.{name} has no expert {expert}")))?;
+        let v = if es == 2 {
+            part.chunks_exact(2)
+                .map(|c| u32::from(u16::from_le_bytes([c[0], c[1]])))
+                .collect()
         } else {
-            "w2_g_idx_sort_indices"
-        })?;
-        let all = u32s(&b);
-        let kk = if w13 { h } else { i };
-        all.get(expert * kk..(expert + 1) * kk)
-            .unwrap_or(&[])
-            .to_vec()
+            part.chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        };
+        Ok((dtype, v))
+    };
+    let (k, n_total) = if w13 { (h, 2 * ip) } else { (ip, h) };
+    let (_, wexp) = expert_elems("weight_packed", repacked_words(k, n_total, bits))?;
+    let codes = unrepack_to_codes(&wexp, k, n_total, bits);
+    let k_orig = if w13 { h } else { i };
+    let perm: Vec<u32> = if geo.act_order {
+        expert_elems("g_idx_sort_indices", k_orig)?.1
     } else {
         Vec::new()
     };
     let groups = if w13 { geo.groups_h() } else { geo.groups_i() };
-    let (sdtype, _, sbytes) = get(if w13 {
-        "w13_weight_scale"
-    } else {
-        "w2_weight_scale"
-    })?;
+    let (sdtype, sexp) = expert_elems("weight_scale", groups * n_total)?;
     let es = sdtype.bit_size() / 8;
-    let sall: Vec<u32> = if es == 2 {
-        sbytes
-            .chunks_exact(2)
-            .map(|c| u32::from(u16::from_le_bytes([c[0], c[1]])))
-            .collect()
-    } else {
-        u32s(&sbytes)
-    };
-    let sper = groups * n_total;
-    let sexp = sall.get(expert * sper..(expert + 1) * sper).unwrap_or(&[]);
     let size_k_scales = if w13 {
         i
     } else {
@@ -661,23 +645,12 @@ pub fn dequantize_marlin(
                 pf
             }
     };
-    let scales = marlin_unpermute_scales(sexp, size_k_scales, n_total, geo.group_size)?;
+    let scales = marlin_unpermute_scales(&sexp, size_k_scales, n_total, geo.group_size)?;
     let zps: Option<Vec<u32>> = if geo.symmetric {
         None
     } else {
-        let (_, _, zb) = get(if w13 {
-            "w13_weight_zero_point"
-        } else {
-            "w2_weight_zero_point"
-        })?;
-        let zall = u32s(&zb);
-        let zper = groups * n_total / pf;
-        Some(marlin_zero_points_inverse(
-            zall.get(expert * zper..(expert + 1) * zper).unwrap_or(&[]),
-            groups,
-            n_total,
-            bits,
-        )?)
+        let (_, z) = expert_elems("weight_zero_point", groups * n_total / pf)?;
+        Some(marlin_zero_points_inverse(&z, groups, n_total, bits)?)
     };
     let (col0, out_f, in_f) = match role {
         "gate" => (0, i, h),
@@ -685,15 +658,8 @@ pub fn dequantize_marlin(
         _ => (0, h, i),
     };
     let g_of_sorted: Vec<usize> = if geo.act_order {
-        let (_, _, gb) = get(if w13 {
-            "w13_weight_g_idx"
-        } else {
-            "w2_weight_g_idx"
-        })?;
-        let all = u32s(&gb);
-        let kk = if w13 { h } else { i };
-        all.get(expert * kk..(expert + 1) * kk)
-            .unwrap_or(&[])
+        expert_elems("weight_g_idx", k_orig)?
+            .1
             .iter()
             .map(|&v| v as usize)
             .collect()
