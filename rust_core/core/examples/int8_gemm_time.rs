@@ -1,24 +1,36 @@
-//! Times the int8 linear layer on a Qwen3-MoE expert shape: `cargo run --release --example int8_gemm_time`.
+//! Times the packed int8 GEMM and the int8 linear layer on a Qwen3-MoE expert shape:
+//! `cargo run --release --example int8_gemm_time`.
 use std::time::Instant;
 
 use moeq_core::cpu::linear::Linear;
+use moeq_core::cpu::packed::PackedI8;
 
 fn main() {
     let (n, k) = (1536usize, 2048usize);
     let q: Vec<i8> = (0..n * k).map(|i| ((i * 7919) % 255) as i8).collect();
+    let packed = PackedI8::pack(&q, n, k);
     let lin = Linear::int8(n, k, q, vec![1e-3; n], None);
-    for m in [1usize, 4, 64, 256] {
+    for m in [1usize, 4, 6, 64, 256] {
+        let xu: Vec<u8> = (0..m * packed.k_pad).map(|i| (i % 251) as u8).collect();
+        let reps = (512 / m).max(8);
+        let t = Instant::now();
+        let mut sink = 0i32;
+        for _ in 0..reps {
+            packed.gemm(&xu, m, 0, packed.blocks(), |_, _, acc| sink ^= acc[0]);
+        }
+        let kernel = t.elapsed().as_secs_f64() / reps as f64;
+        std::hint::black_box(sink);
         let x: Vec<f32> = (0..m * k).map(|i| ((i % 97) as f32 - 48.0) / 7.0).collect();
-        let reps = (256 / m).max(4);
         let t = Instant::now();
         for _ in 0..reps {
-            std::hint::black_box(lin.forward(&x, m, true));
+            std::hint::black_box(lin.forward(&x, m, false));
         }
-        let secs = t.elapsed().as_secs_f64() / reps as f64;
+        let layer = t.elapsed().as_secs_f64() / reps as f64;
+        let macs = (m * n * k) as f64;
         println!(
-            "m={m:4}: {:.3} ms, {:.1} GMAC/s",
-            secs * 1e3,
-            (m * n * k) as f64 / secs / 1e9
+            "m={m:4}: one thread: packed GEMM {:.1} GMAC/s, linear layer {:.1} GMAC/s",
+            macs / kernel / 1e9,
+            macs / layer / 1e9
         );
     }
 }

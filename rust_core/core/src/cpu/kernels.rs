@@ -61,71 +61,6 @@ pub fn dot_i8(a: &[i8], b: &[i8]) -> i32 {
     }
 }
 
-/// Four weight rows at once: `out[f * m + r] = Σ_i x[r, i] * w[f, i]` for `w` `[4, k]` with
-/// row sums `wsum[f]`.
-pub fn dot_rows4(x: &[i8], xu: &[u8], m: usize, k: usize, w: &[i8], wsum: &[i32], out: &mut [i32]) {
-    #[cfg(target_arch = "x86_64")]
-    if isa() == Isa::Avx512Vnni {
-        let mut r = 0;
-        while r + 4 <= m {
-            // SAFETY: VNNI detected by `isa()`; rows r..r+4 of `xu` and the 4 rows of `w` exist.
-            let d = unsafe { x86::dot4x4_vnni(&xu[r * k..(r + 4) * k], &w[..4 * k], k) };
-            for f in 0..4 {
-                for t in 0..4 {
-                    out[f * m + r + t] = d[f * 4 + t] - 128 * wsum[f];
-                }
-            }
-            r += 4;
-        }
-        while r < m {
-            // SAFETY: VNNI detected by `isa()`; row r of `xu` and the 4 rows of `w` exist.
-            let d = unsafe { x86::dot4x1_vnni(&xu[r * k..(r + 1) * k], &w[..4 * k], k) };
-            for f in 0..4 {
-                out[f * m + r] = d[f] - 128 * wsum[f];
-            }
-            r += 1;
-        }
-        return;
-    }
-    for f in 0..4 {
-        dot_rows(
-            x,
-            xu,
-            m,
-            k,
-            &w[f * k..(f + 1) * k],
-            wsum[f],
-            &mut out[f * m..(f + 1) * m],
-        );
-    }
-}
-
-/// `out[r] = Σ_i x[r, i] * w[i]` for `m` activation rows `x` (`[m, k]` int8, also given as
-/// `xu = x + 128` in u8) against one weight row `w` whose element sum is `wsum`.
-pub fn dot_rows(x: &[i8], xu: &[u8], m: usize, k: usize, w: &[i8], wsum: i32, out: &mut [i32]) {
-    #[cfg(target_arch = "x86_64")]
-    if isa() == Isa::Avx512Vnni {
-        let mut r = 0;
-        while r + 4 <= m {
-            // SAFETY: VNNI detected by `isa()`; rows r..r+4 of `xu` exist (r + 4 <= m, xu is m * k).
-            let d = unsafe { x86::dot4_vnni(&xu[r * k..(r + 4) * k], k, &w[..k]) };
-            for (j, v) in d.iter().enumerate() {
-                out[r + j] = v - 128 * wsum;
-            }
-            r += 4;
-        }
-        for rr in r..m {
-            // SAFETY: VNNI detected by `isa()`; row rr of `xu` exists (rr < m, xu is m * k).
-            out[rr] = unsafe { x86::dot1_vnni(&xu[rr * k..(rr + 1) * k], &w[..k]) } - 128 * wsum;
-        }
-        return;
-    }
-    let _ = (xu, wsum);
-    for (r, o) in out.iter_mut().enumerate().take(m) {
-        *o = dot_i8(&x[r * k..(r + 1) * k], w);
-    }
-}
-
 /// `Σ (q[i] - z) * x[i]` in f32 with the best kernel of this CPU (fp32 compute, as the
 /// weight-only numerics require; lanes sum in a different order than a sequential loop).
 #[inline]
@@ -154,6 +89,43 @@ pub fn dot_q_f32_lanes(q: &[i8], x: &[f32], z: f32) -> f32 {
         tail += (f32::from(c) - z) * v;
     }
     lanes.iter().sum::<f32>() + tail
+}
+
+/// `max |x|`, ignoring NaN (as `f32::max` does).
+pub fn amax(x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(isa(), Isa::Avx512 | Isa::Avx512Vnni) {
+        // SAFETY: AVX-512F detected by `isa()`.
+        return unsafe { x86::amax_avx512(x) };
+    }
+    x.iter().fold(0f32, |m, v| m.max(v.abs()))
+}
+
+/// `out[i] = (clamp(rne(x[i] / s), -128, 127) as i8) ^ 0x80`: int8 quantisation written as the
+/// u8 operand of the VNNI kernels; NaN gives 0 and `s` not > 0 gives all zeros (u8 128), as in
+/// [`super::linear::quantize_row_static`].
+pub fn quantize_u8(x: &[f32], s: f32, out: &mut [u8]) {
+    let n = x.len().min(out.len());
+    let (x, out) = (&x[..n], &mut out[..n]);
+    // Not `s <= 0.0`: a NaN scale quantises to zeros too.
+    if s.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
+        out.fill(128);
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if matches!(isa(), Isa::Avx512 | Isa::Avx512Vnni) {
+        // SAFETY: AVX-512F and BW detected by `isa()`; both slices cut to the same length.
+        unsafe { x86::quantize_u8_avx512(x, s, out) };
+        return;
+    }
+    quantize_u8_scalar(x, s, out);
+}
+
+/// The scalar form of [`quantize_u8`] (for `s > 0`).
+pub fn quantize_u8_scalar(x: &[f32], s: f32, out: &mut [u8]) {
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = ((v / s).round_ties_even().clamp(-128.0, 127.0) as i8 as u8) ^ 0x80;
+    }
 }
 
 /// `Σ w[i] * x[i]` in f32, 16 lanes.
@@ -210,37 +182,6 @@ mod x86 {
         sum
     }
 
-    /// Four dot products of `xu` rows (`[4, k]`, u8) with one int8 weight row, in int32.
-    ///
-    /// # Safety
-    /// The CPU must support AVX-512 VNNI and BW; `xu.len() == 4 * k` and `w.len() == k`.
-    #[target_feature(enable = "avx512vnni,avx512bw")]
-    pub unsafe fn dot4_vnni(xu: &[u8], k: usize, w: &[i8]) -> [i32; 4] {
-        let mut acc = [_mm512_setzero_si512(); 4];
-        let mut i = 0;
-        while i + 64 <= k {
-            // SAFETY: i + 64 <= k: the 64-byte loads of w and of each of the 4 rows of xu (each
-            // k bytes long) are in bounds.
-            unsafe {
-                let vw = _mm512_loadu_si512(w.as_ptr().add(i).cast());
-                for (r, a) in acc.iter_mut().enumerate() {
-                    let vx = _mm512_loadu_si512(xu.as_ptr().add(r * k + i).cast());
-                    *a = _mm512_dpbusd_epi32(*a, vx, vw);
-                }
-            }
-            i += 64;
-        }
-        let mut out = [0i32; 4];
-        for (r, o) in out.iter_mut().enumerate() {
-            let mut sum = _mm512_reduce_add_epi32(acc[r]);
-            for j in i..k {
-                sum += i32::from(xu[r * k + j]) * i32::from(w[j]);
-            }
-            *o = sum;
-        }
-        out
-    }
-
     /// `Σ (q[i] - z) * x[i]`, 16 lanes of f32 FMA.
     ///
     /// # Safety
@@ -280,111 +221,53 @@ mod x86 {
         sum
     }
 
-    /// Four weight rows against one activation row: `out[f] = Σ xu[i] * w[f, i]`.
-    ///
     /// # Safety
-    /// The CPU must support AVX-512 VNNI and BW; `xu.len() == k`, `w.len() == 4 * k`.
-    #[target_feature(enable = "avx512vnni,avx512bw")]
-    pub unsafe fn dot4x1_vnni(xu: &[u8], w: &[i8], k: usize) -> [i32; 4] {
-        let mut acc = [_mm512_setzero_si512(); 4];
+    /// The CPU must support AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn amax_avx512(x: &[f32]) -> f32 {
+        let mut m = _mm512_setzero_ps();
         let mut i = 0;
-        while i + 64 <= k {
-            // SAFETY: i + 64 <= k: the 64-byte loads stay inside `xu` and each k-byte row of `w`.
-            unsafe {
-                let vx = _mm512_loadu_si512(xu.as_ptr().add(i).cast());
-                for (f, a) in acc.iter_mut().enumerate() {
-                    let vw = _mm512_loadu_si512(w.as_ptr().add(f * k + i).cast());
-                    *a = _mm512_dpbusd_epi32(*a, vx, vw);
-                }
-            }
-            i += 64;
+        while i + 16 <= x.len() {
+            // SAFETY: i + 16 <= x.len(): the 64-byte load is in bounds.
+            let v = unsafe { _mm512_loadu_ps(x.as_ptr().add(i)) };
+            // MAXPS returns its second operand when either is NaN, so NaN lanes keep `m`.
+            m = _mm512_max_ps(_mm512_abs_ps(v), m);
+            i += 16;
         }
-        let mut out = [0i32; 4];
-        for (f, o) in out.iter_mut().enumerate() {
-            let mut sum = _mm512_reduce_add_epi32(acc[f]);
-            for j in i..k {
-                sum += i32::from(xu[j]) * i32::from(w[f * k + j]);
-            }
-            *o = sum;
+        let mut best = _mm512_reduce_max_ps(m);
+        for &v in &x[i..] {
+            best = best.max(v.abs());
         }
-        out
+        best
     }
 
-    /// A 4 x 4 tile: `out[f * 4 + t] = Σ xu[t, i] * w[f, i]` (u8 x i8 in int32).
-    ///
     /// # Safety
-    /// The CPU must support AVX-512 VNNI and BW; `xu.len() == 4 * k`, `w.len() == 4 * k`.
-    #[target_feature(enable = "avx512vnni,avx512bw")]
-    pub unsafe fn dot4x4_vnni(xu: &[u8], w: &[i8], k: usize) -> [i32; 16] {
-        let mut acc = [_mm512_setzero_si512(); 16];
+    /// The CPU must support AVX-512F and BW; `x.len() == out.len()`; `s > 0`.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub unsafe fn quantize_u8_avx512(x: &[f32], s: f32, out: &mut [u8]) {
+        let vs = _mm512_set1_ps(s);
+        let (lo, hi) = (_mm512_set1_ps(-128.0), _mm512_set1_ps(127.0));
+        let bias = _mm512_set1_epi32(128);
         let mut i = 0;
-        while i + 64 <= k {
-            // SAFETY: i + 64 <= k: every 64-byte load below reads inside one of the four k-byte
-            // rows of `xu` or of `w`.
+        while i + 16 <= x.len() {
+            // SAFETY: i + 16 <= x.len() == out.len(): the 64-byte load and 16-byte store are in
+            // bounds.
             unsafe {
-                let xs = [
-                    _mm512_loadu_si512(xu.as_ptr().add(i).cast()),
-                    _mm512_loadu_si512(xu.as_ptr().add(k + i).cast()),
-                    _mm512_loadu_si512(xu.as_ptr().add(2 * k + i).cast()),
-                    _mm512_loadu_si512(xu.as_ptr().add(3 * k + i).cast()),
-                ];
-                for f in 0..4 {
-                    let vw = _mm512_loadu_si512(w.as_ptr().add(f * k + i).cast());
-                    for t in 0..4 {
-                        acc[f * 4 + t] = _mm512_dpbusd_epi32(acc[f * 4 + t], xs[t], vw);
-                    }
-                }
+                let q = _mm512_div_ps(_mm512_loadu_ps(x.as_ptr().add(i)), vs);
+                let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(q, q);
+                // Clamping first keeps the conversion in range; clamp and round commute here
+                // because the bounds are integers.
+                let q = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
+                let q = _mm512_mask_mov_ps(q, nan, _mm512_setzero_ps());
+                let qi = _mm512_cvt_roundps_epi32::<
+                    { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
+                >(q);
+                let u = _mm512_cvtepi32_epi8(_mm512_add_epi32(qi, bias));
+                _mm_storeu_si128(out.as_mut_ptr().add(i).cast(), u);
             }
-            i += 64;
+            i += 16;
         }
-        let mut out = [0i32; 16];
-        for f in 0..4 {
-            for t in 0..4 {
-                let mut sum = _mm512_reduce_add_epi32(acc[f * 4 + t]);
-                for j in i..k {
-                    sum += i32::from(xu[t * k + j]) * i32::from(w[f * k + j]);
-                }
-                out[f * 4 + t] = sum;
-            }
-        }
-        out
-    }
-
-    /// One dot product of a u8 row with an int8 weight row, in int32 (two accumulators).
-    ///
-    /// # Safety
-    /// The CPU must support AVX-512 VNNI and BW; `xu.len() == w.len()`.
-    #[target_feature(enable = "avx512vnni,avx512bw")]
-    pub unsafe fn dot1_vnni(xu: &[u8], w: &[i8]) -> i32 {
-        let k = xu.len().min(w.len());
-        let (mut a0, mut a1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-        let mut i = 0;
-        while i + 128 <= k {
-            // SAFETY: i + 128 <= k: all four 64-byte loads are in bounds of both slices.
-            unsafe {
-                let x0 = _mm512_loadu_si512(xu.as_ptr().add(i).cast());
-                let w0 = _mm512_loadu_si512(w.as_ptr().add(i).cast());
-                let x1 = _mm512_loadu_si512(xu.as_ptr().add(i + 64).cast());
-                let w1 = _mm512_loadu_si512(w.as_ptr().add(i + 64).cast());
-                a0 = _mm512_dpbusd_epi32(a0, x0, w0);
-                a1 = _mm512_dpbusd_epi32(a1, x1, w1);
-            }
-            i += 128;
-        }
-        while i + 64 <= k {
-            // SAFETY: i + 64 <= k: both 64-byte loads are in bounds.
-            unsafe {
-                let x0 = _mm512_loadu_si512(xu.as_ptr().add(i).cast());
-                let w0 = _mm512_loadu_si512(w.as_ptr().add(i).cast());
-                a0 = _mm512_dpbusd_epi32(a0, x0, w0);
-            }
-            i += 64;
-        }
-        let mut sum = _mm512_reduce_add_epi32(_mm512_add_epi32(a0, a1));
-        for j in i..k {
-            sum += i32::from(xu[j]) * i32::from(w[j]);
-        }
-        sum
+        super::quantize_u8_scalar(&x[i..], s, &mut out[i..]);
     }
 
     /// # Safety
@@ -421,43 +304,6 @@ mod tests {
     use proptest::prelude::*;
 
     proptest! {
-        /// The 4 x 4 tile path equals the scalar reference exactly.
-        #[test]
-        fn dot_rows4_equals_scalar(m in 0usize..11, k in 0usize..300, seed in any::<u64>()) {
-            let mut s = seed | 1;
-            let mut next = || { s ^= s << 13; s ^= s >> 7; s ^= s << 17; s as i8 };
-            let x: Vec<i8> = (0..m * k).map(|_| next()).collect();
-            let w: Vec<i8> = (0..4 * k).map(|_| next()).collect();
-            let xu: Vec<u8> = x.iter().map(|&v| (v as u8) ^ 0x80).collect();
-            let wsum: Vec<i32> = w.chunks(k.max(1)).take(4).map(|r| r.iter().map(|&v| i32::from(v)).sum()).collect();
-            let wsum = if k == 0 { vec![0; 4] } else { wsum };
-            let mut out = vec![0i32; 4 * m];
-            dot_rows4(&x, &xu, m, k, &w, &wsum, &mut out);
-            for f in 0..4 {
-                for r in 0..m {
-                    prop_assert_eq!(out[f * m + r], dot_i8_scalar(&x[r * k..(r + 1) * k], &w[f * k..(f + 1) * k]));
-                }
-            }
-        }
-
-        /// The blocked VNNI path (and its fallbacks) equals the scalar reference exactly.
-        #[test]
-        fn dot_rows_equals_scalar(m in 0usize..9, k in 0usize..300, seed in any::<u64>()) {
-            let mut s = seed | 1;
-            let mut next = || { s ^= s << 13; s ^= s >> 7; s ^= s << 17; s as i8 };
-            let x: Vec<i8> = (0..m * k).map(|_| next()).collect();
-            let w: Vec<i8> = (0..k).map(|_| next()).collect();
-            let xu: Vec<u8> = x.iter().map(|&v| (v as u8) ^ 0x80).collect();
-            let wsum: i32 = w.iter().map(|&v| i32::from(v)).sum();
-            let mut out = vec![0i32; m];
-            dot_rows(&x, &xu, m, k, &w, wsum, &mut out);
-            for r in 0..m {
-                prop_assert_eq!(out[r], dot_i8_scalar(&x[r * k..(r + 1) * k], &w));
-            }
-        }
-    }
-
-    proptest! {
         /// Every SIMD path's integer accumulator equals the scalar reference exactly.
         #[test]
         fn simd_dot_equals_scalar(v in proptest::collection::vec((any::<i8>(), any::<i8>()), 0..700)) {
@@ -476,6 +322,33 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn quantize_matches_reference() {
+        let mut x: Vec<f32> = (0..1003)
+            .map(|i| ((i * 7919) % 2001) as f32 / 7.0 - 140.0)
+            .collect();
+        x[5] = f32::NAN;
+        x[17] = f32::INFINITY;
+        x[18] = f32::NEG_INFINITY;
+        x[40] = 0.5; // ties round to even
+        x[41] = 1.5;
+        x[42] = -2.5;
+        for s in [1.0f32, 0.37, 1e-30, 1e30, 0.0, -1.0, f32::INFINITY] {
+            let mut want = vec![0i8; x.len()];
+            super::super::linear::quantize_row_static(&x, s, &mut want);
+            let mut got = vec![0u8; x.len()];
+            quantize_u8(&x, s, &mut got);
+            let want: Vec<u8> = want.iter().map(|&v| (v as u8) ^ 0x80).collect();
+            assert_eq!(got, want, "s = {s}");
+        }
+        let reference = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert_eq!(amax(&x).to_bits(), reference.to_bits());
+        assert_eq!(
+            amax(&x[19..30]),
+            x[19..30].iter().fold(0f32, |m, v| m.max(v.abs()))
+        );
     }
 
     #[test]

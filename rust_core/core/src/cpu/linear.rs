@@ -5,9 +5,12 @@
 //! These are the scalar reference kernels; SIMD kernels (a later step) must match them exactly on
 //! the integer accumulators.
 
+use std::borrow::Cow;
+
 use rayon::prelude::*;
 
 use super::kernels;
+use super::packed::{PackedI8, BLOCK};
 
 /// A linear layer `y = x W^T` with `W` `[n, k]`.
 #[derive(Clone, Debug)]
@@ -25,17 +28,32 @@ pub enum Linear {
         group_starts: Vec<usize>,
         perm: Option<Vec<u32>>,
     },
-    /// int8 weights with per-channel scales; activations quantised per token (dynamic) or with a
-    /// static per-tensor `input_scale`.
+    /// int8 weights with per-channel scales, prepacked for the u8 x i8 dot-product kernels;
+    /// activations quantised per token (dynamic) or with a static per-tensor `input_scale`.
     Int8 {
         n: usize,
         k: usize,
-        q: Vec<i8>,
+        w: PackedI8,
         scale: Vec<f32>,
         input_scale: Option<f32>,
-        /// Σ of each weight row: the compensation term of the u8 x i8 VNNI kernels.
-        wsum: Vec<i32>,
     },
+}
+
+/// A layer's input in the form its kernels read: fp32 rows (act-order gathered) or int8 rows
+/// as `x + 128` with their per-row scales.
+pub enum Prepared<'a> {
+    F32(Cow<'a, [f32]>),
+    U8 { xu: Vec<u8>, sx: Vec<f32> },
+}
+
+impl Prepared<'_> {
+    /// The same input, owning its values.
+    pub fn into_owned(self) -> Prepared<'static> {
+        match self {
+            Prepared::F32(x) => Prepared::F32(Cow::Owned(x.into_owned())),
+            Prepared::U8 { xu, sx } => Prepared::U8 { xu, sx },
+        }
+    }
 }
 
 /// Dynamic per-token int8 quantisation: `s = max|x| / 127`, `q = clamp(rne(x / s))`; a zero row
@@ -67,7 +85,7 @@ pub fn dot_i8(a: &[i8], b: &[i8]) -> i32 {
 }
 
 impl Linear {
-    /// An int8 W8A8 layer; computes the per-row weight sums.
+    /// An int8 W8A8 layer from row-major `[n, k]` codes (packed here).
     pub fn int8(
         n: usize,
         k: usize,
@@ -75,18 +93,12 @@ impl Linear {
         scale: Vec<f32>,
         input_scale: Option<f32>,
     ) -> Linear {
-        let wsum = q
-            .chunks(k.max(1))
-            .take(n)
-            .map(|r| r.iter().map(|&v| i32::from(v)).sum())
-            .collect();
         Linear::Int8 {
             n,
             k,
-            q,
+            w: PackedI8::pack(&q, n, k),
             scale,
             input_scale,
-            wsum,
         }
     }
 
@@ -101,41 +113,102 @@ impl Linear {
         }
     }
 
-    /// `y[m, n]` for `x[m, k]` (row-major f32). Work is split over output features, so each
-    /// weight row is read once per call whatever the number of tokens; `parallel` uses the
-    /// thread pool.
-    pub fn forward(&self, x: &[f32], m: usize, parallel: bool) -> Vec<f32> {
-        let (n, k) = (self.out_features(), self.in_features());
-        let mut yt = vec![0f32; m * n]; // [n, m]: one contiguous run per output feature
+    /// Output features per unit of work: the register tile width of the packed int8 kernel,
+    /// a few cache lines of rows otherwise.
+    pub fn panel(&self) -> usize {
         match self {
-            Linear::Dense { w, .. } => {
-                for_features(&mut yt, m, parallel, |j, out| {
-                    let wr = &w[j * k..(j + 1) * k];
-                    for (r, o) in out.iter_mut().enumerate() {
-                        *o = kernels::dot_f32(wr, &x[r * k..(r + 1) * k]);
-                    }
-                });
+            Linear::Int8 { .. } => super::packed::TILE_BLOCKS * BLOCK,
+            _ => 16,
+        }
+    }
+
+    /// `x[m, k]` (row-major f32) in the form [`Linear::forward_cols`] reads.
+    pub fn prepare<'a>(&self, x: &'a [f32], m: usize) -> Prepared<'a> {
+        self.prepare_rows(x, m, None)
+    }
+
+    /// As [`Linear::prepare`] for the rows `rows` of `x` (all `m` rows when `None`): experts
+    /// read their tokens straight from the layer input, with no gathered copy.
+    pub fn prepare_rows<'a>(&self, x: &'a [f32], m: usize, rows: Option<&[usize]>) -> Prepared<'a> {
+        let k = self.in_features();
+        let row = |r: usize| {
+            let t = rows.map_or(r, |rs| rs[r]);
+            &x[t * k..(t + 1) * k]
+        };
+        match self {
+            Linear::Dense { .. } | Linear::WeightOnly { perm: None, .. } => match rows {
+                None => Prepared::F32(Cow::Borrowed(&x[..m * k])),
+                Some(_) => Prepared::F32(Cow::Owned(
+                    (0..m).flat_map(|r| row(r).iter().copied()).collect(),
+                )),
+            },
+            // Act-order: gather x into the sorted column order once.
+            Linear::WeightOnly { perm: Some(p), .. } => Prepared::F32(Cow::Owned(
+                (0..m)
+                    .flat_map(|r| {
+                        let xr = row(r);
+                        p.iter().map(move |&c| xr[c as usize])
+                    })
+                    .collect(),
+            )),
+            Linear::Int8 { w, input_scale, .. } => {
+                let mut xu = vec![128u8; m * w.k_pad];
+                let mut sx = vec![0f32; m];
+                for (r, s) in sx.iter_mut().enumerate() {
+                    let xr = row(r);
+                    *s = match input_scale {
+                        Some(s) => *s,
+                        None => kernels::amax(xr) / 127.0,
+                    };
+                    kernels::quantize_u8(xr, *s, &mut xu[r * w.k_pad..r * w.k_pad + k]);
+                }
+                Prepared::U8 { xu, sx }
             }
-            Linear::WeightOnly {
-                q,
-                zp,
-                scale,
-                group_starts,
-                perm,
-                ..
-            } => {
+        }
+    }
+
+    /// Output features `first..first + count` for all `m` rows into a strided view:
+    /// `out[r * rs + (j - first) * cs] = y[r, j]` (feature-major is `rs = 1, cs = m`, row-major
+    /// `rs = n, cs = 1`). `first` is a multiple of [`Linear::panel`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_cols(
+        &self,
+        x: &Prepared<'_>,
+        m: usize,
+        first: usize,
+        count: usize,
+        out: &mut [f32],
+        rs: usize,
+        cs: usize,
+    ) {
+        if m == 0 {
+            return;
+        }
+        let k = self.in_features();
+        let at = |r: usize, j: usize| r * rs + (j - first) * cs;
+        match (self, x) {
+            (Linear::Dense { w, .. }, Prepared::F32(x)) => {
+                for j in first..first + count {
+                    let wr = &w[j * k..(j + 1) * k];
+                    for r in 0..m {
+                        out[at(r, j)] = kernels::dot_f32(wr, &x[r * k..(r + 1) * k]);
+                    }
+                }
+            }
+            (
+                Linear::WeightOnly {
+                    q,
+                    zp,
+                    scale,
+                    group_starts,
+                    ..
+                },
+                Prepared::F32(xs),
+            ) => {
                 let groups = group_starts.len();
-                // Act-order: gather x into the sorted column order once; otherwise use x as it is.
-                let xs: std::borrow::Cow<'_, [f32]> = match perm {
-                    Some(p) => (0..m)
-                        .flat_map(|r| p.iter().map(move |&c| x[r * k + c as usize]))
-                        .collect::<Vec<f32>>()
-                        .into(),
-                    None => std::borrow::Cow::Borrowed(&x[..m * k]),
-                };
-                for_features(&mut yt, m, parallel, |j, out| {
+                for j in first..first + count {
                     let qr = &q[j * k..(j + 1) * k];
-                    for (r, o) in out.iter_mut().enumerate() {
+                    for r in 0..m {
                         let xr = &xs[r * k..(r + 1) * k];
                         let mut acc = 0f32;
                         for g in 0..groups {
@@ -147,98 +220,83 @@ impl Linear {
                             acc +=
                                 kernels::dot_q_f32(&qr[a..b], &xr[a..b], z) * scale[j * groups + g];
                         }
-                        *o = acc;
+                        out[at(r, j)] = acc;
+                    }
+                }
+            }
+            (Linear::Int8 { w, scale, .. }, Prepared::U8 { xu, sx }) => {
+                let end = first + count;
+                w.gemm(xu, m, first / BLOCK, count.div_ceil(BLOCK), |r, b, acc| {
+                    let j0 = b * BLOCK;
+                    let s = sx[r];
+                    if cs == 1 && j0 >= first && j0 + BLOCK <= end {
+                        // A whole block into a contiguous run: a vectorised loop.
+                        let dst = &mut out[at(r, j0)..at(r, j0) + BLOCK];
+                        for ((o, &v), &ws) in dst.iter_mut().zip(acc).zip(&scale[j0..j0 + BLOCK]) {
+                            *o = v as f32 * s * ws;
+                        }
+                        return;
+                    }
+                    for (l, &v) in acc.iter().enumerate() {
+                        let j = j0 + l;
+                        if j >= first && j < end {
+                            out[at(r, j)] = v as f32 * s * scale[j];
+                        }
                     }
                 });
             }
-            Linear::Int8 {
-                q,
-                scale,
-                input_scale,
-                wsum,
-                ..
-            } => {
-                let mut qx = vec![0i8; m * k];
-                let mut sx = vec![0f32; m];
-                for r in 0..m {
-                    let xr = &x[r * k..(r + 1) * k];
-                    let qr = &mut qx[r * k..(r + 1) * k];
-                    sx[r] = match input_scale {
-                        Some(s) => {
-                            quantize_row_static(xr, *s, qr);
-                            *s
-                        }
-                        None => quantize_row_dynamic(xr, qr),
-                    };
-                }
-                let qxu: Vec<u8> = qx.iter().map(|&v| (v as u8) ^ 0x80).collect();
-                // Four output features at a time: a 4 x 4 (features x tokens) register tile
-                // when the CPU has VNNI, so each loaded vector feeds four dot products.
-                let quads = n / 4;
-                let (head, tail) = yt.split_at_mut(quads * 4 * m);
-                let quad = |jq: usize, out: &mut [f32]| {
-                    let j0 = 4 * jq;
-                    let mut acc: smallvec::SmallVec<[i32; 256]> = smallvec::smallvec![0; 4 * m];
-                    kernels::dot_rows4(
-                        &qx,
-                        &qxu,
-                        m,
-                        k,
-                        &q[j0 * k..(j0 + 4) * k],
-                        &wsum[j0..j0 + 4],
-                        &mut acc,
-                    );
-                    for f in 0..4 {
-                        for r in 0..m {
-                            out[f * m + r] = acc[f * m + r] as f32 * sx[r] * scale[j0 + f];
-                        }
-                    }
-                };
-                if parallel {
-                    head.par_chunks_mut(4 * m)
-                        .with_min_len(4)
-                        .enumerate()
-                        .for_each(|(jq, out)| quad(jq, out));
-                } else {
-                    head.chunks_mut(4 * m)
-                        .enumerate()
-                        .for_each(|(jq, out)| quad(jq, out));
-                }
-                for (f, out) in tail.chunks_mut(m).enumerate() {
-                    let j = quads * 4 + f;
-                    let mut acc: smallvec::SmallVec<[i32; 64]> = smallvec::smallvec![0; m];
-                    kernels::dot_rows(&qx, &qxu, m, k, &q[j * k..(j + 1) * k], wsum[j], &mut acc);
-                    for (r, o) in out.iter_mut().enumerate() {
-                        *o = acc[r] as f32 * sx[r] * scale[j];
-                    }
-                }
-            }
+            // `prepare` of the same layer always gives the matching form.
+            _ => out.fill(f32::NAN),
         }
-        // [n, m] -> [m, n]
-        if m == 1 {
+    }
+
+    /// `y[m, n]` for `x[m, k]` (row-major f32). Work is split over output features, so each
+    /// weight byte is read once per call whatever the number of tokens; `parallel` uses the
+    /// thread pool.
+    pub fn forward(&self, x: &[f32], m: usize, parallel: bool) -> Vec<f32> {
+        let n = self.out_features();
+        let mut yt = vec![0f32; m * n];
+        if m == 0 {
             return yt;
         }
-        let mut y = vec![0f32; m * n];
-        for j in 0..n {
-            for r in 0..m {
-                y[r * n + j] = yt[j * m + r];
-            }
+        let prepared = self.prepare(x, m);
+        if !parallel {
+            self.forward_cols(&prepared, m, 0, n, &mut yt, n, 1);
+            return yt;
         }
-        y
+        let panel = self.panel();
+        let run = |(p, out): (usize, &mut [f32])| {
+            let count = out.len() / m;
+            self.forward_cols(&prepared, m, p * panel, count, out, 1, m)
+        };
+        yt.par_chunks_mut(panel * m).enumerate().for_each(run);
+        transpose(&yt, n, m)
+    }
+
+    /// Whether `other` reads the same prepared input as `self` (gate and up share one).
+    pub fn same_input(&self, other: &Linear) -> bool {
+        self.in_features() == other.in_features()
+            && match (self, other) {
+                (Linear::Dense { .. }, Linear::Dense { .. }) => true,
+                (Linear::WeightOnly { perm: a, .. }, Linear::WeightOnly { perm: b, .. }) => a == b,
+                (Linear::Int8 { input_scale: a, .. }, Linear::Int8 { input_scale: b, .. }) => {
+                    a.map(f32::to_bits) == b.map(f32::to_bits)
+                }
+                _ => false,
+            }
     }
 }
 
-/// Calls `f(feature, out)` for each output feature with its `m` outputs, in parallel chunks.
-fn for_features(yt: &mut [f32], m: usize, parallel: bool, f: impl Fn(usize, &mut [f32]) + Sync) {
-    if m == 0 {
-        return;
+/// `[n, m]` -> `[m, n]`.
+pub fn transpose(yt: &[f32], n: usize, m: usize) -> Vec<f32> {
+    if m == 1 {
+        return yt.to_vec();
     }
-    if parallel {
-        yt.par_chunks_mut(m)
-            .with_min_len(16)
-            .enumerate()
-            .for_each(|(j, out)| f(j, out));
-    } else {
-        yt.chunks_mut(m).enumerate().for_each(|(j, out)| f(j, out));
+    let mut y = vec![0f32; m * n];
+    for j in 0..n {
+        for r in 0..m {
+            y[r * n + j] = yt[j * m + r];
+        }
     }
+    y
 }

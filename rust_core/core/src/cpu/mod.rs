@@ -5,6 +5,7 @@ pub mod kernels;
 pub mod linear;
 pub mod load;
 pub mod moe;
+pub mod packed;
 pub mod routing;
 
 pub use moe::{CpuExpert, CpuMoe};

@@ -16,22 +16,186 @@ pub struct CpuExpert {
     pub down: Linear,
 }
 
-impl CpuExpert {
-    /// `down(silu(gate(x)) * up(x))` for `x[m, hidden]`.
-    pub fn forward(&self, x: &[f32], m: usize, parallel: bool) -> Vec<f32> {
-        let u = self.up.forward(x, m, parallel);
-        let h: Vec<f32> = match &self.gate {
-            Some(g) => {
-                let gv = g.forward(x, m, parallel);
-                gv.iter()
-                    .zip(&u)
-                    .map(|(&a, &b)| a / (1.0 + (-a).exp()) * b)
-                    .collect()
-            }
-            None => u.iter().map(|&a| a / (1.0 + (-a).exp())).collect(),
-        };
-        self.down.forward(&h, m, parallel)
+/// `silu(g) * u`, or `silu(u)` without a gate.
+#[inline]
+fn act(g: Option<f32>, u: f32) -> f32 {
+    match g {
+        Some(a) => a / (1.0 + (-a).exp()) * u,
+        None => u / (1.0 + (-u).exp()),
     }
+}
+
+impl CpuExpert {
+    /// `down(silu(gate(x)) * up(x))` for `x[m, hidden]`, row-major `[m, hidden]` out.
+    pub fn forward(&self, x: &[f32], m: usize, parallel: bool) -> Vec<f32> {
+        let job = Job {
+            ex: self,
+            x,
+            rows: None,
+            m,
+        };
+        if parallel {
+            return run_experts(&[job], true).pop().unwrap_or_default();
+        }
+        job.forward_whole()
+    }
+}
+
+/// One expert's share of a call: rows `rows` of `x` (all `m` rows when `None`).
+#[derive(Clone, Copy)]
+struct Job<'a> {
+    ex: &'a CpuExpert,
+    x: &'a [f32],
+    rows: Option<&'a [usize]>,
+    m: usize,
+}
+
+impl Job<'_> {
+    /// The whole expert on this thread, every buffer row-major.
+    fn forward_whole(&self) -> Vec<f32> {
+        let Job { ex, x, rows, m } = *self;
+        let i = ex.up.out_features();
+        let px = ex.up.prepare_rows(x, m, rows);
+        let mut u = vec![0f32; m * i];
+        ex.up.forward_cols(&px, m, 0, i, &mut u, i, 1);
+        let mut hidden = u;
+        if let Some(gate) = &ex.gate {
+            let mut g = vec![0f32; m * i];
+            if gate.same_input(&ex.up) {
+                gate.forward_cols(&px, m, 0, i, &mut g, i, 1);
+            } else {
+                gate.forward_cols(&gate.prepare_rows(x, m, rows), m, 0, i, &mut g, i, 1);
+            }
+            for (h, &gv) in hidden.iter_mut().zip(&g) {
+                *h = act(Some(gv), *h);
+            }
+        } else {
+            for h in hidden.iter_mut() {
+                *h = act(None, *h);
+            }
+        }
+        let n = ex.down.out_features();
+        let mut y = vec![0f32; m * n];
+        let ph = ex.down.prepare(&hidden, m);
+        ex.down.forward_cols(&ph, m, 0, n, &mut y, n, 1);
+        y
+    }
+}
+
+/// Which projection a unit of work belongs to.
+#[derive(Clone, Copy)]
+enum Proj {
+    Gate,
+    Up,
+}
+
+/// Runs each job and returns its output, row-major `[m, hidden]`.
+///
+/// Many busy experts (prefill): one task per expert, everything row-major on its thread. Few
+/// (decode): every projection is cut into panels of output features and all experts' panels
+/// run as one parallel pass per GEMM, so both threads stream different weight bytes and each
+/// byte is read once.
+fn run_experts(jobs: &[Job<'_>], parallel: bool) -> Vec<Vec<f32>> {
+    let threads = rayon::current_num_threads();
+    if !parallel || jobs.len() >= 4 * threads {
+        return jobs
+            .par_iter()
+            .with_max_len(1)
+            .map(Job::forward_whole)
+            .collect();
+    }
+    // GEMM1: inputs prepared once per expert (gate and up share them when they can).
+    let prepared: Vec<_> = jobs
+        .par_iter()
+        .map(|&Job { ex, x, rows, m }| {
+            let up = ex.up.prepare_rows(x, m, rows);
+            let gate = ex
+                .gate
+                .as_ref()
+                .filter(|g| !g.same_input(&ex.up))
+                .map(|g| g.prepare_rows(x, m, rows));
+            (up, gate)
+        })
+        .collect();
+    let mut gu: Vec<(Vec<f32>, Vec<f32>)> = jobs
+        .iter()
+        .map(|&Job { ex, m, .. }| {
+            let i = ex.up.out_features();
+            let g = if ex.gate.is_some() { m * i } else { 0 };
+            (vec![0f32; g], vec![0f32; m * i])
+        })
+        .collect();
+    {
+        let mut tasks: Vec<(usize, Proj, usize, &mut [f32])> = Vec::new();
+        for (e, (g, u)) in gu.iter_mut().enumerate() {
+            let Job { ex, m, .. } = jobs[e];
+            if m == 0 {
+                continue;
+            }
+            let panel = ex.up.panel();
+            for (p, c) in u.chunks_mut(panel * m).enumerate() {
+                tasks.push((e, Proj::Up, p * panel, c));
+            }
+            if let Some(gate) = &ex.gate {
+                let panel = gate.panel();
+                for (p, c) in g.chunks_mut(panel * m).enumerate() {
+                    tasks.push((e, Proj::Gate, p * panel, c));
+                }
+            }
+        }
+        tasks.into_par_iter().for_each(|(e, which, first, out)| {
+            let Job { ex, m, .. } = jobs[e];
+            let (up_in, gate_in) = &prepared[e];
+            let (lin, input) = match (which, &ex.gate) {
+                (Proj::Gate, Some(g)) => (g, gate_in.as_ref().unwrap_or(up_in)),
+                _ => (&ex.up, up_in),
+            };
+            lin.forward_cols(input, m, first, out.len() / m, out, 1, m);
+        });
+    }
+    drop(prepared);
+    // silu(gate) * up, row-major, then the down projection's input.
+    let down_in: Vec<_> = jobs
+        .par_iter()
+        .zip(&gu)
+        .map(|(&Job { ex, m, .. }, (g, u))| {
+            let i = ex.up.out_features();
+            let mut h = vec![0f32; m * i];
+            for j in 0..i {
+                for r in 0..m {
+                    h[r * i + j] = act(g.get(j * m + r).copied(), u[j * m + r]);
+                }
+            }
+            ex.down.prepare(&h, m).into_owned()
+        })
+        .collect();
+    drop(gu);
+    let mut ys: Vec<Vec<f32>> = jobs
+        .iter()
+        .map(|&Job { ex, m, .. }| vec![0f32; m * ex.down.out_features()])
+        .collect();
+    {
+        let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
+        for (e, y) in ys.iter_mut().enumerate() {
+            let Job { ex, m, .. } = jobs[e];
+            if m == 0 {
+                continue;
+            }
+            let panel = ex.down.panel();
+            for (p, c) in y.chunks_mut(panel * m).enumerate() {
+                tasks.push((e, p * panel, c));
+            }
+        }
+        tasks.into_par_iter().for_each(|(e, first, out)| {
+            let Job { ex, m, .. } = jobs[e];
+            ex.down
+                .forward_cols(&down_in[e], m, first, out.len() / m, out, 1, m);
+        });
+    }
+    jobs.iter()
+        .zip(ys)
+        .map(|(&Job { ex, m, .. }, yt)| super::linear::transpose(&yt, ex.down.out_features(), m))
+        .collect()
 }
 
 /// An MoE layer ready to run.
@@ -92,32 +256,43 @@ impl CpuMoe {
                 by_expert[e].push((t, routed.weights[t * k + j]));
             }
         }
-        // Few experts busy (decode): parallelise inside each expert; many: across experts.
-        let parallel_inside =
-            by_expert.iter().filter(|r| !r.is_empty()).count() < rayon::current_num_threads() * 2;
-        let partial: Vec<(usize, Vec<f32>)> = by_expert
-            .par_iter()
-            .enumerate()
-            .filter(|(_, rows)| !rows.is_empty())
-            .map(|(e, rows)| {
-                let m = rows.len();
-                let mut xe = Vec::with_capacity(m * h);
-                for &(t, _) in rows {
-                    xe.extend_from_slice(&x[t * h..(t + 1) * h]);
-                }
-                (e, self.experts[e].forward(&xe, m, parallel_inside))
+        let active: Vec<usize> = (0..e_count).filter(|&e| !by_expert[e].is_empty()).collect();
+        let token_rows: Vec<Vec<usize>> = active
+            .iter()
+            .map(|&e| by_expert[e].iter().map(|&(t, _)| t).collect())
+            .collect();
+        let jobs: Vec<Job<'_>> = active
+            .iter()
+            .zip(&token_rows)
+            .map(|(&e, rows)| Job {
+                ex: &self.experts[e],
+                x,
+                rows: Some(rows),
+                m: rows.len(),
             })
             .collect();
-        // Accumulate in a fixed order (expert, then token) so results are deterministic.
-        let mut out = vec![0f32; tokens * h];
-        for (e, y) in partial {
-            for (r, &(t, w)) in by_expert[e].iter().enumerate() {
-                let dst = &mut out[t * h..(t + 1) * h];
-                for (o, v) in dst.iter_mut().zip(&y[r * h..(r + 1) * h]) {
-                    *o += w * v;
-                }
+        let ys = run_experts(&jobs, true);
+        // Where each (token, slot) landed: (index into `active`, row).
+        let mut place = vec![(0usize, 0usize); tokens * k];
+        let mut next = vec![0usize; tokens];
+        for (a, &e) in active.iter().enumerate() {
+            for (r, &(t, _)) in by_expert[e].iter().enumerate() {
+                place[t * k + next[t]] = (a, r);
+                next[t] += 1;
             }
         }
+        // Sum per token in a fixed order (expert, then row), so results are deterministic.
+        let mut out = vec![0f32; tokens * h];
+        out.par_chunks_mut(h.max(1))
+            .enumerate()
+            .for_each(|(t, dst)| {
+                for &(a, r) in &place[t * k..t * k + next[t]] {
+                    let w = by_expert[active[a]][r].1;
+                    for (o, v) in dst.iter_mut().zip(&ys[a][r * h..(r + 1) * h]) {
+                        *o += w * v;
+                    }
+                }
+            });
         Ok(out)
     }
 

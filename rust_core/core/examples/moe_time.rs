@@ -1,0 +1,52 @@
+//! Times the CPU MoE forward on the Qwen3-30B-A3B shape (H2048 I768 E128 k8), W8A8 dynamic:
+//! `MOEQ_NUM_THREADS=2 cargo run --release --example moe_time [tokens] [reps]`.
+use std::time::Instant;
+
+use moeq_core::cpu::build::{from_raw, RawProj, RawScheme, RawWeights};
+
+fn main() -> moeq_core::error::Result<()> {
+    let mut args = std::env::args().skip(1);
+    let tokens: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(1024);
+    let reps: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(5);
+    let (h, i, e, k) = (2048usize, 768usize, 128usize, 8usize);
+    let w13: Vec<i8> = (0..e * 2 * i * h).map(|v| (v * 7919 % 251) as i8).collect();
+    let w2: Vec<i8> = (0..e * h * i).map(|v| (v * 104729 % 251) as i8).collect();
+    let s13 = vec![1e-3f32; e * 2 * i];
+    let s2 = vec![1e-3f32; e * h];
+    let proj = |w, s| RawProj {
+        weights: RawWeights::Int8(w),
+        scales: s,
+        zero_points: None,
+        act_scales: None,
+    };
+    let moe = from_raw(
+        RawScheme::W8a8Dynamic,
+        e,
+        h,
+        i,
+        -1,
+        proj(&w13, &s13),
+        proj(&w2, &s2),
+        k,
+        true,
+    )?;
+    let x: Vec<f32> = (0..tokens * h)
+        .map(|v| ((v % 97) as f32 - 48.0) / 9.0)
+        .collect();
+    let mut best = f64::MAX;
+    for rep in 0..reps {
+        let logits: Vec<f32> = (0..tokens * e)
+            .map(|v| ((v * 31 + rep * 7) % 113) as f32 / 17.0)
+            .collect();
+        let t = Instant::now();
+        std::hint::black_box(moe.forward(&x, tokens, &logits)?);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    let macs = (tokens * k * 3 * i * h) as f64;
+    println!(
+        "T={tokens}: best {:.2} ms, {:.0} GMAC/s",
+        best * 1e3,
+        macs / best / 1e9
+    );
+    Ok(())
+}

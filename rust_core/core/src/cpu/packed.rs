@@ -1,0 +1,376 @@
+//! int8 weights prepacked for the u8 x i8 dot-product instructions (VNNI `vpdpbusd`), and the
+//! register-blocked GEMM that reads them.
+//!
+//! Layout: output features in blocks of [`BLOCK`] = 16, input features in quads of 4. Block
+//! `b` holds `[k_pad / 4][16][4]` bytes: for each quad of inputs, the 4 codes of feature 0,
+//! then of feature 1, ... so one 64-byte load is exactly one `vpdpbusd` operand (16 int32
+//! lanes, one per feature). A block is one contiguous run, so a thread streaming a column panel
+//! reads memory sequentially. Padding (features past `n`, inputs past `k`) is zero codes.
+//!
+//! Activations enter as `xu = x + 128` (u8); the signed result is `Σ xu * w - 128 * Σ w`, with
+//! `Σ w` per feature kept in [`PackedI8::wsum`] (the compensation term). Every path returns
+//! exactly the scalar reference's int32 accumulators.
+
+use super::kernels::{isa, Isa};
+
+/// Output features per block (one 512-bit register of int32 lanes).
+pub const BLOCK: usize = 16;
+/// Blocks per register tile: a tile is `rows x 64` outputs.
+pub const TILE_BLOCKS: usize = 4;
+/// Activation rows per register tile (6 x 4 accumulators + 4 weight registers + 1 broadcast).
+pub const TILE_ROWS: usize = 6;
+
+/// `[n, k]` int8 weights in the VNNI block layout, with per-feature code sums.
+#[derive(Clone, Debug)]
+pub struct PackedI8 {
+    pub n: usize,
+    pub k: usize,
+    /// `k` rounded up to a multiple of 4: the row stride of the u8 activations too.
+    pub k_pad: usize,
+    data: Vec<i8>,
+    /// `Σ_i w[j, i]` per feature, padded to whole blocks with zeros.
+    pub wsum: Vec<i32>,
+}
+
+impl PackedI8 {
+    /// Packs row-major `[n, k]` codes (missing codes read as zero, so a short slice cannot
+    /// index out of bounds; callers check the length beforehand).
+    pub fn pack(q: &[i8], n: usize, k: usize) -> PackedI8 {
+        let k_pad = k.div_ceil(4) * 4;
+        let blocks = n.div_ceil(BLOCK);
+        let block_len = k_pad * BLOCK;
+        let mut data = vec![0i8; blocks * block_len];
+        let mut wsum = vec![0i32; blocks * BLOCK];
+        for (j, sum) in wsum.iter_mut().enumerate().take(n) {
+            let (b, lane) = (j / BLOCK, j % BLOCK);
+            let row = q.get(j * k..(j + 1) * k).unwrap_or(&[]);
+            let dst = &mut data[b * block_len..(b + 1) * block_len];
+            for (i, &v) in row.iter().enumerate() {
+                dst[(i / 4) * 64 + lane * 4 + i % 4] = v;
+            }
+            *sum = row.iter().map(|&v| i32::from(v)).sum();
+        }
+        PackedI8 {
+            n,
+            k,
+            k_pad,
+            data,
+            wsum,
+        }
+    }
+
+    /// Number of 16-feature blocks.
+    pub fn blocks(&self) -> usize {
+        self.n.div_ceil(BLOCK)
+    }
+
+    /// The packed bytes (for writing the CPU layout to disk).
+    pub fn bytes(&self) -> &[i8] {
+        &self.data
+    }
+
+    /// Rebuilds from packed bytes written by [`PackedI8::bytes`]; `None` when the sizes disagree.
+    pub fn from_packed(n: usize, k: usize, data: Vec<i8>) -> Option<PackedI8> {
+        let k_pad = k.div_ceil(4) * 4;
+        let blocks = n.div_ceil(BLOCK);
+        if data.len() != blocks * k_pad * BLOCK {
+            return None;
+        }
+        let mut wsum = vec![0i32; blocks * BLOCK];
+        for (j, s) in wsum.iter_mut().enumerate().take(n) {
+            let (b, lane) = (j / BLOCK, j % BLOCK);
+            let block = &data[b * k_pad * BLOCK..(b + 1) * k_pad * BLOCK];
+            *s = (0..k)
+                .map(|i| i32::from(block[(i / 4) * 64 + lane * 4 + i % 4]))
+                .sum();
+        }
+        Some(PackedI8 {
+            n,
+            k,
+            k_pad,
+            data,
+            wsum,
+        })
+    }
+
+    /// Feature `j`'s codes in input order.
+    pub fn row(&self, j: usize) -> Vec<i8> {
+        let (b, lane) = (j / BLOCK, j % BLOCK);
+        let block = &self.data[b * self.k_pad * BLOCK..(b + 1) * self.k_pad * BLOCK];
+        (0..self.k)
+            .map(|i| block[(i / 4) * 64 + lane * 4 + i % 4])
+            .collect()
+    }
+
+    /// Signed int32 dot products of activation rows with the features of blocks
+    /// `first_block..first_block + nblocks`: calls `emit(row, block, &acc)` with the 16 lanes of
+    /// each (row, block) pair, `acc[l]` for feature `16 * block + l`. `xu` is `[m, k_pad]` u8
+    /// (`x + 128`). Lanes past `n` are zero.
+    pub fn gemm(
+        &self,
+        xu: &[u8],
+        m: usize,
+        first_block: usize,
+        nblocks: usize,
+        mut emit: impl FnMut(usize, usize, &[i32; BLOCK]),
+    ) {
+        let block_len = self.k_pad * BLOCK;
+        let end = (first_block + nblocks).min(self.blocks());
+        if xu.len() < m * self.k_pad || first_block >= end {
+            return;
+        }
+        let use_vnni = cfg!(target_arch = "x86_64") && isa() == Isa::Avx512Vnni;
+        let mut b = first_block;
+        while b < end {
+            let nb = (end - b).min(TILE_BLOCKS);
+            let w = &self.data[b * block_len..(b + nb) * block_len];
+            let mut r = 0;
+            while r < m {
+                let mr = (m - r).min(TILE_ROWS);
+                let x = &xu[r * self.k_pad..(r + mr) * self.k_pad];
+                let mut acc = [[0i32; BLOCK]; TILE_ROWS * TILE_BLOCKS];
+                let tile = &mut acc[..mr * nb];
+                if use_vnni {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: `isa()` detected AVX-512 VNNI and BW; `x` is `mr` rows of `k_pad`
+                    // bytes and `w` is `nb` whole blocks of `k_pad * 16` bytes, as required.
+                    unsafe {
+                        x86::tile(x, mr, self.k_pad, w, nb, tile)
+                    };
+                } else {
+                    tile_scalar(x, mr, self.k_pad, w, nb, tile);
+                }
+                for rr in 0..mr {
+                    for bb in 0..nb {
+                        let lanes = &mut acc[rr * nb + bb];
+                        let sums = &self.wsum[(b + bb) * BLOCK..(b + bb + 1) * BLOCK];
+                        for (v, &s) in lanes.iter_mut().zip(sums) {
+                            *v -= 128 * s;
+                        }
+                        emit(r + rr, b + bb, lanes);
+                    }
+                }
+                r += mr;
+            }
+            b += nb;
+        }
+    }
+}
+
+/// The scalar reference tile: `out[r * nb + b][l] = Σ_i xu[r, i] * w_b[i, l]` (u8 x i8, int32).
+pub fn tile_scalar(
+    xu: &[u8],
+    mr: usize,
+    k_pad: usize,
+    w: &[i8],
+    nb: usize,
+    out: &mut [[i32; BLOCK]],
+) {
+    let block_len = k_pad * BLOCK;
+    for r in 0..mr {
+        let x = &xu[r * k_pad..(r + 1) * k_pad];
+        for b in 0..nb {
+            let blk = &w[b * block_len..(b + 1) * block_len];
+            let o = &mut out[r * nb + b];
+            for (quad, xs) in x.chunks_exact(4).enumerate() {
+                let wq = &blk[quad * 64..quad * 64 + 64];
+                for (l, ol) in o.iter_mut().enumerate() {
+                    for t in 0..4 {
+                        *ol += i32::from(xs[t]) * i32::from(wq[l * 4 + t]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::BLOCK;
+    use std::arch::x86_64::*;
+
+    /// Dispatches a `mr x nb` tile to its monomorphic kernel.
+    ///
+    /// # Safety
+    /// The CPU supports AVX-512 VNNI and BW; `xu.len() >= mr * k_pad`, `k_pad % 4 == 0`,
+    /// `w.len() >= nb * k_pad * 16`, `out.len() >= mr * nb`, `1 <= mr <= 6`, `1 <= nb <= 4`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub unsafe fn tile(
+        xu: &[u8],
+        mr: usize,
+        k_pad: usize,
+        w: &[i8],
+        nb: usize,
+        out: &mut [[i32; BLOCK]],
+    ) {
+        // SAFETY: the caller's contract is exactly each kernel's contract (all arms).
+        unsafe {
+            match (mr, nb) {
+                (1, 4) => kernel::<1, 4>(xu, k_pad, w, out),
+                (2, 4) => kernel::<2, 4>(xu, k_pad, w, out),
+                (3, 4) => kernel::<3, 4>(xu, k_pad, w, out),
+                (4, 4) => kernel::<4, 4>(xu, k_pad, w, out),
+                (5, 4) => kernel::<5, 4>(xu, k_pad, w, out),
+                (6, 4) => kernel::<6, 4>(xu, k_pad, w, out),
+                (1, 1) => kernel::<1, 1>(xu, k_pad, w, out),
+                (1, 2) => kernel::<1, 2>(xu, k_pad, w, out),
+                (1, 3) => kernel::<1, 3>(xu, k_pad, w, out),
+                (r, 1) => kernel_rows::<1>(xu, r, k_pad, w, out),
+                (r, 2) => kernel_rows::<2>(xu, r, k_pad, w, out),
+                (r, _) => kernel_rows::<3>(xu, r, k_pad, w, out),
+            }
+        }
+    }
+
+    /// Leftover blocks (fewer than 4) with several rows: one row at a time.
+    ///
+    /// # Safety
+    /// As [`tile`] with `nb == NB`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn kernel_rows<const NB: usize>(
+        xu: &[u8],
+        mr: usize,
+        k_pad: usize,
+        w: &[i8],
+        out: &mut [[i32; BLOCK]],
+    ) {
+        for r in 0..mr {
+            // SAFETY: row r of `xu` is in bounds (r < mr); `w` holds NB blocks; `out` has the
+            // NB entries of row r.
+            unsafe {
+                kernel::<1, NB>(
+                    &xu[r * k_pad..(r + 1) * k_pad],
+                    k_pad,
+                    w,
+                    &mut out[r * NB..(r + 1) * NB],
+                )
+            };
+        }
+    }
+
+    /// `MR` activation rows x `NB` blocks of 16 features, full depth.
+    ///
+    /// # Safety
+    /// The CPU supports AVX-512 VNNI and BW; `xu.len() >= MR * k_pad`, `k_pad % 4 == 0`,
+    /// `w.len() >= NB * k_pad * 16`, `out.len() >= MR * NB`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    #[inline]
+    unsafe fn kernel<const MR: usize, const NB: usize>(
+        xu: &[u8],
+        k_pad: usize,
+        w: &[i8],
+        out: &mut [[i32; BLOCK]],
+    ) {
+        let block_len = k_pad * BLOCK;
+        let mut acc = [[_mm512_setzero_si512(); NB]; MR];
+        let wp = w.as_ptr();
+        let xp = xu.as_ptr();
+        for quad in 0..k_pad / 4 {
+            let mut wv = [_mm512_setzero_si512(); NB];
+            for (b, v) in wv.iter_mut().enumerate() {
+                let at = b * block_len + quad * 64;
+                // Eight cache lines ahead in the same stream keeps several misses in flight
+                // per stream when the weights come from DRAM. A prefetch never faults, and
+                // `wrapping_add` makes the address without claiming it is in bounds.
+                _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(at + 512).cast());
+                // SAFETY: b < NB and quad < k_pad / 4, so the 64 bytes at `at` lie inside
+                // block b of `w` (w.len() >= NB * block_len).
+                *v = unsafe { _mm512_loadu_si512(wp.add(at).cast()) };
+            }
+            for (r, row) in acc.iter_mut().enumerate() {
+                // SAFETY: r < MR and 4 * quad + 4 <= k_pad: the 4 bytes read lie in row r of
+                // `xu` (xu.len() >= MR * k_pad); read_unaligned has no alignment requirement.
+                let a = unsafe {
+                    _mm512_set1_epi32(xp.add(r * k_pad + 4 * quad).cast::<i32>().read_unaligned())
+                };
+                for (b, lanes) in row.iter_mut().enumerate() {
+                    *lanes = _mm512_dpbusd_epi32(*lanes, a, wv[b]);
+                }
+            }
+        }
+        for (r, row) in acc.iter().enumerate() {
+            for (b, lanes) in row.iter().enumerate() {
+                // SAFETY: r * NB + b < MR * NB <= out.len(); each entry is 16 i32 = 64 bytes.
+                unsafe {
+                    _mm512_storeu_si512(out[r * NB + b].as_mut_ptr().cast(), *lanes);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn scalar_dot(x: &[i8], w: &[i8]) -> i32 {
+        x.iter()
+            .zip(w)
+            .map(|(&a, &b)| i32::from(a) * i32::from(b))
+            .sum()
+    }
+
+    proptest! {
+        /// Every tile shape of the dispatched kernel equals the plain int32 dot product.
+        #[test]
+        fn gemm_equals_scalar(m in 0usize..15, n in 1usize..90, k in 0usize..150,
+                              first in 0usize..3, seed in any::<u64>()) {
+            let mut s = seed | 1;
+            let mut next = || { s ^= s << 13; s ^= s >> 7; s ^= s << 17; s as i8 };
+            let x: Vec<i8> = (0..m * k).map(|_| next()).collect();
+            let w: Vec<i8> = (0..n * k).map(|_| next()).collect();
+            let p = PackedI8::pack(&w, n, k);
+            for j in 0..n {
+                prop_assert_eq!(p.row(j), w[j * k..(j + 1) * k].to_vec());
+            }
+            let mut xu = vec![128u8; m * p.k_pad];
+            for r in 0..m {
+                for i in 0..k {
+                    xu[r * p.k_pad + i] = (x[r * k + i] as u8) ^ 0x80;
+                }
+            }
+            let first = first.min(p.blocks() - 1);
+            let mut seen = vec![false; m * n];
+            p.gemm(&xu, m, first, p.blocks(), |r, b, acc| {
+                for (l, &v) in acc.iter().enumerate() {
+                    let j = b * BLOCK + l;
+                    if j < n {
+                        assert_eq!(v, scalar_dot(&x[r * k..(r + 1) * k], &w[j * k..(j + 1) * k]));
+                        seen[r * n + j] = true;
+                    } else {
+                        assert_eq!(v, 0);
+                    }
+                }
+            });
+            for r in 0..m {
+                for j in 0..n {
+                    prop_assert_eq!(seen[r * n + j], j >= first * BLOCK);
+                }
+            }
+            let again = PackedI8::from_packed(n, k, p.bytes().to_vec()).unwrap();
+            prop_assert_eq!(&again.wsum, &p.wsum);
+        }
+    }
+
+    #[test]
+    fn simd_tile_equals_scalar_tile_at_extremes() {
+        // Largest magnitudes: 255 * -128 summed over 4096 inputs stays inside int32.
+        let (n, k, m) = (64, 4096, 6);
+        let p = PackedI8::pack(&vec![-128i8; n * k], n, k);
+        let xu = vec![255u8; m * p.k_pad];
+        let mut reference = vec![[0i32; BLOCK]; m * 4];
+        tile_scalar(&xu, m, p.k_pad, p.bytes(), 4, &mut reference);
+        let mut count = 0;
+        p.gemm(&xu, m, 0, 4, |r, b, acc| {
+            let want: Vec<i32> = reference[r * 4 + b]
+                .iter()
+                .map(|v| v - 128 * (-128 * k as i32))
+                .collect();
+            assert_eq!(acc.to_vec(), want);
+            assert_eq!(acc[0], 127 * -128 * k as i32);
+            count += 1;
+        });
+        assert_eq!(count, m * 4);
+    }
+}
