@@ -404,3 +404,54 @@ def test_torch_compile_and_custom_ops(fixture_path: Callable[[str], Path]) -> No
             fx, torch.empty(7, 2), torch.empty(7, 2, dtype=torch.int64), moe._handle
         )
         assert out.shape == (7, 256) and out.dtype == torch.bfloat16
+
+
+_ISA_SCRIPT = r"""
+import sys, numpy as np, torch, moeq_rs as mq
+from moeq_rs.moe import MoELayer
+g = torch.Generator().manual_seed(7)
+e, h, i, k = 12, 202, 72, 3
+w13 = torch.randint(-128, 128, (e, 2 * i, h), dtype=torch.int8, generator=g)
+w2 = torch.randint(-128, 128, (e, h, i), dtype=torch.int8, generator=g)
+s13 = torch.rand(e, 2 * i, 1, generator=g) * 1e-2
+s2 = torch.rand(e, h, 1, generator=g) * 1e-2
+outs = []
+for scheme, a13, a2 in [("w8a8_dynamic", None, None),
+                        ("w8a8_static", torch.full((e,), 0.02), torch.full((e,), 0.05))]:
+    layer = MoELayer.from_tensors(w13, w2, s13, s2, scheme=scheme, a13_scale=a13,
+                                  a2_scale=a2, top_k=k)
+    for t in (1, 5, 97):
+        x = torch.randn(t, h, generator=g)
+        logits = torch.randn(t, e, generator=g)
+        outs.append(layer(x, logits).numpy().ravel())
+np.save(sys.argv[1], np.concatenate(outs))
+print(mq.oracle.cpu_kernel())
+"""
+
+
+def test_every_cpu_kernel_gives_identical_int8_results(tmp_path: Path) -> None:
+    """W8A8 outputs are bit-identical whichever kernel family runs (integer accumulators equal,
+    same epilogue), in decode (panel-parallel) and prefill (expert-parallel) shapes."""
+    import os
+    import subprocess
+    import sys
+
+    results = {}
+    for cap in ("scalar", "avx2", "avx512", "avx512_vnni"):
+        out = tmp_path / f"{cap}.npy"
+        env = dict(os.environ, MOEQ_CPU_ISA=cap)
+        ran = subprocess.run(
+            [sys.executable, "-c", _ISA_SCRIPT, str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        used = ran.stdout.strip().splitlines()[-1]
+        results[used] = np.load(out)
+    assert "scalar" in results
+    assert len(results) >= 2 or mq.oracle.cpu_kernel() == "scalar"
+    reference = results.pop("scalar")
+    assert np.isfinite(reference).all() and np.abs(reference).max() > 0
+    for name, got in results.items():
+        assert np.array_equal(got, reference), name

@@ -21,6 +21,7 @@ __all__ = [
     "Plan",
     "check_moe_marlin_supports_layer",
     "cpu_features",
+    "cpu_kernel",
     "make_int8_moe_quant_config",
     "marlin_support_reason",
     "plan",
@@ -74,6 +75,13 @@ def check_moe_marlin_supports_layer(
 def cpu_features() -> list[str]:
     """SIMD features of this CPU that moeq_rs's CPU kernels can use."""
     return _core.cpu_features()
+
+
+def cpu_kernel() -> str:
+    """The CPU kernel family in use: ``"avx512_vnni"``, ``"avx512"``, ``"avx2"`` or
+    ``"scalar"`` (the best this CPU runs, capped by the ``MOEQ_CPU_ISA`` environment variable,
+    read once per process)."""
+    return _core.cpu_kernel()
 
 
 class Int8MoEQuantConfig:

@@ -408,12 +408,19 @@ fn cpu_features() -> Vec<&'static str> {
     CpuFeatures::detect().names()
 }
 
+/// The CPU kernel family in use (`MOEQ_CPU_ISA` caps it).
+#[pyfunction]
+fn cpu_kernel() -> &'static str {
+    moeq_core::cpu::kernels::isa_name(moeq_core::cpu::kernels::isa())
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(wna16_scale_kind, m)?)?;
     m.add_function(wrap_pyfunction!(int8_moe_quant_kind, m)?)?;
     m.add_function(wrap_pyfunction!(marlin_support_reason, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_features, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_kernel, m)?)?;
     repack::register(m)?;
     cpu::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -261,7 +261,7 @@ pub fn from_raw(
             down,
         });
     }
-    Ok(CpuMoe {
+    let mut moe = CpuMoe {
         hidden,
         experts: list,
         shared: None,
@@ -277,5 +277,7 @@ pub fn from_raw(
         },
         top_k,
         correction_bias: None,
-    })
+    };
+    moe.consolidate();
+    Ok(moe)
 }

@@ -15,26 +15,52 @@ pub enum Isa {
     Avx512Vnni,
 }
 
+/// The kernel family every CPU kernel dispatches to: the best this CPU runs, capped by the
+/// environment variable `MOEQ_CPU_ISA` (`scalar`, `avx2`, `avx512`, `avx512_vnni`) so that each
+/// path can be tested and compared on one machine. A cap above the CPU's support is ignored.
 pub fn isa() -> Isa {
     static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
     *ISA.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::env::var_os("MOEQ_FORCE_SCALAR").is_some() {
-                return Isa::Scalar;
-            }
-            if std::arch::is_x86_feature_detected!("avx512bw") {
-                if std::arch::is_x86_feature_detected!("avx512vnni") {
-                    return Isa::Avx512Vnni;
-                }
-                return Isa::Avx512;
-            }
-            if std::arch::is_x86_feature_detected!("avx2") {
-                return Isa::Avx2;
-            }
+        let cap = std::env::var("MOEQ_CPU_ISA").unwrap_or_default();
+        let detected = detect();
+        match cap.as_str() {
+            "scalar" => Isa::Scalar,
+            #[cfg(target_arch = "x86_64")]
+            "avx2" if detected != Isa::Scalar => Isa::Avx2,
+            #[cfg(target_arch = "x86_64")]
+            "avx512" if matches!(detected, Isa::Avx512 | Isa::Avx512Vnni) => Isa::Avx512,
+            _ => detected,
         }
-        Isa::Scalar
     })
+}
+
+fn detect() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512bw") {
+            if std::arch::is_x86_feature_detected!("avx512vnni") {
+                return Isa::Avx512Vnni;
+            }
+            return Isa::Avx512;
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            return Isa::Avx2;
+        }
+    }
+    Isa::Scalar
+}
+
+/// The name `MOEQ_CPU_ISA` and `cpu_features()` use for `isa`.
+pub fn isa_name(isa: Isa) -> &'static str {
+    match isa {
+        Isa::Scalar => "scalar",
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => "avx2",
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => "avx512",
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => "avx512_vnni",
+    }
 }
 
 /// `Σ a[i] * b[i]` in int32: the scalar reference.

@@ -254,7 +254,7 @@ pub fn moe_layer(model: &Model, layer: usize) -> Result<CpuMoe> {
         .routing()
         .top_k
         .ok_or_else(|| module_error(&l.prefix, "config.json has no num_experts_per_tok"))?;
-    Ok(CpuMoe {
+    let mut moe = CpuMoe {
         hidden: l.hidden_size,
         experts,
         shared,
@@ -262,5 +262,7 @@ pub fn moe_layer(model: &Model, layer: usize) -> Result<CpuMoe> {
         routing: model.routing().clone(),
         top_k,
         correction_bias,
-    })
+    };
+    moe.consolidate();
+    Ok(moe)
 }

@@ -220,6 +220,29 @@ fn bad(reason: String) -> crate::error::Error {
 }
 
 impl CpuMoe {
+    /// Moves every packed int8 weight of the layer into one huge-page arena (see
+    /// [`super::arena`]); call once after building the layer.
+    pub fn consolidate(&mut self) {
+        let mut packed: Vec<&mut super::packed::PackedI8> = Vec::new();
+        for ex in self.experts.iter_mut().chain(self.shared.iter_mut()) {
+            for lin in ex.gate.iter_mut().chain([&mut ex.up, &mut ex.down]) {
+                if let Linear::Int8 { w, .. } = lin {
+                    packed.push(w);
+                }
+            }
+        }
+        if packed.is_empty() {
+            return;
+        }
+        let (arena, offsets) = {
+            let parts: Vec<&[i8]> = packed.iter().map(|p| p.bytes()).collect();
+            super::arena::Arena::build(&parts)
+        };
+        for (p, at) in packed.into_iter().zip(offsets) {
+            p.share(&arena, at);
+        }
+    }
+
     /// The weighted sum over the routed experts only: `out[t] = Σ_j w[t, j] * expert[ids[t, j]](x_t)`.
     pub fn forward_topk(&self, x: &[f32], tokens: usize, routed: &Routed) -> Result<Vec<f32>> {
         let h = self.hidden;

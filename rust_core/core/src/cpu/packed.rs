@@ -11,6 +11,9 @@
 //! `Σ w` per feature kept in [`PackedI8::wsum`] (the compensation term). Every path returns
 //! exactly the scalar reference's int32 accumulators.
 
+use std::sync::Arc;
+
+use super::arena::Arena;
 use super::kernels::{isa, Isa};
 
 /// Output features per block (one 512-bit register of int32 lanes).
@@ -27,9 +30,20 @@ pub struct PackedI8 {
     pub k: usize,
     /// `k` rounded up to a multiple of 4: the row stride of the u8 activations too.
     pub k_pad: usize,
-    data: Vec<i8>,
+    data: Storage,
     /// `Σ_i w[j, i]` per feature, padded to whole blocks with zeros.
     pub wsum: Vec<i32>,
+}
+
+/// Where the packed bytes live: their own allocation, or a layer's shared [`Arena`].
+#[derive(Clone, Debug)]
+enum Storage {
+    Owned(Vec<i8>),
+    Shared {
+        arena: Arc<Arena>,
+        offset: usize,
+        len: usize,
+    },
 }
 
 impl PackedI8 {
@@ -54,7 +68,7 @@ impl PackedI8 {
             n,
             k,
             k_pad,
-            data,
+            data: Storage::Owned(data),
             wsum,
         }
     }
@@ -66,7 +80,20 @@ impl PackedI8 {
 
     /// The packed bytes (for writing the CPU layout to disk).
     pub fn bytes(&self) -> &[i8] {
-        &self.data
+        match &self.data {
+            Storage::Owned(v) => v,
+            Storage::Shared { arena, offset, len } => arena.slice(*offset, *len),
+        }
+    }
+
+    /// Moves the bytes into `arena` at `offset` (where [`Arena::build`] copied them).
+    pub fn share(&mut self, arena: &Arc<Arena>, offset: usize) {
+        let len = self.bytes().len();
+        self.data = Storage::Shared {
+            arena: Arc::clone(arena),
+            offset,
+            len,
+        };
     }
 
     /// Rebuilds from packed bytes written by [`PackedI8::bytes`]; `None` when the sizes disagree.
@@ -88,7 +115,7 @@ impl PackedI8 {
             n,
             k,
             k_pad,
-            data,
+            data: Storage::Owned(data),
             wsum,
         })
     }
@@ -96,7 +123,7 @@ impl PackedI8 {
     /// Feature `j`'s codes in input order.
     pub fn row(&self, j: usize) -> Vec<i8> {
         let (b, lane) = (j / BLOCK, j % BLOCK);
-        let block = &self.data[b * self.k_pad * BLOCK..(b + 1) * self.k_pad * BLOCK];
+        let block = &self.bytes()[b * self.k_pad * BLOCK..(b + 1) * self.k_pad * BLOCK];
         (0..self.k)
             .map(|i| block[(i / 4) * 64 + lane * 4 + i % 4])
             .collect()
@@ -119,11 +146,19 @@ impl PackedI8 {
         if xu.len() < m * self.k_pad || first_block >= end {
             return;
         }
+        let data = self.bytes();
+        if data.len() < end * block_len {
+            return;
+        }
         let use_vnni = cfg!(target_arch = "x86_64") && isa() == Isa::Avx512Vnni;
+        #[cfg(target_arch = "x86_64")]
+        let use_avx2 = matches!(isa(), Isa::Avx2 | Isa::Avx512);
+        #[cfg(not(target_arch = "x86_64"))]
+        let use_avx2 = false;
         let mut b = first_block;
         while b < end {
             let nb = (end - b).min(TILE_BLOCKS);
-            let w = &self.data[b * block_len..(b + nb) * block_len];
+            let w = &data[b * block_len..(b + nb) * block_len];
             let mut r = 0;
             while r < m {
                 let mr = (m - r).min(TILE_ROWS);
@@ -136,6 +171,12 @@ impl PackedI8 {
                     // bytes and `w` is `nb` whole blocks of `k_pad * 16` bytes, as required.
                     unsafe {
                         x86::tile(x, mr, self.k_pad, w, nb, tile)
+                    };
+                } else if use_avx2 {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: `isa()` detected AVX2; the slices are sized as for the VNNI tile.
+                    unsafe {
+                        x86::tile_avx2(x, mr, self.k_pad, w, nb, tile)
                     };
                 } else {
                     tile_scalar(x, mr, self.k_pad, w, nb, tile);
@@ -187,6 +228,9 @@ pub fn tile_scalar(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::BLOCK;
+
+    /// How far ahead (bytes) each weight stream is prefetched.
+    const PF_DIST: usize = 1024;
     use std::arch::x86_64::*;
 
     /// Dispatches a `mr x nb` tile to its monomorphic kernel.
@@ -218,6 +262,69 @@ mod x86 {
                 (r, 1) => kernel_rows::<1>(xu, r, k_pad, w, out),
                 (r, 2) => kernel_rows::<2>(xu, r, k_pad, w, out),
                 (r, _) => kernel_rows::<3>(xu, r, k_pad, w, out),
+            }
+        }
+    }
+
+    /// The AVX2 tile (CPUs without VNNI): codes widened to int16 and multiplied with `madd`,
+    /// which cannot saturate (|u8 x i8| * 2 < 2^31), so the sums equal the scalar reference.
+    /// Each 64-byte quad of a block is four registers of 4 features x 4 inputs; `madd` leaves
+    /// two partial sums per feature, added at the end.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2; `xu.len() >= mr * k_pad`, `k_pad % 4 == 0`,
+    /// `w.len() >= nb * k_pad * 16`, `out.len() >= mr * nb`.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn tile_avx2(
+        xu: &[u8],
+        mr: usize,
+        k_pad: usize,
+        w: &[i8],
+        nb: usize,
+        out: &mut [[i32; BLOCK]],
+    ) {
+        let block_len = k_pad * BLOCK;
+        for b in 0..nb {
+            let mut r = 0;
+            while r < mr {
+                let rows = (mr - r).min(2);
+                let mut acc = [[_mm256_setzero_si256(); 4]; 2];
+                for quad in 0..k_pad / 4 {
+                    let mut wq = [_mm256_setzero_si256(); 4];
+                    for (c, v) in wq.iter_mut().enumerate() {
+                        // SAFETY: b < nb and quad < k_pad / 4: the 16 bytes at this offset
+                        // lie inside block b of `w`.
+                        *v = unsafe {
+                            _mm256_cvtepi8_epi16(_mm_loadu_si128(
+                                w.as_ptr().add(b * block_len + quad * 64 + c * 16).cast(),
+                            ))
+                        };
+                    }
+                    for (rr, a) in acc.iter_mut().enumerate().take(rows) {
+                        let at = (r + rr) * k_pad + 4 * quad;
+                        let x = &xu[at..at + 4];
+                        let pattern = u64::from(x[0])
+                            | u64::from(x[1]) << 16
+                            | u64::from(x[2]) << 32
+                            | u64::from(x[3]) << 48;
+                        let vx = _mm256_set1_epi64x(pattern as i64);
+                        for (c, lanes) in a.iter_mut().enumerate() {
+                            *lanes = _mm256_add_epi32(*lanes, _mm256_madd_epi16(wq[c], vx));
+                        }
+                    }
+                }
+                for (rr, a) in acc.iter().enumerate().take(rows) {
+                    let o = &mut out[(r + rr) * nb + b];
+                    for (c, lanes) in a.iter().enumerate() {
+                        let mut pairs = [0i32; 8];
+                        // SAFETY: `pairs` is 32 bytes, one unaligned 256-bit store.
+                        unsafe { _mm256_storeu_si256(pairs.as_mut_ptr().cast(), *lanes) };
+                        for f in 0..4 {
+                            o[c * 4 + f] = pairs[2 * f] + pairs[2 * f + 1];
+                        }
+                    }
+                }
+                r += rows;
             }
         }
     }
@@ -269,10 +376,10 @@ mod x86 {
             let mut wv = [_mm512_setzero_si512(); NB];
             for (b, v) in wv.iter_mut().enumerate() {
                 let at = b * block_len + quad * 64;
-                // Eight cache lines ahead in the same stream keeps several misses in flight
+                // Sixteen cache lines ahead in the same stream keeps several misses in flight
                 // per stream when the weights come from DRAM. A prefetch never faults, and
                 // `wrapping_add` makes the address without claiming it is in bounds.
-                _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(at + 512).cast());
+                _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(at + PF_DIST).cast());
                 // SAFETY: b < NB and quad < k_pad / 4, so the 64 bytes at `at` lie inside
                 // block b of `w` (w.len() >= NB * block_len).
                 *v = unsafe { _mm512_loadu_si512(wp.add(at).cast()) };
@@ -351,6 +458,46 @@ mod tests {
             let again = PackedI8::from_packed(n, k, p.bytes().to_vec()).unwrap();
             prop_assert_eq!(&again.wsum, &p.wsum);
         }
+    }
+
+    /// The AVX2 tile (the kernel of CPUs without VNNI) equals the scalar tile exactly.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_tile_equals_scalar_tile() {
+        if !std::arch::is_x86_feature_detected!("avx2") {
+            return;
+        }
+        let mut s = 0x9e37_79b9_u64;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        for (mr, nb, k) in [
+            (1, 1, 4),
+            (2, 3, 64),
+            (3, 4, 2048),
+            (6, 2, 12),
+            (5, 4, 4096),
+        ] {
+            let k_pad = k;
+            let x: Vec<u8> = (0..mr * k_pad).map(|_| next() as u8).collect();
+            let mut w: Vec<i8> = (0..nb * k_pad * BLOCK).map(|_| next() as i8).collect();
+            w[0] = -128;
+            let mut want = vec![[0i32; BLOCK]; mr * nb];
+            tile_scalar(&x, mr, k_pad, &w, nb, &mut want);
+            let mut got = vec![[7i32; BLOCK]; mr * nb];
+            // SAFETY: AVX2 detected above; slices sized as the kernel requires.
+            unsafe { x86::tile_avx2(&x, mr, k_pad, &w, nb, &mut got) };
+            assert_eq!(got, want, "mr={mr} nb={nb} k={k}");
+        }
+        let x = vec![255u8; 4096];
+        let w = vec![-128i8; 4096 * BLOCK];
+        let mut got = vec![[0i32; BLOCK]; 1];
+        // SAFETY: AVX2 detected above; one row, one block of 4096 inputs.
+        unsafe { x86::tile_avx2(&x, 1, 4096, &w, 1, &mut got) };
+        assert_eq!(got[0], [255 * -128 * 4096; BLOCK]);
     }
 
     #[test]
