@@ -154,9 +154,65 @@ pub fn quantize_u8_scalar(x: &[f32], s: f32, out: &mut [u8]) {
     }
 }
 
+/// A register tile of fp32 dot products: `out[f][r] = Σ_i w[f * k + i] * x[r * k + i]` for
+/// `f < nf`, `r < nr` (`nf, nr` in 1..=4), `k` terms each. Every weight load feeds `nr`
+/// FMAs and every activation load `nf`.
+pub fn dot_tile(w: &[f32], nf: usize, x: &[f32], nr: usize, k: usize) -> [[f32; 4]; 4] {
+    let mut out = [[0f32; 4]; 4];
+    if w.len() < nf * k || x.len() < nr * k || nf > 4 || nr > 4 {
+        return [[f32::NAN; 4]; 4];
+    }
+    #[cfg(target_arch = "x86_64")]
+    if matches!(isa(), Isa::Avx512 | Isa::Avx512Vnni) {
+        // SAFETY: AVX-512F detected by `isa()`; `w` holds nf rows and `x` nr rows of k values
+        // (checked above), which is each kernel's contract.
+        unsafe {
+            match (nf, nr) {
+                (4, 4) => x86::dot_tile_avx512::<4, 4>(w, x, k, &mut out),
+                (4, 1) => x86::dot_tile_avx512::<4, 1>(w, x, k, &mut out),
+                (1, 4) => x86::dot_tile_avx512::<1, 4>(w, x, k, &mut out),
+                _ => {
+                    for f in 0..nf {
+                        for r in 0..nr {
+                            let mut one = [[0f32; 4]; 1];
+                            x86::dot_tile_avx512::<1, 1>(
+                                &w[f * k..(f + 1) * k],
+                                &x[r * k..(r + 1) * k],
+                                k,
+                                &mut one,
+                            );
+                            out[f][r] = one[0][0];
+                        }
+                    }
+                }
+            }
+        }
+        return out;
+    }
+    for (f, o) in out.iter_mut().enumerate().take(nf) {
+        for (r, v) in o.iter_mut().enumerate().take(nr) {
+            *v = dot_f32(&w[f * k..(f + 1) * k], &x[r * k..(r + 1) * k]);
+        }
+    }
+    out
+}
+
 /// `Σ w[i] * x[i]` in f32, 16 lanes.
 #[inline]
 pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(isa(), Isa::Avx512 | Isa::Avx512Vnni) {
+        let n = w.len().min(x.len());
+        let mut out = [[0f32; 4]; 1];
+        // SAFETY: AVX-512F detected by `isa()`; one row of n values in each slice.
+        unsafe { x86::dot_tile_avx512::<1, 1>(&w[..n], &x[..n], n, &mut out) };
+        return out[0][0];
+    }
+    dot_f32_lanes(w, x)
+}
+
+/// The portable form of [`dot_f32`].
+pub fn dot_f32_lanes(w: &[f32], x: &[f32]) -> f32 {
     let mut lanes = [0f32; 16];
     let mut wc = w.chunks_exact(16);
     let mut xc = x.chunks_exact(16);
@@ -245,6 +301,45 @@ mod x86 {
             sum += (f32::from(q[j]) - z) * x[j];
         }
         sum
+    }
+
+    /// `out[f][r]` for `NF` weight rows and `NR` activation rows of `k` values.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F; `w.len() >= NF * k`, `x.len() >= NR * k`, `out.len() >= NF`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dot_tile_avx512<const NF: usize, const NR: usize>(
+        w: &[f32],
+        x: &[f32],
+        k: usize,
+        out: &mut [[f32; 4]],
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); NR]; NF];
+        let mut i = 0;
+        while i + 16 <= k {
+            let mut xs = [_mm512_setzero_ps(); NR];
+            for (r, v) in xs.iter_mut().enumerate() {
+                // SAFETY: r < NR and i + 16 <= k: inside row r of `x`.
+                *v = unsafe { _mm512_loadu_ps(x.as_ptr().add(r * k + i)) };
+            }
+            for (f, row) in acc.iter_mut().enumerate() {
+                // SAFETY: f < NF and i + 16 <= k: inside row f of `w`.
+                let vw = unsafe { _mm512_loadu_ps(w.as_ptr().add(f * k + i)) };
+                for (a, &vx) in row.iter_mut().zip(&xs) {
+                    *a = _mm512_fmadd_ps(vw, vx, *a);
+                }
+            }
+            i += 16;
+        }
+        for (f, row) in acc.iter().enumerate() {
+            for (r, a) in row.iter().enumerate() {
+                let mut sum = _mm512_reduce_add_ps(*a);
+                for j in i..k {
+                    sum += w[f * k + j] * x[r * k + j];
+                }
+                out[f][r] = sum;
+            }
+        }
     }
 
     /// # Safety
@@ -348,6 +443,33 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn dot_tile_matches_exact_dots() {
+        let k = 203;
+        let w: Vec<f32> = (0..4 * k)
+            .map(|i| ((i * 29) % 31) as f32 * 0.125 - 1.0)
+            .collect();
+        let x: Vec<f32> = (0..4 * k)
+            .map(|i| ((i * 17) % 23) as f32 * 0.25 - 2.0)
+            .collect();
+        for (nf, nr) in [(4, 4), (4, 1), (1, 4), (1, 1), (3, 2), (2, 3)] {
+            let got = dot_tile(&w, nf, &x, nr, k);
+            for f in 0..nf {
+                for r in 0..nr {
+                    let exact: f64 = (0..k)
+                        .map(|i| f64::from(w[f * k + i]) * f64::from(x[r * k + i]))
+                        .sum();
+                    let g = f64::from(got[f][r]);
+                    assert!(
+                        (g - exact).abs() <= 1e-4 * exact.abs().max(1.0),
+                        "{g} vs {exact}"
+                    );
+                }
+            }
+        }
+        assert!(dot_tile(&w, 4, &x[..300], 4, k)[0][0].is_nan());
     }
 
     #[test]

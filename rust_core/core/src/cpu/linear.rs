@@ -206,22 +206,62 @@ impl Linear {
                 Prepared::F32(xs),
             ) => {
                 let groups = group_starts.len();
-                for j in first..first + count {
-                    let qr = &q[j * k..(j + 1) * k];
-                    for r in 0..m {
-                        let xr = &xs[r * k..(r + 1) * k];
-                        let mut acc = 0f32;
-                        for g in 0..groups {
-                            let (a, b) = (
-                                group_starts[g],
-                                group_starts.get(g + 1).copied().unwrap_or(k),
-                            );
-                            let z = zp.as_ref().map_or(0f32, |z| f32::from(z[j * groups + g]));
-                            acc +=
-                                kernels::dot_q_f32(&qr[a..b], &xr[a..b], z) * scale[j * groups + g];
+                let bounds = |g: usize| {
+                    (
+                        group_starts[g],
+                        group_starts.get(g + 1).copied().unwrap_or(k),
+                    )
+                };
+                if m < 4 {
+                    // Decode: each weight is used once or twice; convert it inside the dot
+                    // product rather than in a separate pass.
+                    for j in first..first + count {
+                        let qr = &q[j * k..(j + 1) * k];
+                        for r in 0..m {
+                            let xr = &xs[r * k..(r + 1) * k];
+                            let mut acc = 0f32;
+                            for g in 0..groups {
+                                let (a, b) = bounds(g);
+                                let z = zp.as_ref().map_or(0f32, |z| f32::from(z[j * groups + g]));
+                                acc += kernels::dot_q_f32(&qr[a..b], &xr[a..b], z)
+                                    * scale[j * groups + g];
+                            }
+                            out[at(r, j)] = acc;
                         }
-                        out[at(r, j)] = acc;
                     }
+                    return;
+                }
+                // Four weight rows at a time are dequantised once, `(q - z) * s` in f32 (the
+                // dequantised weight, as the numerics define it), then shared by up to four
+                // token rows per register tile.
+                let mut wf = vec![0f32; 4 * k];
+                let mut j = first;
+                while j < first + count {
+                    let nf = (first + count - j).min(4);
+                    for f in 0..nf {
+                        let row = j + f;
+                        let qr = &q[row * k..(row + 1) * k];
+                        for g in 0..groups {
+                            let (a, b) = bounds(g);
+                            let z = zp.as_ref().map_or(0f32, |z| f32::from(z[row * groups + g]));
+                            let s = scale[row * groups + g];
+                            for (d, &c) in wf[f * k + a..f * k + b].iter_mut().zip(&qr[a..b]) {
+                                *d = (f32::from(c) - z) * s;
+                            }
+                        }
+                    }
+                    let mut r = 0;
+                    while r < m {
+                        let nr = (m - r).min(4);
+                        let d = kernels::dot_tile(&wf, nf, &xs[r * k..], nr, k);
+                        for (f, dv) in d.iter().enumerate().take(nf) {
+                            for (t, &v) in dv.iter().enumerate().take(nr) {
+                                out[at(r + t, j + f)] = v;
+                            }
+                        }
+                        r += nr;
+                    }
+                    j += nf;
                 }
             }
             (Linear::Int8 { w, scale, .. }, Prepared::U8 { xu, sx }) => {
