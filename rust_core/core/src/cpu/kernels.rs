@@ -117,6 +117,21 @@ pub fn dot_q_f32_lanes(q: &[i8], x: &[f32], z: f32) -> f32 {
     lanes.iter().sum::<f32>() + tail
 }
 
+/// `out[i] = (q[i] - z) * s` in f32: one group of a weight row dequantised (bit-identical on
+/// every path: the conversion and subtraction are exact, the product is one IEEE rounding).
+pub fn dequant_group(q: &[i8], z: f32, s: f32, out: &mut [f32]) {
+    let n = q.len().min(out.len());
+    #[cfg(target_arch = "x86_64")]
+    if matches!(isa(), Isa::Avx512 | Isa::Avx512Vnni) {
+        // SAFETY: AVX-512F detected by `isa()`; both slices cut to n.
+        unsafe { x86::dequant_group_avx512(&q[..n], z, s, &mut out[..n]) };
+        return;
+    }
+    for (o, &c) in out[..n].iter_mut().zip(&q[..n]) {
+        *o = (f32::from(c) - z) * s;
+    }
+}
+
 /// `max |x|`, ignoring NaN (as `f32::max` does).
 pub fn amax(x: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
@@ -303,6 +318,31 @@ mod x86 {
         sum
     }
 
+    /// # Safety
+    /// The CPU must support AVX-512F; `q.len() == out.len()`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dequant_group_avx512(q: &[i8], z: f32, s: f32, out: &mut [f32]) {
+        let (vz, vs) = (_mm512_set1_ps(z), _mm512_set1_ps(s));
+        let mut i = 0;
+        while i + 16 <= q.len() {
+            // SAFETY: i + 16 <= q.len() == out.len(): the 16-byte load and 64-byte store are in
+            // bounds.
+            unsafe {
+                let c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                    q.as_ptr().add(i).cast(),
+                )));
+                _mm512_storeu_ps(
+                    out.as_mut_ptr().add(i),
+                    _mm512_mul_ps(_mm512_sub_ps(c, vz), vs),
+                );
+            }
+            i += 16;
+        }
+        for (o, &c) in out[i..].iter_mut().zip(&q[i..]) {
+            *o = (f32::from(c) - z) * s;
+        }
+    }
+
     /// `out[f][r]` for `NF` weight rows and `NR` activation rows of `k` values.
     ///
     /// # Safety
@@ -470,6 +510,18 @@ mod tests {
             }
         }
         assert!(dot_tile(&w, 4, &x[..300], 4, k)[0][0].is_nan());
+    }
+
+    #[test]
+    fn dequant_group_is_bit_exact() {
+        let q: Vec<i8> = (0..=255u8).map(|v| v as i8).chain([3, -9, 127]).collect();
+        for (z, s) in [(0.0f32, 0.013f32), (-8.0, 1.7e-3), (5.0, 3.0e4)] {
+            let mut got = vec![0f32; q.len()];
+            dequant_group(&q, z, s, &mut got);
+            for (g, &c) in got.iter().zip(&q) {
+                assert_eq!(g.to_bits(), ((f32::from(c) - z) * s).to_bits());
+            }
+        }
     }
 
     #[test]

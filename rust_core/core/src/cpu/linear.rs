@@ -245,9 +245,7 @@ impl Linear {
                             let (a, b) = bounds(g);
                             let z = zp.as_ref().map_or(0f32, |z| f32::from(z[row * groups + g]));
                             let s = scale[row * groups + g];
-                            for (d, &c) in wf[f * k + a..f * k + b].iter_mut().zip(&qr[a..b]) {
-                                *d = (f32::from(c) - z) * s;
-                            }
+                            kernels::dequant_group(&qr[a..b], z, s, &mut wf[f * k + a..f * k + b]);
                         }
                     }
                     let mut r = 0;
