@@ -1,6 +1,6 @@
-"""The main job on the shipped tiny checkpoint: inspect -> repack (Marlin, verified) -> CPU MoE
-forward on random tokens -> compare with an fp64 reference from the dequantised weights ->
-tokens/s.
+"""The main job on the shipped tiny checkpoint: inspect -> repack (Marlin, verified) -> repack
+for the CPU (verified) -> CPU MoE forward from the CPU layout on random tokens -> compare with
+an fp64 reference from the source's dequantised weights -> tokens/s.
 
     .venv/bin/python examples/demo.py [MODEL_DIR]
 """
@@ -52,6 +52,36 @@ def reference(
     return out
 
 
+def forward_from(cpu_dir: Path, ckpt: mq.Checkpoint) -> float:
+    """Runs every MoE layer loaded from the CPU layout against the source's fp64 reference;
+    returns the worst relative L2 error."""
+    print("\n== CPU forward (layers loaded from the CPU layout) against the fp64 reference")
+    torch.manual_seed(0)
+    worst = 0.0
+    for layer in ckpt.moe_layers():
+        t0 = time.perf_counter()
+        moe = mq.MoELayer.from_checkpoint(cpu_dir, layer["layer"])
+        load_ms = (time.perf_counter() - t0) * 1e3
+        x = torch.randn(16, moe.hidden_size)
+        logits = torch.randn(16, moe.num_experts)
+        want = reference(ckpt, layer, x, logits, moe)
+        err = float((moe(x, logits).double() - want).norm() / want.norm())
+        worst = max(worst, err)
+        tokens = 256
+        xb = torch.randn(tokens, moe.hidden_size, dtype=torch.bfloat16)
+        lb = torch.randn(tokens, moe.num_experts)
+        moe(xb, lb)
+        t0 = time.perf_counter()
+        for _ in range(5):
+            moe(xb, lb)
+        rate = 5 * tokens / (time.perf_counter() - t0)
+        print(
+            f"layer {layer['layer']}: loaded in {load_ms:.1f} ms; relative L2 error {err:.1e}; "
+            f"{rate:,.0f} tokens/s (bf16, {tokens} tokens per call)"
+        )
+    return worst
+
+
 def main() -> int:
     model = (
         Path(sys.argv[1])
@@ -72,31 +102,14 @@ def main() -> int:
             f"{r['bytes_written'] / 1e6:.1f} MB, verified {r['verified_modules']} expert "
             f"projections bit for bit"
         )
-    print("\n== CPU forward against the fp64 reference")
-    torch.manual_seed(0)
-    worst = 0.0
-    for layer in ckpt.moe_layers():
-        moe = mq.MoELayer.from_checkpoint(ckpt, layer["layer"])
-        x = torch.randn(16, moe.hidden_size)
-        logits = torch.randn(16, moe.num_experts)
-        got = moe(x, logits)
-        err = float(
-            (got.double() - reference(ckpt, layer, x, logits, moe)).norm()
-            / reference(ckpt, layer, x, logits, moe).norm()
-        )
-        worst = max(worst, err)
-        tokens = 256
-        xb = torch.randn(tokens, moe.hidden_size, dtype=torch.bfloat16)
-        lb = torch.randn(tokens, moe.num_experts)
-        moe(xb, lb)
-        t0 = time.perf_counter()
-        for _ in range(5):
-            moe(xb, lb)
-        rate = 5 * tokens / (time.perf_counter() - t0)
+        cpu_dir = Path(tmp) / "cpu"
+        r = repack_checkpoint(ckpt, cpu_dir, target="cpu", verify=True)
         print(
-            f"layer {layer['layer']}: relative L2 error {err:.1e}; {rate:,.0f} tokens/s "
-            f"(bf16, {tokens} tokens per call)"
+            f"\n== repack --target cpu: {r['layers']} MoE layers prepacked, {r['tensors']} "
+            f"tensors, {r['bytes_written'] / 1e6:.1f} MB, verified {r['verified_modules']} "
+            f"expert projections bit for bit"
         )
+        worst = forward_from(cpu_dir, ckpt)
     if worst > 1e-5:
         print(f"FAILED: error {worst:.1e} above 1e-5")
         return 1

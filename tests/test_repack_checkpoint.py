@@ -251,11 +251,90 @@ def test_gate_and_up_g_idx_must_agree(tmp_path: Path) -> None:
     assert r["verified_modules"] == 6 and GROUP == 32
 
 
-def test_target_cpu_is_not_available_yet(
+CPU_PREPACKED = {
+    "qwen3_w8a8_dynamic": "int8_w8a8",
+    "qwen3_w8a8_static": "int8_w8a8",
+    "deepseek_v3_w8a8_dynamic": "int8_w8a8",
+    "qwen3_w8a16_g128": "weight_only",
+    "qwen3_w4a16_g128_asym": "weight_only",
+    "qwen3_w4a16_actorder": "weight_only",
+    "mixtral_w8a16_channel": "weight_only",
+    "laguna_mixed_int4_int8": "weight_only",
+    "qwen3_mixed_per_expert": None,  # copied unchanged
+    "qwen3_unquantized": None,
+}
+
+
+@pytest.mark.parametrize("name", sorted(CPU_PREPACKED))
+def test_cpu_layout_loads_and_runs_bit_identically(
+    fixture_path: Callable[[str], Path], tmp_path: Path, name: str
+) -> None:
+    """--target cpu --verify writes the prepacked layout; a layer loaded from it gives exactly
+    the outputs of the same layer loaded (and packed) from the source."""
+    import torch
+
+    src = fixture_path(name)
+    out = tmp_path / "cpu"
+    r = cli("repack", str(src), str(out), "--target", "cpu", "--verify")
+    assert r.returncode == 0, r.stderr
+    moeq = json.loads((out / "config.json").read_text())["moeq"]
+    assert moeq["layout"] == "cpu" and moeq["layout_version"] == 1
+    kinds = {entry["kind"] for entry in moeq["layers"]}
+    want = CPU_PREPACKED[name]
+    assert kinds == ({want} if want else set())
+    layers = [entry["layer"] for entry in moeq["layers"]]
+    if want:
+        stacked = mq.open(out)
+        p = moeq["layers"][0]["prefix"]
+        assert stacked.tensor(f"{p}.w13_weight_packed").dtype == np.int8
+        assert f"verified {2 * 3 * moeq['layers'][0]['num_experts']}" in r.stdout
+    report = json.loads(cli("inspect", "--json", str(out)).stdout)
+    by_layer = {entry["layer"]: entry for entry in report["moe_layers"]}
+    for layer in layers:
+        assert by_layer[layer]["layout"] == "cpu"
+        assert by_layer[layer]["backend"] == "cpu_simd"
+    g = torch.Generator().manual_seed(3)
+    for layer in sorted(by_layer):
+        a = mq.MoELayer.from_checkpoint(src, layer)
+        b = mq.MoELayer.from_checkpoint(out, layer)
+        for tokens in (1, 13):
+            x = torch.randn(tokens, a.hidden_size, generator=g)
+            logits = torch.randn(tokens, a.num_experts, generator=g)
+            ya, yb = a(x, logits), b(x, logits)
+            assert torch.equal(ya, yb) and ya.abs().max() > 0
+
+
+def test_cpu_layout_is_not_repacked_again(
     fixture_path: Callable[[str], Path], tmp_path: Path
 ) -> None:
-    r = cli("repack", str(fixture_path("qwen3_w8a16_g128")), str(tmp_path / "o"), "--target", "cpu")
-    assert r.returncode == 1 and "target 'cpu' is not available" in r.stderr
+    out = tmp_path / "cpu"
+    repack_checkpoint(fixture_path("qwen3_w8a8_static"), out, target="cpu")
+    r = cli("repack", str(out), str(tmp_path / "again"), "--target", "cpu")
+    assert r.returncode == 1 and "already a repacked checkpoint" in r.stderr
+    assert not (tmp_path / "again").exists()
+
+
+def test_damaged_cpu_layout_is_refused(fixture_path: Callable[[str], Path], tmp_path: Path) -> None:
+    """A recorded geometry that disagrees with the stored tensors is refused at open, naming
+    the tensor; an unknown layout name is refused too."""
+    out = tmp_path / "cpu"
+    repack_checkpoint(fixture_path("qwen3_w4a16_actorder"), out, target="cpu")
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["moeq"]["layers"][0]["hidden_size"] += 8
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(mq.MoeqError, match="w13_weight_packed"):
+        mq.open(out)
+    cfg["moeq"]["layers"][0]["hidden_size"] -= 8
+    cfg["moeq"]["layout"] = "gpu-magic"
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(mq.UnsupportedSchemeError, match="gpu-magic"):
+        mq.open(out)
+
+
+def test_unknown_target(fixture_path: Callable[[str], Path], tmp_path: Path) -> None:
+    with pytest.raises(mq.MoeqError, match="target 'amx' is not available"):
+        repack_checkpoint(fixture_path("qwen3_w8a16_g128"), tmp_path / "o", target="amx")
 
 
 def test_bad_max_shard_size(fixture_path: Callable[[str], Path], tmp_path: Path) -> None:

@@ -40,7 +40,10 @@ pub struct Model {
 pub struct RepackedLayout {
     pub layout: String,
     pub version: u64,
+    /// The Marlin layout's layers.
     pub layers: Vec<RepackedLayer>,
+    /// The CPU layout's prepacked layers (its other layers are in the source form).
+    pub cpu_layers: Vec<crate::repack::cpu::CpuGeometry>,
 }
 
 #[derive(Clone, Debug)]
@@ -60,11 +63,11 @@ fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
         return Ok(None);
     };
     let layout = m.opt_str("layout")?.unwrap_or("").to_string();
-    if layout != "marlin" {
+    if layout != "marlin" && layout != "cpu" {
         return Err(UnsupportedSchemeError {
             subject: format!("{}: moeq.layout", file.display()),
             reason: format!(
-                "layout \"{layout}\" cannot be read by this version of moeq_rs (supported: marlin)"
+                "layout \"{layout}\" cannot be read by this version of moeq_rs (supported: marlin, cpu)"
             ),
         }
         .into());
@@ -76,6 +79,7 @@ fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
         )));
     }
     let mut layers = Vec::new();
+    let mut cpu_layers = Vec::new();
     for (i, v) in m
         .field("layers")
         .opt_array()?
@@ -90,6 +94,38 @@ fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
                 .map(|v| v as usize)
                 .ok_or_else(|| o.field(k).invalid("missing"))
         };
+        if layout == "cpu" {
+            let args = |k: &str, role| -> Result<crate::scheme::QuantArgs> {
+                let obj = o
+                    .field(k)
+                    .opt_object()?
+                    .ok_or_else(|| o.field(k).invalid("missing"))?;
+                crate::scheme::QuantArgs::parse_obj(&obj, role)
+            };
+            let g = crate::repack::cpu::CpuGeometry {
+                layer: need_u("layer")?,
+                prefix: o
+                    .opt_str("prefix")?
+                    .ok_or_else(|| o.field("prefix").invalid("missing"))?
+                    .to_string(),
+                experts: need_u("num_experts")?,
+                hidden: need_u("hidden_size")?,
+                intermediate: need_u("intermediate_size")?,
+                static_act: o.opt_bool("static_act_scales")?.unwrap_or(false),
+                weights: args("weights", crate::scheme::ArgsRole::Weights)?,
+                activation: match o.field("activation").opt_object()? {
+                    Some(_) => Some(args(
+                        "activation",
+                        crate::scheme::ArgsRole::InputActivations,
+                    )?),
+                    None => None,
+                },
+                act_order: o.opt_bool("act_order")?.unwrap_or(false),
+            };
+            check_specs(ckpt, &g.specs(), "CPU")?;
+            cpu_layers.push(g);
+            continue;
+        }
         let scale_dtype = o
             .opt_str("scale_dtype")?
             .and_then(DType::from_header)
@@ -116,30 +152,7 @@ fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
             act_order: o.opt_bool("act_order")?.unwrap_or(false),
             scale_dtype,
         };
-        // Every stacked tensor must be there with the recorded shape.
-        for (name, dtype, shape) in geometry.specs() {
-            match ckpt.info(&name) {
-                Some(t) if t.dtype == dtype && t.shape.as_slice() == shape.as_slice() => {}
-                Some(t) => {
-                    return Err(module_error(
-                        &name,
-                        format!(
-                            "is {} {:?}, the recorded Marlin layout says {} {:?}",
-                            t.dtype,
-                            t.shape.as_slice(),
-                            dtype,
-                            shape
-                        ),
-                    ))
-                }
-                None => {
-                    return Err(module_error(
-                        &name,
-                        "is missing from the repacked checkpoint",
-                    ))
-                }
-            }
-        }
+        check_specs(ckpt, &geometry.specs(), "Marlin")?;
         layers.push(RepackedLayer {
             layer: need_u("layer")?,
             geometry,
@@ -150,7 +163,49 @@ fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
         layout,
         version,
         layers,
+        cpu_layers,
     }))
+}
+
+/// One repacked layer as `report_json` lists it.
+struct RepackedEntry<'a> {
+    layer: usize,
+    /// `<layer prefix>.experts`
+    prefix: &'a str,
+    experts: usize,
+    hidden: usize,
+    intermediate: usize,
+    padded: usize,
+    weights: Option<crate::scheme::QuantArgs>,
+    activation: Option<crate::scheme::QuantArgs>,
+}
+
+/// Every stacked tensor of a recorded layout must be there with the recorded dtype and shape.
+fn check_specs(ckpt: &Checkpoint, specs: &[(String, DType, Vec<usize>)], what: &str) -> Result<()> {
+    for (name, dtype, shape) in specs {
+        match ckpt.info(name) {
+            Some(t) if t.dtype == *dtype && t.shape.as_slice() == shape.as_slice() => {}
+            Some(t) => {
+                return Err(module_error(
+                    name,
+                    format!(
+                        "is {} {:?}, the recorded {what} layout says {} {:?}",
+                        t.dtype,
+                        t.shape.as_slice(),
+                        dtype,
+                        shape
+                    ),
+                ))
+            }
+            None => {
+                return Err(module_error(
+                    name,
+                    "is missing from the repacked checkpoint",
+                ))
+            }
+        }
+    }
+    Ok(())
 }
 
 impl Model {
@@ -287,15 +342,16 @@ impl Model {
         }
         let layout = parse_layout(&ckpt)?;
         if let Some(l) = &layout {
-            any_bias |= l.layers.iter().any(|rl| {
-                let lp = rl
-                    .geometry
-                    .prefix
-                    .strip_suffix(".experts")
-                    .unwrap_or(&rl.geometry.prefix);
-                ckpt.contains(&format!("{lp}.gate.e_score_correction_bias"))
-                    || ckpt.contains(&format!("{}.e_score_correction_bias", rl.geometry.prefix))
-            });
+            let prefixes = l
+                .layers
+                .iter()
+                .map(|rl| rl.geometry.prefix.as_str())
+                .chain(l.cpu_layers.iter().map(|g| g.prefix.as_str()));
+            for p in prefixes {
+                let lp = p.strip_suffix(".experts").unwrap_or(p);
+                any_bias |= ckpt.contains(&format!("{lp}.gate.e_score_correction_bias"))
+                    || ckpt.contains(&format!("{p}.e_score_correction_bias"));
+            }
         }
         let routing = Routing::from_config(config, any_bias);
         Ok(Model {
@@ -428,19 +484,59 @@ impl Model {
             .collect();
         let mut layers = layers;
         if let Some(layout) = &self.layout {
+            let mut entries: Vec<RepackedEntry<'_>> = Vec::new();
             for rl in &layout.layers {
                 let g = &rl.geometry;
-                let scheme = ProjScheme {
+                entries.push(RepackedEntry {
+                    layer: rl.layer,
+                    prefix: &g.prefix,
+                    experts: g.experts,
+                    hidden: g.hidden,
+                    intermediate: g.intermediate,
+                    padded: g.intermediate_padded,
                     weights: rl.weights.clone(),
                     activation: None,
-                    format: crate::scheme::Format::PackQuantized,
+                });
+            }
+            for g in &layout.cpu_layers {
+                entries.push(RepackedEntry {
+                    layer: g.layer,
+                    prefix: &g.prefix,
+                    experts: g.experts,
+                    hidden: g.hidden,
+                    intermediate: g.intermediate,
+                    padded: g.intermediate,
+                    weights: Some(g.weights.clone()),
+                    activation: g.activation.clone(),
+                });
+            }
+            for RepackedEntry {
+                layer,
+                prefix,
+                experts,
+                hidden,
+                intermediate,
+                padded,
+                weights,
+                activation,
+            } in entries
+            {
+                let format = if activation.is_some() {
+                    crate::scheme::Format::IntQuantized
+                } else {
+                    crate::scheme::Format::PackQuantized
+                };
+                let scheme = ProjScheme {
+                    weights: weights.clone(),
+                    activation: activation.clone(),
+                    format,
                 };
                 let input = LayerInput {
-                    layer: rl.layer,
+                    layer,
                     shape: LayerShape {
-                        hidden: g.hidden,
-                        intermediate: g.intermediate,
-                        num_experts: g.experts,
+                        hidden,
+                        intermediate,
+                        num_experts: experts,
                     },
                     experts: vec![
                         ExpertSchemes {
@@ -448,19 +544,18 @@ impl Model {
                             up: scheme.clone(),
                             down: scheme
                         };
-                        g.experts
+                        experts
                     ],
                 };
                 let plan = oracle::plan_layer(&input, platform, opts);
-                let layer_prefix = g
-                    .prefix
+                let layer_prefix = prefix
                     .strip_suffix(".experts")
-                    .unwrap_or(&g.prefix)
+                    .unwrap_or(prefix)
                     .to_string();
                 let router = format!("{layer_prefix}.gate");
                 let bias = [
                     format!("{router}.e_score_correction_bias"),
-                    format!("{}.e_score_correction_bias", g.prefix),
+                    format!("{prefix}.e_score_correction_bias"),
                 ]
                 .into_iter()
                 .find(|b| self.ckpt.contains(b));
@@ -471,19 +566,19 @@ impl Model {
                     Some(json!({"prefix": sp, "intermediate_size": up.out_features, "weight": w, "activation": a, "format": f}))
                 });
                 let mut v = json!({
-                    "layer": rl.layer,
+                    "layer": layer,
                     "prefix": layer_prefix,
-                    "num_experts": g.experts,
-                    "hidden_size": g.hidden,
-                    "intermediate_size": g.intermediate,
-                    "intermediate_size_padded": g.intermediate_padded,
+                    "num_experts": experts,
+                    "hidden_size": hidden,
+                    "intermediate_size": intermediate,
+                    "intermediate_size_padded": padded,
                     "gated": true,
                     "layout": layout.layout,
                     "router": self.ckpt.contains(&format!("{router}.weight")).then(|| json!({"module": router, "e_score_correction_bias": bias})),
                     "shared_experts": shared,
-                    "weight": rl.weights.as_ref().map(|w| w.weight_json()),
-                    "activation": null,
-                    "format": "pack-quantized",
+                    "weight": weights.as_ref().map(|w| w.weight_json()),
+                    "activation": activation.as_ref().map(|a| a.activation_json()),
+                    "format": format.name(),
                     "mixed": false,
                 });
                 add_plan_json(&mut v, &plan);

@@ -165,7 +165,7 @@ impl Checkpoint {
         })
     }
 
-    /// Repacks this checkpoint into `out_dir` (`target` "marlin"). `progress(stage, done, total,
+    /// Repacks this checkpoint into `out_dir` (`target` "marlin" or "cpu"). `progress(stage, done, total,
     /// bytes_written, bytes_total)` is called after each unit of work; an exception it raises
     /// (Ctrl-C included) aborts the repack and leaves nothing at `out_dir`.
     #[pyo3(signature = (out_dir, target="marlin", force=false, max_shard_size=5_000_000_000, verify=false, progress=None))]
@@ -180,13 +180,18 @@ impl Checkpoint {
         verify: bool,
         progress: Option<Py<PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        if target != "marlin" {
-            return Err(unsupported(
-                py,
-                "repack",
-                format!("target '{target}' is not available (supported: marlin; the cpu layout comes with the CPU MoE backend)"),
-            ));
-        }
+        use moeq_core::repack::checkpoint::Target;
+        let target = match target {
+            "marlin" => Target::Marlin,
+            "cpu" => Target::Cpu,
+            other => {
+                return Err(unsupported(
+                    py,
+                    "repack",
+                    format!("target '{other}' is not available (supported: marlin, cpu)"),
+                ))
+            }
+        };
         let model = Arc::clone(&self.model);
         let opts = moeq_core::repack::checkpoint::RepackOptions {
             force,
@@ -216,7 +221,7 @@ impl Checkpoint {
                     .into()
                 })
             };
-            moeq_core::repack::checkpoint::repack_marlin(&model, &out_dir, &opts, &mut cb)
+            moeq_core::repack::checkpoint::repack(&model, &out_dir, target, &opts, &mut cb)
         });
         if let Some(e) = callback_error.lock().ok().and_then(|mut s| s.take()) {
             return Err(e);

@@ -159,7 +159,8 @@ pub fn linear(ckpt: &Checkpoint, m: &ModuleInfo, version: Option<&str>) -> Resul
     }
 }
 
-fn expert(ckpt: &Checkpoint, e: &ExpertModules, version: Option<&str>) -> Result<CpuExpert> {
+/// One expert's projections as CPU linear layers.
+pub fn expert(ckpt: &Checkpoint, e: &ExpertModules, version: Option<&str>) -> Result<CpuExpert> {
     let gate = match &e.gate {
         Some(g) => Some(linear(ckpt, g, version)?),
         None => None,
@@ -195,6 +196,12 @@ fn expert(ckpt: &Checkpoint, e: &ExpertModules, version: Option<&str>) -> Result
 /// The CPU MoE of decoder layer `layer`, after checking that the oracle plans it onto
 /// `cpu_simd` (or that it is unquantized).
 pub fn moe_layer(model: &Model, layer: usize) -> Result<CpuMoe> {
+    if let Some(g) = model
+        .layout()
+        .and_then(|l| l.cpu_layers.iter().find(|g| g.layer == layer))
+    {
+        return prepacked_layer(model, g);
+    }
     let l: &MoeLayer = model
         .moe_layers()
         .iter()
@@ -256,6 +263,69 @@ pub fn moe_layer(model: &Model, layer: usize) -> Result<CpuMoe> {
         .ok_or_else(|| module_error(&l.prefix, "config.json has no num_experts_per_tok"))?;
     let mut moe = CpuMoe {
         hidden: l.hidden_size,
+        experts,
+        shared,
+        shared_gate,
+        routing: model.routing().clone(),
+        top_k,
+        correction_bias,
+    };
+    moe.consolidate();
+    Ok(moe)
+}
+
+/// A layer of a `moeq repack --target cpu` checkpoint: experts from the stored packed blocks,
+/// router, shared experts and their gate from the copied source tensors.
+fn prepacked_layer(model: &Model, g: &crate::repack::cpu::CpuGeometry) -> Result<CpuMoe> {
+    let ckpt = model.checkpoint();
+    let version = model.quantization_config().and_then(|q| q.version.clone());
+    let experts = crate::repack::cpu::load_experts(ckpt, g)?;
+    let lp = g.prefix.strip_suffix(".experts").unwrap_or(&g.prefix);
+    let mut shared = None;
+    for s in ["shared_experts", "shared_expert"] {
+        let sp = format!("{lp}.{s}");
+        if let Ok(up) = model.module(&format!("{sp}.up_proj")) {
+            let modules = ExpertModules {
+                gate: model.module(&format!("{sp}.gate_proj")).ok().cloned(),
+                up: up.clone(),
+                down: model.module(&format!("{sp}.down_proj"))?.clone(),
+            };
+            shared = Some(expert(ckpt, &modules, version.as_deref())?);
+            break;
+        }
+    }
+    let vector = |name: &str, want: usize| -> Result<Vec<f32>> {
+        let v = floats(ckpt, name)?;
+        if v.len() != want {
+            return Err(module_error(
+                name,
+                format!("holds {} values, expected {want}", v.len()),
+            ));
+        }
+        Ok(v)
+    };
+    let gate_name = format!("{lp}.shared_expert_gate.weight");
+    let shared_gate = if ckpt.contains(&gate_name) {
+        Some(vector(&gate_name, g.hidden)?)
+    } else {
+        None
+    };
+    let bias = [
+        format!("{lp}.gate.e_score_correction_bias"),
+        format!("{}.e_score_correction_bias", g.prefix),
+    ]
+    .into_iter()
+    .find(|b| ckpt.contains(b));
+    let correction_bias = match bias {
+        Some(b) => Some(vector(&b, g.experts)?),
+        None => None,
+    };
+    let top_k = model
+        .routing()
+        .top_k
+        .ok_or_else(|| module_error(lp, "config.json has no num_experts_per_tok"))?;
+    let mut moe = CpuMoe {
+        hidden: g.hidden,
         experts,
         shared,
         shared_gate,

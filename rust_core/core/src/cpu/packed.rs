@@ -120,6 +120,20 @@ impl PackedI8 {
         })
     }
 
+    /// Rebuilds from packed bytes and their code sums (the CPU layout on disk); `None` when the
+    /// sizes disagree with `[n, k]`.
+    pub fn from_parts(n: usize, k: usize, data: Vec<i8>, wsum: Vec<i32>) -> Option<PackedI8> {
+        let k_pad = k.div_ceil(4) * 4;
+        let blocks = n.div_ceil(BLOCK);
+        (data.len() == blocks * k_pad * BLOCK && wsum.len() == blocks * BLOCK).then_some(PackedI8 {
+            n,
+            k,
+            k_pad,
+            data: Storage::Owned(data),
+            wsum,
+        })
+    }
+
     /// Feature `j`'s codes in input order.
     pub fn row(&self, j: usize) -> Vec<i8> {
         let (b, lane) = (j / BLOCK, j % BLOCK);

@@ -1,5 +1,5 @@
-//! `moeq repack`: a whole checkpoint to the Marlin layout, one MoE layer at a time, written
-//! through a temporary directory beside the output that is renamed at the end.
+//! `moeq repack`: a whole checkpoint to the Marlin layout (or the CPU layout), one MoE layer at
+//! a time, written through a temporary directory beside the output that is renamed at the end.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -94,10 +94,58 @@ fn geometry_json(layer: usize, g: &MarlinGeometry, weights: &Value) -> Value {
     })
 }
 
+/// The layout `moeq repack` writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Target {
+    Marlin,
+    Cpu,
+}
+
+impl Target {
+    pub fn name(self) -> &'static str {
+        match self {
+            Target::Marlin => "marlin",
+            Target::Cpu => "cpu",
+        }
+    }
+}
+
+/// One MoE layer to convert, with its target geometry.
+enum Job<'a> {
+    Marlin(&'a crate::moe::MoeLayer, MarlinGeometry),
+    Cpu(&'a crate::moe::MoeLayer, super::cpu::CpuGeometry),
+}
+
+impl Job<'_> {
+    fn layer(&self) -> &crate::moe::MoeLayer {
+        match self {
+            Job::Marlin(l, _) | Job::Cpu(l, _) => l,
+        }
+    }
+    fn specs(&self) -> Vec<(String, crate::checkpoint::dtype::DType, Vec<usize>)> {
+        match self {
+            Job::Marlin(_, g) => g.specs(),
+            Job::Cpu(_, g) => g.specs(),
+        }
+    }
+}
+
 /// Repacks `model` into `out_dir` in the Marlin layout.
 pub fn repack_marlin(
     model: &Model,
     out_dir: &Path,
+    opts: &RepackOptions,
+    progress: &mut dyn FnMut(&Progress) -> Result<()>,
+) -> Result<RepackReport> {
+    repack(model, out_dir, Target::Marlin, opts, progress)
+}
+
+/// Repacks `model` into `out_dir` in the `target` layout. The CPU layout prepacks the W8A8
+/// layers and copies every other tensor unchanged.
+pub fn repack(
+    model: &Model,
+    out_dir: &Path,
+    target: Target,
     opts: &RepackOptions,
     progress: &mut dyn FnMut(&Progress) -> Result<()>,
 ) -> Result<RepackReport> {
@@ -144,11 +192,18 @@ pub fn repack_marlin(
     // Decide everything before writing anything.
     let mut layers = Vec::new();
     for l in model.moe_layers() {
-        layers.push((l, geometry(l)?));
+        match target {
+            Target::Marlin => layers.push(Job::Marlin(l, geometry(l)?)),
+            Target::Cpu => {
+                if let Some(g) = super::cpu::geometry(l) {
+                    layers.push(Job::Cpu(l, g));
+                }
+            }
+        }
     }
     let mut replaced: BTreeSet<&str> = BTreeSet::new();
-    for (l, _) in &layers {
-        for e in &l.experts {
+    for job in &layers {
+        for e in &job.layer().experts {
             replaced.extend(expert_tensors(ckpt, e).map(|(_, t)| t.name.as_str()));
         }
     }
@@ -159,8 +214,8 @@ pub fn repack_marlin(
         }
     }
     let copied: Vec<String> = specs.iter().map(|s| s.0.clone()).collect();
-    for (_, g) in &layers {
-        specs.extend(g.specs());
+    for job in &layers {
+        specs.extend(job.specs());
     }
     for (name, ..) in &specs {
         if copied.iter().filter(|c| *c == name).count() > 1
@@ -217,12 +272,8 @@ pub fn repack_marlin(
     report("copy", done, written)?;
     let version = model.quantization_config().and_then(|q| q.version.clone());
     let mut layer_meta = Vec::new();
-    for (l, g) in &layers {
-        let mut sink = |e: usize, name: &str, data: &[u8]| -> Result<()> {
-            writer.write_part(name, (e * data.len()) as u64, data)?;
-            written += data.len() as u64;
-            Ok(())
-        };
+    for job in &layers {
+        let l = job.layer();
         // The source pages of an expert are dropped as soon as it is converted.
         let mut release = |e: usize| {
             if let Some(x) = l.experts.get(e) {
@@ -231,19 +282,37 @@ pub fn repack_marlin(
                 }
             }
         };
-        convert_layer(ckpt, l, g, version.as_deref(), &mut sink, &mut release)?;
-        let weights = l
-            .experts
-            .first()
-            .and_then(|e| e.up.weights())
-            .map_or(Value::Null, |w| {
-                let mut v = w.weight_json();
-                if let Some(o) = v.as_object_mut() {
-                    o.insert("dynamic".into(), json!(false));
-                }
-                v
-            });
-        layer_meta.push(geometry_json(l.layer, g, &weights));
+        match job {
+            Job::Marlin(_, g) => {
+                let mut sink = |e: usize, name: &str, data: &[u8]| -> Result<()> {
+                    writer.write_part(name, (e * data.len()) as u64, data)?;
+                    written += data.len() as u64;
+                    Ok(())
+                };
+                convert_layer(ckpt, l, g, version.as_deref(), &mut sink, &mut release)?;
+                let weights =
+                    l.experts
+                        .first()
+                        .and_then(|e| e.up.weights())
+                        .map_or(Value::Null, |w| {
+                            let mut v = w.weight_json();
+                            if let Some(o) = v.as_object_mut() {
+                                o.insert("dynamic".into(), json!(false));
+                            }
+                            v
+                        });
+                layer_meta.push(geometry_json(l.layer, g, &weights));
+            }
+            Job::Cpu(_, g) => {
+                let mut sink = |name: &str, offset: u64, data: &[u8]| -> Result<()> {
+                    writer.write_part(name, offset, data)?;
+                    written += data.len() as u64;
+                    Ok(())
+                };
+                super::cpu::convert_layer(ckpt, l, g, version.as_deref(), &mut sink, &mut release)?;
+                layer_meta.push(g.to_json());
+            }
+        }
         done += 1;
         report("layers", done, written)?;
     }
@@ -261,16 +330,17 @@ pub fn repack_marlin(
     }
     let mut config = ckpt.config().clone();
     if let Some(obj) = config.as_object_mut() {
-        obj.insert(
-            "moeq".into(),
-            json!({
-                "layout": "marlin",
-                "layout_version": LAYOUT_VERSION,
-                "source": ckpt.dir().display().to_string(),
-                "reference": "vLLM main @7cfb97e33791 (process_weights_after_loading, Marlin MoE)",
-                "layers": layer_meta,
-            }),
-        );
+        let mut moeq = json!({
+            "layout": target.name(),
+            "layout_version": LAYOUT_VERSION,
+            "source": ckpt.dir().display().to_string(),
+            "layers": layer_meta,
+        });
+        if target == Target::Marlin {
+            moeq["reference"] =
+                json!("vLLM main @7cfb97e33791 (process_weights_after_loading, Marlin MoE)");
+        }
+        obj.insert("moeq".into(), moeq);
     }
     write_json(&tmp.path.join(CONFIG_FILE), &config)?;
     copy_side_files(ckpt.dir(), &tmp.path)?;
@@ -354,7 +424,7 @@ fn copy_side_files(src: &Path, dst: &Path) -> Result<()> {
 /// as the source, and every copied tensor is byte-identical. Returns the modules checked.
 fn verify(
     model: &Model,
-    layers: &[(&crate::moe::MoeLayer, MarlinGeometry)],
+    layers: &[Job<'_>],
     copied: &[String],
     dir: &Path,
     shards: &[String],
@@ -387,7 +457,18 @@ fn verify(
         }
     }
     let mut checked = 0;
-    for (l, g) in layers {
+    for job in layers {
+        let (l, g) = match job {
+            Job::Marlin(l, g) => (l, g),
+            Job::Cpu(l, g) if g.activation.is_none() => {
+                checked += verify_cpu_weight_only(model, l, g, dir)?;
+                continue;
+            }
+            Job::Cpu(l, g) => {
+                checked += verify_cpu(model, l, g, &find)?;
+                continue;
+            }
+        };
         // Fetch each stacked tensor once per layer.
         let cache: Vec<(String, Option<FetchedTensor>)> = g
             .specs()
@@ -412,6 +493,169 @@ fn verify(
                 }
                 checked += 1;
             }
+        }
+    }
+    Ok(checked)
+}
+
+/// The CPU layout of one layer against the source: every feature's unpacked codes equal the
+/// source int8 row, its code sum and scale equal the source's. Returns the modules checked.
+fn verify_cpu(
+    model: &Model,
+    l: &crate::moe::MoeLayer,
+    g: &super::cpu::CpuGeometry,
+    find: &dyn Fn(&str) -> Option<FetchedTensor>,
+) -> Result<usize> {
+    use crate::cpu::packed::PackedI8;
+    let ckpt = model.checkpoint();
+    let fail = |what: String| -> Error {
+        LayoutError {
+            subject: "verify".into(),
+            reason: format!("{what} differs between the source and the CPU layout"),
+        }
+        .into()
+    };
+    let fetch = |suffix: &str| {
+        let name = format!("{}.{suffix}", g.prefix);
+        find(&name).ok_or_else(|| fail(name))
+    };
+    let (w13, w2) = (fetch("w13_weight_packed")?, fetch("w2_weight_packed")?);
+    let (s13, s2) = (fetch("w13_weight_sum")?, fetch("w2_weight_sum")?);
+    let (c13, c2) = (fetch("w13_weight_scale")?, fetch("w2_weight_scale")?);
+    let ints = |b: &[u8]| -> Vec<i32> {
+        b.chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    };
+    let floats = |b: &[u8]| -> Vec<f32> {
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    };
+    let (s13, s2, c13, c2) = (ints(&s13.2), ints(&s2.2), floats(&c13.2), floats(&c2.2));
+    let (h, i) = (g.hidden, g.intermediate);
+    let e_count = g.experts.max(1);
+    let (w13_len, w2_len) = (w13.2.len() / e_count, w2.2.len() / e_count);
+    let (n13, n2) = (s13.len() / e_count, s2.len() / e_count);
+    let mut checked = 0;
+    for (e, x) in l.experts.iter().enumerate() {
+        for (role, m) in x.modules() {
+            let (n, k, bytes, sums, scales) = match role.name() {
+                "gate" | "up" => {
+                    let half = w13_len / 2;
+                    let at = e * w13_len + if role.name() == "up" { half } else { 0 };
+                    let sat = e * n13 + if role.name() == "up" { n13 / 2 } else { 0 };
+                    let cat = e * 2 * i + if role.name() == "up" { i } else { 0 };
+                    (
+                        i,
+                        h,
+                        w13.2.get(at..at + half),
+                        s13.get(sat..sat + n13 / 2),
+                        c13.get(cat..cat + i),
+                    )
+                }
+                _ => (
+                    h,
+                    i,
+                    w2.2.get(e * w2_len..(e + 1) * w2_len),
+                    s2.get(e * n2..(e + 1) * n2),
+                    c2.get(e * h..(e + 1) * h),
+                ),
+            };
+            let (Some(bytes), Some(sums), Some(scales)) = (bytes, sums, scales) else {
+                return Err(fail(m.name.clone()));
+            };
+            let packed = PackedI8::from_parts(
+                n,
+                k,
+                bytes.iter().map(|&b| b as i8).collect(),
+                sums.to_vec(),
+            )
+            .ok_or_else(|| fail(m.name.clone()))?;
+            let src = ckpt.tensor(&m.weight_tensor)?;
+            let want_scale = crate::cpu::load::floats(ckpt, &format!("{}.weight_scale", m.name))?;
+            if src.bytes.len() != n * k || want_scale.as_slice() != scales {
+                return Err(fail(m.name.clone()));
+            }
+            for j in 0..n {
+                let row: Vec<i8> = src.bytes[j * k..(j + 1) * k]
+                    .iter()
+                    .map(|&b| b as i8)
+                    .collect();
+                let sum: i32 = row.iter().map(|&v| i32::from(v)).sum();
+                if packed.row(j) != row || packed.wsum[j] != sum {
+                    return Err(fail(format!("{} row {j}", m.name)));
+                }
+            }
+            checked += 1;
+        }
+    }
+    Ok(checked)
+}
+
+/// A weight-only layer of the CPU layout, read back through the loader, dequantises (in the
+/// scale dtype, original column order) to exactly the source's dequantisation.
+fn verify_cpu_weight_only(
+    model: &Model,
+    l: &crate::moe::MoeLayer,
+    g: &super::cpu::CpuGeometry,
+    dir: &Path,
+) -> Result<usize> {
+    use crate::checkpoint::dtype::DType;
+    use crate::cpu::linear::Linear;
+    let out = Checkpoint::open(dir)?;
+    let experts = super::cpu::load_experts(&out, g)?;
+    let mut checked = 0;
+    for (x, ex) in l.experts.iter().zip(&experts) {
+        let lins = [ex.gate.as_ref(), Some(&ex.up), Some(&ex.down)];
+        for ((_, m), lin) in x.modules().zip(lins.into_iter().flatten()) {
+            let fail = || -> Error {
+                LayoutError {
+                    subject: "verify".into(),
+                    reason: format!("{} differs between the source and the CPU layout", m.name),
+                }
+                .into()
+            };
+            let Linear::WeightOnly {
+                n,
+                k,
+                q,
+                zp,
+                scale,
+                group_starts,
+                perm,
+            } = lin
+            else {
+                return Err(fail());
+            };
+            let (n, k) = (*n, *k);
+            let want = model.dequantize(&m.name)?;
+            let width = want.dtype.bit_size() / 8;
+            if want.shape != [n, k] || want.data.len() != n * k * width {
+                return Err(fail());
+            }
+            let groups = group_starts.len();
+            for j in 0..n {
+                let mut gi = 0;
+                for c in 0..k {
+                    while gi + 1 < groups && group_starts[gi + 1] <= c {
+                        gi += 1;
+                    }
+                    let z = zp.as_ref().map_or(0f32, |z| f32::from(z[j * groups + gi]));
+                    let v = (f32::from(q[j * k + c]) - z) * scale[j * groups + gi];
+                    let bytes: Vec<u8> = match want.dtype {
+                        DType::BF16 => half::bf16::from_f32(v).to_le_bytes().to_vec(),
+                        DType::F16 => half::f16::from_f32(v).to_le_bytes().to_vec(),
+                        _ => v.to_le_bytes().to_vec(),
+                    };
+                    let orig = perm.as_ref().map_or(c, |p| p[c] as usize);
+                    let at = (j * k + orig) * width;
+                    if want.data.get(at..at + width) != Some(bytes.as_slice()) {
+                        return Err(fail());
+                    }
+                }
+            }
+            checked += 1;
         }
     }
     Ok(checked)

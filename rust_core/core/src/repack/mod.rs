@@ -1,6 +1,7 @@
-//! Repacking quantized weights into kernel layouts (Marlin for CUDA).
+//! Repacking quantized weights into kernel layouts (Marlin for CUDA, VNNI blocks for the CPU).
 
 pub mod checkpoint;
+pub mod cpu;
 pub mod marlin;
 pub mod moe_layer;
 pub mod simd;
