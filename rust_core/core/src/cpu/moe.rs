@@ -220,14 +220,16 @@ fn bad(reason: String) -> crate::error::Error {
 }
 
 impl CpuMoe {
-    /// Moves every packed int8 weight of the layer into one huge-page arena (see
-    /// [`super::arena`]); call once after building the layer.
+    /// Moves every packed int8 weight of the layer that is not in an arena yet into one
+    /// huge-page arena (see [`super::arena`]); call once after building the layer.
     pub fn consolidate(&mut self) {
         let mut packed: Vec<&mut super::packed::PackedI8> = Vec::new();
         for ex in self.experts.iter_mut().chain(self.shared.iter_mut()) {
             for lin in ex.gate.iter_mut().chain([&mut ex.up, &mut ex.down]) {
                 if let Linear::Int8 { w, .. } = lin {
-                    packed.push(w);
+                    if !w.is_shared() {
+                        packed.push(w);
+                    }
                 }
             }
         }

@@ -134,6 +134,37 @@ impl PackedI8 {
         })
     }
 
+    /// As [`PackedI8::from_parts`] for bytes already in `arena` at `offset` (the CPU layout
+    /// copied straight from the file into the layer's arena).
+    pub fn from_shared(
+        n: usize,
+        k: usize,
+        arena: &Arc<Arena>,
+        offset: usize,
+        wsum: Vec<i32>,
+    ) -> Option<PackedI8> {
+        let k_pad = k.div_ceil(4) * 4;
+        let blocks = n.div_ceil(BLOCK);
+        let len = blocks * k_pad * BLOCK;
+        let fits = arena.slice(offset, len).len() == len && wsum.len() == blocks * BLOCK;
+        fits.then(|| PackedI8 {
+            n,
+            k,
+            k_pad,
+            data: Storage::Shared {
+                arena: Arc::clone(arena),
+                offset,
+                len,
+            },
+            wsum,
+        })
+    }
+
+    /// Whether the bytes already live in a shared arena.
+    pub fn is_shared(&self) -> bool {
+        matches!(self.data, Storage::Shared { .. })
+    }
+
     /// Feature `j`'s codes in input order.
     pub fn row(&self, j: usize) -> Vec<i8> {
         let (b, lane) = (j / BLOCK, j % BLOCK);

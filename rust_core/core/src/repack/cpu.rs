@@ -211,6 +211,12 @@ fn le_bytes<T: Copy>(v: &[T], to: impl Fn(T) -> [u8; 4]) -> Vec<u8> {
     v.iter().flat_map(|&x| to(x)).collect()
 }
 
+fn as_i8(v: &[u8]) -> &[i8] {
+    // SAFETY: u8 and i8 have the same size and alignment, and every bit pattern is valid for
+    // both; the slice covers exactly the same memory.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), v.len()) }
+}
+
 fn as_bytes(v: &[i8]) -> &[u8] {
     // SAFETY: i8 and u8 have the same size and alignment, and every bit pattern is valid for
     // both; the slice covers exactly the same memory.
@@ -597,14 +603,15 @@ pub fn load_experts(ckpt: &Checkpoint, g: &CpuGeometry) -> Result<Vec<CpuExpert>
     if sc13.len() != g.experts * 2 * i || sc2.len() != g.experts * h {
         return Err(bad("w13_weight_scale / w2_weight_scale"));
     }
-    let codes = |b: &[u8]| -> Vec<i8> { b.iter().map(|&v| v as i8).collect() };
+    // One copy, file pages -> the layer's huge-page arena; the experts point into it.
+    let (arena, at) = crate::cpu::arena::Arena::build(&[as_i8(w13b), as_i8(w2b)]);
     let act = |a: &Option<Vec<f32>>, e: usize| a.as_ref().and_then(|v| v.get(e).copied());
     let mut out = Vec::with_capacity(g.experts);
     for e in 0..g.experts {
         let base = e * 2 * half;
         let lin =
-            |n: usize, k: usize, bytes: &[u8], sums: &[i32], scale: &[f32], a: Option<f32>| {
-                PackedI8::from_parts(n, k, codes(bytes), sums.to_vec())
+            |n: usize, k: usize, offset: usize, sums: &[i32], scale: &[f32], a: Option<f32>| {
+                PackedI8::from_shared(n, k, &arena, offset, sums.to_vec())
                     .map(|w| Linear::Int8 {
                         n,
                         k,
@@ -618,7 +625,7 @@ pub fn load_experts(ckpt: &Checkpoint, g: &CpuGeometry) -> Result<Vec<CpuExpert>
         let gate = lin(
             i,
             h,
-            &w13b[base..base + half],
+            at[0] + base,
             &sum13[e * s13..e * s13 + bi],
             &sc13[e * 2 * i..e * 2 * i + i],
             act(&a13, e),
@@ -626,7 +633,7 @@ pub fn load_experts(ckpt: &Checkpoint, g: &CpuGeometry) -> Result<Vec<CpuExpert>
         let up = lin(
             i,
             h,
-            &w13b[base + half..base + 2 * half],
+            at[0] + base + half,
             &sum13[e * s13 + bi..(e + 1) * s13],
             &sc13[e * 2 * i + i..(e + 1) * 2 * i],
             act(&a13, e),
@@ -634,7 +641,7 @@ pub fn load_experts(ckpt: &Checkpoint, g: &CpuGeometry) -> Result<Vec<CpuExpert>
         let down = lin(
             h,
             i,
-            &w2b[e * w2_len..(e + 1) * w2_len],
+            at[1] + e * w2_len,
             &sum2[e * s2..(e + 1) * s2],
             &sc2[e * h..(e + 1) * h],
             act(&a2, e),
