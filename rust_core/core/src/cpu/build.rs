@@ -162,15 +162,15 @@ fn proj(
                 }
             };
             let group_starts: Vec<usize> = (0..groups).map(|g| g * (k / groups)).collect();
-            Ok(Linear::WeightOnly {
+            Ok(Linear::weight_only(
                 n,
                 k,
-                q: codes,
-                zp,
-                scale,
+                &codes,
+                zp.as_deref(),
+                &scale,
                 group_starts,
-                perm: None,
-            })
+                None,
+            ))
         }
     }
 }

@@ -11,21 +11,20 @@ use rayon::prelude::*;
 
 use super::kernels;
 use super::packed::{PackedI8, BLOCK};
+use super::wo::BlockedWo;
 
 /// A linear layer `y = x W^T` with `W` `[n, k]`.
 #[derive(Clone, Debug)]
 pub enum Linear {
     /// Unquantized weights in fp32.
     Dense { n: usize, k: usize, w: Vec<f32> },
-    /// int4/int8 codes with per-(row, group) scales and optional zero points. Columns are stored
-    /// in `perm` order (act-order sorted) so every group is a contiguous run `group_starts`.
+    /// int4/int8 codes with per-(row, group) scales and optional zero points, in 16-feature
+    /// blocks ([`BlockedWo`]). Columns are stored in `perm` order (act-order sorted) so every
+    /// group is a contiguous run.
     WeightOnly {
         n: usize,
         k: usize,
-        q: Vec<i8>,
-        zp: Option<Vec<i8>>,
-        scale: Vec<f32>,
-        group_starts: Vec<usize>,
+        w: BlockedWo,
         perm: Option<Vec<u32>>,
     },
     /// int8 weights with per-channel scales, prepacked for the u8 x i8 dot-product kernels;
@@ -102,6 +101,25 @@ impl Linear {
         }
     }
 
+    /// A weight-only layer from row-major `[n, k]` codes (columns in group order), `[n, groups]`
+    /// scales and zero points, the first column of each group and the act-order column order.
+    pub fn weight_only(
+        n: usize,
+        k: usize,
+        q: &[i8],
+        zp: Option<&[i8]>,
+        scale: &[f32],
+        group_starts: Vec<usize>,
+        perm: Option<Vec<u32>>,
+    ) -> Linear {
+        Linear::WeightOnly {
+            n,
+            k,
+            w: BlockedWo::new(n, k, q, scale, zp, group_starts),
+            perm,
+        }
+    }
+
     pub fn out_features(&self) -> usize {
         match self {
             Linear::Dense { n, .. } | Linear::WeightOnly { n, .. } | Linear::Int8 { n, .. } => *n,
@@ -117,8 +135,8 @@ impl Linear {
     /// a few cache lines of rows otherwise.
     pub fn panel(&self) -> usize {
         match self {
-            Linear::Int8 { .. } => super::packed::TILE_BLOCKS * BLOCK,
-            _ => 16,
+            Linear::Int8 { .. } | Linear::WeightOnly { .. } => super::packed::TILE_BLOCKS * BLOCK,
+            Linear::Dense { .. } => 16,
         }
     }
 
@@ -195,72 +213,23 @@ impl Linear {
                     }
                 }
             }
-            (
-                Linear::WeightOnly {
-                    q,
-                    zp,
-                    scale,
-                    group_starts,
-                    ..
-                },
-                Prepared::F32(xs),
-            ) => {
-                let groups = group_starts.len();
-                let bounds = |g: usize| {
-                    (
-                        group_starts[g],
-                        group_starts.get(g + 1).copied().unwrap_or(k),
-                    )
-                };
-                if m < 4 {
-                    // Decode: each weight is used once or twice; convert it inside the dot
-                    // product rather than in a separate pass.
-                    for j in first..first + count {
-                        let qr = &q[j * k..(j + 1) * k];
-                        for r in 0..m {
-                            let xr = &xs[r * k..(r + 1) * k];
-                            let mut acc = 0f32;
-                            for g in 0..groups {
-                                let (a, b) = bounds(g);
-                                let z = zp.as_ref().map_or(0f32, |z| f32::from(z[j * groups + g]));
-                                acc += kernels::dot_q_f32(&qr[a..b], &xr[a..b], z)
-                                    * scale[j * groups + g];
-                            }
-                            out[at(r, j)] = acc;
-                        }
-                    }
-                    return;
-                }
-                // Four weight rows at a time are dequantised once, `(q - z) * s` in f32 (the
-                // dequantised weight, as the numerics define it), then shared by up to four
-                // token rows per register tile.
-                let mut wf = vec![0f32; 4 * k];
-                let mut j = first;
-                while j < first + count {
-                    let nf = (first + count - j).min(4);
-                    for f in 0..nf {
-                        let row = j + f;
-                        let qr = &q[row * k..(row + 1) * k];
-                        for g in 0..groups {
-                            let (a, b) = bounds(g);
-                            let z = zp.as_ref().map_or(0f32, |z| f32::from(z[row * groups + g]));
-                            let s = scale[row * groups + g];
-                            kernels::dequant_group(&qr[a..b], z, s, &mut wf[f * k + a..f * k + b]);
-                        }
-                    }
-                    let mut r = 0;
-                    while r < m {
-                        let nr = (m - r).min(4);
-                        let d = kernels::dot_tile(&wf, nf, &xs[r * k..], nr, k);
-                        for (f, dv) in d.iter().enumerate().take(nf) {
-                            for (t, &v) in dv.iter().enumerate().take(nr) {
-                                out[at(r + t, j + f)] = v;
+            (Linear::WeightOnly { w, .. }, Prepared::F32(xs)) => {
+                let end = first + count;
+                w.gemm(
+                    xs,
+                    m,
+                    first / super::wo::BLOCK,
+                    count.div_ceil(super::wo::BLOCK),
+                    |r, b, lanes| {
+                        let j0 = b * super::wo::BLOCK;
+                        for (l, &v) in lanes.iter().enumerate() {
+                            let j = j0 + l;
+                            if j >= first && j < end {
+                                out[at(r, j)] = v;
                             }
                         }
-                        r += nr;
-                    }
-                    j += nf;
-                }
+                    },
+                );
             }
             (Linear::Int8 { w, scale, .. }, Prepared::U8 { xu, sx }) => {
                 let end = first + count;

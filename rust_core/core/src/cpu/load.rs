@@ -142,15 +142,15 @@ pub fn linear(ckpt: &Checkpoint, m: &ModuleInfo, version: Option<&str>) -> Resul
                     Some(z)
                 }
             };
-            Ok(Linear::WeightOnly {
+            Ok(Linear::weight_only(
                 n,
                 k,
-                q,
-                zp,
-                scale,
+                &q,
+                zp.as_deref(),
+                &scale,
                 group_starts,
-                perm: (!identity).then_some(perm),
-            })
+                (!identity).then_some(perm),
+            ))
         }
         (f, _) => Err(unsupported(format!(
             "format \"{}\" has no CPU kernel",

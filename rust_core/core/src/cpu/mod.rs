@@ -8,5 +8,6 @@ pub mod load;
 pub mod moe;
 pub mod packed;
 pub mod routing;
+pub mod wo;
 
 pub use moe::{CpuExpert, CpuMoe};

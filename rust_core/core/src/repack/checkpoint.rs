@@ -616,16 +616,7 @@ fn verify_cpu_weight_only(
                 }
                 .into()
             };
-            let Linear::WeightOnly {
-                n,
-                k,
-                q,
-                zp,
-                scale,
-                group_starts,
-                perm,
-            } = lin
-            else {
+            let Linear::WeightOnly { n, k, w, perm } = lin else {
                 return Err(fail());
             };
             let (n, k) = (*n, *k);
@@ -634,15 +625,16 @@ fn verify_cpu_weight_only(
             if want.shape != [n, k] || want.data.len() != n * k * width {
                 return Err(fail());
             }
-            let groups = group_starts.len();
+            let group_starts = &w.group_starts;
             for j in 0..n {
+                let (q, scale, zp) = w.row(j);
                 let mut gi = 0;
                 for c in 0..k {
-                    while gi + 1 < groups && group_starts[gi + 1] <= c {
+                    while gi + 1 < group_starts.len() && group_starts[gi + 1] <= c {
                         gi += 1;
                     }
-                    let z = zp.as_ref().map_or(0f32, |z| f32::from(z[j * groups + gi]));
-                    let v = (f32::from(q[j * k + c]) - z) * scale[j * groups + gi];
+                    let z = zp.as_ref().map_or(0f32, |z| f32::from(z[gi]));
+                    let v = (f32::from(q[c]) - z) * scale[gi];
                     let bytes: Vec<u8> = match want.dtype {
                         DType::BF16 => half::bf16::from_f32(v).to_le_bytes().to_vec(),
                         DType::F16 => half::f16::from_f32(v).to_le_bytes().to_vec(),

@@ -322,33 +322,35 @@ pub fn convert_layer(
     Ok(())
 }
 
-/// The parts of a weight-only linear layer as stored.
-struct WeightOnlyParts<'a> {
-    q: &'a [i8],
-    zp: Option<&'a [i8]>,
-    scale: &'a [f32],
-    group_starts: &'a [usize],
-    perm: Option<&'a [u32]>,
+/// The parts of a weight-only linear layer as stored (row-major, sorted columns).
+struct WeightOnlyParts {
+    q: Vec<i8>,
+    zp: Option<Vec<i8>>,
+    scale: Vec<f32>,
+    group_starts: Vec<usize>,
+    perm: Option<Vec<u32>>,
 }
 
-fn weight_only_parts(lin: &Linear) -> Option<WeightOnlyParts<'_>> {
-    match lin {
-        Linear::WeightOnly {
-            q,
-            zp,
-            scale,
-            group_starts,
-            perm,
-            ..
-        } => Some(WeightOnlyParts {
-            q,
-            zp: zp.as_deref(),
-            scale,
-            group_starts,
-            perm: perm.as_deref(),
-        }),
-        _ => None,
+fn weight_only_parts(lin: &Linear) -> Option<WeightOnlyParts> {
+    let Linear::WeightOnly { n, w, perm, .. } = lin else {
+        return None;
+    };
+    let mut parts = WeightOnlyParts {
+        q: Vec::with_capacity(n * w.k),
+        zp: None,
+        scale: Vec::with_capacity(n * w.groups()),
+        group_starts: w.group_starts.clone(),
+        perm: perm.clone(),
+    };
+    for j in 0..*n {
+        let (codes, scale, zp) = w.row(j);
+        parts.q.extend(codes);
+        parts.scale.extend(scale);
+        if let Some(z) = zp {
+            parts.zp.get_or_insert_with(Vec::new).extend(z);
+        }
     }
+    Some(parts)
 }
 
 fn convert_weight_only(
@@ -364,7 +366,7 @@ fn convert_weight_only(
     let (g13, g2) = (g.groups(h), g.groups(i));
     for (e, x) in l.experts.iter().enumerate() {
         let ex = crate::cpu::load::expert(ckpt, x, version)?;
-        let parts: Vec<WeightOnlyParts<'_>> = ex
+        let parts: Vec<WeightOnlyParts> = ex
             .gate
             .iter()
             .chain([&ex.up, &ex.down])
@@ -388,16 +390,17 @@ fn convert_weight_only(
             sink(
                 &format!("{p}.{role}_weight_packed"),
                 row0 * k as u64,
-                as_bytes(part.q),
+                as_bytes(&part.q),
             )?;
             sink(
                 &format!("{p}.{role}_weight_scale"),
                 4 * row0 * groups as u64,
-                &le_bytes(part.scale, f32::to_le_bytes),
+                &le_bytes(&part.scale, f32::to_le_bytes),
             )?;
             if !g.weights.symmetric {
                 let zp = part
                     .zp
+                    .as_deref()
                     .ok_or_else(|| module_error(&format!("{p}.{e}"), "has no zero points"))?;
                 sink(
                     &format!("{p}.{role}_weight_zero_point"),
@@ -407,7 +410,7 @@ fn convert_weight_only(
             }
             if g.act_order {
                 let identity: Vec<u32> = (0..k as u32).collect();
-                let perm = part.perm.unwrap_or(&identity);
+                let perm = part.perm.as_deref().unwrap_or(&identity);
                 let slot = e64 * stacked + second;
                 sink(
                     &format!("{p}.{role}_g_idx_sort_indices"),
@@ -532,15 +535,15 @@ fn load_weight_only(ckpt: &Checkpoint, g: &CpuGeometry) -> Result<Vec<CpuExpert>
                 (gs, Some(perm))
             }
         };
-        Ok(Linear::WeightOnly {
+        Ok(Linear::weight_only(
             n,
             k,
-            q: codes,
-            zp: zero,
-            scale,
+            &codes,
+            zero.as_deref(),
+            &scale,
             group_starts,
             perm,
-        })
+        ))
     };
     (0..g.experts)
         .map(|e| {
