@@ -75,14 +75,6 @@ pub fn quantize_row_static(x: &[f32], s: f32, q: &mut [i8]) {
     }
 }
 
-/// `Σ a[i] * b[i]` in int32.
-pub fn dot_i8(a: &[i8], b: &[i8]) -> i32 {
-    a.iter()
-        .zip(b)
-        .map(|(&x, &y)| i32::from(x) * i32::from(y))
-        .sum()
-}
-
 impl Linear {
     /// An int8 W8A8 layer from row-major `[n, k]` codes (packed here).
     pub fn int8(
