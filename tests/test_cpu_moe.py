@@ -425,6 +425,7 @@ for scheme, a13, a2 in [("w8a8_dynamic", None, None),
         logits = torch.randn(t, e, generator=g)
         outs.append(layer(x, logits).numpy().ravel())
 np.save(sys.argv[1], np.concatenate(outs))
+print(mq.oracle.cpu_threads())
 print(mq.oracle.cpu_kernel())
 """
 
@@ -455,3 +456,25 @@ def test_every_cpu_kernel_gives_identical_int8_results(tmp_path: Path) -> None:
     assert np.isfinite(reference).all() and np.abs(reference).max() > 0
     for name, got in results.items():
         assert np.array_equal(got, reference), name
+
+
+def test_thread_count_is_honoured_and_results_do_not_depend_on_it(tmp_path: Path) -> None:
+    """MOEQ_NUM_THREADS sets the pool; one and three threads give bit-identical outputs."""
+    import os
+    import subprocess
+    import sys
+
+    results = {}
+    for threads in ("1", "3"):
+        out = tmp_path / f"t{threads}.npy"
+        env = dict(os.environ, MOEQ_NUM_THREADS=threads)
+        ran = subprocess.run(
+            [sys.executable, "-c", _ISA_SCRIPT, str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert ran.stdout.strip().splitlines()[-2] == threads
+        results[threads] = np.load(out)
+    assert np.array_equal(results["1"], results["3"])

@@ -22,6 +22,7 @@ __all__ = [
     "check_moe_marlin_supports_layer",
     "cpu_features",
     "cpu_kernel",
+    "cpu_threads",
     "make_int8_moe_quant_config",
     "marlin_support_reason",
     "plan",
@@ -82,6 +83,12 @@ def cpu_kernel() -> str:
     ``"scalar"`` (the best this CPU runs, capped by the ``MOEQ_CPU_ISA`` environment variable,
     read once per process)."""
     return _core.cpu_kernel()
+
+
+def cpu_threads() -> int:
+    """Threads the CPU MoE forward runs on: ``MOEQ_NUM_THREADS`` (read once per process), else
+    one per available CPU."""
+    return _core.cpu_threads()
 
 
 class Int8MoEQuantConfig:

@@ -4,29 +4,56 @@ use std::time::Instant;
 
 use moeq_core::cpu::build::{from_raw, RawProj, RawScheme, RawWeights};
 
+/// The example's weights live for the whole run.
+fn leak<T>(v: Vec<T>) -> &'static [T] {
+    v.leak()
+}
+
 fn main() -> moeq_core::error::Result<()> {
     let mut args = std::env::args().skip(1);
     let tokens: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(1024);
     let reps: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(5);
     let (h, i, e, k) = (2048usize, 768usize, 128usize, 8usize);
+    let scheme = std::env::var("SCHEME").unwrap_or_else(|_| "w8a8".into());
     let w13: Vec<i8> = (0..e * 2 * i * h).map(|v| (v * 7919 % 251) as i8).collect();
     let w2: Vec<i8> = (0..e * h * i).map(|v| (v * 104729 % 251) as i8).collect();
-    let s13 = vec![1e-3f32; e * 2 * i];
-    let s2 = vec![1e-3f32; e * h];
-    let proj = |w, s| RawProj {
-        weights: RawWeights::Int8(w),
+    let w13p: Vec<u32> = (0..e * 2 * i * h / 8)
+        .map(|v| (v as u32).wrapping_mul(2654435761))
+        .collect();
+    let w2p: Vec<u32> = (0..e * h * i / 8)
+        .map(|v| (v as u32).wrapping_mul(40503))
+        .collect();
+    let (raw, group) = match scheme.as_str() {
+        "w8a16" => (RawScheme::W8a16, 128i64),
+        "w4a16" => (RawScheme::W4a16, 128),
+        _ => (RawScheme::W8a8Dynamic, -1),
+    };
+    let g13 = if group > 0 { h / group as usize } else { 1 };
+    let g2 = if group > 0 { i / group as usize } else { 1 };
+    let s13 = vec![1e-3f32; e * 2 * i * g13];
+    let s2 = vec![1e-3f32; e * h * g2];
+    let proj = |w: RawWeights<'static>, s| RawProj {
+        weights: w,
         scales: s,
         zero_points: None,
         act_scales: None,
     };
+    let (w13r, w2r): (RawWeights<'_>, RawWeights<'_>) = if raw == RawScheme::W4a16 {
+        (
+            RawWeights::Int4Packed(leak(w13p)),
+            RawWeights::Int4Packed(leak(w2p)),
+        )
+    } else {
+        (RawWeights::Int8(leak(w13)), RawWeights::Int8(leak(w2)))
+    };
     let moe = from_raw(
-        RawScheme::W8a8Dynamic,
+        raw,
         e,
         h,
         i,
-        -1,
-        proj(&w13, &s13),
-        proj(&w2, &s2),
+        group,
+        proj(w13r, &s13),
+        proj(w2r, &s2),
         k,
         true,
     )?;
@@ -37,8 +64,11 @@ fn main() -> moeq_core::error::Result<()> {
     let flush: Vec<u64> = (0..640usize << 17).map(|v| v as u64).collect();
     let mut best = f64::MAX;
     let mut all = Vec::new();
+    let warm = std::env::var_os("WARM").is_some();
     for rep in 0..reps {
-        std::hint::black_box(flush.iter().fold(0u64, |a, &v| a.wrapping_add(v)));
+        if !warm {
+            std::hint::black_box(flush.iter().fold(0u64, |a, &v| a.wrapping_add(v)));
+        }
         let logits: Vec<f32> = (0..tokens * e)
             .map(|v| ((v * 31 + rep * 7) % 113) as f32 / 17.0)
             .collect();

@@ -419,6 +419,12 @@ fn cpu_kernel() -> &'static str {
     moeq_core::cpu::kernels::isa_name(moeq_core::cpu::kernels::isa())
 }
 
+/// Threads of the CPU forward's pool (`MOEQ_NUM_THREADS` sets it).
+#[pyfunction]
+fn cpu_threads() -> usize {
+    moeq_core::cpu::pool().map_or_else(rayon::current_num_threads, |p| p.current_num_threads())
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(wna16_scale_kind, m)?)?;
@@ -426,6 +432,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(marlin_support_reason, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_features, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernel, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_threads, m)?)?;
     repack::register(m)?;
     cpu::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -11,3 +11,36 @@ pub mod routing;
 pub mod wo;
 
 pub use moe::{CpuExpert, CpuMoe};
+
+/// The thread pool of the CPU forward: `MOEQ_NUM_THREADS` threads (read once; unset, zero or
+/// unparsable means one per available CPU). A pool of our own keeps the thread count ours to
+/// set, whatever else in the process uses rayon's global pool. `None` only if the OS refused
+/// the threads; the work then runs on rayon's global pool.
+pub fn pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(num_threads())
+            .thread_name(|i| format!("moeq-cpu-{i}"))
+            .build()
+            .ok()
+    })
+    .as_ref()
+}
+
+/// The thread count `MOEQ_NUM_THREADS` asks for (default: the available CPUs).
+pub fn num_threads() -> usize {
+    std::env::var("MOEQ_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// Runs `f` on the CPU forward's pool.
+pub fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    match pool() {
+        Some(p) => p.install(f),
+        None => f(),
+    }
+}

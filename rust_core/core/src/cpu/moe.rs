@@ -220,33 +220,59 @@ fn bad(reason: String) -> crate::error::Error {
 }
 
 impl CpuMoe {
-    /// Moves every packed int8 weight of the layer that is not in an arena yet into one
-    /// huge-page arena (see [`super::arena`]); call once after building the layer.
+    /// Moves every packed weight of the layer (int8 blocks, weight-only codes) that is not in
+    /// an arena yet into one huge-page arena (see [`super::arena`]); call once after building
+    /// the layer.
     pub fn consolidate(&mut self) {
-        let mut packed: Vec<&mut super::packed::PackedI8> = Vec::new();
+        use super::arena::Arena;
+        enum Slot<'a> {
+            Int8(&'a mut super::packed::PackedI8),
+            WeightOnly(&'a mut super::wo::BlockedWo),
+        }
+        let mut slots: Vec<Slot<'_>> = Vec::new();
         for ex in self.experts.iter_mut().chain(self.shared.iter_mut()) {
             for lin in ex.gate.iter_mut().chain([&mut ex.up, &mut ex.down]) {
-                if let Linear::Int8 { w, .. } = lin {
-                    if !w.is_shared() {
-                        packed.push(w);
+                match lin {
+                    Linear::Int8 { w, .. } if !w.is_shared() => slots.push(Slot::Int8(w)),
+                    Linear::WeightOnly { w, .. } if !w.is_shared() => {
+                        slots.push(Slot::WeightOnly(w))
                     }
+                    _ => {}
                 }
             }
         }
-        if packed.is_empty() {
+        if slots.is_empty() {
             return;
         }
         let (arena, offsets) = {
-            let parts: Vec<&[i8]> = packed.iter().map(|p| p.bytes()).collect();
-            super::arena::Arena::build(&parts)
+            let parts: Vec<&[i8]> = slots
+                .iter()
+                .map(|s| match s {
+                    Slot::Int8(p) => p.bytes(),
+                    Slot::WeightOnly(w) => {
+                        let b = w.code_bytes();
+                        // SAFETY: u8 and i8 have the same size, alignment and valid bit
+                        // patterns; the slice covers the same memory.
+                        unsafe { std::slice::from_raw_parts(b.as_ptr().cast(), b.len()) }
+                    }
+                })
+                .collect();
+            Arena::build(&parts)
         };
-        for (p, at) in packed.into_iter().zip(offsets) {
-            p.share(&arena, at);
+        for (s, at) in slots.into_iter().zip(offsets) {
+            match s {
+                Slot::Int8(p) => p.share(&arena, at),
+                Slot::WeightOnly(w) => w.share(&arena, at),
+            }
         }
     }
 
     /// The weighted sum over the routed experts only: `out[t] = Σ_j w[t, j] * expert[ids[t, j]](x_t)`.
     pub fn forward_topk(&self, x: &[f32], tokens: usize, routed: &Routed) -> Result<Vec<f32>> {
+        super::in_pool(|| self.forward_topk_in_pool(x, tokens, routed))
+    }
+
+    fn forward_topk_in_pool(&self, x: &[f32], tokens: usize, routed: &Routed) -> Result<Vec<f32>> {
         let h = self.hidden;
         if x.len() != tokens * h {
             return Err(bad(format!(
@@ -324,6 +350,10 @@ impl CpuMoe {
     /// Routes with the model's router logits, runs the routed experts (routed scaling included)
     /// and adds the shared experts.
     pub fn forward(&self, x: &[f32], tokens: usize, router_logits: &[f32]) -> Result<Vec<f32>> {
+        super::in_pool(|| self.forward_in_pool(x, tokens, router_logits))
+    }
+
+    fn forward_in_pool(&self, x: &[f32], tokens: usize, router_logits: &[f32]) -> Result<Vec<f32>> {
         let e = self.experts.len();
         if router_logits.len() != tokens * e {
             return Err(bad(format!(
@@ -339,7 +369,7 @@ impl CpuMoe {
             self.correction_bias.as_deref(),
             true,
         );
-        let mut out = self.forward_topk(x, tokens, &routed)?;
+        let mut out = self.forward_topk_in_pool(x, tokens, &routed)?;
         if let Some(shared) = &self.shared {
             let s = shared.forward(x, tokens, true);
             let h = self.hidden;

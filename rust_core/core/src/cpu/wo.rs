@@ -8,6 +8,9 @@
 //! DESIGN.md on the dequantised weights, in a fixed order that the scalar reference repeats
 //! exactly (same fused operations), so every path gives identical bits.
 
+use std::sync::Arc;
+
+use super::arena::Arena;
 use super::kernels::{isa, Isa};
 
 /// Features per block.
@@ -19,14 +22,87 @@ pub const TILE_ROWS: usize = 8;
 pub struct BlockedWo {
     pub n: usize,
     pub k: usize,
-    /// `[blocks][k][16]`, zero codes past `n`.
-    codes: Vec<i8>,
+    codes: Codes,
     /// `[blocks][groups][16]`
     scale: Vec<f32>,
-    /// `[blocks][groups][16]`, when the scheme is asymmetric.
+    /// `[blocks][groups][16]`: the zero point, plus 8 for 4-bit storage (whose stored values
+    /// are code + 8); absent for symmetric int8 storage.
     zp: Option<Vec<f32>>,
+    /// The scheme has zero points of its own.
+    asym: bool,
     /// First (sorted) column of each group.
     pub group_starts: Vec<usize>,
+}
+
+/// Bytes owned here or moved into the layer's huge-page [`Arena`].
+#[derive(Clone, Debug)]
+enum Bytes {
+    Owned(Vec<u8>),
+    Shared {
+        arena: Arc<Arena>,
+        offset: usize,
+        len: usize,
+    },
+}
+
+impl Bytes {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            Bytes::Owned(v) => v,
+            Bytes::Shared { arena, offset, len } => {
+                let s = arena.slice(*offset, *len);
+                // SAFETY: i8 and u8 have the same size, alignment and valid bit patterns.
+                unsafe { std::slice::from_raw_parts(s.as_ptr().cast(), s.len()) }
+            }
+        }
+    }
+}
+
+/// The code storage of a block.
+#[derive(Clone, Debug)]
+enum Codes {
+    /// `[blocks][k][16]` int8 (stored as their bytes), zero past `n`.
+    I8(Bytes),
+    /// `[blocks][k/2][16]` bytes, columns `2c` (low nibble) and `2c + 1` (high nibble) as
+    /// `q + 8`: half the bytes to stream when every code fits 4 bits. Used when `k` and every
+    /// group start are even, so a byte never straddles a group.
+    U4(Bytes),
+}
+
+impl Codes {
+    /// The stored value of column `c`, lane `l` within a block slice: the code (int8) or the
+    /// code + 8 (4-bit; the + 8 is folded into the zero point).
+    #[inline]
+    fn get(&self, block: &[u8], c: usize, l: usize) -> i8 {
+        match self {
+            Codes::I8(_) => block[c * BLOCK + l] as i8,
+            Codes::U4(_) => {
+                let byte = block[(c / 2) * BLOCK + l];
+                (if c.is_multiple_of(2) {
+                    byte & 15
+                } else {
+                    byte >> 4
+                }) as i8
+            }
+        }
+    }
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Codes::I8(b) | Codes::U4(b) => b.as_slice(),
+        }
+    }
+    fn storage_mut(&mut self) -> &mut Bytes {
+        match self {
+            Codes::I8(b) | Codes::U4(b) => b,
+        }
+    }
+    /// Bytes per block for `k` columns.
+    fn block_len(&self, k: usize) -> usize {
+        match self {
+            Codes::I8(_) => k * BLOCK,
+            Codes::U4(_) => k.div_ceil(2) * BLOCK,
+        }
+    }
 }
 
 impl BlockedWo {
@@ -42,19 +118,40 @@ impl BlockedWo {
     ) -> BlockedWo {
         let groups = group_starts.len().max(1);
         let blocks = n.div_ceil(BLOCK);
-        let mut codes = vec![0i8; blocks * k * BLOCK];
+        let nibbles = k.is_multiple_of(2)
+            && group_starts.iter().all(|g| g.is_multiple_of(2))
+            && q.iter().take(n * k).all(|v| (-8..=7).contains(v));
+        let mut codes = if nibbles {
+            Codes::U4(Bytes::Owned(vec![0x88; blocks * k.div_ceil(2) * BLOCK]))
+        } else {
+            Codes::I8(Bytes::Owned(vec![0u8; blocks * k * BLOCK]))
+        };
         let mut sc = vec![0f32; blocks * groups * BLOCK];
-        let mut zs = zp.map(|_| vec![0f32; blocks * groups * BLOCK]);
+        let bias = if nibbles { 8.0 } else { 0.0 };
+        let mut zs = (zp.is_some() || nibbles).then(|| vec![bias; blocks * groups * BLOCK]);
         for j in 0..n {
             let (b, l) = (j / BLOCK, j % BLOCK);
             for (c, &v) in q.get(j * k..(j + 1) * k).unwrap_or(&[]).iter().enumerate() {
-                codes[(b * k + c) * BLOCK + l] = v;
+                match &mut codes {
+                    Codes::I8(Bytes::Owned(d)) => d[(b * k + c) * BLOCK + l] = v as u8,
+                    Codes::U4(Bytes::Owned(d)) => {
+                        let at = (b * k.div_ceil(2) + c / 2) * BLOCK + l;
+                        let nib = (v + 8) as u8;
+                        d[at] = if c.is_multiple_of(2) {
+                            (d[at] & 0xf0) | nib
+                        } else {
+                            (d[at] & 0x0f) | (nib << 4)
+                        };
+                    }
+                    // Built owned just above.
+                    Codes::I8(Bytes::Shared { .. }) | Codes::U4(Bytes::Shared { .. }) => {}
+                }
             }
             for g in 0..groups {
                 let at = (b * groups + g) * BLOCK + l;
                 sc[at] = scale.get(j * groups + g).copied().unwrap_or(0.0);
                 if let (Some(zs), Some(z)) = (zs.as_mut(), zp) {
-                    zs[at] = f32::from(z.get(j * groups + g).copied().unwrap_or(0));
+                    zs[at] = f32::from(z.get(j * groups + g).copied().unwrap_or(0)) + bias;
                 }
             }
         }
@@ -64,12 +161,36 @@ impl BlockedWo {
             codes,
             scale: sc,
             zp: zs,
+            asym: zp.is_some(),
             group_starts,
         }
     }
 
     pub fn blocks(&self) -> usize {
         self.n.div_ceil(BLOCK)
+    }
+
+    /// The code bytes (for moving them into a layer arena).
+    pub fn code_bytes(&self) -> &[u8] {
+        self.codes.bytes()
+    }
+
+    /// Whether the codes already live in a shared arena.
+    pub fn is_shared(&self) -> bool {
+        matches!(
+            self.codes,
+            Codes::I8(Bytes::Shared { .. }) | Codes::U4(Bytes::Shared { .. })
+        )
+    }
+
+    /// Points the codes at `arena` at `offset` (where [`Arena::build`] copied them).
+    pub fn share(&mut self, arena: &Arc<Arena>, offset: usize) {
+        let len = self.codes.bytes().len();
+        *self.codes.storage_mut() = Bytes::Shared {
+            arena: Arc::clone(arena),
+            offset,
+            len,
+        };
     }
     pub fn groups(&self) -> usize {
         self.group_starts.len().max(1)
@@ -85,16 +206,24 @@ impl BlockedWo {
     pub fn row(&self, j: usize) -> (Vec<i8>, Vec<f32>, Option<Vec<i8>>) {
         let (b, l) = (j / BLOCK, j % BLOCK);
         let g = self.groups();
+        let len = self.codes.block_len(self.k);
+        let block = &self.codes.bytes()[b * len..(b + 1) * len];
+        let bias = if matches!(self.codes, Codes::U4(_)) {
+            8
+        } else {
+            0
+        };
         let codes = (0..self.k)
-            .map(|c| self.codes[(b * self.k + c) * BLOCK + l])
+            .map(|c| self.codes.get(block, c, l) - bias)
             .collect();
         let scale = (0..g)
             .map(|i| self.scale[(b * g + i) * BLOCK + l])
             .collect();
-        let zp = self
-            .zp
-            .as_ref()
-            .map(|z| (0..g).map(|i| z[(b * g + i) * BLOCK + l] as i8).collect());
+        let zp = self.zp.as_ref().filter(|_| self.asym).map(|z| {
+            (0..g)
+                .map(|i| z[(b * g + i) * BLOCK + l] as i8 - bias)
+                .collect()
+        });
         (codes, scale, zp)
     }
 
@@ -128,9 +257,11 @@ impl BlockedWo {
         let sums = self.zp.as_ref().map(|_| self.group_sums(x, m));
         let simd = cfg!(target_arch = "x86_64") && matches!(isa(), Isa::Avx512 | Isa::Avx512Vnni);
         let g = self.groups();
+        let len = self.codes.block_len(self.k);
         for b in first_block..end {
             let tile = Tile {
-                codes: &self.codes[b * self.k * BLOCK..(b + 1) * self.k * BLOCK],
+                storage: &self.codes,
+                codes: &self.codes.bytes()[b * len..(b + 1) * len],
                 scale: &self.scale[b * g * BLOCK..(b + 1) * g * BLOCK],
                 zp: self
                     .zp
@@ -166,7 +297,8 @@ impl BlockedWo {
 
 /// One block's weights.
 pub struct Tile<'a> {
-    codes: &'a [i8],
+    storage: &'a Codes,
+    codes: &'a [u8],
     scale: &'a [f32],
     zp: Option<&'a [f32]>,
     k: usize,
@@ -208,7 +340,7 @@ pub fn tile_scalar(
             for g in 0..groups {
                 let (a, e) = t.bounds(g);
                 let fma = |acc: f32, c: usize| {
-                    f32::from(t.codes[c * BLOCK + l]).mul_add(x[r * t.k + c], acc)
+                    f32::from(t.storage.get(t.codes, c, l)).mul_add(x[r * t.k + c], acc)
                 };
                 let mut parts = [0f32; 4];
                 let mut c = a;
@@ -242,6 +374,9 @@ mod x86 {
     use super::{Tile, BLOCK, TILE_ROWS};
     use std::arch::x86_64::*;
 
+    /// How far ahead (bytes) the weight stream is prefetched.
+    const PF_DIST: usize = 4096;
+
     /// # Safety
     /// The CPU supports AVX-512F; `t.codes.len() >= t.k * 16`, `t.scale` (and `t.zp`) hold
     /// `groups * 16` values, `x.len() >= mr * t.k`, `sums` (when zero points exist) holds
@@ -256,6 +391,18 @@ mod x86 {
     ) {
         // SAFETY: the caller's contract is each kernel's contract (all arms).
         unsafe {
+            if matches!(t.storage, super::Codes::U4(_)) {
+                return match mr {
+                    1 => kernel4::<1, 4>(t, x, sums, out),
+                    2 => kernel4::<2, 2>(t, x, sums, out),
+                    3 => kernel4::<3, 1>(t, x, sums, out),
+                    4 => kernel4::<4, 1>(t, x, sums, out),
+                    5 => kernel4::<5, 1>(t, x, sums, out),
+                    6 => kernel4::<6, 1>(t, x, sums, out),
+                    7 => kernel4::<7, 1>(t, x, sums, out),
+                    _ => kernel4::<8, 1>(t, x, sums, out),
+                };
+            }
             match mr {
                 1 => kernel::<1, 4>(t, x, sums, out),
                 2 => kernel::<2, 2>(t, x, sums, out),
@@ -282,7 +429,8 @@ mod x86 {
         let k = t.k;
         let groups = t.group_starts.len().max(1);
         let mut total = [_mm512_setzero_ps(); MR];
-        let cp = t.codes.as_ptr();
+        let cp = t.codes.as_ptr().cast::<i8>();
+        let block_len = t.codes.len();
         let xp = x.as_ptr();
         // One column: 16 codes times row r's activation into partial sum `u`.
         let step = |parts: &mut [[__m512; U]; MR], c: usize, u: usize| {
@@ -290,7 +438,12 @@ mod x86 {
             // (k * 16 codes) and x[r * k + c] inside row r; the prefetch address is formed with
             // wrapping_add and a prefetch never faults.
             unsafe {
-                _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(c * BLOCK + 1024).cast());
+                if c.is_multiple_of(4) {
+                    // Once per 64-byte line, in this block and (a second stream) in the next
+                    // one, which the same task usually reads next.
+                    _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(c * BLOCK + PF_DIST).cast());
+                    _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(c * BLOCK + block_len).cast());
+                }
                 let w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
                     cp.add(c * BLOCK).cast(),
                 )));
@@ -340,6 +493,103 @@ mod x86 {
             unsafe { _mm512_storeu_ps(out[r].as_mut_ptr(), *tot) };
         }
     }
+
+    /// The 4-bit kernel: one 16-byte load holds two columns for 16 features. Columns go to the
+    /// same partial sums, in the same order, as in [`kernel`] (groups start at even columns and
+    /// `U` is even or 1, so a byte never straddles a chunk), hence identical results.
+    ///
+    /// # Safety
+    /// As [`kernel`], with `t.codes` holding `ceil(k / 2) * 16` bytes and `k` even.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn kernel4<const MR: usize, const U: usize>(
+        t: &Tile<'_>,
+        x: &[f32],
+        sums: Option<&[f32]>,
+        out: &mut [[f32; BLOCK]; TILE_ROWS],
+    ) {
+        let k = t.k;
+        let groups = t.group_starts.len().max(1);
+        let mut total = [_mm512_setzero_ps(); MR];
+        let cp = t.codes.as_ptr();
+        let block_len = t.codes.len();
+        let xp = x.as_ptr();
+        let mask = _mm512_set1_epi32(15);
+        for g in 0..groups {
+            let (a, e) = t.bounds(g);
+            let e = e.min(k);
+            // Columns below `full` go round-robin to U partial sums, the rest to partial 0.
+            let full = a + (e.saturating_sub(a) / U) * U;
+            let mut parts = [[_mm512_setzero_ps(); U]; MR];
+            // Columns c and c + 1 of all 16 features (stored + 8; the 8 is in the zero point).
+            let decode = |c: usize| {
+                // SAFETY: callers pass c + 1 < e <= k: byte row c / 2 lies inside the block of
+                // ceil(k / 2) * 16 bytes. The prefetch addresses are formed with wrapping_add
+                // and a prefetch never faults.
+                unsafe {
+                    if c.is_multiple_of(8) {
+                        let at = (c / 2) * BLOCK;
+                        _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(at + PF_DIST).cast());
+                        _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(at + block_len).cast());
+                    }
+                    let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(cp.add((c / 2) * BLOCK).cast()));
+                    (
+                        _mm512_cvtepi32_ps(_mm512_and_si512(v, mask)),
+                        _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v)),
+                    )
+                }
+            };
+            // Column c times row r's activation into partial sum `u` (constant after unrolling,
+            // so the partial sums stay in registers).
+            let fma = |parts: &mut [[__m512; U]; MR], w: __m512, c: usize, u: usize| {
+                for (r, p) in parts.iter_mut().enumerate() {
+                    // SAFETY: c < e <= k: x[r * k + c] lies inside row r (x holds MR rows).
+                    p[u] = _mm512_fmadd_ps(w, _mm512_set1_ps(unsafe { *xp.add(r * k + c) }), p[u]);
+                }
+            };
+            let mut c = a;
+            if U >= 2 {
+                while c < full {
+                    for q in 0..U / 2 {
+                        let (lo, hi) = decode(c + 2 * q);
+                        fma(&mut parts, lo, c + 2 * q, 2 * q);
+                        fma(&mut parts, hi, c + 2 * q + 1, 2 * q + 1);
+                    }
+                    c += U;
+                }
+            }
+            while c + 1 < e {
+                let (lo, hi) = decode(c);
+                fma(&mut parts, lo, c, 0);
+                fma(&mut parts, hi, c + 1, 0);
+                c += 2;
+            }
+            let mut acc = [_mm512_setzero_ps(); MR];
+            for (a, p) in acc.iter_mut().zip(&parts) {
+                *a = match U {
+                    4 => _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3])),
+                    2 => _mm512_add_ps(p[0], p[1]),
+                    _ => p[0],
+                };
+            }
+            // SAFETY: g < groups: the 16 scales (and zero points) at g * 16 are in bounds.
+            let s = unsafe { _mm512_loadu_ps(t.scale.as_ptr().add(g * BLOCK)) };
+            if let (Some(z), Some(sm)) = (t.zp, sums) {
+                // SAFETY: as for the scales.
+                let vz = unsafe { _mm512_loadu_ps(z.as_ptr().add(g * BLOCK)) };
+                for (r, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fnmadd_ps(vz, _mm512_set1_ps(sm[r * groups + g]), *a);
+                }
+            }
+            for (tot, a) in total.iter_mut().zip(acc) {
+                *tot = _mm512_fmadd_ps(a, s, *tot);
+            }
+        }
+        for (r, tot) in total.iter().enumerate() {
+            // SAFETY: r < MR <= 8 = out.len(); each entry is 16 f32.
+            unsafe { _mm512_storeu_ps(out[r].as_mut_ptr(), *tot) };
+        }
+    }
 }
 
 #[cfg(test)]
@@ -347,7 +597,20 @@ mod tests {
     use super::*;
 
     fn sample(n: usize, k: usize, groups: usize, asym: bool) -> (BlockedWo, Vec<i8>) {
-        let q: Vec<i8> = (0..n * k).map(|i| ((i * 7919) % 255) as i8).collect();
+        sample_bits(n, k, groups, asym, 8)
+    }
+
+    fn sample_bits(
+        n: usize,
+        k: usize,
+        groups: usize,
+        asym: bool,
+        bits: u32,
+    ) -> (BlockedWo, Vec<i8>) {
+        let span = 1i64 << bits;
+        let q: Vec<i8> = (0..n * k)
+            .map(|i| ((i as i64 * 7919) % span - span / 2) as i8)
+            .collect();
         let scale: Vec<f32> = (0..n * groups)
             .map(|i| 1e-3 * (1 + i % 13) as f32)
             .collect();
@@ -377,67 +640,75 @@ mod tests {
             (20, 70, 2, true, 2),
             (33, 66, 3, false, 1),
         ] {
-            let (w, _) = sample(n, k, groups, asym);
-            let x: Vec<f32> = (0..m * k)
-                .map(|i| ((i * 31) % 97) as f32 / 13.0 - 3.0)
-                .collect();
-            let mut got = vec![0f32; m * n];
-            w.gemm(&x, m, 0, w.blocks(), |r, b, lanes| {
-                for (l, &v) in lanes.iter().enumerate() {
-                    if b * BLOCK + l < n {
-                        got[r * n + b * BLOCK + l] = v;
+            for bits in [8, 4] {
+                let (w, _) = sample_bits(n, k, groups, asym, bits);
+                assert_eq!(
+                    matches!(w.codes, Codes::U4(_)),
+                    bits == 4 && k % 2 == 0 && (0..groups).all(|g| g * k / groups % 2 == 0)
+                );
+                let x: Vec<f32> = (0..m * k)
+                    .map(|i| ((i * 31) % 97) as f32 / 13.0 - 3.0)
+                    .collect();
+                let mut got = vec![0f32; m * n];
+                w.gemm(&x, m, 0, w.blocks(), |r, b, lanes| {
+                    for (l, &v) in lanes.iter().enumerate() {
+                        if b * BLOCK + l < n {
+                            got[r * n + b * BLOCK + l] = v;
+                        }
                     }
-                }
-            });
-            let sums = asym.then(|| w.group_sums(&x, m));
-            for b in 0..w.blocks() {
-                let g = w.groups();
-                let t = Tile {
-                    codes: &w.codes[b * k * BLOCK..(b + 1) * k * BLOCK],
-                    scale: &w.scale[b * g * BLOCK..(b + 1) * g * BLOCK],
-                    zp: w
-                        .zp
-                        .as_ref()
-                        .map(|z| &z[b * g * BLOCK..(b + 1) * g * BLOCK]),
-                    k,
-                    group_starts: &w.group_starts,
-                };
-                for r0 in (0..m).step_by(TILE_ROWS) {
-                    let mr = (m - r0).min(TILE_ROWS);
-                    let mut want = [[0f32; BLOCK]; TILE_ROWS];
-                    tile_scalar(
-                        &t,
-                        &x[r0 * k..],
-                        sums.as_ref().map(|s| &s[r0 * g..]),
-                        mr,
-                        &mut want,
-                    );
-                    for (rr, lanes) in want.iter().enumerate().take(mr) {
-                        for (l, v) in lanes.iter().enumerate() {
-                            let j = b * BLOCK + l;
-                            if j < n {
-                                assert_eq!(got[(r0 + rr) * n + j].to_bits(), v.to_bits());
+                });
+                let sums = w.zp.is_some().then(|| w.group_sums(&x, m));
+                for b in 0..w.blocks() {
+                    let g = w.groups();
+                    let len = w.codes.block_len(k);
+                    let t = Tile {
+                        storage: &w.codes,
+                        codes: &w.codes.bytes()[b * len..(b + 1) * len],
+                        scale: &w.scale[b * g * BLOCK..(b + 1) * g * BLOCK],
+                        zp: w
+                            .zp
+                            .as_ref()
+                            .map(|z| &z[b * g * BLOCK..(b + 1) * g * BLOCK]),
+                        k,
+                        group_starts: &w.group_starts,
+                    };
+                    for r0 in (0..m).step_by(TILE_ROWS) {
+                        let mr = (m - r0).min(TILE_ROWS);
+                        let mut want = [[0f32; BLOCK]; TILE_ROWS];
+                        tile_scalar(
+                            &t,
+                            &x[r0 * k..],
+                            sums.as_ref().map(|s| &s[r0 * g..]),
+                            mr,
+                            &mut want,
+                        );
+                        for (rr, lanes) in want.iter().enumerate().take(mr) {
+                            for (l, v) in lanes.iter().enumerate() {
+                                let j = b * BLOCK + l;
+                                if j < n {
+                                    assert_eq!(got[(r0 + rr) * n + j].to_bits(), v.to_bits());
+                                }
                             }
                         }
                     }
                 }
-            }
-            for r in 0..m {
-                for j in 0..n {
-                    let (codes, scale, zp) = w.row(j);
-                    let mut exact = 0f64;
-                    for c in 0..k {
-                        let gi = c * groups / k;
-                        let z = zp.as_ref().map_or(0.0, |z| f64::from(z[gi]));
-                        exact += (f64::from(codes[c]) - z)
-                            * f64::from(scale[gi])
-                            * f64::from(x[r * k + c]);
+                for r in 0..m {
+                    for j in 0..n {
+                        let (codes, scale, zp) = w.row(j);
+                        let mut exact = 0f64;
+                        for c in 0..k {
+                            let gi = c * groups / k;
+                            let z = zp.as_ref().map_or(0.0, |z| f64::from(z[gi]));
+                            exact += (f64::from(codes[c]) - z)
+                                * f64::from(scale[gi])
+                                * f64::from(x[r * k + c]);
+                        }
+                        let v = f64::from(got[r * n + j]);
+                        assert!(
+                            (v - exact).abs() <= 1e-4 * exact.abs().max(1.0),
+                            "{v} vs {exact}"
+                        );
                     }
-                    let v = f64::from(got[r * n + j]);
-                    assert!(
-                        (v - exact).abs() <= 1e-4 * exact.abs().max(1.0),
-                        "{v} vs {exact}"
-                    );
                 }
             }
         }
