@@ -63,6 +63,14 @@ pub struct LayoutError {
     pub reason: String,
 }
 
+/// The CUDA path cannot run here (no driver, no NVRTC) or a kernel failed to compile.
+#[derive(Debug, thiserror::Error)]
+#[error("{subject}: {reason}")]
+pub struct CudaError {
+    pub subject: String,
+    pub reason: String,
+}
+
 /// The error every public entry point returns.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -74,6 +82,8 @@ pub enum Error {
     Unsupported(#[from] UnsupportedSchemeError),
     #[error(transparent)]
     Layout(#[from] LayoutError),
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
 }
 
 /// Which family an [`Error`] belongs to; the Python layer maps each onto one exception class.
@@ -83,6 +93,7 @@ pub enum ErrorKind {
     Config,
     UnsupportedScheme,
     Layout,
+    Cuda,
 }
 
 impl ErrorKind {
@@ -93,6 +104,7 @@ impl ErrorKind {
             ErrorKind::Config => "ConfigError",
             ErrorKind::UnsupportedScheme => "UnsupportedSchemeError",
             ErrorKind::Layout => "LayoutError",
+            ErrorKind::Cuda => "CudaUnavailableError",
         }
     }
 }
@@ -104,6 +116,7 @@ impl Error {
             Error::Config(_) => ErrorKind::Config,
             Error::Unsupported(_) => ErrorKind::UnsupportedScheme,
             Error::Layout(_) => ErrorKind::Layout,
+            Error::Cuda(_) => ErrorKind::Cuda,
         }
     }
 }

@@ -7,6 +7,8 @@
 
 pub mod checkpoint;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod error;
 pub mod model;
 pub mod moe;

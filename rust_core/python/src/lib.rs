@@ -425,6 +425,48 @@ fn cpu_threads() -> usize {
     moeq_core::cpu::pool().map_or_else(rayon::current_num_threads, |p| p.current_num_threads())
 }
 
+/// Whether a CUDA driver with a device is present (never raises, never panics).
+#[pyfunction]
+fn cuda_driver_available() -> bool {
+    moeq_core::cuda::driver_available()
+}
+
+/// Compiles every kernel variant for `arch` with NVRTC (`nvrtc_dirs`: where the Python side
+/// found the nvidia wheels) -> `{variant: {"cubin_bytes", "registers", "spill_stores",
+/// "seconds", "entries"}}`.
+#[pyfunction]
+fn cuda_compile_kernels<'py>(
+    py: Python<'py>,
+    arch: &str,
+    nvrtc_dirs: Vec<PathBuf>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let reports = py
+        .detach(|| moeq_core::cuda::compile_all(arch, &nvrtc_dirs))
+        .map_err(|e| to_py(py, e.into()))?;
+    let out = PyDict::new(py);
+    for r in reports {
+        let d = PyDict::new(py);
+        d.set_item("cubin_bytes", r.cubin_bytes)?;
+        d.set_item("registers", r.registers)?;
+        d.set_item("spill_stores", r.spill_stores)?;
+        d.set_item("seconds", r.seconds)?;
+        let entries: Vec<String> = r.entries.iter().map(|(n, _)| n.clone()).collect();
+        d.set_item("entries", entries)?;
+        out.set_item(r.name, d)?;
+    }
+    Ok(out)
+}
+
+/// The NVRTC moeq_rs uses: `(major, minor, path or None)`.
+#[pyfunction]
+fn cuda_nvrtc_version(
+    py: Python<'_>,
+    nvrtc_dirs: Vec<PathBuf>,
+) -> PyResult<(i32, i32, Option<PathBuf>)> {
+    let n = moeq_core::cuda::nvrtc::load(&nvrtc_dirs).map_err(|e| to_py(py, e.into()))?;
+    Ok((n.major, n.minor, n.path))
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(wna16_scale_kind, m)?)?;
@@ -433,6 +475,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_features, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_driver_available, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_compile_kernels, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_nvrtc_version, m)?)?;
     repack::register(m)?;
     cpu::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -1,0 +1,35 @@
+// Grouped int8 GEMM of the W8A8 MoE (a baseline with __dp4a, not yet tensor cores): rows of
+// `a` ([M, K] int8, grouped by expert as expert_offsets says) times expert e's weights
+// w[e] ([N, K] int8), int32 accumulation, out[m, n] = acc * a_scale[m] * w_scale[e, n] in
+// DTYPE. K % 4 == 0 and 4-byte aligned rows. Grid: (ceil(N / 16), ceil(M / 16), E); block
+// 16 x 16; each 16 x 16 tile of the output stages 16 x 64 bytes of a and w in shared memory.
+
+extern "C" __global__ void SUFFIX(w8a8_grouped_gemm)(
+    const signed char* __restrict__ a, const float* __restrict__ a_scale,
+    const signed char* __restrict__ w, const float* __restrict__ w_scale,
+    const int* __restrict__ expert_offsets, int n, int k, act_t* __restrict__ out) {
+    __shared__ int sa[16][17];
+    __shared__ int sw[16][17];
+    int e = blockIdx.z;
+    int begin = expert_offsets[e], end = expert_offsets[e + 1];
+    int row = begin + blockIdx.y * 16 + threadIdx.y;
+    int col = blockIdx.x * 16 + threadIdx.x;
+    if (begin + blockIdx.y * 16 >= end) return;  // whole block past this expert's rows
+    const int* a4 = (const int*)a;
+    const int* w4 = (const int*)(w + (long)e * n * k);
+    int k4 = k / 4;
+    int acc = 0;
+    for (int k0 = 0; k0 < k4; k0 += 16) {
+        int kk = k0 + threadIdx.x;
+        int arow = begin + blockIdx.y * 16 + threadIdx.y;
+        sa[threadIdx.y][threadIdx.x] = (arow < end && kk < k4) ? a4[(long)arow * k4 + kk] : 0;
+        int wrow = blockIdx.x * 16 + threadIdx.y;
+        sw[threadIdx.y][threadIdx.x] = (wrow < n && kk < k4) ? w4[(long)wrow * k4 + kk] : 0;
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc = __dp4a(sa[threadIdx.y][i], sw[threadIdx.x][i], acc);
+        __syncthreads();
+    }
+    if (row < end && col < n)
+        act_store(out, (long)row * n + col, (float)acc * a_scale[row] * w_scale[(long)e * n + col]);
+}
