@@ -43,8 +43,8 @@ rust-checks: $(VENV)/.base-deps
 	MOEQ_REQUIRE_NVRTC=1 MOEQ_NO_DISK_CACHE=1 cargo test --locked
 
 py-checks: $(VENV)/.test-deps build
-	$(VENV)/bin/ruff check python tests bench examples
-	$(VENV)/bin/ruff format --check python tests bench examples
+	$(VENV)/bin/ruff check python tests bench examples scripts
+	$(VENV)/bin/ruff format --check python tests bench examples scripts
 	MOEQ_REQUIRE_NVRTC=1 MOEQ_NO_DISK_CACHE=1 $(PY) -m pytest -q
 
 test: rust-checks py-checks

@@ -44,3 +44,20 @@ def test_bad_architecture_is_a_clear_error() -> None:
         mq.cuda.compile_kernels("compute_90")
     with pytest.raises(mq.CudaUnavailableError, match="sm_7"):
         mq.cuda.compile_kernels("sm_7")
+
+
+def test_cuda_moe_checks_its_arguments_before_any_launch() -> None:
+    import torch
+
+    x = torch.randn(2, 8)
+    w13 = torch.zeros(2, 8, 8, dtype=torch.int8)
+    with pytest.raises(mq.LayoutError, match="hidden_states: expected a CUDA tensor"):
+        mq.cuda.w8a8_moe_unverified(
+            x,
+            torch.randn(2, 2),
+            w13,
+            torch.ones(2, 8),
+            torch.zeros(2, 8, 4, dtype=torch.int8),
+            torch.ones(2, 8),
+            top_k=1,
+        )

@@ -55,6 +55,17 @@ def cpu_threads() -> int: ...
 def cuda_driver_available() -> bool: ...
 def cuda_compile_kernels(arch: str, nvrtc_dirs: list[str]) -> dict[str, dict[str, Any]]: ...
 def cuda_nvrtc_version(nvrtc_dirs: list[str]) -> tuple[int, int, str | None]: ...
+def _cuda_launch(
+    ordinal: int,
+    variant: str,
+    entry: str,
+    grid: tuple[int, int, int],
+    block: tuple[int, int, int],
+    shared_bytes: int,
+    stream: int,
+    args: list[tuple[str, int | float]],
+    nvrtc_dirs: list[str],
+) -> None: ...
 
 class CpuMoeLayer:
     @staticmethod

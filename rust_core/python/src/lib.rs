@@ -457,6 +457,55 @@ fn cuda_compile_kernels<'py>(
     Ok(out)
 }
 
+/// Launches one kernel (internal: `moeq_rs.cuda` checks every tensor's device, dtype, shape,
+/// alignment and contiguity before calling). `args`: `("ptr" | "i32" | "i64" | "f32", value)`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn _cuda_launch(
+    py: Python<'_>,
+    ordinal: i32,
+    variant: &str,
+    entry: &str,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    shared_bytes: u32,
+    stream: u64,
+    args: Vec<(String, Bound<'_, PyAny>)>,
+    nvrtc_dirs: Vec<PathBuf>,
+) -> PyResult<()> {
+    use moeq_core::cuda::launch::Arg;
+    let mut parsed = Vec::with_capacity(args.len());
+    for (kind, value) in &args {
+        parsed.push(match kind.as_str() {
+            "ptr" => Arg::Ptr(value.extract()?),
+            "i32" => Arg::I32(value.extract()?),
+            "i64" => Arg::I64(value.extract()?),
+            "f32" => Arg::F32(value.extract()?),
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "kernel argument kind '{other}' (expected ptr, i32, i64 or f32)"
+                )))
+            }
+        });
+    }
+    // SAFETY: the only caller, moeq_rs.cuda, passes pointers of CUDA tensors on `ordinal` that
+    // it checked against the kernel's contract, and torch's current stream of that device.
+    unsafe {
+        moeq_core::cuda::launch::launch(
+            ordinal,
+            variant,
+            entry,
+            grid,
+            block,
+            shared_bytes,
+            stream,
+            &parsed,
+            &nvrtc_dirs,
+        )
+    }
+    .map_err(|e| to_py(py, e.into()))
+}
+
 /// The NVRTC moeq_rs uses: `(major, minor, path or None)`.
 #[pyfunction]
 fn cuda_nvrtc_version(
@@ -478,6 +527,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_driver_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_compile_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_nvrtc_version, m)?)?;
+    m.add_function(wrap_pyfunction!(_cuda_launch, m)?)?;
     repack::register(m)?;
     cpu::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

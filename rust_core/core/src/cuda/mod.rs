@@ -9,6 +9,7 @@
 
 pub mod cache;
 pub mod kernels;
+pub mod launch;
 pub mod nvrtc;
 
 use crate::error::CudaError;

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# GPU check of the CUDA path, for a machine with one NVIDIA GPU (driver, torch with CUDA and
+# Python; no Rust toolchain, no network). Build the wheel on the development machine first:
+#     .venv/bin/maturin build --release -m rust_core/python/Cargo.toml -o dist
+# then, on the GPU machine, from the repository root:
+#     bash scripts/gpu_check.sh
+# It installs dist/moeq_rs-*.whl into a temporary directory (no dependencies pulled) and runs
+# scripts/gpu_check.py: kernel compilation for the device's arch, W8A8 MoE correctness against
+# the CPU path, a non-default stream, CUDA graph capture and replay, and a benchmark. Output
+# also goes to $OUT/gpu_check.log when OUT is set. Exit status: 0 when every check passes.
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu_check_out}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/gpu_check.log") 2>&1
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+PY=${PYTHON:-python3}
+nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv || true
+wheel=$(ls dist/moeq_rs-*.whl 2>/dev/null | head -1)
+if [ -z "$wheel" ]; then
+    echo "no wheel in dist/ (build it with maturin on the development machine)"
+    exit 2
+fi
+"$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$wheel" || exit 2
+export PYTHONPATH="$WORK/site" MOEQ_CACHE_DIR="$WORK/kcache" PYTHONUNBUFFERED=1
+timeout 280 "$PY" scripts/gpu_check.py
+rc=$?
+echo "gpu_check: ${SECONDS}s, exit $rc"
+exit $rc
