@@ -11,7 +11,7 @@ BASE_DEPS := "numpy>=1.24" "torch>=2.4" "safetensors>=0.4" "maturin>=1.9.4,<2" "
 TEST_DEPS := "compressed-tensors==0.20.1" "transformers==5.24.0" "ruff>=0.6"
 DEMO_MODEL := examples/tiny-moe-int4-int8
 
-.PHONY: demo test build venv rust-checks py-checks fuzz bench clean
+.PHONY: demo test build venv rust-checks py-checks fuzz bench clean check-aarch64
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,15 @@ py-checks: $(VENV)/.test-deps build
 	MOEQ_REQUIRE_NVRTC=1 MOEQ_NO_DISK_CACHE=1 $(PY) -m pytest -q
 
 test: rust-checks py-checks
+
+# The core crate on aarch64 (scalar kernels), its tests run under qemu. Needs
+# `rustup target add aarch64-unknown-linux-gnu` and the Debian packages gcc-aarch64-linux-gnu
+# and qemu-user. Not part of `make test`: CI machines lack those tools.
+check-aarch64:
+	cargo clippy --target aarch64-unknown-linux-gnu -p moeq-core --all-targets --locked -- -D warnings
+	CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
+	CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu" \
+	cargo test --release --target aarch64-unknown-linux-gnu -p moeq-core --locked
 
 # Fuzz the header and config parsers (needs cargo-fuzz; FUZZ_SECONDS per target).
 FUZZ_SECONDS ?= 60

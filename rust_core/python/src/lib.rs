@@ -511,9 +511,9 @@ fn _cuda_launch(
 fn cuda_nvrtc_version(
     py: Python<'_>,
     nvrtc_dirs: Vec<PathBuf>,
-) -> PyResult<(i32, i32, Option<PathBuf>)> {
+) -> PyResult<(i32, i32, Option<String>)> {
     let n = moeq_core::cuda::nvrtc::load(&nvrtc_dirs).map_err(|e| to_py(py, e.into()))?;
-    Ok((n.major, n.minor, n.path))
+    Ok((n.major, n.minor, n.path.map(|p| p.display().to_string())))
 }
 
 #[pymodule]

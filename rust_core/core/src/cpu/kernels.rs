@@ -50,6 +50,42 @@ fn detect() -> Isa {
     Isa::Scalar
 }
 
+impl Isa {
+    /// The AVX-512 VNNI int8 kernels apply.
+    pub fn vnni(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            self == Isa::Avx512Vnni
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+    /// The AVX-512F (fp32) kernels apply.
+    pub fn avx512(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            matches!(self, Isa::Avx512 | Isa::Avx512Vnni)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+    /// The AVX2 int8 tile applies (no VNNI).
+    pub fn avx2_int8(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            matches!(self, Isa::Avx2 | Isa::Avx512)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+}
+
 /// The name `MOEQ_CPU_ISA` and `cpu_features()` use for `isa`.
 pub fn isa_name(isa: Isa) -> &'static str {
     match isa {

@@ -14,7 +14,7 @@
 use std::sync::Arc;
 
 use super::arena::Arena;
-use super::kernels::{isa, Isa};
+use super::kernels::isa;
 
 /// Output features per block (one 512-bit register of int32 lanes).
 pub const BLOCK: usize = 16;
@@ -195,11 +195,7 @@ impl PackedI8 {
         if data.len() < end * block_len {
             return;
         }
-        let use_vnni = cfg!(target_arch = "x86_64") && isa() == Isa::Avx512Vnni;
-        #[cfg(target_arch = "x86_64")]
-        let use_avx2 = matches!(isa(), Isa::Avx2 | Isa::Avx512);
-        #[cfg(not(target_arch = "x86_64"))]
-        let use_avx2 = false;
+        let (use_vnni, use_avx2) = (isa().vnni(), isa().avx2_int8());
         let mut b = first_block;
         while b < end {
             let nb = (end - b).min(TILE_BLOCKS);

@@ -11,7 +11,7 @@
 use std::sync::Arc;
 
 use super::arena::Arena;
-use super::kernels::{isa, Isa};
+use super::kernels::isa;
 
 /// Features per block.
 pub const BLOCK: usize = 16;
@@ -255,7 +255,7 @@ impl BlockedWo {
             return;
         }
         let sums = self.zp.as_ref().map(|_| self.group_sums(x, m));
-        let simd = cfg!(target_arch = "x86_64") && matches!(isa(), Isa::Avx512 | Isa::Avx512Vnni);
+        let simd = isa().avx512();
         let g = self.groups();
         let len = self.codes.block_len(self.k);
         for b in first_block..end {

@@ -197,7 +197,11 @@ pub fn compile(
             let bytes: Vec<u8> = raw
                 .iter()
                 .take_while(|&&c| c != 0)
-                .map(|&c| c as u8)
+                // c_char is i8 on x86_64 and u8 on aarch64.
+                .map(
+                    #[allow(clippy::unnecessary_cast)]
+                    |&c| c as u8,
+                )
                 .collect();
             String::from_utf8_lossy(&bytes).into_owned()
         })

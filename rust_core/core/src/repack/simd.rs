@@ -9,6 +9,7 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+#[cfg(target_arch = "x86_64")]
 use super::tables::TILE_N;
 
 /// Whether the SSSE3 kernels can run here (checked once).
