@@ -277,6 +277,7 @@ pub fn from_raw(
         },
         top_k,
         correction_bias: None,
+        scratch: Default::default(),
     };
     moe.consolidate();
     Ok(moe)

@@ -269,6 +269,7 @@ pub fn moe_layer(model: &Model, layer: usize) -> Result<CpuMoe> {
         routing: model.routing().clone(),
         top_k,
         correction_bias,
+        scratch: Default::default(),
     };
     moe.consolidate();
     Ok(moe)
@@ -332,6 +333,7 @@ fn prepacked_layer(model: &Model, g: &crate::repack::cpu::CpuGeometry) -> Result
         routing: model.routing().clone(),
         top_k,
         correction_bias,
+        scratch: Default::default(),
     };
     moe.consolidate();
     Ok(moe)

@@ -34,10 +34,58 @@ impl CpuExpert {
             rows: None,
             m,
         };
+        let mut y = vec![0f32; m * self.down.out_features()];
         if parallel {
-            return run_experts(&[job], true).pop().unwrap_or_default();
+            run_experts(&[job], true, &mut y);
+        } else {
+            job.forward_whole(&mut y);
         }
-        job.forward_whole()
+        y
+    }
+}
+
+thread_local! {
+    /// Per-thread gate/up buffers of [`Job::forward_whole`], kept between calls: a prefill
+    /// step would otherwise fault in ~100 MB of fresh pages.
+    static GATE_UP: std::cell::RefCell<(Vec<f32>, Vec<f32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// `v` with length `n`; old contents are kept (callers overwrite every value).
+fn sized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+    &mut v[..n]
+}
+
+/// A buffer reused across calls (whichever call gets it; a concurrent call allocates).
+#[derive(Default)]
+pub struct Scratch(std::sync::Mutex<Vec<f32>>);
+
+impl Scratch {
+    fn take(&self) -> Vec<f32> {
+        self.0
+            .try_lock()
+            .map(|mut v| std::mem::take(&mut *v))
+            .unwrap_or_default()
+    }
+    fn put(&self, v: Vec<f32>) {
+        if let Ok(mut slot) = self.0.try_lock() {
+            *slot = v;
+        }
+    }
+}
+
+impl Clone for Scratch {
+    fn clone(&self) -> Scratch {
+        Scratch::default()
+    }
+}
+
+impl std::fmt::Debug for Scratch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Scratch")
     }
 }
 
@@ -51,22 +99,32 @@ struct Job<'a> {
 }
 
 impl Job<'_> {
-    /// The whole expert on this thread, every buffer row-major.
-    fn forward_whole(&self) -> Vec<f32> {
+    /// The whole expert on this thread into `y` (`[m, hidden]`), every buffer row-major.
+    fn forward_whole(&self, y: &mut [f32]) {
+        GATE_UP.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut bufs) => {
+                let (u, g) = &mut *bufs;
+                self.forward_whole_with(u, g, y);
+            }
+            // Re-entered on this thread (never expected): fresh buffers.
+            Err(_) => self.forward_whole_with(&mut Vec::new(), &mut Vec::new(), y),
+        })
+    }
+
+    fn forward_whole_with(&self, u: &mut Vec<f32>, g: &mut Vec<f32>, y: &mut [f32]) {
         let Job { ex, x, rows, m } = *self;
         let i = ex.up.out_features();
         let px = ex.up.prepare_rows(x, m, rows);
-        let mut u = vec![0f32; m * i];
-        ex.up.forward_cols(&px, m, 0, i, &mut u, i, 1);
-        let mut hidden = u;
+        let hidden = sized(u, m * i);
+        ex.up.forward_cols(&px, m, 0, i, hidden, i, 1);
         if let Some(gate) = &ex.gate {
-            let mut g = vec![0f32; m * i];
+            let gv = sized(g, m * i);
             if gate.same_input(&ex.up) {
-                gate.forward_cols(&px, m, 0, i, &mut g, i, 1);
+                gate.forward_cols(&px, m, 0, i, gv, i, 1);
             } else {
-                gate.forward_cols(&gate.prepare_rows(x, m, rows), m, 0, i, &mut g, i, 1);
+                gate.forward_cols(&gate.prepare_rows(x, m, rows), m, 0, i, gv, i, 1);
             }
-            for (h, &gv) in hidden.iter_mut().zip(&g) {
+            for (h, &gv) in hidden.iter_mut().zip(gv.iter()) {
                 *h = act(Some(gv), *h);
             }
         } else {
@@ -75,10 +133,8 @@ impl Job<'_> {
             }
         }
         let n = ex.down.out_features();
-        let mut y = vec![0f32; m * n];
-        let ph = ex.down.prepare(&hidden, m);
-        ex.down.forward_cols(&ph, m, 0, n, &mut y, n, 1);
-        y
+        let ph = ex.down.prepare(hidden, m);
+        ex.down.forward_cols(&ph, m, 0, n, &mut y[..m * n], n, 1);
     }
 }
 
@@ -89,20 +145,27 @@ enum Proj {
     Up,
 }
 
-/// Runs each job and returns its output, row-major `[m, hidden]`.
+/// Runs each job, writing its output (row-major `[m, hidden]`) into `out`, one after another.
 ///
 /// Many busy experts (prefill): one task per expert, everything row-major on its thread. Few
 /// (decode): every projection is cut into panels of output features and all experts' panels
 /// run as one parallel pass per GEMM, so both threads stream different weight bytes and each
 /// byte is read once.
-fn run_experts(jobs: &[Job<'_>], parallel: bool) -> Vec<Vec<f32>> {
+fn run_experts(jobs: &[Job<'_>], parallel: bool, out: &mut [f32]) {
+    let mut outs: Vec<&mut [f32]> = Vec::with_capacity(jobs.len());
+    let mut rest = out;
+    for j in jobs {
+        let (head, tail) = std::mem::take(&mut rest).split_at_mut(j.m * j.ex.down.out_features());
+        outs.push(head);
+        rest = tail;
+    }
     let threads = rayon::current_num_threads();
     if !parallel || jobs.len() >= 4 * threads {
-        return jobs
-            .par_iter()
+        jobs.par_iter()
+            .zip(outs.into_par_iter())
             .with_max_len(1)
-            .map(Job::forward_whole)
-            .collect();
+            .for_each(|(j, y)| j.forward_whole(y));
+        return;
     }
     // GEMM1: inputs prepared once per expert (gate and up share them when they can).
     let prepared: Vec<_> = jobs
@@ -192,10 +255,14 @@ fn run_experts(jobs: &[Job<'_>], parallel: bool) -> Vec<Vec<f32>> {
                 .forward_cols(&down_in[e], m, first, out.len() / m, out, 1, m);
         });
     }
-    jobs.iter()
-        .zip(ys)
-        .map(|(&Job { ex, m, .. }, yt)| super::linear::transpose(&yt, ex.down.out_features(), m))
-        .collect()
+    for ((&Job { ex, m, .. }, yt), y) in jobs.iter().zip(ys).zip(outs) {
+        let n = ex.down.out_features();
+        for j in 0..n {
+            for r in 0..m {
+                y[r * n + j] = yt[j * m + r];
+            }
+        }
+    }
 }
 
 /// An MoE layer ready to run.
@@ -209,6 +276,8 @@ pub struct CpuMoe {
     pub routing: Routing,
     pub top_k: usize,
     pub correction_bias: Option<Vec<f32>>,
+    /// The routed experts' outputs of the last call, reused by the next.
+    pub scratch: Scratch,
 }
 
 fn bad(reason: String) -> crate::error::Error {
@@ -322,7 +391,15 @@ impl CpuMoe {
                 m: rows.len(),
             })
             .collect();
-        let ys = run_experts(&jobs, true);
+        // All experts' outputs in one reused buffer, expert after expert.
+        let mut starts = Vec::with_capacity(jobs.len());
+        let mut total = 0;
+        for j in &jobs {
+            starts.push(total);
+            total += j.m * h;
+        }
+        let mut buf = self.scratch.take();
+        run_experts(&jobs, true, sized(&mut buf, total));
         // Where each (token, slot) landed: (index into `active`, row).
         let mut place = vec![(0usize, 0usize); tokens * k];
         let mut next = vec![0usize; tokens];
@@ -339,11 +416,13 @@ impl CpuMoe {
             .for_each(|(t, dst)| {
                 for &(a, r) in &place[t * k..t * k + next[t]] {
                     let w = by_expert[active[a]][r].1;
-                    for (o, v) in dst.iter_mut().zip(&ys[a][r * h..(r + 1) * h]) {
+                    let at = starts[a] + r * h;
+                    for (o, v) in dst.iter_mut().zip(&buf[at..at + h]) {
                         *o += w * v;
                     }
                 }
             });
+        self.scratch.put(buf);
         Ok(out)
     }
 
