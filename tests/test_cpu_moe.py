@@ -430,26 +430,30 @@ print(mq.oracle.cpu_kernel())
 """
 
 
-def test_every_cpu_kernel_gives_identical_int8_results(tmp_path: Path) -> None:
-    """W8A8 outputs are bit-identical whichever kernel family runs (integer accumulators equal,
-    same epilogue), in decode (panel-parallel) and prefill (expert-parallel) shapes."""
+def run_int8_script(out: Path, **env: str) -> tuple[np.ndarray, int, str]:
+    """Runs _ISA_SCRIPT in a fresh process with `env` added: (outputs, threads, kernel)."""
     import os
     import subprocess
     import sys
 
+    ran = subprocess.run(
+        [sys.executable, "-c", _ISA_SCRIPT, str(out)],
+        env=dict(os.environ, **env),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    threads, kernel = ran.stdout.strip().splitlines()[-2:]
+    return np.load(out), int(threads), kernel
+
+
+def test_every_cpu_kernel_gives_identical_int8_results(tmp_path: Path) -> None:
+    """W8A8 outputs are bit-identical whichever kernel family runs (integer accumulators equal,
+    same epilogue), in decode (panel-parallel) and prefill (expert-parallel) shapes."""
     results = {}
     for cap in ("scalar", "avx2", "avx512", "avx512_vnni"):
-        out = tmp_path / f"{cap}.npy"
-        env = dict(os.environ, MOEQ_CPU_ISA=cap)
-        ran = subprocess.run(
-            [sys.executable, "-c", _ISA_SCRIPT, str(out)],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        used = ran.stdout.strip().splitlines()[-1]
-        results[used] = np.load(out)
+        got, _, used = run_int8_script(tmp_path / f"{cap}.npy", MOEQ_CPU_ISA=cap)
+        results[used] = got
     assert "scalar" in results
     assert len(results) >= 2 or mq.oracle.cpu_kernel() == "scalar"
     reference = results.pop("scalar")
@@ -460,21 +464,7 @@ def test_every_cpu_kernel_gives_identical_int8_results(tmp_path: Path) -> None:
 
 def test_thread_count_is_honoured_and_results_do_not_depend_on_it(tmp_path: Path) -> None:
     """MOEQ_NUM_THREADS sets the pool; one and three threads give bit-identical outputs."""
-    import os
-    import subprocess
-    import sys
-
-    results = {}
-    for threads in ("1", "3"):
-        out = tmp_path / f"t{threads}.npy"
-        env = dict(os.environ, MOEQ_NUM_THREADS=threads)
-        ran = subprocess.run(
-            [sys.executable, "-c", _ISA_SCRIPT, str(out)],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        assert ran.stdout.strip().splitlines()[-2] == threads
-        results[threads] = np.load(out)
-    assert np.array_equal(results["1"], results["3"])
+    one, n1, _ = run_int8_script(tmp_path / "t1.npy", MOEQ_NUM_THREADS="1")
+    three, n3, _ = run_int8_script(tmp_path / "t3.npy", MOEQ_NUM_THREADS="3")
+    assert (n1, n3) == (1, 3)
+    assert np.array_equal(one, three)

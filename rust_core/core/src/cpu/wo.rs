@@ -416,6 +416,43 @@ mod x86 {
         }
     }
 
+    /// The end of a group, shared by both kernels: the partial sums combined pairwise, the
+    /// zero-point term `z * Σx` subtracted, and `acc * scale` added to the row totals.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn finish_group<const MR: usize, const U: usize>(
+        parts: &[[__m512; U]; MR],
+        t: &Tile<'_>,
+        g: usize,
+        sums: Option<&[f32]>,
+        total: &mut [__m512; MR],
+    ) {
+        let groups = t.group_starts.len().max(1);
+        let mut acc = [_mm512_setzero_ps(); MR];
+        for (a, p) in acc.iter_mut().zip(parts) {
+            *a = match U {
+                4 => _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3])),
+                2 => _mm512_add_ps(p[0], p[1]),
+                _ => p[0],
+            };
+        }
+        let Some(s) = t.scale.get(g * BLOCK..(g + 1) * BLOCK) else {
+            return;
+        };
+        // SAFETY: `s` is exactly 16 f32.
+        let s = unsafe { _mm512_loadu_ps(s.as_ptr()) };
+        if let (Some(z), Some(sm)) = (t.zp.and_then(|z| z.get(g * BLOCK..(g + 1) * BLOCK)), sums) {
+            // SAFETY: `z` is exactly 16 f32.
+            let vz = unsafe { _mm512_loadu_ps(z.as_ptr()) };
+            for (r, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_fnmadd_ps(vz, _mm512_set1_ps(sm[r * groups + g]), *a);
+            }
+        }
+        for (tot, a) in total.iter_mut().zip(acc) {
+            *tot = _mm512_fmadd_ps(a, s, *tot);
+        }
+    }
+
     /// # Safety
     /// As [`tile`] with `mr == MR`; `U` is [`super::unroll`]`(MR)`.
     #[target_feature(enable = "avx512f")]
@@ -467,26 +504,7 @@ mod x86 {
                 step(&mut parts, c, 0);
                 c += 1;
             }
-            let mut acc = [_mm512_setzero_ps(); MR];
-            for (a, p) in acc.iter_mut().zip(&parts) {
-                *a = match U {
-                    4 => _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3])),
-                    2 => _mm512_add_ps(p[0], p[1]),
-                    _ => p[0],
-                };
-            }
-            // SAFETY: g < groups: the 16 scales (and zero points) at g * 16 are in bounds.
-            let s = unsafe { _mm512_loadu_ps(t.scale.as_ptr().add(g * BLOCK)) };
-            if let (Some(z), Some(sm)) = (t.zp, sums) {
-                // SAFETY: as for the scales.
-                let vz = unsafe { _mm512_loadu_ps(z.as_ptr().add(g * BLOCK)) };
-                for (r, a) in acc.iter_mut().enumerate() {
-                    *a = _mm512_fnmadd_ps(vz, _mm512_set1_ps(sm[r * groups + g]), *a);
-                }
-            }
-            for (tot, a) in total.iter_mut().zip(acc) {
-                *tot = _mm512_fmadd_ps(a, s, *tot);
-            }
+            finish_group(&parts, t, g, sums, &mut total);
         }
         for (r, tot) in total.iter().enumerate() {
             // SAFETY: r < MR <= 8 = out.len(); each entry is 16 f32.
@@ -564,26 +582,7 @@ mod x86 {
                 fma(&mut parts, hi, c + 1, 0);
                 c += 2;
             }
-            let mut acc = [_mm512_setzero_ps(); MR];
-            for (a, p) in acc.iter_mut().zip(&parts) {
-                *a = match U {
-                    4 => _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3])),
-                    2 => _mm512_add_ps(p[0], p[1]),
-                    _ => p[0],
-                };
-            }
-            // SAFETY: g < groups: the 16 scales (and zero points) at g * 16 are in bounds.
-            let s = unsafe { _mm512_loadu_ps(t.scale.as_ptr().add(g * BLOCK)) };
-            if let (Some(z), Some(sm)) = (t.zp, sums) {
-                // SAFETY: as for the scales.
-                let vz = unsafe { _mm512_loadu_ps(z.as_ptr().add(g * BLOCK)) };
-                for (r, a) in acc.iter_mut().enumerate() {
-                    *a = _mm512_fnmadd_ps(vz, _mm512_set1_ps(sm[r * groups + g]), *a);
-                }
-            }
-            for (tot, a) in total.iter_mut().zip(acc) {
-                *tot = _mm512_fmadd_ps(a, s, *tot);
-            }
+            finish_group(&parts, t, g, sums, &mut total);
         }
         for (r, tot) in total.iter().enumerate() {
             // SAFETY: r < MR <= 8 = out.len(); each entry is 16 f32.
