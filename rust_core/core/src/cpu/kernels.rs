@@ -13,10 +13,13 @@ pub enum Isa {
     /// AVX-512 VNNI: `vpdpbusd` on (x + 128) as u8 times w as i8, minus 128 * sum(w).
     #[cfg(target_arch = "x86_64")]
     Avx512Vnni,
+    /// aarch64 NEON (always present there): widening `smull` int8 products.
+    #[cfg(target_arch = "aarch64")]
+    Neon,
 }
 
 /// The kernel family every CPU kernel dispatches to: the best this CPU runs, capped by the
-/// environment variable `MOEQ_CPU_ISA` (`scalar`, `avx2`, `avx512`, `avx512_vnni`) so that each
+/// environment variable `MOEQ_CPU_ISA` (`scalar`, `avx2`, `avx512`, `avx512_vnni`, `neon`) so that each
 /// path can be tested and compared on one machine. A cap above the CPU's support is ignored.
 pub fn isa() -> Isa {
     static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
@@ -47,10 +50,26 @@ fn detect() -> Isa {
             return Isa::Avx2;
         }
     }
+    #[cfg(target_arch = "aarch64")]
+    {
+        return Isa::Neon;
+    }
+    #[allow(unreachable_code)]
     Isa::Scalar
 }
 
 impl Isa {
+    /// The NEON int8 tile applies.
+    pub fn neon(self) -> bool {
+        #[cfg(target_arch = "aarch64")]
+        {
+            self == Isa::Neon
+        }
+        #[cfg(not(target_arch = "aarch64"))]
+        {
+            false
+        }
+    }
     /// The AVX-512 VNNI int8 kernels apply.
     pub fn vnni(self) -> bool {
         #[cfg(target_arch = "x86_64")]
@@ -96,6 +115,8 @@ pub fn isa_name(isa: Isa) -> &'static str {
         Isa::Avx512 => "avx512",
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni => "avx512_vnni",
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => "neon",
     }
 }
 
