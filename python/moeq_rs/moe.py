@@ -90,23 +90,24 @@ class MoELayer(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """Routed experts (routing per the model config, routed scaling) plus shared experts."""
-        _check(hidden_states, "hidden_states", 2, True)
-        _check(router_logits, "router_logits", 2, True)
         if not torch.compiler.is_compiling():
             # Eager: skip the custom-op dispatch (tens of microseconds, a third of a decode
             # step); graphs and fake tensors still go through torch.ops.moeq.moe_forward.
+            # _forward_eager checks the arguments itself.
             return self._forward_eager(hidden_states, router_logits)
+        _check(hidden_states, "hidden_states", 2, True)
+        _check(router_logits, "router_logits", 2, True)
         return torch.ops.moeq.moe_forward(hidden_states, router_logits, self._handle)
 
     def forward_topk(
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """``sum_k topk_weights[t, k] * expert[topk_ids[t, k]](x_t)``: routed experts only."""
+        if not torch.compiler.is_compiling():
+            return self._forward_topk_eager(hidden_states, topk_weights, topk_ids)
         _check(hidden_states, "hidden_states", 2, True)
         _check(topk_weights, "topk_weights", 2, True)
         _check(topk_ids, "topk_ids", 2, False)
-        if not torch.compiler.is_compiling():
-            return self._forward_topk_eager(hidden_states, topk_weights, topk_ids)
         return torch.ops.moeq.moe_forward_topk(hidden_states, topk_weights, topk_ids, self._handle)
 
     def _forward_eager(

@@ -236,33 +236,57 @@ pub fn moe_layer(model: &Model, layer: usize) -> Result<CpuMoe> {
         Some(s) => Some(expert(ckpt, s, version.as_deref())?),
         None => None,
     };
-    let sized = |name: &str, v: Vec<f32>, want: usize| -> Result<Vec<f32>> {
-        if v.len() == want {
-            Ok(v)
-        } else {
-            Err(module_error(
-                name,
-                format!("holds {} values, expected {want}", v.len()),
-            ))
-        }
-    };
-    let shared_gate = match &l.shared_expert_gate {
-        Some(g) => {
-            let name = format!("{g}.weight");
-            Some(sized(&name, floats(ckpt, &name)?, l.hidden_size)?)
-        }
+    let shared_gate = l.shared_expert_gate.as_ref().map(|g| format!("{g}.weight"));
+    let bias = l.router.as_ref().and_then(|r| r.correction_bias.clone());
+    assemble(
+        model,
+        &l.prefix,
+        l.hidden_size,
+        experts,
+        shared,
+        shared_gate,
+        bias,
+    )
+}
+
+/// `name` as f32 values, which must number `want`.
+fn vector(ckpt: &Checkpoint, name: &str, want: usize) -> Result<Vec<f32>> {
+    let v = floats(ckpt, name)?;
+    if v.len() != want {
+        return Err(module_error(
+            name,
+            format!("holds {} values, expected {want}", v.len()),
+        ));
+    }
+    Ok(v)
+}
+
+/// The layer from its experts plus the tensors named: the shared expert gate (`[hidden]`) and
+/// the router's correction bias (`[experts]`); routing from the model config.
+fn assemble(
+    model: &Model,
+    prefix: &str,
+    hidden: usize,
+    experts: Vec<CpuExpert>,
+    shared: Option<CpuExpert>,
+    shared_gate: Option<String>,
+    correction_bias: Option<String>,
+) -> Result<CpuMoe> {
+    let ckpt = model.checkpoint();
+    let shared_gate = match shared_gate {
+        Some(name) => Some(vector(ckpt, &name, hidden)?),
         None => None,
     };
-    let correction_bias = match l.router.as_ref().and_then(|r| r.correction_bias.as_ref()) {
-        Some(b) => Some(sized(b, floats(ckpt, b)?, l.experts.len())?),
+    let correction_bias = match correction_bias {
+        Some(name) => Some(vector(ckpt, &name, experts.len())?),
         None => None,
     };
     let top_k = model
         .routing()
         .top_k
-        .ok_or_else(|| module_error(&l.prefix, "config.json has no num_experts_per_tok"))?;
+        .ok_or_else(|| module_error(prefix, "config.json has no num_experts_per_tok"))?;
     let mut moe = CpuMoe {
-        hidden: l.hidden_size,
+        hidden,
         experts,
         shared,
         shared_gate,
@@ -295,46 +319,20 @@ fn prepacked_layer(model: &Model, g: &crate::repack::cpu::CpuGeometry) -> Result
             break;
         }
     }
-    let vector = |name: &str, want: usize| -> Result<Vec<f32>> {
-        let v = floats(ckpt, name)?;
-        if v.len() != want {
-            return Err(module_error(
-                name,
-                format!("holds {} values, expected {want}", v.len()),
-            ));
-        }
-        Ok(v)
-    };
     let gate_name = format!("{lp}.shared_expert_gate.weight");
-    let shared_gate = if ckpt.contains(&gate_name) {
-        Some(vector(&gate_name, g.hidden)?)
-    } else {
-        None
-    };
     let bias = [
         format!("{lp}.gate.e_score_correction_bias"),
         format!("{}.e_score_correction_bias", g.prefix),
     ]
     .into_iter()
     .find(|b| ckpt.contains(b));
-    let correction_bias = match bias {
-        Some(b) => Some(vector(&b, g.experts)?),
-        None => None,
-    };
-    let top_k = model
-        .routing()
-        .top_k
-        .ok_or_else(|| module_error(lp, "config.json has no num_experts_per_tok"))?;
-    let mut moe = CpuMoe {
-        hidden: g.hidden,
+    assemble(
+        model,
+        lp,
+        g.hidden,
         experts,
         shared,
-        shared_gate,
-        routing: model.routing().clone(),
-        top_k,
-        correction_bias,
-        scratch: Default::default(),
-    };
-    moe.consolidate();
-    Ok(moe)
+        ckpt.contains(&gate_name).then_some(gate_name),
+        bias,
+    )
 }

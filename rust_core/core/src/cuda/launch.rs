@@ -88,21 +88,23 @@ pub unsafe fn launch(
     args: &[Arg],
     nvrtc_dirs: &[std::path::PathBuf],
 ) -> Result<(), CudaError> {
-    let v = kernels::variants()
-        .into_iter()
-        .find(|v| v.name == variant)
-        .ok_or_else(|| err(variant, "no such kernel variant"))?;
-    if !v.entries.iter().any(|e| e == entry) {
-        return Err(err(variant, format!("has no entry '{entry}'")));
-    }
-    let arch = device_arch(ordinal)?;
-    let lib = nvrtc::load(nvrtc_dirs)?;
     let mut guard = LOADED
         .lock()
         .map_err(|_| err("cuda", "module cache lock poisoned"))?;
     let map = guard.get_or_insert_with(HashMap::new);
     let key = (ordinal, variant.to_string());
     if !map.contains_key(&key) {
+        // First launch of this variant on this device: find, compile (or read the disk
+        // cache) and load it. Later launches only look up the cached handles.
+        let v = kernels::variants()
+            .into_iter()
+            .find(|v| v.name == variant)
+            .ok_or_else(|| err(variant, "no such kernel variant"))?;
+        if !v.entries.iter().any(|e| e == entry) {
+            return Err(err(variant, format!("has no entry '{entry}'")));
+        }
+        let arch = device_arch(ordinal)?;
+        let lib = nvrtc::load(nvrtc_dirs)?;
         let (cubin, _) = cache::cubin(&v, &arch, &lib)?;
         let dev = result::device::get(ordinal).map_err(|e| driver(e, "cuDeviceGet"))?;
         // SAFETY: `dev` is valid; retaining the primary context shares torch's context.
