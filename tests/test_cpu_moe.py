@@ -137,6 +137,92 @@ def test_forward_topk_matches_emulation(
     assert err <= limit, f"{name} layer {layer} {dtype}: relative L2 error {err:.2e} > {limit}"
 
 
+def balanced_routing(tokens: int, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-2 routing that gives every expert the same number of rows (tokens * 2 / experts)."""
+    t = torch.arange(tokens)
+    ids = torch.stack([t % experts, (t + 1 + (t // experts) % (experts - 1)) % experts], dim=1)
+    assert (ids[:, 0] != ids[:, 1]).all()
+    w = torch.rand(tokens, 2) + 0.1
+    return w / w.sum(-1, keepdim=True), ids
+
+
+def emulate_rows(
+    emu: Emulation, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, round_h: bool
+) -> torch.Tensor:
+    """Emulation.topk batched per expert; ``round_h`` rounds ``silu(gate) * up`` to bf16."""
+    g, u, d = emu.names
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        p = f"{emu.prefix}.experts.{e}"
+        xe = x[tok]
+        h = torch.nn.functional.silu(emu.linear(f"{p}.{g}", xe)) * emu.linear(f"{p}.{u}", xe)
+        if round_h:
+            h = h.to(torch.bfloat16).double()
+        out.index_add_(0, tok, w[tok, slot].double()[:, None] * emu.linear(f"{p}.{d}", h))
+    return out
+
+
+@pytest.mark.parametrize(
+    "name,layer",
+    [
+        ("qwen3_w4a16_g128_asym", 0),
+        ("qwen3_w8a16_g128", 1),
+        ("qwen3_w4a16_actorder", 0),
+        ("mixtral_w8a16_channel", 1),
+        ("laguna_mixed_int4_int8", 1),
+    ],
+)
+def test_bf16_inputs_use_bf16_dot_products(
+    fixture_path: Callable[[str], Path], name: str, layer: int
+) -> None:
+    """Weight-only layers given bf16 activations with >= 8 rows per expert run bf16 dot
+    products where the CPU has them (products exact, fp32 sums, the intermediate rounded to
+    bf16): the result agrees with an fp64 emulation that rounds the intermediate to bf16 far
+    better than with one that does not. The same rows as fp32 input stay fp32 compute."""
+    ckpt = mq.open(fixture_path(name))
+    moe = mq.MoELayer.from_checkpoint(ckpt, layer)
+    tokens = 12 * moe.num_experts  # 24 rows per expert
+    x = torch.randn(tokens, moe.hidden_size).to(torch.bfloat16).float()
+    w, ids = balanced_routing(tokens, moe.num_experts)
+
+    def native(bf16: bool) -> torch.Tensor:
+        out = moe._core.forward_topk(
+            x.numpy().reshape(-1), tokens, w.numpy().reshape(-1), ids.numpy().reshape(-1), 2,
+            bf16=bf16,
+        )
+        return torch.from_numpy(out).reshape(tokens, -1)
+
+    emu = Emulation(ckpt, layer, False)
+    exact_h, rounded_h = (emulate_rows(emu, x, w, ids, r) for r in (False, True))
+    fp32 = native(False)
+    assert rel_l2(fp32, exact_h) <= 1e-5
+    bf16 = native(True)
+    assert torch.isfinite(bf16).all()
+    if mq.oracle.cpu_bf16_dot():
+        near, far = rel_l2(bf16, rounded_h), rel_l2(bf16, exact_h)
+        assert near <= 2e-5, f"{name}: {near:.2e} from the bf16-intermediate emulation"
+        assert far >= 20 * near, f"{name}: not measurably bf16 ({near:.2e} vs {far:.2e})"
+    else:
+        assert torch.equal(bf16, fp32)
+    # The public API takes this path for bf16 tensors.
+    public = moe.forward_topk(x.to(torch.bfloat16), w, ids)
+    assert public.dtype == torch.bfloat16
+    assert torch.equal(public, bf16.to(torch.bfloat16))
+
+
+def test_bf16_dot_products_can_be_switched_off() -> None:
+    import os
+    import subprocess
+    import sys
+
+    script = "import moeq_rs as mq; print(mq.oracle.cpu_bf16_dot())"
+    env = dict(os.environ, MOEQ_CPU_BF16="0")
+    ran = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "False"
+
+
 def test_dynamic_w8a8_is_measurably_w8a8(fixture_path: Callable[[str], Path]) -> None:
     ckpt = mq.open(fixture_path("qwen3_w8a8_dynamic"))
     moe = mq.MoELayer.from_checkpoint(ckpt, 0)

@@ -124,7 +124,8 @@ class MoELayer(torch.nn.Module):
             raise LayoutError(
                 f"router_logits: expected [{t}, {self.num_experts}], got {list(logits.shape)}"
             )
-        out = self._core.forward(_f32(x), t, _f32(logits))
+        # bf16 input: weight-only layers may use bf16 dot products (moeq_rs.oracle.cpu_bf16_dot).
+        out = self._core.forward(_f32(x), t, _f32(logits), bf16=x.dtype == torch.bfloat16)
         return torch.from_numpy(out).reshape(t, h).to(x.dtype)
 
     def _forward_topk_eager(
@@ -144,7 +145,12 @@ class MoELayer(torch.nn.Module):
             )
         k = w.shape[1]
         out = self._core.forward_topk(
-            _f32(x), t, _f32(w), ids.to(torch.int64).contiguous().reshape(-1).numpy(), k
+            _f32(x),
+            t,
+            _f32(w),
+            ids.to(torch.int64).contiguous().reshape(-1).numpy(),
+            k,
+            bf16=x.dtype == torch.bfloat16,
         )
         return torch.from_numpy(out).reshape(t, h).to(x.dtype)
 

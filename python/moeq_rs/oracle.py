@@ -20,6 +20,7 @@ __all__ = [
     "Int8MoEQuantConfig",
     "Plan",
     "check_moe_marlin_supports_layer",
+    "cpu_bf16_dot",
     "cpu_features",
     "cpu_kernel",
     "cpu_threads",
@@ -83,6 +84,15 @@ def cpu_kernel() -> str:
     ``"scalar"`` (the best this CPU runs, capped by the ``MOEQ_CPU_ISA`` environment variable,
     read once per process)."""
     return _core.cpu_kernel()
+
+
+def cpu_bf16_dot() -> bool:
+    """Whether weight-only (W8A16, W4A16) layers given bfloat16 activations use bf16 dot
+    products here (AVX512-BF16, from 8 rows per expert on), twice the fp32 rate. Their numerics:
+    activations and the intermediate ``silu(gate) * up`` in bf16, products exact, fp32
+    accumulation. ``MOEQ_CPU_BF16=0`` (or ``MOEQ_CPU_ISA`` below ``avx512``) keeps every
+    input in fp32 compute."""
+    return _core.cpu_bf16_dot()
 
 
 def cpu_threads() -> int:

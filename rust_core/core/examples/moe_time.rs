@@ -1,5 +1,7 @@
 //! Times the CPU MoE forward on the Qwen3-30B-A3B shape (H2048 I768 E128 k8), W8A8 dynamic:
-//! `MOEQ_NUM_THREADS=2 cargo run --release --example moe_time [tokens] [reps]`.
+//! `MOEQ_NUM_THREADS=2 cargo run --release --example moe_time [tokens] [reps]`
+//! (`SCHEME=w8a8|w8a16|w4a16`, `WARM=1` skips the cache flush, `BF16=1` runs weight-only
+//! layers as for bf16 inputs).
 use std::time::Instant;
 
 use moeq_core::cpu::build::{from_raw, RawProj, RawScheme, RawWeights};
@@ -65,6 +67,11 @@ fn main() -> moeq_core::error::Result<()> {
     let mut best = f64::MAX;
     let mut all = Vec::new();
     let warm = std::env::var_os("WARM").is_some();
+    let compute = if std::env::var_os("BF16").is_some() {
+        moeq_core::cpu::linear::Compute::Bf16
+    } else {
+        moeq_core::cpu::linear::Compute::F32
+    };
     for rep in 0..reps {
         if !warm {
             std::hint::black_box(flush.iter().fold(0u64, |a, &v| a.wrapping_add(v)));
@@ -73,7 +80,7 @@ fn main() -> moeq_core::error::Result<()> {
             .map(|v| ((v * 31 + rep * 7) % 113) as f32 / 17.0)
             .collect();
         let t = Instant::now();
-        std::hint::black_box(moe.forward(&x, tokens, &logits)?);
+        std::hint::black_box(moe.forward(&x, tokens, &logits, compute)?);
         best = best.min(t.elapsed().as_secs_f64());
         all.push(t.elapsed().as_secs_f64());
     }

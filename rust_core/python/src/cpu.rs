@@ -132,23 +132,28 @@ impl CpuMoeLayer {
     }
 
     /// `[tokens * hidden]` f32 output for f32 `hidden_states` and `router_logits` (flattened).
+    /// `bf16`: the input was bf16, so weight-only layers may use bf16 dot products.
+    #[pyo3(signature = (hidden_states, tokens, router_logits, bf16 = false))]
     fn forward<'py>(
         &self,
         py: Python<'py>,
         hidden_states: PyReadonlyArray1<'py, f32>,
         tokens: usize,
         router_logits: PyReadonlyArray1<'py, f32>,
+        bf16: bool,
     ) -> PyResult<Bound<'py, PyArray1<f32>>> {
         let x = contiguous(py, &hidden_states, "hidden_states")?;
         let l = contiguous(py, &router_logits, "router_logits")?;
         let moe = Arc::clone(&self.moe);
         let out = py
-            .detach(|| moe.forward(x, tokens, l))
+            .detach(|| moe.forward(x, tokens, l, compute(bf16)))
             .map_err(|e| to_py(py, e))?;
         Ok(PyArray1::from_vec(py, out))
     }
 
     /// The weighted sum of the routed experts only.
+    #[pyo3(signature = (hidden_states, tokens, topk_weights, topk_ids, top_k, bf16 = false))]
+    #[allow(clippy::too_many_arguments)]
     fn forward_topk<'py>(
         &self,
         py: Python<'py>,
@@ -157,6 +162,7 @@ impl CpuMoeLayer {
         topk_weights: PyReadonlyArray1<'py, f32>,
         topk_ids: PyReadonlyArray1<'py, i64>,
         top_k: usize,
+        bf16: bool,
     ) -> PyResult<Bound<'py, PyArray1<f32>>> {
         let x = contiguous(py, &hidden_states, "hidden_states")?;
         let w = contiguous(py, &topk_weights, "topk_weights")?;
@@ -182,9 +188,18 @@ impl CpuMoeLayer {
         };
         let moe = Arc::clone(&self.moe);
         let out = py
-            .detach(|| moe.forward_topk(x, tokens, &routed))
+            .detach(|| moe.forward_topk(x, tokens, &routed, compute(bf16)))
             .map_err(|e| to_py(py, e))?;
         Ok(PyArray1::from_vec(py, out))
+    }
+}
+
+fn compute(bf16: bool) -> moeq_core::cpu::linear::Compute {
+    use moeq_core::cpu::linear::Compute;
+    if bf16 {
+        Compute::Bf16
+    } else {
+        Compute::F32
     }
 }
 

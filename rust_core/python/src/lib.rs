@@ -419,6 +419,13 @@ fn cpu_kernel() -> &'static str {
     moeq_core::cpu::kernels::isa_name(moeq_core::cpu::kernels::isa())
 }
 
+/// Whether weight-only layers with bf16 inputs use bf16 dot products on this machine
+/// (AVX512-BF16; `MOEQ_CPU_BF16=0` or a `MOEQ_CPU_ISA` cap below AVX-512 switch them off).
+#[pyfunction]
+fn cpu_bf16_dot() -> bool {
+    moeq_core::cpu::kernels::bf16_dot()
+}
+
 /// Threads of the CPU forward's pool (`MOEQ_NUM_THREADS` sets it).
 #[pyfunction]
 fn cpu_threads() -> usize {
@@ -523,6 +530,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(marlin_support_reason, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_features, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernel, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_bf16_dot, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_threads, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_driver_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_compile_kernels, m)?)?;

@@ -105,6 +105,25 @@ impl Isa {
     }
 }
 
+/// The bf16 dot-product kernels (AVX512-BF16 `vdpbf16ps`) apply: the CPU has them and
+/// `MOEQ_CPU_ISA` leaves AVX-512 on. `MOEQ_CPU_BF16=0` switches them off, so weight-only layers
+/// with bf16 inputs compute in fp32 as with any other input.
+pub fn bf16_dot() -> bool {
+    static BF16: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *BF16.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            isa().avx512()
+                && std::arch::is_x86_feature_detected!("avx512bf16")
+                && std::env::var("MOEQ_CPU_BF16").map_or(true, |v| v.trim() != "0")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
 /// The name `MOEQ_CPU_ISA` and `cpu_features()` use for `isa`.
 pub fn isa_name(isa: Isa) -> &'static str {
     match isa {

@@ -11,7 +11,19 @@ use rayon::prelude::*;
 
 use super::kernels;
 use super::packed::{PackedI8, BLOCK};
+use super::wo::bf16::{Bf16Rows, BF16_MIN_ROWS};
 use super::wo::BlockedWo;
+
+/// The arithmetic of weight-only layers. DESIGN.md: fp32 input means fp32 compute. For bf16
+/// input the caller may ask for bf16 dot products (see [`super::wo::bf16`]); they are used
+/// where the CPU has them and a layer sees at least [`BF16_MIN_ROWS`] rows, fp32 otherwise.
+/// W8A8 layers quantise their input either way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Compute {
+    #[default]
+    F32,
+    Bf16,
+}
 
 /// A linear layer `y = x W^T` with `W` `[n, k]`.
 #[derive(Clone, Debug)]
@@ -43,6 +55,7 @@ pub enum Linear {
 pub enum Prepared<'a> {
     F32(Cow<'a, [f32]>),
     U8 { xu: Vec<u8>, sx: Vec<f32> },
+    Bf16(Bf16Rows),
 }
 
 impl Prepared<'_> {
@@ -51,6 +64,7 @@ impl Prepared<'_> {
         match self {
             Prepared::F32(x) => Prepared::F32(Cow::Owned(x.into_owned())),
             Prepared::U8 { xu, sx } => Prepared::U8 { xu, sx },
+            Prepared::Bf16(x) => Prepared::Bf16(x),
         }
     }
 }
@@ -133,34 +147,43 @@ impl Linear {
     }
 
     /// `x[m, k]` (row-major f32) in the form [`Linear::forward_cols`] reads.
-    pub fn prepare<'a>(&self, x: &'a [f32], m: usize) -> Prepared<'a> {
-        self.prepare_rows(x, m, None)
+    pub fn prepare<'a>(&self, x: &'a [f32], m: usize, compute: Compute) -> Prepared<'a> {
+        self.prepare_rows(x, m, None, compute)
     }
 
     /// As [`Linear::prepare`] for the rows `rows` of `x` (all `m` rows when `None`): experts
     /// read their tokens straight from the layer input, with no gathered copy.
-    pub fn prepare_rows<'a>(&self, x: &'a [f32], m: usize, rows: Option<&[usize]>) -> Prepared<'a> {
+    pub fn prepare_rows<'a>(
+        &self,
+        x: &'a [f32],
+        m: usize,
+        rows: Option<&[usize]>,
+        compute: Compute,
+    ) -> Prepared<'a> {
         let k = self.in_features();
         let row = |r: usize| {
             let t = rows.map_or(r, |rs| rs[r]);
             &x[t * k..(t + 1) * k]
         };
-        match self {
+        if let Linear::WeightOnly { w, perm, .. } = self {
+            if compute == Compute::Bf16 && m >= BF16_MIN_ROWS && kernels::bf16_dot() {
+                return Prepared::Bf16(w.bf16_rows_from(m, |r| Some(row(r)), perm.as_deref()));
+            }
+        }
+        let xs = match self {
             Linear::Dense { .. } | Linear::WeightOnly { perm: None, .. } => match rows {
-                None => Prepared::F32(Cow::Borrowed(&x[..m * k])),
-                Some(_) => Prepared::F32(Cow::Owned(
-                    (0..m).flat_map(|r| row(r).iter().copied()).collect(),
-                )),
+                None => Cow::Borrowed(&x[..m * k]),
+                Some(_) => Cow::Owned((0..m).flat_map(|r| row(r).iter().copied()).collect()),
             },
             // Act-order: gather x into the sorted column order once.
-            Linear::WeightOnly { perm: Some(p), .. } => Prepared::F32(Cow::Owned(
+            Linear::WeightOnly { perm: Some(p), .. } => Cow::Owned(
                 (0..m)
                     .flat_map(|r| {
                         let xr = row(r);
                         p.iter().map(move |&c| xr[c as usize])
                     })
                     .collect(),
-            )),
+            ),
             Linear::Int8 { w, input_scale, .. } => {
                 let mut xu = vec![128u8; m * w.k_pad];
                 let mut sx = vec![0f32; m];
@@ -172,9 +195,10 @@ impl Linear {
                     };
                     kernels::quantize_u8(xr, *s, &mut xu[r * w.k_pad..r * w.k_pad + k]);
                 }
-                Prepared::U8 { xu, sx }
+                return Prepared::U8 { xu, sx };
             }
-        }
+        };
+        Prepared::F32(xs)
     }
 
     /// Output features `first..first + count` for all `m` rows into a strided view:
@@ -212,15 +236,17 @@ impl Linear {
                     m,
                     first / super::wo::BLOCK,
                     count.div_ceil(super::wo::BLOCK),
-                    |r, b, lanes| {
-                        let j0 = b * super::wo::BLOCK;
-                        for (l, &v) in lanes.iter().enumerate() {
-                            let j = j0 + l;
-                            if j >= first && j < end {
-                                out[at(r, j)] = v;
-                            }
-                        }
-                    },
+                    |r, b, lanes| emit_block(out, at, r, b, lanes, first, end, cs),
+                );
+            }
+            (Linear::WeightOnly { w, .. }, Prepared::Bf16(xb)) => {
+                let end = first + count;
+                w.gemm_bf16(
+                    xb,
+                    m,
+                    first / super::wo::BLOCK,
+                    count.div_ceil(super::wo::BLOCK),
+                    |r, b, lanes| emit_block(out, at, r, b, lanes, first, end, cs),
                 );
             }
             (Linear::Int8 { w, scale, .. }, Prepared::U8 { xu, sx }) => {
@@ -258,7 +284,7 @@ impl Linear {
         if m == 0 {
             return yt;
         }
-        let prepared = self.prepare(x, m);
+        let prepared = self.prepare(x, m, Compute::F32);
         if !parallel {
             self.forward_cols(&prepared, m, 0, n, &mut yt, n, 1);
             return yt;
@@ -277,12 +303,44 @@ impl Linear {
         self.in_features() == other.in_features()
             && match (self, other) {
                 (Linear::Dense { .. }, Linear::Dense { .. }) => true,
-                (Linear::WeightOnly { perm: a, .. }, Linear::WeightOnly { perm: b, .. }) => a == b,
+                // bf16 rows are padded per group and carry group sums: same groups too.
+                (
+                    Linear::WeightOnly { perm: a, w: wa, .. },
+                    Linear::WeightOnly { perm: b, w: wb, .. },
+                ) => a == b && wa.group_starts == wb.group_starts,
                 (Linear::Int8 { input_scale: a, .. }, Linear::Int8 { input_scale: b, .. }) => {
                     a.map(f32::to_bits) == b.map(f32::to_bits)
                 }
                 _ => false,
             }
+    }
+}
+
+/// Writes a weight-only block's lanes for row `r` (features `first..end` only): a contiguous
+/// copy when the output is row-major and the block lies inside.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+fn emit_block(
+    out: &mut [f32],
+    at: impl Fn(usize, usize) -> usize,
+    r: usize,
+    b: usize,
+    lanes: &[f32; super::wo::BLOCK],
+    first: usize,
+    end: usize,
+    cs: usize,
+) {
+    let j0 = b * super::wo::BLOCK;
+    if cs == 1 && j0 >= first && j0 + super::wo::BLOCK <= end {
+        let start = at(r, j0);
+        out[start..start + super::wo::BLOCK].copy_from_slice(lanes);
+        return;
+    }
+    for (l, &v) in lanes.iter().enumerate() {
+        let j = j0 + l;
+        if j >= first && j < end {
+            out[at(r, j)] = v;
+        }
     }
 }
 

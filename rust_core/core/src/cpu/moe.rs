@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use super::linear::Linear;
+use super::linear::{Compute, Linear};
 use super::routing::{route, Routed};
 use crate::error::{LayoutError, Result};
 use crate::moe::Routing;
@@ -27,12 +27,13 @@ fn act(g: Option<f32>, u: f32) -> f32 {
 
 impl CpuExpert {
     /// `down(silu(gate(x)) * up(x))` for `x[m, hidden]`, row-major `[m, hidden]` out.
-    pub fn forward(&self, x: &[f32], m: usize, parallel: bool) -> Vec<f32> {
+    pub fn forward(&self, x: &[f32], m: usize, parallel: bool, compute: Compute) -> Vec<f32> {
         let job = Job {
             ex: self,
             x,
             rows: None,
             m,
+            compute,
         };
         let mut y = vec![0f32; m * self.down.out_features()];
         if parallel {
@@ -96,6 +97,7 @@ struct Job<'a> {
     x: &'a [f32],
     rows: Option<&'a [usize]>,
     m: usize,
+    compute: Compute,
 }
 
 impl Job<'_> {
@@ -112,9 +114,15 @@ impl Job<'_> {
     }
 
     fn forward_whole_with(&self, u: &mut Vec<f32>, g: &mut Vec<f32>, y: &mut [f32]) {
-        let Job { ex, x, rows, m } = *self;
+        let Job {
+            ex,
+            x,
+            rows,
+            m,
+            compute,
+        } = *self;
         let i = ex.up.out_features();
-        let px = ex.up.prepare_rows(x, m, rows);
+        let px = ex.up.prepare_rows(x, m, rows, compute);
         let hidden = sized(u, m * i);
         ex.up.forward_cols(&px, m, 0, i, hidden, i, 1);
         if let Some(gate) = &ex.gate {
@@ -122,7 +130,7 @@ impl Job<'_> {
             if gate.same_input(&ex.up) {
                 gate.forward_cols(&px, m, 0, i, gv, i, 1);
             } else {
-                gate.forward_cols(&gate.prepare_rows(x, m, rows), m, 0, i, gv, i, 1);
+                gate.forward_cols(&gate.prepare_rows(x, m, rows, compute), m, 0, i, gv, i, 1);
             }
             for (h, &gv) in hidden.iter_mut().zip(gv.iter()) {
                 *h = act(Some(gv), *h);
@@ -133,7 +141,7 @@ impl Job<'_> {
             }
         }
         let n = ex.down.out_features();
-        let ph = ex.down.prepare(hidden, m);
+        let ph = ex.down.prepare(hidden, m, compute);
         ex.down.forward_cols(&ph, m, 0, n, &mut y[..m * n], n, 1);
     }
 }
@@ -170,15 +178,23 @@ fn run_experts(jobs: &[Job<'_>], parallel: bool, out: &mut [f32]) {
     // GEMM1: inputs prepared once per expert (gate and up share them when they can).
     let prepared: Vec<_> = jobs
         .par_iter()
-        .map(|&Job { ex, x, rows, m }| {
-            let up = ex.up.prepare_rows(x, m, rows);
-            let gate = ex
-                .gate
-                .as_ref()
-                .filter(|g| !g.same_input(&ex.up))
-                .map(|g| g.prepare_rows(x, m, rows));
-            (up, gate)
-        })
+        .map(
+            |&Job {
+                 ex,
+                 x,
+                 rows,
+                 m,
+                 compute,
+             }| {
+                let up = ex.up.prepare_rows(x, m, rows, compute);
+                let gate = ex
+                    .gate
+                    .as_ref()
+                    .filter(|g| !g.same_input(&ex.up))
+                    .map(|g| g.prepare_rows(x, m, rows, compute));
+                (up, gate)
+            },
+        )
         .collect();
     let mut gu: Vec<(Vec<f32>, Vec<f32>)> = jobs
         .iter()
@@ -221,7 +237,7 @@ fn run_experts(jobs: &[Job<'_>], parallel: bool, out: &mut [f32]) {
     let down_in: Vec<_> = jobs
         .par_iter()
         .zip(&gu)
-        .map(|(&Job { ex, m, .. }, (g, u))| {
+        .map(|(&Job { ex, m, compute, .. }, (g, u))| {
             let i = ex.up.out_features();
             let mut h = vec![0f32; m * i];
             for j in 0..i {
@@ -229,7 +245,7 @@ fn run_experts(jobs: &[Job<'_>], parallel: bool, out: &mut [f32]) {
                     h[r * i + j] = act(g.get(j * m + r).copied(), u[j * m + r]);
                 }
             }
-            ex.down.prepare(&h, m).into_owned()
+            ex.down.prepare(&h, m, compute).into_owned()
         })
         .collect();
     drop(gu);
@@ -337,11 +353,24 @@ impl CpuMoe {
     }
 
     /// The weighted sum over the routed experts only: `out[t] = Σ_j w[t, j] * expert[ids[t, j]](x_t)`.
-    pub fn forward_topk(&self, x: &[f32], tokens: usize, routed: &Routed) -> Result<Vec<f32>> {
-        super::in_pool(|| self.forward_topk_in_pool(x, tokens, routed))
+    /// `compute` is the weight-only arithmetic (see [`Compute`]).
+    pub fn forward_topk(
+        &self,
+        x: &[f32],
+        tokens: usize,
+        routed: &Routed,
+        compute: Compute,
+    ) -> Result<Vec<f32>> {
+        super::in_pool(|| self.forward_topk_in_pool(x, tokens, routed, compute))
     }
 
-    fn forward_topk_in_pool(&self, x: &[f32], tokens: usize, routed: &Routed) -> Result<Vec<f32>> {
+    fn forward_topk_in_pool(
+        &self,
+        x: &[f32],
+        tokens: usize,
+        routed: &Routed,
+        compute: Compute,
+    ) -> Result<Vec<f32>> {
         let h = self.hidden;
         if x.len() != tokens * h {
             return Err(bad(format!(
@@ -389,6 +418,7 @@ impl CpuMoe {
                 x,
                 rows: Some(rows),
                 m: rows.len(),
+                compute,
             })
             .collect();
         // All experts' outputs in one reused buffer, expert after expert.
@@ -428,11 +458,24 @@ impl CpuMoe {
 
     /// Routes with the model's router logits, runs the routed experts (routed scaling included)
     /// and adds the shared experts.
-    pub fn forward(&self, x: &[f32], tokens: usize, router_logits: &[f32]) -> Result<Vec<f32>> {
-        super::in_pool(|| self.forward_in_pool(x, tokens, router_logits))
+    /// `compute` is the weight-only arithmetic (see [`Compute`]).
+    pub fn forward(
+        &self,
+        x: &[f32],
+        tokens: usize,
+        router_logits: &[f32],
+        compute: Compute,
+    ) -> Result<Vec<f32>> {
+        super::in_pool(|| self.forward_in_pool(x, tokens, router_logits, compute))
     }
 
-    fn forward_in_pool(&self, x: &[f32], tokens: usize, router_logits: &[f32]) -> Result<Vec<f32>> {
+    fn forward_in_pool(
+        &self,
+        x: &[f32],
+        tokens: usize,
+        router_logits: &[f32],
+        compute: Compute,
+    ) -> Result<Vec<f32>> {
         let e = self.experts.len();
         if router_logits.len() != tokens * e {
             return Err(bad(format!(
@@ -448,9 +491,9 @@ impl CpuMoe {
             self.correction_bias.as_deref(),
             true,
         );
-        let mut out = self.forward_topk_in_pool(x, tokens, &routed)?;
+        let mut out = self.forward_topk_in_pool(x, tokens, &routed, compute)?;
         if let Some(shared) = &self.shared {
-            let s = shared.forward(x, tokens, true);
+            let s = shared.forward(x, tokens, true, compute);
             let h = self.hidden;
             for t in 0..tokens {
                 let gate = match &self.shared_gate {

@@ -13,6 +13,8 @@ use std::sync::Arc;
 use super::arena::Arena;
 use super::kernels::isa;
 
+pub mod bf16;
+
 /// Features per block.
 pub const BLOCK: usize = 16;
 /// Activation rows per register tile.
@@ -599,7 +601,7 @@ mod tests {
         sample_bits(n, k, groups, asym, 8)
     }
 
-    fn sample_bits(
+    pub(crate) fn sample_bits(
         n: usize,
         k: usize,
         groups: usize,

@@ -1,0 +1,634 @@
+//! The bf16 dot-product path of weight-only layers, for bf16 activations on CPUs with
+//! AVX512-BF16 (`vdpbf16ps`: 32 multiply-adds per instruction, twice the fp32 FMA rate).
+//!
+//! Every weight-only code is a small integer (|q| <= 128, or the 4-bit stored value 0..15),
+//! exact in bf16, and a bf16 x bf16 product is exact in fp32, so the only roundings are the
+//! fp32 additions, as in the fp32 path; what changes is that activations are bf16. That is the
+//! caller's dtype for the layer input; the intermediate `silu(gate) * up` is rounded to bf16
+//! before the down projection, as inference engines keep it in the activation dtype.
+//!
+//! Layout: activations are `[m][pairs]` u32, each the bf16 pair (column `c` low, `c + 1`
+//! high); every group is padded to an even number of columns with zeros, so a pair never
+//! straddles a group. A block's codes are widened per call into the same pair order,
+//! `[pairs][16]` u32, in a per-thread buffer: the widening costs about one 8-row tile of dot
+//! products, so this path is used from [`BF16_MIN_ROWS`] rows on.
+//!
+//! Numerics per group and lane: `acc = 0`; for each pair, `acc += w_hi * x_hi` then
+//! `acc += w_lo * x_lo` (the order `vdpbf16ps` documents, fp32 with round-to-nearest-even and
+//! subnormal results flushed to zero); then the group epilogue of the fp32 path
+//! (`acc -= z * Σx`, `y += acc * s`). [`tile_scalar`] repeats this exactly.
+
+use std::cell::RefCell;
+
+use super::{BlockedWo, Codes, BLOCK, TILE_ROWS};
+use crate::cpu::kernels::bf16_dot;
+
+/// Rows from which weight-only layers with bf16 inputs use this path.
+pub const BF16_MIN_ROWS: usize = 8;
+
+/// Blocks per register tile (two 16-feature blocks share each activation broadcast).
+const TILE_BLOCKS: usize = 2;
+
+/// Activation rows as the bf16 kernels read them.
+#[derive(Clone, Debug)]
+pub struct Bf16Rows {
+    /// `[m][2 * pairs]` bf16, each group padded to even length: read as `[m][pairs]` pairs.
+    pub x: Vec<u16>,
+    /// `Σ x` per row and group over the bf16 values (`[m][groups]`), the zero-point term;
+    /// empty when the layer has no zero points.
+    pub sums: Vec<f32>,
+    pub pairs: usize,
+}
+
+/// `v` rounded to bf16 (nearest, ties to even); subnormals become zero, as `vdpbf16ps` reads
+/// them. Branch-free integer arithmetic, so slices of it vectorise.
+#[inline]
+pub fn to_bf16(v: f32) -> u16 {
+    let b = v.to_bits();
+    let nan = (b & 0x7fff_ffff) > 0x7f80_0000;
+    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+    let h = if nan {
+        ((b >> 16) as u16) | 0x40
+    } else {
+        rounded
+    };
+    if h & 0x7f80 == 0 {
+        h & 0x8000
+    } else {
+        h
+    }
+}
+
+/// `Σ v` over bf16 values in eight interleaved lanes (a fixed order; every kernel reads the
+/// same sums).
+fn sum_bf16(v: &[u16]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let mut chunks = v.chunks_exact(8);
+    for c in &mut chunks {
+        for (l, &h) in lanes.iter_mut().zip(c) {
+            *l += from_bf16(u32::from(h));
+        }
+    }
+    let tail: f32 = chunks
+        .remainder()
+        .iter()
+        .map(|&h| from_bf16(u32::from(h)))
+        .sum();
+    ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+        + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
+        + tail
+}
+
+fn from_bf16(h: u32) -> f32 {
+    f32::from_bits(h << 16)
+}
+
+/// Flush-to-zero of a subnormal result.
+fn ftz(v: f32) -> f32 {
+    if v != 0.0 && v.abs() < f32::MIN_POSITIVE {
+        0.0f32.copysign(v)
+    } else {
+        v
+    }
+}
+
+thread_local! {
+    /// Widened codes of the blocks a thread is working on, kept between calls.
+    static WIDE: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+}
+
+impl BlockedWo {
+    /// The first pair of each group, and the total (`groups + 1` entries).
+    pub fn pair_offsets(&self) -> Vec<usize> {
+        let mut offs = Vec::with_capacity(self.groups() + 1);
+        let mut p = 0;
+        for g in 0..self.groups() {
+            offs.push(p);
+            let (a, e) = self.bounds(g);
+            p += e.min(self.k).saturating_sub(a).div_ceil(2);
+        }
+        offs.push(p);
+        offs
+    }
+
+    /// `x[m, k]` (f32, sorted column order) as bf16 pairs, with the group sums.
+    pub fn bf16_rows(&self, x: &[f32], m: usize) -> Bf16Rows {
+        self.bf16_rows_from(m, |r| x.get(r * self.k..(r + 1) * self.k), None)
+    }
+
+    /// As [`BlockedWo::bf16_rows`] for `m` rows given by `row` (each `k` values in the
+    /// original column order), gathered through `perm` (act-order) on the way: no f32 copy.
+    pub fn bf16_rows_from<'a>(
+        &self,
+        m: usize,
+        row: impl Fn(usize) -> Option<&'a [f32]>,
+        perm: Option<&[u32]>,
+    ) -> Bf16Rows {
+        let (k, groups) = (self.k, self.groups());
+        let offs = self.pair_offsets();
+        let pairs = offs[groups];
+        let mut out = vec![0u16; m * 2 * pairs];
+        let mut sums = if self.zp.is_some() {
+            vec![0f32; m * groups]
+        } else {
+            Vec::new()
+        };
+        for r in 0..m {
+            let Some(xr) = row(r).filter(|xr| xr.len() >= k) else {
+                break;
+            };
+            let dst_row = &mut out[r * 2 * pairs..(r + 1) * 2 * pairs];
+            for g in 0..groups {
+                let (a, e) = self.bounds(g);
+                let (a, e) = (a.min(k), e.min(k));
+                let dst = &mut dst_row[2 * offs[g]..2 * offs[g] + e.saturating_sub(a)];
+                match perm.and_then(|p| p.get(a..e)) {
+                    Some(cols) => {
+                        for (d, &c) in dst.iter_mut().zip(cols) {
+                            *d = to_bf16(xr.get(c as usize).copied().unwrap_or(0.0));
+                        }
+                    }
+                    None => {
+                        for (d, &v) in dst.iter_mut().zip(&xr[a..e]) {
+                            *d = to_bf16(v);
+                        }
+                    }
+                }
+                if let Some(s) = sums.get_mut(r * groups + g) {
+                    *s = sum_bf16(dst);
+                }
+            }
+        }
+        Bf16Rows {
+            x: out,
+            sums,
+            pairs,
+        }
+    }
+
+    /// Block `b`'s stored values as bf16 pairs into `out` (`[pairs][16]`), the scalar form.
+    pub fn widen_scalar(&self, b: usize, offs: &[usize], out: &mut [u32]) {
+        let len = self.codes.block_len(self.k);
+        let Some(block) = self.codes.bytes().get(b * len..(b + 1) * len) else {
+            return;
+        };
+        let bf = |c: usize, l: usize| f32::from(self.codes.get(block, c, l)).to_bits() >> 16;
+        for g in 0..self.groups() {
+            let (a, e) = self.bounds(g);
+            let e = e.min(self.k);
+            for (j, c) in (a..e).step_by(2).enumerate() {
+                for l in 0..BLOCK {
+                    let hi = if c + 1 < e { bf(c + 1, l) } else { 0 };
+                    out[(offs[g] + j) * BLOCK + l] = bf(c, l) | (hi << 16);
+                }
+            }
+        }
+    }
+
+    /// As [`BlockedWo::widen_scalar`], vectorised where the CPU allows (equal output).
+    fn widen(&self, b: usize, offs: &[usize], out: &mut [u32]) {
+        #[cfg(target_arch = "x86_64")]
+        if bf16_dot() {
+            let len = self.codes.block_len(self.k);
+            if let Some(block) = self.codes.bytes().get(b * len..(b + 1) * len) {
+                if out.len() >= offs[offs.len() - 1] * BLOCK {
+                    // SAFETY: AVX-512F detected (`bf16_dot` implies it); `block` is one whole
+                    // block and `out` holds every pair of it.
+                    unsafe { x86::widen(self, block, offs, out) };
+                    return;
+                }
+            }
+        }
+        self.widen_scalar(b, offs, out);
+    }
+
+    /// As [`BlockedWo::gemm`] for activations prepared by [`BlockedWo::bf16_rows`].
+    pub fn gemm_bf16(
+        &self,
+        xb: &Bf16Rows,
+        m: usize,
+        first_block: usize,
+        nblocks: usize,
+        mut emit: impl FnMut(usize, usize, &[f32; BLOCK]),
+    ) {
+        let end = (first_block + nblocks).min(self.blocks());
+        let offs = self.pair_offsets();
+        let (pairs, groups) = (xb.pairs, self.groups());
+        let sums_needed = if self.zp.is_some() { m * groups } else { 0 };
+        if pairs != offs[groups]
+            || xb.x.len() < m * 2 * pairs
+            || xb.sums.len() < sums_needed
+            || first_block >= end
+        {
+            return;
+        }
+        let simd = bf16_dot();
+        let codes = self.codes.bytes();
+        let len = self.codes.block_len(self.k);
+        let mut run = |wide: &mut Vec<u32>| {
+            if wide.len() < TILE_BLOCKS * pairs * BLOCK {
+                wide.resize(TILE_BLOCKS * pairs * BLOCK, 0);
+            }
+            let mut b = first_block;
+            while b < end {
+                let nb = (end - b).min(TILE_BLOCKS);
+                for i in 0..nb {
+                    let dst = &mut wide[i * pairs * BLOCK..(i + 1) * pairs * BLOCK];
+                    self.widen(b + i, &offs, dst);
+                }
+                let per = groups * BLOCK;
+                let t = Tile {
+                    w: &wide[..nb * pairs * BLOCK],
+                    pairs,
+                    offs: &offs,
+                    scale: &self.scale[b * per..(b + nb) * per],
+                    zp: self.zp.as_ref().map(|z| &z[b * per..(b + nb) * per]),
+                    ahead: &[],
+                };
+                // The next blocks' codes, split evenly over this block's row tiles.
+                let next = codes.get((b + nb) * len..((b + 2 * nb).min(end)) * len);
+                let next = next.unwrap_or(&[]);
+                let share = next
+                    .len()
+                    .div_ceil(m.div_ceil(TILE_ROWS))
+                    .next_multiple_of(64);
+                let mut r = 0;
+                while r < m {
+                    let mr = (m - r).min(TILE_ROWS);
+                    let from = (r / TILE_ROWS * share).min(next.len());
+                    let t = Tile {
+                        ahead: &next[from..(from + share).min(next.len())],
+                        ..t
+                    };
+                    let xs = &xb.x[r * 2 * pairs..(r + mr) * 2 * pairs];
+                    let ss = xb.sums.get(r * groups..(r + mr) * groups).unwrap_or(&[]);
+                    let mut out = [[[0f32; BLOCK]; TILE_BLOCKS]; TILE_ROWS];
+                    #[cfg(target_arch = "x86_64")]
+                    if simd {
+                        // SAFETY: AVX512-BF16 detected; the tile holds `nb` widened blocks of
+                        // `pairs` pairs with their scales, `xs`/`ss` hold `mr` rows.
+                        unsafe { x86::tile(&t, xs, ss, mr, nb, &mut out) };
+                    } else {
+                        tile_scalar(&t, xs, ss, mr, nb, &mut out);
+                    }
+                    #[cfg(not(target_arch = "x86_64"))]
+                    {
+                        let _ = simd;
+                        tile_scalar(&t, xs, ss, mr, nb, &mut out);
+                    }
+                    for (rr, row) in out.iter().enumerate().take(mr) {
+                        for (i, lanes) in row.iter().enumerate().take(nb) {
+                            emit(r + rr, b + i, lanes);
+                        }
+                    }
+                    r += mr;
+                }
+                b += nb;
+            }
+        };
+        WIDE.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut wide) => run(&mut wide),
+            Err(_) => run(&mut Vec::new()),
+        });
+    }
+}
+
+/// Up to [`TILE_BLOCKS`] widened blocks with their scales and zero points.
+#[derive(Clone, Copy)]
+pub struct Tile<'a> {
+    /// `[nb][pairs][16]`
+    w: &'a [u32],
+    pairs: usize,
+    offs: &'a [usize],
+    /// `[nb][groups][16]`
+    scale: &'a [f32],
+    zp: Option<&'a [f32]>,
+    /// Code bytes widened next, prefetched (one line per pair step) while this tile runs: the
+    /// widening is the first read of the weights and would otherwise wait on memory.
+    ahead: &'a [u8],
+}
+
+/// The scalar reference of the bf16 tile: the same operations in the same order.
+pub fn tile_scalar(
+    t: &Tile<'_>,
+    x: &[u16],
+    sums: &[f32],
+    mr: usize,
+    nb: usize,
+    out: &mut [[[f32; BLOCK]; TILE_BLOCKS]; TILE_ROWS],
+) {
+    let groups = t.offs.len() - 1;
+    for (r, row) in out.iter_mut().enumerate().take(mr) {
+        for (i, lanes) in row.iter_mut().enumerate().take(nb) {
+            for (l, o) in lanes.iter_mut().enumerate() {
+                let mut total = 0f32;
+                for g in 0..groups {
+                    let mut acc = 0f32;
+                    for p in t.offs[g]..t.offs[g + 1] {
+                        let w = t.w[(i * t.pairs + p) * BLOCK + l];
+                        let at = 2 * (r * t.pairs + p);
+                        let xv = u32::from(x[at]) | (u32::from(x[at + 1]) << 16);
+                        acc = ftz(acc + from_bf16(w >> 16) * from_bf16(xv >> 16));
+                        acc = ftz(acc + from_bf16(w & 0xffff) * from_bf16(xv & 0xffff));
+                    }
+                    let at = (i * groups + g) * BLOCK + l;
+                    if let (Some(z), Some(s)) = (t.zp, sums.get(r * groups + g)) {
+                        acc = (-z[at]).mul_add(*s, acc);
+                    }
+                    total = acc.mul_add(t.scale[at], total);
+                }
+                *o = total;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{BlockedWo, Codes, Tile, BLOCK, TILE_BLOCKS, TILE_ROWS};
+    use std::arch::x86_64::*;
+
+    /// Widens one block (see [`BlockedWo::widen_scalar`]).
+    ///
+    /// # Safety
+    /// AVX-512F; `block` is one whole block of `w` (`block_len(k)` bytes) and `out` holds
+    /// `offs[groups] * 16` values.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn widen(w: &BlockedWo, block: &[u8], offs: &[usize], out: &mut [u32]) {
+        let hi_mask = _mm512_set1_epi32(0xffff_0000u32 as i32);
+        let nib = _mm512_set1_epi32(15);
+        let bp = block.as_ptr();
+        let op = out.as_mut_ptr();
+        // The bf16 bits of small integers held as i32: the top half of their f32 bits.
+        let pair = |lo: __m512i, hi: __m512i| {
+            let lo = _mm512_castps_si512(_mm512_cvtepi32_ps(lo));
+            let hi = _mm512_castps_si512(_mm512_cvtepi32_ps(hi));
+            _mm512_or_si512(_mm512_srli_epi32::<16>(lo), _mm512_and_si512(hi, hi_mask))
+        };
+        for (g, &first) in offs.iter().enumerate().take(w.groups()) {
+            let (a, e) = w.bounds(g);
+            let e = e.min(w.k);
+            for (j, c) in (a..e).step_by(2).enumerate() {
+                // SAFETY: c < e <= k, so column c (and c + 1 when < e) lies inside the block;
+                // pair first + j < offs[groups] lies inside `out`.
+                unsafe {
+                    let v = match &w.codes {
+                        Codes::I8(_) => {
+                            let lo =
+                                _mm512_cvtepi8_epi32(_mm_loadu_si128(bp.add(c * BLOCK).cast()));
+                            let hi = if c + 1 < e {
+                                _mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                    bp.add((c + 1) * BLOCK).cast(),
+                                ))
+                            } else {
+                                _mm512_setzero_si512()
+                            };
+                            // Past the group's end, zeros widen to 0.0: an empty high half.
+                            pair(lo, hi)
+                        }
+                        // 4-bit storage has even group starts and even k: c + 1 < e always,
+                        // and columns c, c + 1 share byte row c / 2.
+                        Codes::U4(_) => {
+                            let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                bp.add((c / 2) * BLOCK).cast(),
+                            ));
+                            pair(_mm512_and_si512(v, nib), _mm512_srli_epi32::<4>(v))
+                        }
+                    };
+                    _mm512_storeu_si512(op.add((first + j) * BLOCK).cast(), v);
+                }
+            }
+        }
+    }
+
+    /// # Safety
+    /// AVX512-BF16 (and AVX-512F); `t.w` holds `nb` blocks of `t.pairs` pairs, `t.scale` (and
+    /// `t.zp`) `nb * groups * 16` values; `x` holds `mr` rows of `2 * t.pairs` bf16, `sums`
+    /// `mr * groups` values when `t.zp` is set; `1 <= mr <= 8`, `1 <= nb <= 2`.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub unsafe fn tile(
+        t: &Tile<'_>,
+        x: &[u16],
+        sums: &[f32],
+        mr: usize,
+        nb: usize,
+        out: &mut [[[f32; BLOCK]; TILE_BLOCKS]; TILE_ROWS],
+    ) {
+        macro_rules! rows {
+            ($nb:literal) => {
+                match mr {
+                    1 => kernel::<1, $nb>(t, x, sums, out),
+                    2 => kernel::<2, $nb>(t, x, sums, out),
+                    3 => kernel::<3, $nb>(t, x, sums, out),
+                    4 => kernel::<4, $nb>(t, x, sums, out),
+                    5 => kernel::<5, $nb>(t, x, sums, out),
+                    6 => kernel::<6, $nb>(t, x, sums, out),
+                    7 => kernel::<7, $nb>(t, x, sums, out),
+                    _ => kernel::<8, $nb>(t, x, sums, out),
+                }
+            };
+        }
+        // SAFETY: the caller's contract is each kernel's contract.
+        unsafe {
+            if nb >= 2 {
+                rows!(2)
+            } else {
+                rows!(1)
+            }
+        }
+    }
+
+    /// # Safety
+    /// As [`tile`] with `mr == MR`, `nb == NB`.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    #[inline]
+    unsafe fn kernel<const MR: usize, const NB: usize>(
+        t: &Tile<'_>,
+        x: &[u16],
+        sums: &[f32],
+        out: &mut [[[f32; BLOCK]; TILE_BLOCKS]; TILE_ROWS],
+    ) {
+        let groups = t.offs.len() - 1;
+        let p = t.pairs;
+        let wp = t.w.as_ptr();
+        let xp = x.as_ptr();
+        let (ahead, ahead_lines) = (t.ahead.as_ptr(), t.ahead.len().div_ceil(64));
+        let mut total = [[_mm512_setzero_ps(); NB]; MR];
+        for g in 0..groups {
+            let mut acc = [[_mm512_setzero_ps(); NB]; MR];
+            for j in t.offs[g]..t.offs[g + 1] {
+                // SAFETY: j < pairs: each block's pair j (16 u32) lies inside `t.w`, and the
+                // two bf16 at 2 * (r * pairs + j) inside row r (read unaligned).
+                unsafe {
+                    if j < ahead_lines {
+                        // In bounds (j < lines of `ahead`); a prefetch never faults anyway.
+                        _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(j * 64).cast());
+                    }
+                    let mut w = [_mm512_setzero_si512(); NB];
+                    for (i, wi) in w.iter_mut().enumerate() {
+                        *wi = _mm512_loadu_si512(wp.add((i * p + j) * BLOCK).cast());
+                    }
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let pair = xp.add(2 * (r * p + j)).cast::<i32>().read_unaligned();
+                        let xv: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair));
+                        for (ai, wi) in a.iter_mut().zip(&w) {
+                            *ai = _mm512_dpbf16_ps(
+                                *ai,
+                                std::mem::transmute::<__m512i, __m512bh>(*wi),
+                                xv,
+                            );
+                        }
+                    }
+                }
+            }
+            for i in 0..NB {
+                let at = (i * groups + g) * BLOCK;
+                let (Some(s), z) = (
+                    t.scale.get(at..at + BLOCK),
+                    t.zp.and_then(|z| z.get(at..at + BLOCK)),
+                ) else {
+                    continue;
+                };
+                // SAFETY: `s` is exactly 16 f32.
+                let s = unsafe { _mm512_loadu_ps(s.as_ptr()) };
+                // SAFETY: `z` is exactly 16 f32.
+                let z = z.map(|z| unsafe { _mm512_loadu_ps(z.as_ptr()) });
+                for r in 0..MR {
+                    let mut a = acc[r][i];
+                    if let (Some(z), Some(&sm)) = (z, sums.get(r * groups + g)) {
+                        a = _mm512_fnmadd_ps(z, _mm512_set1_ps(sm), a);
+                    }
+                    total[r][i] = _mm512_fmadd_ps(a, s, total[r][i]);
+                }
+            }
+        }
+        for (r, row) in total.iter().enumerate() {
+            for (i, v) in row.iter().enumerate() {
+                // SAFETY: r < MR <= 8, i < NB <= 2; each entry is 16 f32.
+                unsafe { _mm512_storeu_ps(out[r][i].as_mut_ptr(), *v) };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::sample_bits;
+    use super::*;
+
+    /// Widening: SIMD equals scalar; the bf16 tile: SIMD equals the scalar reference bit for
+    /// bit, and both are close to an f64 reference on the bf16-rounded activations.
+    #[test]
+    fn bf16_simd_equals_scalar_and_reference() {
+        for (n, k, groups, asym, m) in [
+            (37, 64, 4, true, 11),
+            (16, 128, 1, false, 9),
+            (50, 96, 3, true, 8),
+            (20, 70, 2, true, 3),
+            (33, 66, 3, false, 17),
+            (48, 75, 5, true, 8),
+        ] {
+            for bits in [8, 4] {
+                let (w, _) = sample_bits(n, k, groups, asym, bits);
+                let offs = w.pair_offsets();
+                for b in 0..w.blocks() {
+                    let mut a = vec![7u32; offs[groups] * BLOCK];
+                    let mut s = vec![9u32; offs[groups] * BLOCK];
+                    w.widen(b, &offs, &mut a);
+                    w.widen_scalar(b, &offs, &mut s);
+                    assert_eq!(a, s, "widen block {b} of {n}x{k}, {bits} bits");
+                }
+                let x: Vec<f32> = (0..m * k)
+                    .map(|i| ((i * 31) % 97) as f32 / 13.0 - 3.0 + 1e-3 * (i % 7) as f32)
+                    .collect();
+                let xb = w.bf16_rows(&x, m);
+                let mut got = vec![f32::NAN; m * n];
+                w.gemm_bf16(&xb, m, 0, w.blocks(), |r, b, lanes| {
+                    for (l, &v) in lanes.iter().enumerate() {
+                        if b * BLOCK + l < n {
+                            got[r * n + b * BLOCK + l] = v;
+                        }
+                    }
+                });
+                let g = w.groups();
+                let mut wide = vec![0u32; 2 * offs[g] * BLOCK];
+                for b in (0..w.blocks()).step_by(2) {
+                    let nb = (w.blocks() - b).min(2);
+                    for i in 0..nb {
+                        w.widen_scalar(b + i, &offs, &mut wide[i * offs[g] * BLOCK..]);
+                    }
+                    let t = Tile {
+                        w: &wide,
+                        pairs: offs[g],
+                        offs: &offs,
+                        scale: &w.scale[b * g * BLOCK..(b + nb) * g * BLOCK],
+                        zp: w
+                            .zp
+                            .as_ref()
+                            .map(|z| &z[b * g * BLOCK..(b + nb) * g * BLOCK]),
+                        ahead: &[],
+                    };
+                    for r0 in (0..m).step_by(TILE_ROWS) {
+                        let mr = (m - r0).min(TILE_ROWS);
+                        let mut want = [[[0f32; BLOCK]; TILE_BLOCKS]; TILE_ROWS];
+                        tile_scalar(
+                            &t,
+                            &xb.x[r0 * 2 * offs[g]..],
+                            xb.sums.get(r0 * g..).unwrap_or(&[]),
+                            mr,
+                            nb,
+                            &mut want,
+                        );
+                        for (rr, row) in want.iter().enumerate().take(mr) {
+                            for (i, lanes) in row.iter().enumerate().take(nb) {
+                                for (l, v) in lanes.iter().enumerate() {
+                                    let j = (b + i) * BLOCK + l;
+                                    if j < n {
+                                        assert_eq!(
+                                            got[(r0 + rr) * n + j].to_bits(),
+                                            v.to_bits(),
+                                            "row {} feature {j}",
+                                            r0 + rr
+                                        );
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+                for r in 0..m {
+                    for j in 0..n {
+                        let (codes, scale, zp) = w.row(j);
+                        let mut exact = 0f64;
+                        for c in 0..k {
+                            let gi = c * groups / k;
+                            let z = zp.as_ref().map_or(0.0, |z| f64::from(z[gi]));
+                            let xv = from_bf16(u32::from(to_bf16(x[r * k + c])));
+                            exact +=
+                                (f64::from(codes[c]) - z) * f64::from(scale[gi]) * f64::from(xv);
+                        }
+                        let v = f64::from(got[r * n + j]);
+                        assert!(
+                            (v - exact).abs() <= 1e-4 * exact.abs().max(1.0),
+                            "{v} vs {exact}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_rounding() {
+        assert_eq!(to_bf16(1.0), 0x3f80);
+        // Ties to even: 1 + 2^-8 is halfway between 1 and 1 + 2^-7.
+        assert_eq!(to_bf16(1.0 + 1.0 / 256.0), 0x3f80);
+        assert_eq!(to_bf16(1.0 + 3.0 / 256.0), 0x3f82);
+        assert_eq!(to_bf16(-2.5), 0xc020);
+        // Subnormals flush to signed zero; infinities and NaN stay.
+        assert_eq!(to_bf16(1e-40), 0);
+        assert_eq!(to_bf16(-1e-40), 0x8000);
+        assert_eq!(to_bf16(f32::INFINITY), 0x7f80);
+        assert!(from_bf16(u32::from(to_bf16(f32::NAN))).is_nan());
+    }
+}
