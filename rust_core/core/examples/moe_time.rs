@@ -1,6 +1,7 @@
-//! Times the CPU MoE forward on the Qwen3-30B-A3B shape (H2048 I768 E128 k8), W8A8 dynamic:
+//! Times the CPU MoE forward on the Qwen3-30B-A3B shape (H2048 I768 E128 k8) or another, W8A8
+//! dynamic unless `SCHEME` says otherwise:
 //! `MOEQ_NUM_THREADS=2 cargo run --release --example moe_time [tokens] [reps]`
-//! (`SCHEME=w8a8|w8a16|w4a16`, `WARM=1` skips the cache flush, `BF16=1` runs weight-only
+//! (`SHAPE=qwen3|dsv2lite|mixtral`, `SCHEME=w8a8|w8a16|w4a16`, `WARM=1` skips the cache flush, `BF16=1` runs weight-only
 //! layers as for bf16 inputs).
 use std::time::Instant;
 
@@ -15,7 +16,11 @@ fn main() -> moeq_core::error::Result<()> {
     let mut args = std::env::args().skip(1);
     let tokens: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(1024);
     let reps: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(5);
-    let (h, i, e, k) = (2048usize, 768usize, 128usize, 8usize);
+    let (h, i, e, k) = match std::env::var("SHAPE").as_deref() {
+        Ok("mixtral") => (4096usize, 14336usize, 8usize, 2usize),
+        Ok("dsv2lite") => (2048, 1408, 64, 6),
+        _ => (2048, 768, 128, 8),
+    };
     let scheme = std::env::var("SCHEME").unwrap_or_else(|_| "w8a8".into());
     let w13: Vec<i8> = (0..e * 2 * i * h).map(|v| (v * 7919 % 251) as i8).collect();
     let w2: Vec<i8> = (0..e * h * i).map(|v| (v * 104729 % 251) as i8).collect();
