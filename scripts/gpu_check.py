@@ -3,21 +3,30 @@
 1. environment: driver, NVRTC, arch; every kernel variant compiles for the device's arch;
 2. W8A8 MoE (mq.cuda.w8a8_moe_unverified) against the CPU path (itself tested against an fp64
    emulation) for M in {1, 16, 64, 256} tokens, fp32/fp16/bf16 activations;
-3. the same call on a non-default stream, and captured in a CUDA graph and replayed;
-4. a benchmark: ratios against torch bf16 (a per-expert loop) and against copy bandwidth.
+3. WNA16 MoE on the Marlin layout (mq.cuda.wna16_moe_unverified, the mma.sync kernel) against
+   an fp32 torch reference (dequantised weights + matmul) for int4/int8, grouped/channelwise,
+   zero points and act-order, fp16/bf16, M in {1, 16, 64, 256}; the Marlin tensors come from
+   tests/marlin_ref.py (numpy, the table form of the layout);
+4. the W8A8 call on a non-default stream, and captured in a CUDA graph and replayed;
+5. a benchmark: ratios against torch bf16 (a per-expert loop) and against copy bandwidth, for
+   W8A8 and W4A16 (Qwen3-30B-A3B shape).
 
-Prints one line per check and exits non-zero if any check fails. (The WNA16 Marlin GEMM is not
-written yet, so W4A16/W8A16 are not checked here.)
+Prints one line per check and exits non-zero if any check fails.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
 
 import moeq_rs as mq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from marlin_ref import marlin_moe_case  # noqa: E402
 
 FAILED: list[str] = []
 
@@ -40,6 +49,129 @@ def layer(e: int, h: int, i: int, seed: int = 0):  # type: ignore[no-untyped-def
     s13 = torch.rand(e, 2 * i, generator=g) * 2e-3 + 1e-4
     s2 = torch.rand(e, h, generator=g) * 2e-3 + 1e-4
     return w13, w2, s13, s2
+
+
+def torch_moe(
+    x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, k: int
+) -> torch.Tensor:
+    """fp32 reference: softmax top-k (renormalised), ``x @ w13[e]`` ([K, 2I]), SiLU(gate) * up,
+    ``@ w2[e]`` ([I, H]), weighted sum."""
+    w, ids = logits.float().softmax(-1).topk(k, -1)
+    w = w / w.sum(-1, keepdim=True)
+    xf = x.float()
+    inter = w13.shape[2] // 2
+    out = torch.zeros_like(xf)
+    for ex in ids.unique().tolist():
+        tok, slot = (ids == ex).nonzero(as_tuple=True)
+        gu = xf[tok] @ w13[ex]
+        hh = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        out.index_add_(0, tok, (hh @ w2[ex]) * w[tok, slot, None])
+    return out
+
+
+def wna16_checks(dev: torch.device) -> None:
+    e, h, i, k = 8, 256, 128, 2
+    rng = np.random.default_rng(3)
+    cases = [
+        (4, 128, False, False),
+        (8, 128, False, False),
+        (4, -1, False, False),
+        (8, -1, False, False),
+        (4, 64, True, False),
+        (4, 64, False, True),
+        (8, 32, False, True),
+    ]
+    for bits, gs, zp, act in cases:
+        name = f"wna16 int{bits} g{gs}{' zp' if zp else ''}{' act-order' if act else ''}"
+        c13 = marlin_moe_case(
+            rng, e, h, 2 * i, bits, gs, zero_points_on=zp, act_order=act, scale_size_k=i
+        )
+        c2 = marlin_moe_case(rng, e, i, h, bits, gs, zero_points_on=zp, act_order=act)
+        ref13 = torch.from_numpy(c13["weights"]).float().to(dev)
+        ref2 = torch.from_numpy(c2["weights"]).float().to(dev)
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
+
+        extra = {}
+        if zp:
+            extra.update(w13_zero_point=t(c13["z"]), w2_zero_point=t(c2["z"]))
+        if act:
+            extra.update(
+                w13_g_idx=t(c13["g_sorted"]),
+                w2_g_idx=t(c2["g_sorted"]),
+                w13_sort_indices=t(c13["perm"]),
+                w2_sort_indices=t(c2["perm"]),
+            )
+        for dtype in (torch.float16, torch.bfloat16):
+            for m in (1, 16, 64, 256):
+                x = (torch.randn(m, h) / 4).to(dtype).to(dev)
+                logits = torch.randn(m, e, device=dev)
+                want = torch_moe(x, logits, ref13, ref2, k)
+                try:
+                    got = mq.cuda.wna16_moe_unverified(
+                        x,
+                        logits,
+                        t(c13["w"]),
+                        t(c13["s"]),
+                        t(c2["w"]),
+                        t(c2["s"]),
+                        num_bits=bits,
+                        group_size=gs,
+                        top_k=k,
+                        intermediate_size=i,
+                        **extra,
+                    )
+                    torch.cuda.synchronize()
+                    err = rel(got.float(), want)
+                    check(f"{name} {dtype} M={m}", err <= 1e-2, f"rel L2 {err:.2e} (<= 1e-2)")
+                except Exception as ex:  # noqa: BLE001 - report and go on
+                    check(f"{name} {dtype} M={m}", False, repr(ex))
+
+
+def wna16_bench(dev: torch.device, copy_bw: float, timed) -> None:  # type: ignore[no-untyped-def]
+    """W4A16 g128 on the Qwen3-30B-A3B shape: random Marlin words (any word is valid codes)."""
+    e, h, i, k = 128, 2048, 768, 8
+    g = torch.Generator(device=dev).manual_seed(5)
+    w13 = torch.randint(
+        -(2**31), 2**31 - 1, (e, h // 16, 2 * i * 2), dtype=torch.int32, device=dev, generator=g
+    )
+    w2 = torch.randint(
+        -(2**31), 2**31 - 1, (e, i // 16, h * 2), dtype=torch.int32, device=dev, generator=g
+    )
+    s13 = torch.rand(e, h // 128, 2 * i, device=dev, generator=g).to(torch.bfloat16) / 64
+    s2 = torch.rand(e, i // 128, h, device=dev, generator=g).to(torch.bfloat16) / 64
+    bw13 = torch.randn(e, 2 * i, h, dtype=torch.bfloat16, device=dev)
+    bw2 = torch.randn(e, h, i, dtype=torch.bfloat16, device=dev)
+    for t in (1, 1024):
+        x = torch.randn(t, h, dtype=torch.bfloat16, device=dev)
+        logits = torch.randn(t, e, device=dev)
+
+        def ours(x: torch.Tensor = x, logits: torch.Tensor = logits) -> None:
+            mq.cuda.wna16_moe_unverified(
+                x, logits, w13, s13, w2, s2, num_bits=4, group_size=128, top_k=k
+            )
+
+        def ref(x: torch.Tensor = x, logits: torch.Tensor = logits) -> None:
+            w, ids = logits.softmax(-1).topk(k, -1)
+            out = torch.zeros_like(x)
+            for ex in ids.unique().tolist():
+                tok, slot = (ids == ex).nonzero(as_tuple=True)
+                gu = x[tok] @ bw13[ex].T
+                hh = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]
+                out.index_add_(0, tok, (hh @ bw2[ex].T) * w[tok, slot, None].to(x.dtype))
+
+        try:
+            a, b = timed(ours), timed(ref, 5)
+        except Exception as ex:  # noqa: BLE001
+            check(f"wna16 bench T={t}", False, repr(ex))
+            continue
+        touched = min(e, t * k) * 3 * i * h // 2
+        print(
+            f"W4A16 T={t}: moeq {a * 1e3:.3f} ms, torch bf16 {b * 1e3:.3f} ms ({b / a:.2f}x); "
+            f"int4 bytes touched / time = {touched / a / 1e12:.2f} TB/s "
+            f"({100 * touched / a / copy_bw:.0f}% of copy bandwidth)"
+        )
 
 
 def main() -> int:
@@ -77,6 +209,8 @@ def main() -> int:
                 check(f"w8a8 {dtype} M={m}", err <= tol, f"rel L2 {err:.2e} (<= {tol})")
             except Exception as ex:  # noqa: BLE001 - report and go on
                 check(f"w8a8 {dtype} M={m}", False, repr(ex))
+
+    wna16_checks(dev)
 
     x = torch.randn(64, h, dtype=torch.bfloat16, device=dev)
     logits = torch.randn(64, e, device=dev)
@@ -150,6 +284,7 @@ def main() -> int:
             f"int8 bytes touched / time = {touched / a / 1e12:.2f} TB/s "
             f"({100 * touched / a / copy_bw:.0f}% of copy bandwidth)"
         )
+    wna16_bench(dev, copy_bw, timed)
     print("FAILED:", FAILED if FAILED else "none")
     return 1 if FAILED else 0
 

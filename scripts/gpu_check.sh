@@ -6,7 +6,8 @@
 #     bash scripts/gpu_check.sh
 # It installs dist/moeq_rs-*.whl into a temporary directory (no dependencies pulled) and runs
 # scripts/gpu_check.py: kernel compilation for the device's arch, W8A8 MoE correctness against
-# the CPU path, a non-default stream, CUDA graph capture and replay, and a benchmark. Output
+# the CPU path, WNA16 (Marlin layout, mma.sync) correctness against an fp32 torch reference, a
+# non-default stream, CUDA graph capture and replay, and benchmarks. Output
 # also goes to $OUT/gpu_check.log when OUT is set. Exit status: 0 when every check passes.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_check_out}

@@ -163,3 +163,55 @@ def ct_moe_to_marlin(
             out["z13"].append(zero_points(z13, bits))
             out["z2"].append(zero_points(z2, bits))
     return {k: np.stack(v) for k, v in out.items() if v}
+
+
+def marlin_moe_case(
+    rng: np.random.Generator,
+    experts: int,
+    k: int,
+    n: int,
+    bits: int,
+    group_size: int,
+    *,
+    zero_points_on: bool = False,
+    act_order: bool = False,
+    scale_size_k: int | None = None,
+) -> dict[str, np.ndarray]:
+    """Random WNA16 expert weights and their Marlin MoE tensors, built with this module's
+    table-form layout: ``codes`` [E, K, N] (biased, as stored), ``scales`` [E, G, N] f32,
+    ``zp`` [E, G, N] codes or absent, ``g_idx`` [E, K] (original order); Marlin ``w`` [E, K/16,
+    N*16/pf], ``s`` [E, G, N] (table chosen from ``scale_size_k``, default K), ``z`` [E, G, N/8],
+    ``g_sorted`` and ``perm`` [E, K]; and ``weights`` [E, K, N] f64, the dequantised weights in
+    original row order."""
+    groups = 1 if group_size == -1 else k // group_size
+    gs = k if group_size == -1 else group_size
+    codes = rng.integers(0, 1 << bits, size=(experts, k, n), dtype=np.int64)
+    scales = rng.uniform(0.5, 2.0, size=(experts, groups, n)).astype(np.float32) / 64
+    zp = rng.integers(0, 16, size=(experts, groups, n)) if zero_points_on else None
+    if act_order:
+        g_idx = np.stack([rng.permutation(np.arange(k) // gs) for _ in range(experts)])
+    else:
+        g_idx = np.broadcast_to(np.arange(k) // gs, (experts, k)).copy()
+    perm = np.stack([np.argsort(g, kind="stable") for g in g_idx])
+    bias = zp if zp is not None else np.full((experts, groups, n), 1 << (bits - 1))
+    rows = np.arange(experts)[:, None]
+    weights = (codes - np.take_along_axis(bias, g_idx[:, :, None].repeat(n, 2), 1)) * (
+        np.take_along_axis(scales.astype(np.float64), g_idx[:, :, None].repeat(n, 2), 1)
+    )
+    size_k = k if scale_size_k is None else scale_size_k
+    out = {
+        "codes": codes,
+        "scales": scales,
+        "g_idx": g_idx,
+        "weights": weights,
+        "w": np.stack([marlin_weights(codes[e][perm[e]], bits) for e in range(experts)]).view(
+            np.int32
+        ),
+        "s": np.stack([permute_scales(scales[e], size_k, group_size) for e in range(experts)]),
+        "g_sorted": g_idx[rows, perm].astype(np.int32),
+        "perm": perm.astype(np.int32),
+    }
+    if zp is not None:
+        out["zp"] = zp
+        out["z"] = np.stack([zero_points(zp[e], bits) for e in range(experts)])
+    return out

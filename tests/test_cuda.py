@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 import moeq_rs as mq
@@ -28,7 +29,15 @@ def test_every_kernel_variant_compiles_without_spills(arch: str) -> None:
     assert major >= 12
     report = mq.cuda.compile_kernels(arch)
     assert len(report) >= 4
-    expected = {"moe_routing", "moe_align", "moe_act_bf16", "quant_int8_f16", "w8a8_gemm_bf16"}
+    expected = {
+        "moe_routing",
+        "moe_align",
+        "moe_act_bf16",
+        "quant_int8_f16",
+        "w8a8_gemm_bf16",
+        "wna16_gemm_f16",
+        "wna16_gemm_bf16",
+    }
     assert expected <= set(report)
     for name, r in report.items():
         assert r["cubin_bytes"] > 1000, name
@@ -36,6 +45,8 @@ def test_every_kernel_variant_compiles_without_spills(arch: str) -> None:
         assert 0 < r["registers"] <= 255, name
         assert r["seconds"] > 0 and r["entries"], name
     assert "w8a8_grouped_gemm_bf16" in report["w8a8_gemm_bf16"]["entries"]
+    assert "wna16_moe_gemm_f16" in report["wna16_gemm_f16"]["entries"]
+    assert "wna16_gemm_f32" not in report  # mma.sync takes 16-bit operands only
 
 
 @pytest.mark.skipif(not HAVE_NVRTC, reason="no NVRTC here")
@@ -61,3 +72,212 @@ def test_cuda_moe_checks_its_arguments_before_any_launch() -> None:
             torch.ones(2, 8),
             top_k=1,
         )
+
+
+def wna16_kernel_model(
+    w: np.ndarray,
+    s: np.ndarray,
+    z: np.ndarray | None,
+    g_sorted: np.ndarray | None,
+    k: int,
+    n: int,
+    bits: int,
+    group_size: int,
+    grouped: bool,
+) -> np.ndarray:
+    """One expert's weights [K, N] (Marlin row order) as cuda/wna16_gemm.cu reads them: the same
+    index arithmetic per (k-tile, n-tile, warp, lane) - which word and bit field holds each
+    B-fragment code, the permuted scale position, the zero-point nibble - written out in numpy.
+    It checks the kernel's reading of the layout against the independent table-form layout of
+    marlin_ref.py; the GPU run itself is scripts/gpu_check.sh."""
+
+    def scale_pos(c: int, grouped_table: bool) -> int:
+        if grouped_table:
+            cc = c & 63
+            return (c & ~63) + 8 * (cc & 7) + (cc >> 3)
+        cc, r = c & 31, c & 7
+        return (c & ~31) + 8 * (r >> 1) + 2 * (cc >> 3) + (r & 1)
+
+    words = 128 if bits == 4 else 256
+    n_tiles = n // 64
+    flat = w.reshape(-1).view(np.uint32)
+    sf = s.reshape(-1).astype(np.float64)
+    zf = None if z is None else z.reshape(-1).view(np.uint32)
+    bias = 8 if bits == 4 else 128
+    out = np.full((k, n), np.nan)
+    for kt in range(k // 16):
+        for nt in range(n_tiles):
+            tw = flat[(kt * n_tiles + nt) * words : (kt * n_tiles + nt + 1) * words]
+            for warp in range(4):
+                for lane in range(32):
+                    gq, t = lane >> 2, lane & 3
+                    cols = (nt * 64 + warp * 16 + gq, nt * 64 + warp * 16 + gq + 8)
+                    if bits == 4:
+                        q = int(tw[4 * lane + warp])
+                        codes = [
+                            [(q >> (4 * sl)) & 15 for sl in row]
+                            for row in ((0, 4, 1, 5), (2, 6, 3, 7))
+                        ]
+                    else:
+                        codes = [
+                            [
+                                (int(tw[8 * lane + 2 * warp + j]) >> (8 * sl)) & 255
+                                for sl in (0, 2, 1, 3)
+                            ]
+                            for j in (0, 1)
+                        ]
+                    for j, col in enumerate(cols):
+                        for i in range(4):
+                            krow = kt * 16 + 2 * t + (i & 1) + 8 * (i >> 1)
+                            g = int(g_sorted[krow]) if g_sorted is not None else krow // group_size
+                            sc = sf[g * n + scale_pos(col, grouped)]
+                            zz = float(bias)
+                            if zf is not None:
+                                p = scale_pos(col, True)
+                                x = p & 7
+                                word = int(zf[(g * n + p) >> 3])
+                                zz = float((word >> (4 * ((x >> 1) + 4 * (x & 1)))) & 15)
+                            out[krow, col] = (codes[j][i] - zz) * sc
+    return out
+
+
+@pytest.mark.parametrize(
+    "bits,group_size,zp,act_order,scale_size_k",
+    [
+        (4, 32, False, False, None),
+        (8, 64, False, False, None),
+        (4, -1, False, False, None),
+        (8, -1, False, False, None),
+        (4, 32, True, False, None),
+        (4, 32, False, True, None),
+        (8, 32, False, True, None),
+        (4, 64, False, False, 64),  # w13's rule: group_size >= I picks the single table
+    ],
+)
+def test_wna16_kernel_reads_the_marlin_layout(
+    bits: int, group_size: int, zp: bool, act_order: bool, scale_size_k: int | None
+) -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from marlin_ref import marlin_moe_case
+
+    k, n = 128, 128
+    case = marlin_moe_case(
+        np.random.default_rng(7),
+        1,
+        k,
+        n,
+        bits,
+        group_size,
+        zero_points_on=zp,
+        act_order=act_order,
+        scale_size_k=scale_size_k,
+    )
+    grouped = group_size != -1 and group_size < (scale_size_k or k)
+    got = wna16_kernel_model(
+        case["w"][0],
+        case["s"][0],
+        case["z"][0] if zp else None,
+        case["g_sorted"][0] if act_order else None,
+        k,
+        n,
+        bits,
+        k if group_size == -1 else group_size,
+        grouped,
+    )
+    want = case["weights"][0][case["perm"][0]]  # Marlin row r is original row perm[r]
+    assert not np.isnan(got).any(), "some weight was never read"
+    np.testing.assert_allclose(got, want, rtol=0, atol=0)
+
+
+def test_wna16_checks_its_arguments_before_any_launch() -> None:
+    import torch
+
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    w13 = torch.zeros(2, 16, 256, dtype=torch.int32)
+    with pytest.raises(mq.LayoutError, match="hidden_states: expected a CUDA tensor"):
+        mq.cuda.wna16_moe_unverified(
+            x,
+            torch.randn(2, 2),
+            w13,
+            torch.ones(2, 2, 128),
+            torch.zeros(2, 4, 512, dtype=torch.int32),
+            torch.ones(2, 1, 256),
+            num_bits=4,
+            group_size=128,
+            top_k=1,
+        )
+
+
+class _Validated(Exception):
+    """Raised in place of the first launch: every argument check passed."""
+
+
+def _validate_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    def stop(*_args: object, **_kwargs: object) -> None:
+        raise _Validated
+
+    monkeypatch.setattr(mq.cuda, "_check_cuda_tensors", lambda *_a: None)
+    monkeypatch.setattr(mq.cuda, "_Routed", stop)
+
+
+@pytest.mark.parametrize(
+    "name", ["qwen3_w4a16_g128_sym", "qwen3_w8a16_channel", "qwen3_w4a16_actorder"]
+)
+def test_wna16_takes_what_the_marlin_repack_writes(
+    fixture_path, tmp_path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """The repacked checkpoint's tensors pass every check of the WNA16 launcher (stopped before
+    its first launch), and bad shapes or schemes are refused with the argument named."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    out = tmp_path / "marlin"
+    mq.repack.repack_checkpoint(fixture_path(name), out)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    ckpt = mq.open(fixture_path(name))
+    info = ckpt.moe_layers()[0]
+    p = f"{info['prefix']}.experts"
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    group = next(iter(q["config_groups"].values()))["weights"]
+    bits, gs = group["num_bits"], group["group_size"] or -1
+    if group.get("strategy") == "channel":
+        gs = -1
+    act = {}
+    if f"{p}.w13_g_idx_sort_indices" in tensors and tensors[f"{p}.w13_g_idx_sort_indices"].numel():
+        act = {
+            "w13_g_idx": tensors[f"{p}.w13_weight_g_idx"],
+            "w2_g_idx": tensors[f"{p}.w2_weight_g_idx"],
+            "w13_sort_indices": tensors[f"{p}.w13_g_idx_sort_indices"],
+            "w2_sort_indices": tensors[f"{p}.w2_g_idx_sort_indices"],
+        }
+    moe = mq.MoELayer.from_checkpoint(ckpt, info["layer"])
+    e, h = moe.num_experts, moe.hidden_size
+    x = torch.randn(3, h, dtype=torch.bfloat16)
+    args = (
+        x,
+        torch.randn(3, e),
+        tensors[f"{p}.w13_weight_packed"],
+        tensors[f"{p}.w13_weight_scale"],
+        tensors[f"{p}.w2_weight_packed"],
+        tensors[f"{p}.w2_weight_scale"],
+    )
+    _validate_only(monkeypatch)
+    with pytest.raises(_Validated):
+        mq.cuda.wna16_moe_unverified(*args, num_bits=bits, group_size=gs, top_k=moe.top_k, **act)
+    with pytest.raises(mq.LayoutError, match="w2:"):
+        mq.cuda.wna16_moe_unverified(
+            *args[:4], args[4][:, :-1], args[5], num_bits=bits, group_size=gs, top_k=1, **act
+        )
+    with pytest.raises(mq.LayoutError, match="hidden_states"):
+        mq.cuda.wna16_moe_unverified(
+            x.float(), *args[1:], num_bits=bits, group_size=gs, top_k=1, **act
+        )
+    with pytest.raises(mq.UnsupportedSchemeError, match="num_bits"):
+        mq.cuda.wna16_moe_unverified(*args, num_bits=2, group_size=gs, top_k=1, **act)

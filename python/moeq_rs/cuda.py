@@ -14,7 +14,15 @@ from typing import Any
 
 from . import _core
 
-__all__ = ["compile_kernels", "driver_present", "is_available", "nvrtc_dirs", "nvrtc_version"]
+__all__ = [
+    "compile_kernels",
+    "driver_present",
+    "is_available",
+    "nvrtc_dirs",
+    "nvrtc_version",
+    "w8a8_moe_unverified",
+    "wna16_moe_unverified",
+]
 
 
 def nvrtc_dirs() -> list[str]:
@@ -75,6 +83,115 @@ def _launch(
     _core._cuda_launch(dev, variant, entry, grid, block, 0, stream, args, nvrtc_dirs())
 
 
+_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+def _check_cuda_tensors(x: Any, tensors: dict[str, Any]) -> None:
+    import torch
+
+    from .errors import LayoutError
+
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
+            raise LayoutError(f"{name}: expected a CUDA tensor")
+        if t.device != x.device:
+            raise LayoutError(f"{name}: on {t.device}, hidden_states on {x.device}")
+        if not t.is_contiguous():
+            raise LayoutError(f"{name}: expected a contiguous tensor")
+
+
+class _Routed:
+    """Softmax top-k routing and the token-by-expert alignment of one call, on the GPU."""
+
+    def __init__(self, x: Any, router_logits: Any, e: int, top_k: int, renormalize: bool) -> None:
+        import torch
+
+        self.x, self.top_k, self.e = x, top_k, e
+        self.t = x.shape[0]
+        self.slots = self.t * top_k
+        self.dev = x.device.index or 0
+        self.stream = torch.cuda.current_stream(x.device).cuda_stream
+        logits = router_logits.float().contiguous()
+        self.weights = torch.empty(self.t, top_k, dtype=torch.float32, device=x.device)
+        ids = torch.empty(self.t, top_k, dtype=torch.int32, device=x.device)
+        self.launch(
+            "moe_routing",
+            "moe_softmax_topk",
+            ((self.t + 127) // 128, 1, 1),
+            (128, 1, 1),
+            [
+                ("ptr", logits.data_ptr()),
+                ("i32", self.t),
+                ("i32", e),
+                ("i32", top_k),
+                ("i32", int(renormalize)),
+                ("ptr", self.weights.data_ptr()),
+                ("ptr", ids.data_ptr()),
+            ],
+        )
+        self.offsets = torch.empty(e + 1, dtype=torch.int32, device=x.device)
+        self.order = torch.empty(self.slots, dtype=torch.int32, device=x.device)
+        self.launch(
+            "moe_align",
+            "moe_align",
+            (1, 1, 1),
+            (max(32, (e + 31) // 32 * 32), 1, 1),
+            [
+                ("ptr", ids.data_ptr()),
+                ("i32", self.slots),
+                ("i32", e),
+                ("ptr", self.offsets.data_ptr()),
+                ("ptr", self.order.data_ptr()),
+            ],
+        )
+
+    def launch(
+        self,
+        variant: str,
+        entry: str,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: list[tuple[str, Any]],
+    ) -> None:
+        _launch(self.dev, variant, entry, grid, block, self.stream, args)
+
+    def silu_and_mul(self, gu: Any, inter: int, dt: str) -> Any:
+        import torch
+
+        act = torch.empty(self.slots, inter, dtype=self.x.dtype, device=self.x.device)
+        self.launch(
+            f"moe_act_{dt}",
+            f"silu_and_mul_{dt}",
+            ((self.slots * inter + 255) // 256, 1, 1),
+            (256, 1, 1),
+            [("ptr", gu.data_ptr()), ("i32", self.slots), ("i32", inter), ("ptr", act.data_ptr())],
+        )
+        return act
+
+    def combine(self, down: Any, h: int, dt: str) -> Any:
+        """Expert outputs in sorted order ``[slots, h]`` -> the top-k weighted sum ``[T, h]``."""
+        import torch
+
+        by_slot = torch.empty_like(down)
+        by_slot.index_copy_(0, self.order.long(), down)
+        out = torch.empty(self.t, h, dtype=self.x.dtype, device=self.x.device)
+        self.launch(
+            f"moe_act_{dt}",
+            f"moe_combine_{dt}",
+            ((self.t * h + 255) // 256, 1, 1),
+            (256, 1, 1),
+            [
+                ("ptr", by_slot.data_ptr()),
+                ("ptr", self.weights.data_ptr()),
+                ("i32", self.t),
+                ("i32", self.top_k),
+                ("i32", h),
+                ("ptr", out.data_ptr()),
+            ],
+        )
+        return out
+
+
 def w8a8_moe_unverified(
     hidden_states: Any,
     router_logits: Any,
@@ -98,23 +215,18 @@ def w8a8_moe_unverified(
     from .errors import LayoutError
 
     x = hidden_states
-    tensors = {
-        "hidden_states": x,
-        "router_logits": router_logits,
-        "w13": w13,
-        "w13_scale": w13_scale,
-        "w2": w2,
-        "w2_scale": w2_scale,
-    }
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
-            raise LayoutError(f"{name}: expected a CUDA tensor")
-        if t.device != x.device:
-            raise LayoutError(f"{name}: on {t.device}, hidden_states on {x.device}")
-        if not t.is_contiguous():
-            raise LayoutError(f"{name}: expected a contiguous tensor")
-    dtypes = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
-    if x.dtype not in dtypes or x.dim() != 2:
+    _check_cuda_tensors(
+        x,
+        {
+            "hidden_states": x,
+            "router_logits": router_logits,
+            "w13": w13,
+            "w13_scale": w13_scale,
+            "w2": w2,
+            "w2_scale": w2_scale,
+        },
+    )
+    if str(x.dtype).removeprefix("torch.") not in _DTYPES or x.dim() != 2:
         raise LayoutError("hidden_states: expected [T, H] float32, float16 or bfloat16")
     t_count, h = x.shape
     if w13.dtype != torch.int8 or w13.dim() != 3 or w13.shape[2] != h:
@@ -133,60 +245,19 @@ def w8a8_moe_unverified(
         raise LayoutError(f"router_logits: expected [{t_count}, {e}]")
     if not 1 <= top_k <= min(e, 64) or e > 1024:
         raise LayoutError("top_k must be in 1..min(E, 64) and E <= 1024")
-    dt = dtypes[x.dtype]
-    dev = x.device.index or 0
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    slots = t_count * top_k
-    logits = router_logits.float().contiguous()
-    weights = torch.empty(t_count, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(t_count, top_k, dtype=torch.int32, device=x.device)
-    _launch(
-        dev,
-        "moe_routing",
-        "moe_softmax_topk",
-        ((t_count + 127) // 128, 1, 1),
-        (128, 1, 1),
-        stream,
-        [
-            ("ptr", logits.data_ptr()),
-            ("i32", t_count),
-            ("i32", e),
-            ("i32", top_k),
-            ("i32", int(renormalize)),
-            ("ptr", weights.data_ptr()),
-            ("ptr", ids.data_ptr()),
-        ],
-    )
-    offsets = torch.empty(e + 1, dtype=torch.int32, device=x.device)
-    order = torch.empty(slots, dtype=torch.int32, device=x.device)
-    threads = max(32, (e + 31) // 32 * 32)
-    _launch(
-        dev,
-        "moe_align",
-        "moe_align",
-        (1, 1, 1),
-        (threads, 1, 1),
-        stream,
-        [
-            ("ptr", ids.data_ptr()),
-            ("i32", slots),
-            ("i32", e),
-            ("ptr", offsets.data_ptr()),
-            ("ptr", order.data_ptr()),
-        ],
-    )
-    rows = x.index_select(0, (order // top_k).long()).contiguous()
+    dt = _DTYPES[str(x.dtype).removeprefix("torch.")]
+    r = _Routed(x, router_logits, e, top_k, renormalize)
+    slots = r.slots
+    rows = x.index_select(0, (r.order // top_k).long()).contiguous()
 
     def quantize(a: Any) -> tuple[Any, Any]:
         q = torch.empty(a.shape, dtype=torch.int8, device=x.device)
         s = torch.empty(a.shape[0], dtype=torch.float32, device=x.device)
-        _launch(
-            dev,
+        r.launch(
             f"quant_int8_{dt}",
             f"quant_int8_per_token_{dt}",
             (a.shape[0], 1, 1),
             (256, 1, 1),
-            stream,
             [
                 ("ptr", a.data_ptr()),
                 ("i32", a.shape[0]),
@@ -199,19 +270,17 @@ def w8a8_moe_unverified(
 
     def gemm(q: Any, s: Any, w: Any, ws: Any, n: int, k: int) -> Any:
         out = torch.empty(slots, n, dtype=x.dtype, device=x.device)
-        _launch(
-            dev,
+        r.launch(
             f"w8a8_gemm_{dt}",
             f"w8a8_grouped_gemm_{dt}",
             ((n + 15) // 16, (slots + 15) // 16, e),
             (16, 16, 1),
-            stream,
             [
                 ("ptr", q.data_ptr()),
                 ("ptr", s.data_ptr()),
                 ("ptr", w.data_ptr()),
                 ("ptr", ws.data_ptr()),
-                ("ptr", offsets.data_ptr()),
+                ("ptr", r.offsets.data_ptr()),
                 ("i32", n),
                 ("i32", k),
                 ("ptr", out.data_ptr()),
@@ -221,35 +290,202 @@ def w8a8_moe_unverified(
 
     q1, s1 = quantize(rows)
     gu = gemm(q1, s1, w13, w13_scale, two_i, h)
-    act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
-    _launch(
-        dev,
-        f"moe_act_{dt}",
-        f"silu_and_mul_{dt}",
-        ((slots * inter + 255) // 256, 1, 1),
-        (256, 1, 1),
-        stream,
-        [("ptr", gu.data_ptr()), ("i32", slots), ("i32", inter), ("ptr", act.data_ptr())],
+    q2, s2 = quantize(r.silu_and_mul(gu, inter, dt))
+    return r.combine(gemm(q2, s2, w2, w2_scale, h, inter), h, dt)
+
+
+def wna16_moe_unverified(
+    hidden_states: Any,
+    router_logits: Any,
+    w13: Any,
+    w13_scale: Any,
+    w2: Any,
+    w2_scale: Any,
+    *,
+    num_bits: int,
+    group_size: int,
+    top_k: int,
+    renormalize: bool = True,
+    intermediate_size: int | None = None,
+    w13_zero_point: Any = None,
+    w2_zero_point: Any = None,
+    w13_g_idx: Any = None,
+    w2_g_idx: Any = None,
+    w13_sort_indices: Any = None,
+    w2_sort_indices: Any = None,
+) -> Any:
+    """WNA16 MoE (int4 or int8 weights, fp16/bf16 activations) on the Marlin layout of
+    ``moeq repack --target marlin`` (the ``P.w13_weight_packed``, ``P.w13_weight_scale``, ...
+    tensors, per expert stacked), with the tensor-core kernel ``cuda/wna16_gemm.cu``, on torch's
+    current stream. **Not yet run on a GPU**: ``scripts/gpu_check.sh`` is its first check.
+
+    ``w13`` int32 ``[E, H/16, 2I*16/pf]``, ``w2`` int32 ``[E, I/16, H*16/pf]`` (pf = 32 /
+    num_bits); scales ``[E, G, N]`` in Marlin order (converted to the activation dtype, as vLLM
+    keeps them in the model dtype); 4-bit zero points int32 ``[E, G, N/8]``; act-order: sorted
+    g_idx and sort indices int32 ``[E, K]``. ``intermediate_size`` is the unpadded I (it picks
+    the scale table of w13, as the repack did); default: the padded one."""
+    import torch
+
+    from .errors import LayoutError, UnsupportedSchemeError
+
+    x = hidden_states
+    optional = {
+        "w13_zero_point": w13_zero_point,
+        "w2_zero_point": w2_zero_point,
+        "w13_g_idx": w13_g_idx,
+        "w2_g_idx": w2_g_idx,
+        "w13_sort_indices": w13_sort_indices,
+        "w2_sort_indices": w2_sort_indices,
+    }
+    given = {k: v for k, v in optional.items() if v is not None}
+    _check_cuda_tensors(
+        x,
+        {
+            "hidden_states": x,
+            "router_logits": router_logits,
+            "w13": w13,
+            "w13_scale": w13_scale,
+            "w2": w2,
+            "w2_scale": w2_scale,
+            **given,
+        },
     )
-    q2, s2 = quantize(act)
-    down = gemm(q2, s2, w2, w2_scale, h, inter)
-    by_slot = torch.empty_like(down)
-    by_slot.index_copy_(0, order.long(), down)
-    out = torch.empty(t_count, h, dtype=x.dtype, device=x.device)
-    _launch(
-        dev,
-        f"moe_act_{dt}",
-        f"moe_combine_{dt}",
-        ((t_count * h + 255) // 256, 1, 1),
-        (256, 1, 1),
-        stream,
-        [
-            ("ptr", by_slot.data_ptr()),
-            ("ptr", weights.data_ptr()),
-            ("i32", t_count),
-            ("i32", top_k),
-            ("i32", h),
-            ("ptr", out.data_ptr()),
-        ],
+    if x.dtype not in (torch.float16, torch.bfloat16) or x.dim() != 2:
+        raise LayoutError("hidden_states: expected [T, H] float16 or bfloat16 (tensor cores)")
+    if num_bits not in (4, 8):
+        raise UnsupportedSchemeError(f"num_bits: expected 4 or 8, got {num_bits}")
+    pf = 32 // num_bits
+    t_count, h = x.shape
+    if w13.dtype != torch.int32 or w13.dim() != 3 or w13.shape[1] != h // 16 or h % 64:
+        raise LayoutError(f"w13: expected int32 [E, {h // 16}, 2I*16/{pf}] with H % 64 == 0")
+    e = w13.shape[0]
+    two_i = w13.shape[2] * pf // 16
+    inter = two_i // 2
+    if two_i % 128 or w13.shape[2] * pf != two_i * 16:
+        raise LayoutError("w13: 2I must be a multiple of 128 (Marlin tiles of 64 columns)")
+    if w2.dtype != torch.int32 or tuple(w2.shape) != (e, inter // 16, h * 16 // pf):
+        raise LayoutError(f"w2: expected int32 [{e}, {inter // 16}, {h * 16 // pf}]")
+    if group_size != -1 and (group_size <= 0 or group_size % 16):
+        raise UnsupportedSchemeError(
+            f"group_size: expected -1 or a positive multiple of 16, got {group_size}"
+        )
+    g13 = 1 if group_size == -1 else h // group_size
+    g2 = 1 if group_size == -1 else inter // group_size
+    for name, s, shape in (
+        ("w13_scale", w13_scale, (e, g13, two_i)),
+        ("w2_scale", w2_scale, (e, g2, h)),
+    ):
+        if s.dtype not in (torch.float16, torch.bfloat16, torch.float32) or tuple(s.shape) != shape:
+            raise LayoutError(f"{name}: expected a float tensor {list(shape)}, got {list(s.shape)}")
+    zps = (w13_zero_point, w2_zero_point)
+    if any(z is not None for z in zps):
+        if num_bits != 4 or any(z is None for z in zps):
+            raise UnsupportedSchemeError("zero points: 4-bit only, for both w13 and w2")
+        for name, z, shape in (
+            ("w13_zero_point", w13_zero_point, (e, g13, two_i // 8)),
+            ("w2_zero_point", w2_zero_point, (e, g2, h // 8)),
+        ):
+            if z.dtype != torch.int32 or tuple(z.shape) != shape:
+                raise LayoutError(f"{name}: expected int32 {list(shape)}")
+    act = (w13_g_idx, w2_g_idx, w13_sort_indices, w2_sort_indices)
+    if any(a is not None for a in act):
+        if any(a is None for a in act):
+            raise LayoutError("act-order: give g_idx and sort indices for both w13 and w2")
+        for name, a, k in (
+            ("w13_g_idx", w13_g_idx, h),
+            ("w13_sort_indices", w13_sort_indices, h),
+            ("w2_g_idx", w2_g_idx, inter),
+            ("w2_sort_indices", w2_sort_indices, inter),
+        ):
+            if a.dtype != torch.int32 or tuple(a.shape) != (e, k):
+                raise LayoutError(f"{name}: expected int32 [{e}, {k}]")
+    if tuple(router_logits.shape) != (t_count, e):
+        raise LayoutError(f"router_logits: expected [{t_count}, {e}]")
+    if not 1 <= top_k <= min(e, 64) or e > 1024:
+        raise LayoutError("top_k must be in 1..min(E, 64) and E <= 1024")
+    # The scale tables the repack used (vLLM's rules): w13 grouped iff group_size < I, w2
+    # grouped iff it has more than one group.
+    unpadded = intermediate_size if intermediate_size is not None else inter
+    grouped13 = int(group_size != -1 and group_size < unpadded)
+    grouped2 = int(group_size != -1 and g2 > 1)
+    dt = _DTYPES[str(x.dtype).removeprefix("torch.")]
+    r = _Routed(x, router_logits, e, top_k, renormalize)
+    slots = r.slots
+    identity = torch.arange(slots, dtype=torch.int32, device=x.device)
+
+    def ptr(t: Any) -> tuple[str, Any]:
+        return ("ptr", 0 if t is None else t.data_ptr())
+
+    def gemm(
+        a: Any,
+        a_div: int,
+        index: Any,
+        w: Any,
+        s: Any,
+        z: Any,
+        gi: Any,
+        perm: Any,
+        n: int,
+        k: int,
+        groups: int,
+        grouped: int,
+    ) -> Any:
+        out = torch.empty(slots, n, dtype=x.dtype, device=x.device)
+        s = s.to(x.dtype).contiguous()
+        r.launch(
+            f"wna16_gemm_{dt}",
+            f"wna16_moe_gemm_{dt}",
+            (n // 64, (slots + 15) // 16 + e, 1),
+            (128, 1, 1),
+            [
+                ptr(a),
+                ("i32", a_div),
+                ptr(index),
+                ptr(r.offsets),
+                ("i32", e),
+                ptr(w),
+                ptr(s),
+                ptr(z),
+                ptr(gi),
+                ptr(perm),
+                ("i32", n),
+                ("i32", k),
+                ("i32", groups),
+                ("i32", k if group_size == -1 else group_size),
+                ("i32", num_bits),
+                ("i32", grouped),
+                ptr(out),
+            ],
+        )
+        return out
+
+    gu = gemm(
+        x,
+        top_k,
+        r.order,
+        w13,
+        w13_scale,
+        w13_zero_point,
+        w13_g_idx,
+        w13_sort_indices,
+        two_i,
+        h,
+        g13,
+        grouped13,
     )
-    return out
+    hidden = r.silu_and_mul(gu, inter, dt)
+    down = gemm(
+        hidden,
+        1,
+        identity,
+        w2,
+        w2_scale,
+        w2_zero_point,
+        w2_g_idx,
+        w2_sort_indices,
+        h,
+        inter,
+        g2,
+        grouped2,
+    )
+    return r.combine(down, h, dt)

@@ -64,8 +64,16 @@ pub fn variants() -> Vec<Variant> {
             &["w8a8_grouped_gemm"],
         ),
     ];
-    for (file, source, entries) in per_dtype {
-        for (suffix, code) in DTYPES {
+    // Tensor-core kernels: 16-bit activations only.
+    let half_only: [(&'static str, &'static str, &[&str]); 1] = [(
+        "wna16_gemm.cu",
+        include_str!("../../../../cuda/wna16_gemm.cu"),
+        &["wna16_moe_gemm"],
+    )];
+    let all = per_dtype.iter().map(|p| (p, &DTYPES[..]));
+    let half = half_only.iter().map(|p| (p, &DTYPES[1..]));
+    for (&(file, source, entries), dtypes) in all.chain(half) {
+        for &(suffix, code) in dtypes {
             out.push(Variant {
                 name: format!("{}_{suffix}", file.trim_end_matches(".cu")),
                 file,
