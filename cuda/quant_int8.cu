@@ -1,6 +1,6 @@
 // int8 activation quantisation as DESIGN.md defines it: dynamic per token
-// s = max|x| / 127 (a zero row gives s = 0 and q = 0), q = clamp(rne(x / s), -128, 127); or a
-// static per-tensor scale. One block of 256 threads per row.
+// s = max|x| / 127 (a zero row gives s = 0 and q = 0), q = clamp(rne(x / s), -128, 127); or
+// static scales given per row. Per token: one block of 256 threads per row.
 
 __device__ __forceinline__ signed char moeq_quant(float x, float s) {
     if (!(s > 0.f)) return 0;
@@ -36,8 +36,12 @@ extern "C" __global__ void SUFFIX(quant_int8_per_token)(const act_t* __restrict_
         q[(long)r * cols + c] = moeq_quant(act_load(x, (long)r * cols + c), s);
 }
 
-extern "C" __global__ void SUFFIX(quant_int8_static)(const act_t* __restrict__ x, long count,
-                                                     float scale, signed char* __restrict__ q) {
+// Static scales given per row (a row's expert's input_scale, DESIGN.md: never a maximum over
+// experts): q[r, c] = quant(x[r, c], row_scales[r]). Grid: ceil(rows * cols / 256) blocks of 256.
+extern "C" __global__ void SUFFIX(quant_int8_static)(const act_t* __restrict__ x, int rows,
+                                                     int cols,
+                                                     const float* __restrict__ row_scales,
+                                                     signed char* __restrict__ q) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < count) q[i] = moeq_quant(act_load(x, i), scale);
+    if (i < (long)rows * cols) q[i] = moeq_quant(act_load(x, i), row_scales[i / cols]);
 }

@@ -1,8 +1,9 @@
 """GPU checks of the CUDA path, run by scripts/gpu_check.sh on a machine with one NVIDIA GPU.
 
 1. environment: driver, NVRTC, arch; every kernel variant compiles for the device's arch;
-2. W8A8 MoE (mq.cuda.w8a8_moe_unverified) against the CPU path (itself tested against an fp64
-   emulation) for M in {1, 16, 64, 256} tokens, fp32/fp16/bf16 activations;
+2. W8A8 MoE (mq.cuda.w8a8_moe_unverified: IMMA and dp4a GEMMs, dynamic and static scales)
+   against the CPU path (itself tested against an fp64 emulation) for M in {1, 16, 64, 256}
+   tokens, fp32/fp16/bf16 activations;
 3. WNA16 MoE on the Marlin layout (mq.cuda.wna16_moe_unverified, the mma.sync kernel) against
    an fp32 torch reference (dequantised weights + matmul) for int4/int8, grouped/channelwise,
    zero points and act-order, fp16/bf16, M in {1, 16, 64, 256}; the Marlin tensors come from
@@ -195,20 +196,49 @@ def main() -> int:
     )
     dev = torch.device("cuda", 0)
     gw = [t.to(dev) for t in (w13, s13, w2, s2)]
-    for dtype, tol in ((torch.float32, 2e-3), (torch.float16, 1e-2), (torch.bfloat16, 1e-2)):
-        for m in (1, 16, 64, 256):
-            x = torch.randn(m, h).to(dtype)
-            logits = torch.randn(m, e)
-            want = cpu(x.float(), logits)
-            try:
-                got = mq.cuda.w8a8_moe_unverified(
-                    x.to(dev), logits.to(dev), gw[0], gw[1], gw[2], gw[3], top_k=k
-                )
-                torch.cuda.synchronize()
-                err = rel(got.float(), want)
-                check(f"w8a8 {dtype} M={m}", err <= tol, f"rel L2 {err:.2e} (<= {tol})")
-            except Exception as ex:  # noqa: BLE001 - report and go on
-                check(f"w8a8 {dtype} M={m}", False, repr(ex))
+    a13 = torch.rand(e) * 0.02 + 0.01
+    a2 = torch.rand(e) * 0.01 + 0.005
+    static_cpu = mq.MoELayer.from_tensors(
+        w13,
+        w2,
+        s13[..., None],
+        s2[..., None],
+        scheme="w8a8_static",
+        top_k=k,
+        a13_scale=a13,
+        a2_scale=a2,
+    )
+    for gemm in ("imma", "dp4a"):
+        for static in (False, True):
+            ref_layer = static_cpu if static else cpu
+            extra = {"a13_scale": a13.to(dev), "a2_scale": a2.to(dev)} if static else {}
+            kind = f"w8a8 {gemm}{' static' if static else ''}"
+            for dtype, tol in (
+                (torch.float32, 2e-3),
+                (torch.float16, 1e-2),
+                (torch.bfloat16, 1e-2),
+            ):
+                for m in (1, 16, 64, 256):
+                    x = torch.randn(m, h).to(dtype)
+                    logits = torch.randn(m, e)
+                    want = ref_layer(x.float(), logits)
+                    try:
+                        got = mq.cuda.w8a8_moe_unverified(
+                            x.to(dev),
+                            logits.to(dev),
+                            gw[0],
+                            gw[1],
+                            gw[2],
+                            gw[3],
+                            top_k=k,
+                            gemm=gemm,
+                            **extra,
+                        )
+                        torch.cuda.synchronize()
+                        err = rel(got.float(), want)
+                        check(f"{kind} {dtype} M={m}", err <= tol, f"rel L2 {err:.2e} (<= {tol})")
+                    except Exception as ex:  # noqa: BLE001 - report and go on
+                        check(f"{kind} {dtype} M={m}", False, repr(ex))
 
     wna16_checks(dev)
 
@@ -268,6 +298,9 @@ def main() -> int:
         def ours(x: torch.Tensor = x, logits: torch.Tensor = logits) -> None:
             mq.cuda.w8a8_moe_unverified(x, logits, *gw[:2], *gw[2:], top_k=k)
 
+        def ours_dp4a(x: torch.Tensor = x, logits: torch.Tensor = logits) -> None:
+            mq.cuda.w8a8_moe_unverified(x, logits, *gw[:2], *gw[2:], top_k=k, gemm="dp4a")
+
         def ref(x: torch.Tensor = x, logits: torch.Tensor = logits) -> None:
             w, ids = logits.softmax(-1).topk(k, -1)
             out = torch.zeros_like(x)
@@ -277,10 +310,11 @@ def main() -> int:
                 hh = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]
                 out.index_add_(0, tok, (hh @ bw2[ex].T) * w[tok, slot, None].to(x.dtype))
 
-        a, b = timed(ours), timed(ref, 5)
+        a, b, c = timed(ours), timed(ref, 5), timed(ours_dp4a, 5)
         touched = min(e, t * k) * 3 * i * h
         print(
-            f"T={t}: moeq {a * 1e3:.3f} ms, torch bf16 {b * 1e3:.3f} ms ({b / a:.2f}x); "
+            f"W8A8 T={t}: moeq imma {a * 1e3:.3f} ms (dp4a {c * 1e3:.3f} ms), "
+            f"torch bf16 {b * 1e3:.3f} ms ({b / a:.2f}x); "
             f"int8 bytes touched / time = {touched / a / 1e12:.2f} TB/s "
             f"({100 * touched / a / copy_bw:.0f}% of copy bandwidth)"
         )

@@ -188,7 +188,11 @@ def test_bf16_inputs_use_bf16_dot_products(
 
     def native(bf16: bool) -> torch.Tensor:
         out = moe._core.forward_topk(
-            x.numpy().reshape(-1), tokens, w.numpy().reshape(-1), ids.numpy().reshape(-1), 2,
+            x.numpy().reshape(-1),
+            tokens,
+            w.numpy().reshape(-1),
+            ids.numpy().reshape(-1),
+            2,
             bf16=bf16,
         )
         return torch.from_numpy(out).reshape(tokens, -1)

@@ -37,6 +37,8 @@ def test_every_kernel_variant_compiles_without_spills(arch: str) -> None:
         "w8a8_gemm_bf16",
         "wna16_gemm_f16",
         "wna16_gemm_bf16",
+        "w8a8_imma_f32",
+        "w8a8_imma_bf16",
     }
     assert expected <= set(report)
     for name, r in report.items():
@@ -46,6 +48,7 @@ def test_every_kernel_variant_compiles_without_spills(arch: str) -> None:
         assert r["seconds"] > 0 and r["entries"], name
     assert "w8a8_grouped_gemm_bf16" in report["w8a8_gemm_bf16"]["entries"]
     assert "wna16_moe_gemm_f16" in report["wna16_gemm_f16"]["entries"]
+    assert "w8a8_imma_gemm_bf16" in report["w8a8_imma_bf16"]["entries"]
     assert "wna16_gemm_f32" not in report  # mma.sync takes 16-bit operands only
 
 
@@ -281,3 +284,31 @@ def test_wna16_takes_what_the_marlin_repack_writes(
         )
     with pytest.raises(mq.UnsupportedSchemeError, match="num_bits"):
         mq.cuda.wna16_moe_unverified(*args, num_bits=2, group_size=gs, top_k=1, **act)
+
+
+def test_w8a8_launcher_checks_gemm_and_static_scales(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    e, h, i = 4, 64, 32
+    args = (
+        torch.randn(3, h),
+        torch.randn(3, e),
+        torch.zeros(e, 2 * i, h, dtype=torch.int8),
+        torch.ones(e, 2 * i),
+        torch.zeros(e, h, i, dtype=torch.int8),
+        torch.ones(e, h),
+    )
+    _validate_only(monkeypatch)
+    for gemm in ("imma", "dp4a"):
+        with pytest.raises(_Validated):
+            mq.cuda.w8a8_moe_unverified(*args, top_k=2, gemm=gemm)
+    with pytest.raises(_Validated):
+        mq.cuda.w8a8_moe_unverified(*args, top_k=2, a13_scale=torch.ones(e), a2_scale=torch.ones(e))
+    with pytest.raises(mq.LayoutError, match="gemm"):
+        mq.cuda.w8a8_moe_unverified(*args, top_k=2, gemm="wmma")
+    with pytest.raises(mq.LayoutError, match="give both"):
+        mq.cuda.w8a8_moe_unverified(*args, top_k=2, a13_scale=torch.ones(e))
+    with pytest.raises(mq.LayoutError, match=r"a2_scale: expected float32 \[4\]"):
+        mq.cuda.w8a8_moe_unverified(
+            *args, top_k=2, a13_scale=torch.ones(e), a2_scale=torch.ones(e + 1)
+        )

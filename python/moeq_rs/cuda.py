@@ -202,14 +202,19 @@ def w8a8_moe_unverified(
     *,
     top_k: int,
     renormalize: bool = True,
+    a13_scale: Any = None,
+    a2_scale: Any = None,
+    gemm: str = "imma",
 ) -> Any:
-    """Dynamic per-token W8A8 MoE on CUDA tensors with this build's kernels (softmax top-k,
-    alignment, per-token int8 quantisation, dp4a grouped GEMMs, SiLU-and-mul, combine), on
-    torch's current stream. **Not yet run on a GPU**: ``scripts/gpu_check.sh`` is its first
-    check; it is not wired into :class:`moeq_rs.MoELayer` until that passes.
+    """W8A8 MoE on CUDA tensors with this build's kernels (softmax top-k, alignment, int8
+    activation quantisation, grouped int8 GEMMs, SiLU-and-mul, combine), on torch's current
+    stream. **Not yet run on a GPU**: ``scripts/gpu_check.sh`` is its first check; it is not
+    wired into :class:`moeq_rs.MoELayer` until that passes.
 
     ``w13`` int8 ``[E, 2I, H]`` (gate rows, then up rows), ``w2`` int8 ``[E, H, I]``, scales f32
-    ``[E, 2I]`` / ``[E, H]``; H and I multiples of 4; E <= 1024."""
+    ``[E, 2I]`` / ``[E, H]``; H and I multiples of 4; E <= 1024. Activations are quantised per
+    token (dynamic), or with each expert's static ``a13_scale`` / ``a2_scale`` (f32 ``[E]``, both
+    or neither). ``gemm``: ``"imma"`` (tensor cores, ``mma.sync`` s8) or ``"dp4a"``."""
     import torch
 
     from .errors import LayoutError
@@ -245,13 +250,46 @@ def w8a8_moe_unverified(
         raise LayoutError(f"router_logits: expected [{t_count}, {e}]")
     if not 1 <= top_k <= min(e, 64) or e > 1024:
         raise LayoutError("top_k must be in 1..min(E, 64) and E <= 1024")
+    if gemm not in ("imma", "dp4a"):
+        raise LayoutError(f"gemm: expected 'imma' or 'dp4a', got {gemm!r}")
+    static = (a13_scale, a2_scale)
+    if any(a is not None for a in static):
+        if any(a is None for a in static):
+            raise LayoutError("a13_scale and a2_scale: give both (static W8A8) or neither")
+        _check_cuda_tensors(x, {"a13_scale": a13_scale, "a2_scale": a2_scale})
+        for name, a in (("a13_scale", a13_scale), ("a2_scale", a2_scale)):
+            if a.dtype != torch.float32 or tuple(a.shape) != (e,):
+                raise LayoutError(f"{name}: expected float32 [{e}] (one input_scale per expert)")
     dt = _DTYPES[str(x.dtype).removeprefix("torch.")]
     r = _Routed(x, router_logits, e, top_k, renormalize)
     slots = r.slots
     rows = x.index_select(0, (r.order // top_k).long()).contiguous()
+    # The expert of each sorted row (for static scales), without a host sync.
+    counts = r.offsets[1:] - r.offsets[:-1]
+    row_expert = (
+        torch.repeat_interleave(torch.arange(e, device=x.device), counts, output_size=slots)
+        if a13_scale is not None
+        else None
+    )
 
-    def quantize(a: Any) -> tuple[Any, Any]:
+    def quantize(a: Any, static_scale: Any = None) -> tuple[Any, Any]:
         q = torch.empty(a.shape, dtype=torch.int8, device=x.device)
+        if static_scale is not None:
+            s = static_scale.index_select(0, row_expert).contiguous()
+            r.launch(
+                f"quant_int8_{dt}",
+                f"quant_int8_static_{dt}",
+                ((a.numel() + 255) // 256, 1, 1),
+                (256, 1, 1),
+                [
+                    ("ptr", a.data_ptr()),
+                    ("i32", a.shape[0]),
+                    ("i32", a.shape[1]),
+                    ("ptr", s.data_ptr()),
+                    ("ptr", q.data_ptr()),
+                ],
+            )
+            return q, s
         s = torch.empty(a.shape[0], dtype=torch.float32, device=x.device)
         r.launch(
             f"quant_int8_{dt}",
@@ -268,8 +306,27 @@ def w8a8_moe_unverified(
         )
         return q, s
 
-    def gemm(q: Any, s: Any, w: Any, ws: Any, n: int, k: int) -> Any:
+    def grouped_gemm(q: Any, s: Any, w: Any, ws: Any, n: int, k: int) -> Any:
         out = torch.empty(slots, n, dtype=x.dtype, device=x.device)
+        if gemm == "imma":
+            r.launch(
+                f"w8a8_imma_{dt}",
+                f"w8a8_imma_gemm_{dt}",
+                ((n + 63) // 64, (slots + 15) // 16 + e, 1),
+                (128, 1, 1),
+                [
+                    ("ptr", q.data_ptr()),
+                    ("ptr", s.data_ptr()),
+                    ("ptr", w.data_ptr()),
+                    ("ptr", ws.data_ptr()),
+                    ("ptr", r.offsets.data_ptr()),
+                    ("i32", e),
+                    ("i32", n),
+                    ("i32", k),
+                    ("ptr", out.data_ptr()),
+                ],
+            )
+            return out
         r.launch(
             f"w8a8_gemm_{dt}",
             f"w8a8_grouped_gemm_{dt}",
@@ -288,10 +345,10 @@ def w8a8_moe_unverified(
         )
         return out
 
-    q1, s1 = quantize(rows)
-    gu = gemm(q1, s1, w13, w13_scale, two_i, h)
-    q2, s2 = quantize(r.silu_and_mul(gu, inter, dt))
-    return r.combine(gemm(q2, s2, w2, w2_scale, h, inter), h, dt)
+    q1, s1 = quantize(rows, a13_scale)
+    gu = grouped_gemm(q1, s1, w13, w13_scale, two_i, h)
+    q2, s2 = quantize(r.silu_and_mul(gu, inter, dt), a2_scale)
+    return r.combine(grouped_gemm(q2, s2, w2, w2_scale, h, inter), h, dt)
 
 
 def wna16_moe_unverified(

@@ -47,7 +47,7 @@ pub fn variants() -> Vec<Variant> {
             &["moe_align"],
         ),
     ];
-    let per_dtype: [(&'static str, &'static str, &[&str]); 3] = [
+    let per_dtype: [(&'static str, &'static str, &[&str]); 4] = [
         (
             "moe_act.cu",
             include_str!("../../../../cuda/moe_act.cu"),
@@ -62,6 +62,11 @@ pub fn variants() -> Vec<Variant> {
             "w8a8_gemm.cu",
             include_str!("../../../../cuda/w8a8_gemm.cu"),
             &["w8a8_grouped_gemm"],
+        ),
+        (
+            "w8a8_imma.cu",
+            include_str!("../../../../cuda/w8a8_imma.cu"),
+            &["w8a8_imma_gemm"],
         ),
     ];
     // Tensor-core kernels: 16-bit activations only.
