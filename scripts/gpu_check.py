@@ -9,7 +9,9 @@
    zero points and act-order, fp16/bf16, M in {1, 16, 64, 256}; the Marlin tensors come from
    tests/marlin_ref.py (numpy, the table form of the layout);
 4. the W8A8 call on a non-default stream, and captured in a CUDA graph and replayed;
-5. a benchmark: ratios against torch bf16 (a per-expert loop) and against copy bandwidth, for
+5. whole layers from real checkpoints (mq.cuda.load_moe_layer_unverified) against the CPU
+   MoELayer, when tests/fixtures/out is carried along;
+6. a benchmark: ratios against torch bf16 (a per-expert loop) and against copy bandwidth, for
    W8A8 and W4A16 (Qwen3-30B-A3B shape).
 
 Prints one line per check and exits non-zero if any check fails.
@@ -130,6 +132,41 @@ def wna16_checks(dev: torch.device) -> None:
                     check(f"{name} {dtype} M={m}", False, repr(ex))
 
 
+FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "out"
+LAYER_FIXTURES = (
+    "qwen3_w8a8_dynamic",
+    "qwen3_w8a8_static",
+    "qwen3_w4a16_g128_asym",
+    "qwen3_w4a16_actorder",
+    "mixtral_w8a16_channel",
+)
+
+
+def layer_checks(dev: torch.device) -> None:
+    """mq.cuda.load_moe_layer_unverified against the CPU MoELayer on real compressed-tensors
+    checkpoints (tests/fixtures/out, carried to the GPU machine; skipped when absent)."""
+    for name in LAYER_FIXTURES:
+        path = FIXTURES / name
+        if not (path / ".complete").is_file():
+            print(f"SKIP layer {name}: {path} not here (carry tests/fixtures/out/{name})")
+            continue
+        try:
+            ckpt = mq.open(path)
+            layer = ckpt.moe_layers()[0]["layer"]
+            cpu = mq.MoELayer.from_checkpoint(ckpt, layer)
+            gpu = mq.cuda.load_moe_layer_unverified(ckpt, layer, device=dev)
+            for dtype in (torch.float16, torch.bfloat16):
+                x = (torch.randn(33, cpu.hidden_size) / 2).to(dtype)
+                logits = torch.randn(33, cpu.num_experts)
+                want = cpu(x.float(), logits)
+                got = gpu(x.to(dev), logits.to(dev))
+                torch.cuda.synchronize()
+                err = rel(got.float(), want)
+                check(f"layer {name} {dtype}", err <= 1e-2, f"rel L2 {err:.2e} (<= 1e-2)")
+        except Exception as ex:  # noqa: BLE001 - report and go on
+            check(f"layer {name}", False, repr(ex))
+
+
 def wna16_bench(dev: torch.device, copy_bw: float, timed) -> None:  # type: ignore[no-untyped-def]
     """W4A16 g128 on the Qwen3-30B-A3B shape: random Marlin words (any word is valid codes)."""
     e, h, i, k = 128, 2048, 768, 8
@@ -241,6 +278,7 @@ def main() -> int:
                         check(f"{kind} {dtype} M={m}", False, repr(ex))
 
     wna16_checks(dev)
+    layer_checks(dev)
 
     x = torch.randn(64, h, dtype=torch.bfloat16, device=dev)
     logits = torch.randn(64, e, device=dev)

@@ -4,6 +4,8 @@
 #     .venv/bin/maturin build --release -m rust_core/python/Cargo.toml -o dist
 # then, on the GPU machine, from the repository root:
 #     bash scripts/gpu_check.sh
+# (with the `run` tool: carry ["dist", "tests/fixtures/out/qwen3_w8a8_dynamic", ...]; the
+# fixture directories listed in LAYER_FIXTURES of gpu_check.py enable the whole-layer checks).
 # It installs dist/moeq_rs-*.whl into a temporary directory (no dependencies pulled) and runs
 # scripts/gpu_check.py: kernel compilation for the device's arch, W8A8 MoE correctness against
 # the CPU path, WNA16 (Marlin layout, mma.sync) correctness against an fp32 torch reference, a

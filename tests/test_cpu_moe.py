@@ -204,9 +204,17 @@ def test_bf16_inputs_use_bf16_dot_products(
     bf16 = native(True)
     assert torch.isfinite(bf16).all()
     if mq.oracle.cpu_bf16_dot():
-        near, far = rel_l2(bf16, rounded_h), rel_l2(bf16, exact_h)
-        assert near <= 2e-5, f"{name}: {near:.2e} from the bf16-intermediate emulation"
+        # Per-token errors, median: where fp32 and fp64 put an intermediate on different sides
+        # of a bf16 rounding boundary (about one element per test), that token moves by
+        # ~1e-4; the median is the typical token.
+        def per_token(a: torch.Tensor, b: torch.Tensor) -> float:
+            d = (a.double() - b.double()).norm(dim=1) / b.double().norm(dim=1)
+            return float(d.median())
+
+        near, far = per_token(bf16, rounded_h), per_token(bf16, exact_h)
+        assert near <= 1e-5, f"{name}: {near:.2e} from the bf16-intermediate emulation"
         assert far >= 20 * near, f"{name}: not measurably bf16 ({near:.2e} vs {far:.2e})"
+        assert rel_l2(bf16, rounded_h) <= 5e-4
     else:
         assert torch.equal(bf16, fp32)
     # The public API takes this path for bf16 tensors.

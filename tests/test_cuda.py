@@ -312,3 +312,133 @@ def test_w8a8_launcher_checks_gemm_and_static_scales(monkeypatch: pytest.MonkeyP
         mq.cuda.w8a8_moe_unverified(
             *args, top_k=2, a13_scale=torch.ones(e), a2_scale=torch.ones(e + 1)
         )
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen3_w4a16_g128_sym",
+        "qwen3_w4a16_g128_asym",
+        "qwen3_w4a16_actorder",
+        "qwen3_w8a16_g128",
+        "mixtral_w8a16_channel",
+    ],
+)
+def test_kernel_reads_the_checkpoint_weights_from_the_in_memory_marlin_layer(
+    fixture_path, tmp_path, name: str
+) -> None:
+    """Checkpoint.marlin_layer gives exactly the repack's bytes, and the WNA16 kernel's index
+    arithmetic (the numpy model) reads from them every expert's gate, up and down weights as
+    compressed-tensors' codes, zero points and scales define them, bit for bit."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    ckpt = mq.open(fixture_path(name))
+    info = ckpt.moe_layers()[0]
+    geo, tensors = ckpt.marlin_layer(info["layer"])
+    out = tmp_path / "marlin"
+    mq.repack.repack_checkpoint(ckpt, out)
+    on_disk: dict[str, torch.Tensor] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        on_disk.update(load_file(f))
+    assert tensors and all(torch.equal(t, on_disk[n]) for n, t in tensors.items())
+    assert json.loads((out / "config.json").read_text())
+
+    p, e = geo["prefix"], geo["experts"]
+    h, i, ip, bits, gs = (
+        geo[k] for k in ("hidden", "intermediate", "intermediate_padded", "bits", "group_size")
+    )
+    names = ("w1", "w3", "w2") if "block_sparse_moe" in p else ("gate_proj", "up_proj", "down_proj")
+    act = geo["act_order"]
+    for ex in range(e):
+        got = {}
+        for which, k, n, grouped in (
+            ("w13", h, 2 * ip, gs != -1 and gs < i),
+            ("w2", ip, h, gs != -1 and (ip // gs) > 1),
+        ):
+            z = tensors.get(f"{p}.{which}_weight_zero_point")
+            g_sorted = tensors.get(f"{p}.{which}_weight_g_idx") if act else None
+            w = wna16_kernel_model(
+                tensors[f"{p}.{which}_weight_packed"][ex].numpy(),
+                tensors[f"{p}.{which}_weight_scale"][ex].float().numpy(),
+                None if z is None else z[ex].numpy(),
+                None if g_sorted is None else g_sorted[ex].numpy(),
+                k,
+                n,
+                bits,
+                k if gs == -1 else gs,
+                grouped,
+            )
+            if act:  # Marlin row r holds original row perm[r]
+                perm = tensors[f"{p}.{which}_g_idx_sort_indices"][ex].numpy()
+                w = w[np.argsort(perm)]
+            got[which] = w
+        gate, up, down = (
+            ckpt.dequantize(f"{info['prefix']}.experts.{ex}.{m}", exact=True).double().numpy()
+            for m in names
+        )
+        np.testing.assert_array_equal(got["w13"][:, :i], gate.T)
+        np.testing.assert_array_equal(got["w13"][:, ip : ip + i], up.T)
+        np.testing.assert_array_equal(got["w2"][:i], down.T)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen3_w8a8_dynamic",
+        "qwen3_w8a8_static",
+        "qwen3_w4a16_g128_asym",
+        "qwen3_w4a16_actorder",
+        "mixtral_w8a16_channel",
+    ],
+)
+def test_cuda_layer_loader_builds_the_launch_arguments(
+    fixture_path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """load_moe_layer_unverified builds its launch arguments on any device; on CPU tensors the
+    launch refuses with a named error, and with the device check lifted every argument check
+    passes. W8A8 weights stacked for the GPU give the CPU layer's outputs exactly."""
+    import torch
+
+    ckpt = mq.open(fixture_path(name))
+    layer = ckpt.moe_layers()[0]["layer"]
+    moe = mq.cuda.load_moe_layer_unverified(ckpt, layer, device="cpu")
+    x = torch.randn(5, moe.hidden_size, dtype=torch.bfloat16)
+    logits = torch.randn(5, moe.num_experts)
+    with pytest.raises(mq.LayoutError, match="expected a CUDA tensor"):
+        moe(x, logits)
+    if moe.method == "w8a8_int8":
+        a = moe._args
+        static = moe._options["a13_scale"] is not None
+        cpu = mq.MoELayer.from_checkpoint(ckpt, layer)
+        rebuilt = mq.MoELayer.from_tensors(
+            a["w13"],
+            a["w2"],
+            a["w13_scale"][..., None],
+            a["w2_scale"][..., None],
+            scheme="w8a8_static" if static else "w8a8_dynamic",
+            top_k=moe.top_k,
+            a13_scale=moe._options["a13_scale"],
+            a2_scale=moe._options["a2_scale"],
+        )
+        xf = torch.randn(7, moe.hidden_size)
+        lg = torch.randn(7, moe.num_experts)
+        assert torch.equal(rebuilt(xf, lg), cpu(xf, lg))
+    _validate_only(monkeypatch)
+    with pytest.raises(_Validated):
+        moe(x, logits)
+
+
+@pytest.mark.parametrize(
+    "name,match",
+    [("deepseek_v3_w8a8_dynamic", "shared experts"), ("laguna_mixed_int4_int8", "not on the CUDA")],
+)
+def test_cuda_layer_loader_names_what_it_cannot_run(fixture_path, name: str, match: str) -> None:
+    ckpt = mq.open(fixture_path(name))
+    layer = ckpt.moe_layers()[0]["layer"]
+    with pytest.raises(mq.UnsupportedSchemeError, match=match):
+        mq.cuda.load_moe_layer_unverified(ckpt, layer, device="cpu")
+    with pytest.raises(mq.LayoutError, match="no MoE block"):
+        mq.cuda.load_moe_layer_unverified(ckpt, 99, device="cpu")

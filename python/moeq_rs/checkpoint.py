@@ -161,6 +161,24 @@ class Checkpoint:
             return torch.empty(shape, dtype=_torch_dtype(dtype))
         return torch.frombuffer(data, dtype=_torch_dtype(dtype)).reshape(shape)
 
+    def marlin_layer(self, layer: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Decoder layer ``layer``'s MoE tensors in the Marlin layout, in memory: exactly what
+        ``moeq repack --target marlin`` writes for it (``P.w13_weight_packed``,
+        ``P.w13_weight_scale``, ..., with ``P = <prefix>.experts``), and its geometry
+        (``experts``, ``hidden``, ``intermediate``, ``intermediate_padded``, ``bits``,
+        ``group_size``, ``symmetric``, ``act_order``, ``scale_dtype``, ``prefix``). Raises
+        :class:`moeq_rs.UnsupportedSchemeError` for layers Marlin cannot hold."""
+        import torch
+
+        geometry, tensors = self._core.marlin_layer(layer)
+        out = {}
+        for name, dtype, shape, data in tensors:
+            t = torch.frombuffer(data, dtype=_torch_dtype(dtype)) if len(data) else None
+            out[name] = (
+                t.reshape(shape) if t is not None else torch.empty(shape, dtype=_torch_dtype(dtype))
+            )
+        return geometry, out
+
     def __repr__(self) -> str:
         layers = self.summary()["moe_layers"]
         return f"<moeq_rs.Checkpoint {str(self.path)!r}: {len(layers)} MoE layers>"

@@ -18,6 +18,7 @@ __all__ = [
     "compile_kernels",
     "driver_present",
     "is_available",
+    "load_moe_layer_unverified",
     "nvrtc_dirs",
     "nvrtc_version",
     "w8a8_moe_unverified",
@@ -546,3 +547,159 @@ def wna16_moe_unverified(
         grouped2,
     )
     return r.combine(down, h, dt)
+
+
+def _int8_stack(ckpt: Any, info: dict[str, Any]) -> dict[str, Any]:
+    """A W8A8 layer's int8 weights stacked as the W8A8 launcher takes them (CPU tensors)."""
+    import torch
+
+    from .errors import UnsupportedSchemeError
+
+    p = info["prefix"]
+    mixtral = p.endswith("block_sparse_moe")
+    gate_n, up_n, down_n = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+
+    def t(name: str) -> Any:
+        return ckpt.tensor(name, "torch")
+
+    w13, s13, w2, s2, a13, a2 = [], [], [], [], [], []
+    static = not info["activation"]["dynamic"]
+    for e in range(info["num_experts"]):
+        base = f"{p}.experts.{e}"
+        gate, up, down = (f"{base}.{m}" for m in (gate_n, up_n, down_n))
+        w13.append(torch.cat([t(f"{gate}.weight"), t(f"{up}.weight")]))
+        s13.append(
+            torch.cat([t(f"{gate}.weight_scale"), t(f"{up}.weight_scale")]).float().reshape(-1)
+        )
+        w2.append(t(f"{down}.weight"))
+        s2.append(t(f"{down}.weight_scale").float().reshape(-1))
+        if static:
+            g_in, u_in = (t(f"{m}.input_scale").float().reshape(-1) for m in (gate, up))
+            if not torch.equal(g_in, u_in):
+                raise UnsupportedSchemeError(
+                    f"{gate}.input_scale and {up}.input_scale differ: one static scale per "
+                    "expert input is needed"
+                )
+            a13.append(g_in[0])
+            a2.append(t(f"{down}.input_scale").float().reshape(-1)[0])
+    out = {
+        "w13": torch.stack(w13).contiguous(),
+        "w13_scale": torch.stack(s13).contiguous(),
+        "w2": torch.stack(w2).contiguous(),
+        "w2_scale": torch.stack(s2).contiguous(),
+    }
+    if static:
+        out["a13_scale"] = torch.stack(a13).contiguous()
+        out["a2_scale"] = torch.stack(a2).contiguous()
+    return out
+
+
+def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any = "cuda") -> Any:
+    """Decoder layer ``layer`` on ``device`` for the CUDA kernels: a ``torch.nn.Module`` whose
+    ``forward(hidden_states, router_logits)`` runs :func:`wna16_moe_unverified` (weights from
+    :meth:`moeq_rs.Checkpoint.marlin_layer`) or :func:`w8a8_moe_unverified` (int8 weights
+    stacked from the checkpoint, static scales per expert). **Not yet run on a GPU**; it
+    becomes ``MoELayer.from_checkpoint(..., device="cuda")`` once ``scripts/gpu_check.sh``
+    passes. Softmax top-k routing only; layers with shared experts, sigmoid or grouped routing,
+    routed scaling, logit soft-capping or mixed schemes raise
+    :class:`moeq_rs.UnsupportedSchemeError` with the reason."""
+    import torch
+
+    from .checkpoint import Checkpoint
+    from .checkpoint import open as open_checkpoint
+    from .errors import LayoutError, UnsupportedSchemeError
+
+    ckpt = (
+        path_or_checkpoint
+        if isinstance(path_or_checkpoint, Checkpoint)
+        else open_checkpoint(path_or_checkpoint)
+    )
+    info = next((x for x in ckpt.moe_layers() if x["layer"] == layer), None)
+    if info is None:
+        raise LayoutError(f"layer {layer}: this decoder layer has no MoE block")
+    routing = ckpt.summary()["routing"]
+    why = []
+    if info["shared_experts"]:
+        why.append("shared experts")
+    if routing["scoring_func"] != "softmax" or routing["n_group"]:
+        why.append(f"{routing['scoring_func']} routing (n_group {routing['n_group']})")
+    if routing["routed_scaling_factor"] != 1.0:
+        why.append(f"routed_scaling_factor {routing['routed_scaling_factor']}")
+    if routing["logit_softcapping"]:
+        why.append("router logit soft-capping")
+    if info["mixed"]:
+        why.append("mixed schemes across experts")
+    if not info["gated"]:
+        why.append("non-gated experts")
+    if info["method"] not in ("wna16", "w8a8_int8"):
+        why.append(f"method {info['method']}")
+    if why:
+        raise UnsupportedSchemeError(
+            f"layer {layer} ({info['prefix']}): not on the CUDA path yet: {', '.join(why)}"
+        )
+    top_k = routing["top_k"]
+    if not top_k:
+        raise LayoutError("config.json: no num_experts_per_tok (top_k)")
+    dev = torch.device(device)
+    if info["method"] == "wna16":
+        geo, tensors = ckpt.marlin_layer(layer)
+        p = geo["prefix"]
+
+        def get(suffix: str) -> Any:
+            t = tensors.get(f"{p}.{suffix}")
+            return None if t is None else t.to(dev)
+
+        args = {
+            "w13": get("w13_weight_packed"),
+            "w13_scale": get("w13_weight_scale"),
+            "w2": get("w2_weight_packed"),
+            "w2_scale": get("w2_weight_scale"),
+        }
+        options: dict[str, Any] = {
+            "num_bits": geo["bits"],
+            "group_size": geo["group_size"],
+            "intermediate_size": geo["intermediate"],
+            "w13_zero_point": get("w13_weight_zero_point"),
+            "w2_zero_point": get("w2_weight_zero_point"),
+        }
+        if geo["act_order"]:
+            options.update(
+                w13_g_idx=get("w13_weight_g_idx"),
+                w2_g_idx=get("w2_weight_g_idx"),
+                w13_sort_indices=get("w13_g_idx_sort_indices"),
+                w2_sort_indices=get("w2_g_idx_sort_indices"),
+            )
+        run = wna16_moe_unverified
+    else:
+        stacked = {k: v.to(dev) for k, v in _int8_stack(ckpt, info).items()}
+        args = {k: stacked[k] for k in ("w13", "w13_scale", "w2", "w2_scale")}
+        options = {k: stacked.get(k) for k in ("a13_scale", "a2_scale")}
+        run = w8a8_moe_unverified
+
+    class CudaMoELayerUnverified(torch.nn.Module):
+        """One MoE layer on the CUDA kernels (unverified; see load_moe_layer_unverified)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer, self.method, self.top_k = layer, info["method"], top_k
+            self.hidden_size, self.num_experts = info["hidden_size"], info["num_experts"]
+            self._args, self._options = args, options
+            self._renormalize = bool(routing["renormalize"])
+
+        def forward(self, hidden_states: Any, router_logits: Any) -> Any:
+            return run(
+                hidden_states,
+                router_logits,
+                self._args["w13"],
+                self._args["w13_scale"],
+                self._args["w2"],
+                self._args["w2_scale"],
+                top_k=self.top_k,
+                renormalize=self._renormalize,
+                **self._options,
+            )
+
+        def extra_repr(self) -> str:
+            return f"layer={self.layer}, method={self.method}, experts={self.num_experts}"
+
+    return CudaMoELayerUnverified()

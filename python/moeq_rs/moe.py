@@ -24,6 +24,12 @@ __all__ = ["MoELayer", "fused_moe"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
+_NOT_ON_CUDA_YET = (
+    "device={device!r}: MoELayer runs on the CPU only until the CUDA kernels pass "
+    "scripts/gpu_check.sh on a GPU; mq.cuda.load_moe_layer_unverified(path, layer) runs the "
+    "unverified CUDA path"
+)
+
 
 def _check(t: object, name: str, ndim: int, floating: bool) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
@@ -68,7 +74,7 @@ class MoELayer(torch.nn.Module):
         from .errors import CudaUnavailableError
 
         if device != "cpu":
-            raise CudaUnavailableError(f"device={device!r}: only the CPU path exists so far")
+            raise CudaUnavailableError(_NOT_ON_CUDA_YET.format(device=device))
         ckpt = (
             path_or_checkpoint
             if isinstance(path_or_checkpoint, Checkpoint)
@@ -320,7 +326,7 @@ def from_tensors(
     from .errors import CudaUnavailableError
 
     if device != "cpu":
-        raise CudaUnavailableError(f"device={device!r}: only the CPU path exists so far")
+        raise CudaUnavailableError(_NOT_ON_CUDA_YET.format(device=device))
     return _layer_from_tensors(
         cls,
         w13,

@@ -276,6 +276,37 @@ impl Checkpoint {
         Ok(v.to_string())
     }
 
+    /// Decoder layer `layer`'s MoE tensors in the Marlin layout, in memory (what `repack`
+    /// writes for it): `(geometry, [(name, dtype, shape, bytearray)])`.
+    fn marlin_layer<'py>(
+        &self,
+        py: Python<'py>,
+        layer: usize,
+    ) -> PyResult<(Bound<'py, PyDict>, Vec<MarlinTensor<'py>>)> {
+        let model = Arc::clone(&self.model);
+        let (g, tensors) = py
+            .detach(move || moeq_core::repack::checkpoint::marlin_layer(&model, layer))
+            .map_err(|e| to_py(py, e))?;
+        let d = PyDict::new(py);
+        d.set_item("prefix", &g.prefix)?;
+        d.set_item("experts", g.experts)?;
+        d.set_item("hidden", g.hidden)?;
+        d.set_item("intermediate", g.intermediate)?;
+        d.set_item("intermediate_padded", g.intermediate_padded)?;
+        d.set_item("bits", g.bits)?;
+        d.set_item("group_size", g.group_size)?;
+        d.set_item("symmetric", g.symmetric)?;
+        d.set_item("act_order", g.act_order)?;
+        d.set_item("scale_dtype", g.scale_dtype.name())?;
+        let out = tensors
+            .into_iter()
+            .map(|(name, dtype, shape, bytes)| {
+                (name, dtype.name(), shape, PyByteArray::new(py, &bytes))
+            })
+            .collect();
+        Ok((d, out))
+    }
+
     /// Dequantises a module: `(bytearray, dtype, [out, in])`, bit-exact with compressed-tensors;
     /// with `exact` the unrounded values in F32.
     #[pyo3(signature = (module, exact=false))]
@@ -297,6 +328,9 @@ impl Checkpoint {
         ))
     }
 }
+
+/// `(name, dtype, shape, bytes)` of one converted tensor.
+type MarlinTensor<'py> = (String, &'static str, Vec<usize>, Bound<'py, PyByteArray>);
 
 impl Checkpoint {
     fn locate(

@@ -391,6 +391,61 @@ fn expert_tensors<'a>(
     })
 }
 
+/// One converted tensor: name, dtype, shape and bytes.
+pub type LayerTensor = (String, crate::checkpoint::dtype::DType, Vec<usize>, Vec<u8>);
+
+/// Decoder layer `layer`'s MoE tensors in the Marlin layout, in memory: exactly what
+/// [`repack`] writes for it (in [`MarlinGeometry::specs`] order), with its geometry. For
+/// loading one layer onto a GPU without writing a checkpoint.
+pub fn marlin_layer(model: &Model, layer: usize) -> Result<(MarlinGeometry, Vec<LayerTensor>)> {
+    let ckpt = model.checkpoint();
+    let l = model
+        .moe_layers()
+        .iter()
+        .find(|l| l.layer == layer)
+        .ok_or_else(|| {
+            Error::from(LayoutError {
+                subject: format!("layer {layer}"),
+                reason: "this decoder layer has no MoE block".into(),
+            })
+        })?;
+    let g = geometry(l)?;
+    let specs = g.specs();
+    let mut bufs: Vec<Vec<u8>> = specs
+        .iter()
+        .map(|(_, d, shape)| vec![0u8; shape.iter().product::<usize>() * d.bit_size() / 8])
+        .collect();
+    let version = model.quantization_config().and_then(|q| q.version.clone());
+    let mut sink = |e: usize, name: &str, data: &[u8]| -> Result<()> {
+        let slot = specs
+            .iter()
+            .position(|s| s.0 == name)
+            .and_then(|i| bufs.get_mut(i))
+            .and_then(|b| b.get_mut(e * data.len()..(e + 1) * data.len()));
+        match slot {
+            Some(dst) => {
+                dst.copy_from_slice(data);
+                Ok(())
+            }
+            None => Err(LayoutError {
+                subject: name.into(),
+                reason: format!(
+                    "expert {e}'s {} bytes do not fit the stacked tensor",
+                    data.len()
+                ),
+            }
+            .into()),
+        }
+    };
+    convert_layer(ckpt, l, &g, version.as_deref(), &mut sink, &mut |_| {})?;
+    let tensors = specs
+        .into_iter()
+        .zip(bufs)
+        .map(|((name, dtype, shape), bytes)| (name, dtype, shape, bytes))
+        .collect();
+    Ok((g, tensors))
+}
+
 fn write_json(path: &Path, v: &Value) -> Result<()> {
     let text = serde_json::to_string_pretty(v).map_err(|e| output_error(path, e.to_string()))?;
     std::fs::write(path, text + "\n").map_err(|e| io(path, e))
