@@ -163,6 +163,10 @@ def layer_checks(dev: torch.device) -> None:
                 torch.cuda.synchronize()
                 err = rel(got.float(), want)
                 check(f"layer {name} {dtype}", err <= 1e-2, f"rel L2 {err:.2e} (<= 1e-2)")
+            compiled = torch.compile(gpu, fullgraph=True)(x.to(dev), logits.to(dev))
+            torch.cuda.synchronize()
+            err = rel(compiled.float(), want)
+            check(f"layer {name} torch.compile", err <= 1e-2, f"rel L2 {err:.2e}")
         except Exception as ex:  # noqa: BLE001 - report and go on
             check(f"layer {name}", False, repr(ex))
 

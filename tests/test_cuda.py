@@ -442,3 +442,34 @@ def test_cuda_layer_loader_names_what_it_cannot_run(fixture_path, name: str, mat
         mq.cuda.load_moe_layer_unverified(ckpt, layer, device="cpu")
     with pytest.raises(mq.LayoutError, match="no MoE block"):
         mq.cuda.load_moe_layer_unverified(ckpt, 99, device="cpu")
+
+
+def test_cuda_layer_goes_through_the_custom_op_under_compile(
+    fixture_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under torch.compile the CUDA layer is one torch.ops.moeq.moe_forward call on its own
+    handle (fake implementation for tracing), which runs its launcher; here the launcher is
+    replaced by the CPU layer, since this machine has no GPU."""
+    import torch
+
+    ckpt = mq.open(fixture_path("qwen3_w8a8_dynamic"))
+    cpu = mq.MoELayer.from_checkpoint(ckpt, 0)
+
+    def launcher(x, logits, *_args, **_kwargs):  # type: ignore[no-untyped-def]
+        return cpu._forward_eager(x, logits)
+
+    monkeypatch.setattr(mq.cuda, "w8a8_moe_unverified", launcher)
+    moe = mq.cuda.load_moe_layer_unverified(ckpt, 0, device="cpu")
+    handles = []
+
+    def backend(gm, _inputs):  # type: ignore[no-untyped-def]
+        for node in gm.graph.nodes:
+            if node.target in (torch.ops.moeq.moe_forward, torch.ops.moeq.moe_forward.default):
+                handles.append(node.args[2])
+        return gm.forward
+
+    x, logits = torch.randn(4, moe.hidden_size), torch.randn(4, moe.num_experts)
+    torch._dynamo.reset()
+    compiled = torch.compile(moe, fullgraph=True, backend=backend)
+    assert torch.equal(compiled(x, logits), cpu(x, logits))
+    assert handles == [moe._handle]

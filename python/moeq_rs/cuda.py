@@ -676,8 +676,12 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
         options = {k: stacked.get(k) for k in ("a13_scale", "a2_scale")}
         run = w8a8_moe_unverified
 
+    from .moe import _register
+
     class CudaMoELayerUnverified(torch.nn.Module):
-        """One MoE layer on the CUDA kernels (unverified; see load_moe_layer_unverified)."""
+        """One MoE layer on the CUDA kernels (unverified; see load_moe_layer_unverified).
+        Under ``torch.compile`` it goes through ``torch.ops.moeq.moe_forward`` (with a fake
+        implementation), like :class:`moeq_rs.MoELayer`."""
 
         def __init__(self) -> None:
             super().__init__()
@@ -685,8 +689,14 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
             self.hidden_size, self.num_experts = info["hidden_size"], info["num_experts"]
             self._args, self._options = args, options
             self._renormalize = bool(routing["renormalize"])
+            self._handle = _register(self)
 
         def forward(self, hidden_states: Any, router_logits: Any) -> Any:
+            if torch.compiler.is_compiling():
+                return torch.ops.moeq.moe_forward(hidden_states, router_logits, self._handle)
+            return self._forward_eager(hidden_states, router_logits)
+
+        def _forward_eager(self, hidden_states: Any, router_logits: Any) -> Any:
             return run(
                 hidden_states,
                 router_logits,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -384,10 +384,12 @@ def fused_moe(
 # ---- torch.ops.moeq.* custom ops (with fake implementations for torch.compile) ----------------
 
 # Layers by handle for the custom ops (weak: a layer dropped by its owner is freed).
-_LAYERS: weakref.WeakValueDictionary[int, MoELayer] = weakref.WeakValueDictionary()
+_LAYERS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 
-def _register(layer: MoELayer) -> int:
+def _register(layer: torch.nn.Module) -> int:
+    """A handle for the custom ops: any module with ``_forward_eager`` (``MoELayer``, the CUDA
+    layer of ``moeq_rs.cuda``)."""
     handle = id(layer)
     _LAYERS[handle] = layer
     return handle
