@@ -20,7 +20,7 @@
 
 use std::cell::RefCell;
 
-use super::{BlockedWo, Codes, BLOCK, TILE_ROWS};
+use super::{BlockedWo, BLOCK, TILE_ROWS};
 use crate::cpu::kernels::bf16_dot;
 
 /// Rows from which weight-only layers with bf16 inputs use this path.
@@ -305,6 +305,7 @@ pub struct Tile<'a> {
     zp: Option<&'a [f32]>,
     /// Code bytes widened next, prefetched (one line per pair step) while this tile runs: the
     /// widening is the first read of the weights and would otherwise wait on memory.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     ahead: &'a [u8],
 }
 
@@ -345,7 +346,8 @@ pub fn tile_scalar(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{BlockedWo, Codes, Tile, BLOCK, TILE_BLOCKS, TILE_ROWS};
+    use super::super::Codes;
+    use super::{BlockedWo, Tile, BLOCK, TILE_BLOCKS, TILE_ROWS};
     use std::arch::x86_64::*;
 
     /// Widens one block (see [`BlockedWo::widen_scalar`]).
