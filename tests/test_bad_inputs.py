@@ -282,3 +282,32 @@ def test_cli_usage_errors_are_one_line(argv: list[str]) -> None:
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("moeq: error: "), r.stderr
+
+
+def test_out_of_range_act_order_g_idx(fixture_path, tmp_path: Path) -> None:
+    """A g_idx entry naming a group the scales do not have is refused by the CPU loader and the
+    Marlin conversion (it would index past the scales), naming the tensor and the entry."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst = tmp_path / "m"
+    shutil.copytree(fixture_path("qwen3_w4a16_actorder"), dst)
+    name = "model.layers.0.mlp.experts.0.gate_proj.weight_g_idx"
+    for f in sorted(dst.glob("*.safetensors")):
+        tensors = load_file(f)
+        if name in tensors:
+            tensors[name] = tensors[name].clone()
+            tensors[name][5] = 99
+            save_file(tensors, f, metadata={"format": "pt"})
+            break
+    else:
+        pytest.fail(f"{name} not in the fixture")
+    ckpt = mq.open(dst)
+    with pytest.raises(mq.MoeqError, match=r"gate_proj.*entry 5 is 99"):
+        mq.MoELayer.from_checkpoint(ckpt, 0)
+    with pytest.raises(mq.MoeqError, match=r"gate_proj\.weight_g_idx.*entry 5 is 99"):
+        ckpt.marlin_layer(0)
+    with pytest.raises(mq.MoeqError, match=r"gate_proj\.weight_g_idx.*entry 5 is 99"):
+        mq.repack.repack_checkpoint(ckpt, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

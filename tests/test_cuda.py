@@ -211,6 +211,7 @@ def test_wna16_checks_its_arguments_before_any_launch() -> None:
             num_bits=4,
             group_size=128,
             top_k=1,
+            intermediate_size=128,
         )
 
 
@@ -273,17 +274,34 @@ def test_wna16_takes_what_the_marlin_repack_writes(
     )
     _validate_only(monkeypatch)
     with pytest.raises(_Validated):
-        mq.cuda.wna16_moe_unverified(*args, num_bits=bits, group_size=gs, top_k=moe.top_k, **act)
+        mq.cuda.wna16_moe_unverified(
+            *args, num_bits=bits, group_size=gs, top_k=moe.top_k, intermediate_size=128, **act
+        )
     with pytest.raises(mq.LayoutError, match="w2:"):
         mq.cuda.wna16_moe_unverified(
-            *args[:4], args[4][:, :-1], args[5], num_bits=bits, group_size=gs, top_k=1, **act
+            *args[:4],
+            args[4][:, :-1],
+            args[5],
+            num_bits=bits,
+            group_size=gs,
+            top_k=1,
+            intermediate_size=128,
+            **act,
         )
     with pytest.raises(mq.LayoutError, match="hidden_states"):
         mq.cuda.wna16_moe_unverified(
-            x.float(), *args[1:], num_bits=bits, group_size=gs, top_k=1, **act
+            x.float(),
+            *args[1:],
+            num_bits=bits,
+            group_size=gs,
+            top_k=1,
+            intermediate_size=128,
+            **act,
         )
     with pytest.raises(mq.UnsupportedSchemeError, match="num_bits"):
-        mq.cuda.wna16_moe_unverified(*args, num_bits=2, group_size=gs, top_k=1, **act)
+        mq.cuda.wna16_moe_unverified(
+            *args, num_bits=2, group_size=gs, top_k=1, intermediate_size=128, **act
+        )
 
 
 def test_w8a8_launcher_checks_gemm_and_static_scales(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -473,3 +491,54 @@ def test_cuda_layer_goes_through_the_custom_op_under_compile(
     compiled = torch.compile(moe, fullgraph=True, backend=backend)
     assert torch.equal(compiled(x, logits), cpu(x, logits))
     assert handles == [moe._handle]
+
+
+def test_wna16_launcher_refuses_shapes_the_kernel_would_overrun(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    e, h, i = 2, 192, 128
+    args = (
+        torch.randn(3, h, dtype=torch.bfloat16),
+        torch.randn(3, e),
+        torch.zeros(e, h // 16, 2 * i * 2, dtype=torch.int32),
+        torch.ones(e, 1, 2 * i),
+        torch.zeros(e, i // 16, h * 2, dtype=torch.int32),
+        torch.ones(e, 1, h),
+    )
+    _validate_only(monkeypatch)
+    # A group that does not divide H would read the next expert's scales.
+    with pytest.raises(mq.UnsupportedSchemeError, match="group_size: 128 must divide H = 192"):
+        mq.cuda.wna16_moe_unverified(
+            *args, num_bits=4, group_size=128, top_k=1, intermediate_size=i
+        )
+    with pytest.raises(_Validated):
+        mq.cuda.wna16_moe_unverified(*args, num_bits=4, group_size=-1, top_k=1, intermediate_size=i)
+    with pytest.raises(mq.LayoutError, match="intermediate_size"):
+        mq.cuda.wna16_moe_unverified(
+            *args, num_bits=4, group_size=-1, top_k=1, intermediate_size=i + 64
+        )
+    odd = torch.empty(3 * h + 1, dtype=torch.bfloat16)[1:].view(3, h)
+    with pytest.raises(mq.LayoutError, match="hidden_states: its data must start 4-byte aligned"):
+        mq.cuda.wna16_moe_unverified(
+            odd, *args[1:], num_bits=4, group_size=-1, top_k=1, intermediate_size=i
+        )
+    with pytest.raises(mq.LayoutError, match="split the batch"):
+        mq.cuda._check_grid(600_000, 2, 8)
+    mq.cuda._check_grid(1024, 8, 128)
+
+
+def test_act_order_indices_are_range_checked(fixture_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sort index past K would make the kernel read past an activation row: refused."""
+    import torch
+
+    ckpt = mq.open(fixture_path("qwen3_w4a16_actorder"))
+    moe = mq.cuda.load_moe_layer_unverified(ckpt, 0, device="cpu")
+    _validate_only(monkeypatch)
+    bad = moe._options["w2_sort_indices"].clone()
+    bad[1, 3] = 128  # I = 128: one past the last column
+    moe._options["w2_sort_indices"] = bad
+    x = torch.randn(4, moe.hidden_size).to(torch.bfloat16)
+    with pytest.raises(mq.LayoutError, match=r"w2_sort_indices: entries must lie in 0..127"):
+        moe(x, torch.randn(4, moe.num_experts))

@@ -88,6 +88,7 @@ _DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
 
 def _check_cuda_tensors(x: Any, tensors: dict[str, Any]) -> None:
+    """CUDA, on hidden_states' device, contiguous."""
     import torch
 
     from .errors import LayoutError
@@ -99,6 +100,45 @@ def _check_cuda_tensors(x: Any, tensors: dict[str, Any]) -> None:
             raise LayoutError(f"{name}: on {t.device}, hidden_states on {x.device}")
         if not t.is_contiguous():
             raise LayoutError(f"{name}: expected a contiguous tensor")
+
+
+def _check_aligned(tensors: dict[str, Any]) -> None:
+    """The kernels read these tensors 4 bytes at a time: their data must start 4-byte aligned."""
+    from .errors import LayoutError
+
+    for name, t in tensors.items():
+        if t.data_ptr() % 4:
+            raise LayoutError(
+                f"{name}: its data must start 4-byte aligned (a view at an odd offset?)"
+            )
+
+
+# Grid y of the grouped GEMMs: one block per 16 sorted rows, plus one per expert.
+_MAX_GRID_Y = 65535
+
+
+def _check_grid(tokens: int, top_k: int, experts: int) -> None:
+    from .errors import LayoutError
+
+    if (tokens * top_k + 15) // 16 + experts > _MAX_GRID_Y:
+        raise LayoutError(
+            f"hidden_states: {tokens} tokens x top_k {top_k} need more GEMM blocks than one "
+            f"launch holds ({_MAX_GRID_Y}); split the batch"
+        )
+
+
+def _check_index_range(name: str, t: Any, hi: int) -> None:
+    """Every entry of an index tensor in ``0..hi`` (a device reduction and a sync, skipped while
+    a CUDA graph is being captured; check once before capturing)."""
+    import torch
+
+    from .errors import LayoutError
+
+    if t.numel() == 0 or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    lo, top = int(t.min()), int(t.max())
+    if lo < 0 or top >= hi:
+        raise LayoutError(f"{name}: entries must lie in 0..{hi - 1}, found {lo}..{top}")
 
 
 class _Routed:
@@ -232,6 +272,7 @@ def w8a8_moe_unverified(
             "w2_scale": w2_scale,
         },
     )
+    _check_aligned({"w13": w13, "w2": w2})
     if str(x.dtype).removeprefix("torch.") not in _DTYPES or x.dim() != 2:
         raise LayoutError("hidden_states: expected [T, H] float32, float16 or bfloat16")
     t_count, h = x.shape
@@ -261,6 +302,9 @@ def w8a8_moe_unverified(
         for name, a in (("a13_scale", a13_scale), ("a2_scale", a2_scale)):
             if a.dtype != torch.float32 or tuple(a.shape) != (e,):
                 raise LayoutError(f"{name}: expected float32 [{e}] (one input_scale per expert)")
+    _check_grid(t_count, top_k, e)
+    if t_count == 0:
+        return torch.empty(0, h, dtype=x.dtype, device=x.device)
     dt = _DTYPES[str(x.dtype).removeprefix("torch.")]
     r = _Routed(x, router_logits, e, top_k, renormalize)
     slots = r.slots
@@ -364,7 +408,7 @@ def wna16_moe_unverified(
     group_size: int,
     top_k: int,
     renormalize: bool = True,
-    intermediate_size: int | None = None,
+    intermediate_size: int,
     w13_zero_point: Any = None,
     w2_zero_point: Any = None,
     w13_g_idx: Any = None,
@@ -380,8 +424,9 @@ def wna16_moe_unverified(
     ``w13`` int32 ``[E, H/16, 2I*16/pf]``, ``w2`` int32 ``[E, I/16, H*16/pf]`` (pf = 32 /
     num_bits); scales ``[E, G, N]`` in Marlin order (converted to the activation dtype, as vLLM
     keeps them in the model dtype); 4-bit zero points int32 ``[E, G, N/8]``; act-order: sorted
-    g_idx and sort indices int32 ``[E, K]``. ``intermediate_size`` is the unpadded I (it picks
-    the scale table of w13, as the repack did); default: the padded one."""
+    g_idx and sort indices int32 ``[E, K]`` (their ranges are checked with a sync, except while
+    a CUDA graph is captured). ``intermediate_size`` is the unpadded I: it picks the scale table
+    of w13, as the repack did."""
     import torch
 
     from .errors import LayoutError, UnsupportedSchemeError
@@ -408,6 +453,7 @@ def wna16_moe_unverified(
             **given,
         },
     )
+    _check_aligned({"hidden_states": x})
     if x.dtype not in (torch.float16, torch.bfloat16) or x.dim() != 2:
         raise LayoutError("hidden_states: expected [T, H] float16 or bfloat16 (tensor cores)")
     if num_bits not in (4, 8):
@@ -427,6 +473,12 @@ def wna16_moe_unverified(
         raise UnsupportedSchemeError(
             f"group_size: expected -1 or a positive multiple of 16, got {group_size}"
         )
+    if group_size != -1 and (h % group_size or inter % group_size):
+        raise UnsupportedSchemeError(
+            f"group_size: {group_size} must divide H = {h} and the (padded) I = {inter}"
+        )
+    if not 0 < intermediate_size <= inter:
+        raise LayoutError(f"intermediate_size: expected 1..{inter}, got {intermediate_size}")
     g13 = 1 if group_size == -1 else h // group_size
     g2 = 1 if group_size == -1 else inter // group_size
     for name, s, shape in (
@@ -457,15 +509,21 @@ def wna16_moe_unverified(
         ):
             if a.dtype != torch.int32 or tuple(a.shape) != (e, k):
                 raise LayoutError(f"{name}: expected int32 [{e}, {k}]")
+        _check_index_range("w13_g_idx", w13_g_idx, g13)
+        _check_index_range("w2_g_idx", w2_g_idx, g2)
+        _check_index_range("w13_sort_indices", w13_sort_indices, h)
+        _check_index_range("w2_sort_indices", w2_sort_indices, inter)
     if tuple(router_logits.shape) != (t_count, e):
         raise LayoutError(f"router_logits: expected [{t_count}, {e}]")
     if not 1 <= top_k <= min(e, 64) or e > 1024:
         raise LayoutError("top_k must be in 1..min(E, 64) and E <= 1024")
     # The scale tables the repack used (vLLM's rules): w13 grouped iff group_size < I, w2
     # grouped iff it has more than one group.
-    unpadded = intermediate_size if intermediate_size is not None else inter
-    grouped13 = int(group_size != -1 and group_size < unpadded)
+    grouped13 = int(group_size != -1 and group_size < intermediate_size)
     grouped2 = int(group_size != -1 and g2 > 1)
+    _check_grid(t_count, top_k, e)
+    if t_count == 0:
+        return torch.empty(0, h, dtype=x.dtype, device=x.device)
     dt = _DTYPES[str(x.dtype).removeprefix("torch.")]
     r = _Routed(x, router_logits, e, top_k, renormalize)
     slots = r.slots
@@ -564,6 +622,18 @@ def _int8_stack(ckpt: Any, info: dict[str, Any]) -> dict[str, Any]:
 
     w13, s13, w2, s2, a13, a2 = [], [], [], [], [], []
     static = not info["activation"]["dynamic"]
+    if info["weight"]["strategy"] != "channel":
+        raise UnsupportedSchemeError(
+            f"{p}: W8A8 weights with strategy {info['weight']['strategy']!r}; the CUDA W8A8 path "
+            "takes per-channel weight scales"
+        )
+
+    def one(name: str) -> Any:
+        v = t(name).float().reshape(-1)
+        if v.numel() != 1:
+            raise UnsupportedSchemeError(f"{name}: expected one static scale, got {v.numel()}")
+        return v[0]
+
     for e in range(info["num_experts"]):
         base = f"{p}.experts.{e}"
         gate, up, down = (f"{base}.{m}" for m in (gate_n, up_n, down_n))
@@ -574,14 +644,14 @@ def _int8_stack(ckpt: Any, info: dict[str, Any]) -> dict[str, Any]:
         w2.append(t(f"{down}.weight"))
         s2.append(t(f"{down}.weight_scale").float().reshape(-1))
         if static:
-            g_in, u_in = (t(f"{m}.input_scale").float().reshape(-1) for m in (gate, up))
+            g_in, u_in = one(f"{gate}.input_scale"), one(f"{up}.input_scale")
             if not torch.equal(g_in, u_in):
                 raise UnsupportedSchemeError(
                     f"{gate}.input_scale and {up}.input_scale differ: one static scale per "
                     "expert input is needed"
                 )
-            a13.append(g_in[0])
-            a2.append(t(f"{down}.input_scale").float().reshape(-1)[0])
+            a13.append(g_in)
+            a2.append(one(f"{down}.input_scale"))
     out = {
         "w13": torch.stack(w13).contiguous(),
         "w13_scale": torch.stack(s13).contiguous(),

@@ -73,11 +73,18 @@ pub fn linear(ckpt: &Checkpoint, m: &ModuleInfo, version: Option<&str>) -> Resul
             };
             // Column order: act-order sorts columns by group so each group is contiguous.
             let col_group: Vec<u32> = if m.has_g_idx && w.actorder == Some(ActOrder::Group) {
-                ckpt.tensor(&format!("{name}.weight_g_idx"))?
-                    .to_i64_vec()?
-                    .into_iter()
-                    .map(|g| g.max(0) as u32)
-                    .collect()
+                let g_idx = ckpt.tensor(&format!("{name}.weight_g_idx"))?.to_i64_vec()?;
+                if let Some((i, g)) = g_idx
+                    .iter()
+                    .enumerate()
+                    .find(|(_, &g)| g < 0 || g >= groups as i64)
+                {
+                    return Err(module_error(
+                        name,
+                        format!("weight_g_idx entry {i} is {g}, not one of the {groups} groups"),
+                    ));
+                }
+                g_idx.into_iter().map(|g| g as u32).collect()
             } else {
                 (0..k)
                     .map(|c| {

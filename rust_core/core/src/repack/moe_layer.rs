@@ -330,13 +330,33 @@ fn zero_point_codes(
 }
 
 /// g_idx of a module and its stable argsort (vLLM sorts on the GPU, where the sort is stable).
-fn g_idx_and_perm(ckpt: &Checkpoint, m: &ModuleInfo) -> Result<(Vec<i32>, Vec<u32>)> {
-    let g: Vec<i32> = ckpt
-        .tensor(&format!("{}.weight_g_idx", m.name))?
-        .to_i64_vec()?
-        .into_iter()
-        .map(|v| v as i32)
-        .collect();
+/// A module's act-order `g_idx` (checked: `k` entries, each a group in `0..groups`) and the
+/// stable sort that makes each group contiguous.
+fn g_idx_and_perm(
+    ckpt: &Checkpoint,
+    m: &ModuleInfo,
+    k: usize,
+    groups: usize,
+) -> Result<(Vec<i32>, Vec<u32>)> {
+    let name = format!("{}.weight_g_idx", m.name);
+    let raw = ckpt.tensor(&name)?.to_i64_vec()?;
+    if raw.len() != k {
+        return Err(layout(
+            &name,
+            format!("has {} entries, expected {k}", raw.len()),
+        ));
+    }
+    if let Some((i, v)) = raw
+        .iter()
+        .enumerate()
+        .find(|(_, &v)| v < 0 || v >= groups as i64)
+    {
+        return Err(layout(
+            &name,
+            format!("entry {i} is {v}, not a group of the {groups} the scales hold"),
+        ));
+    }
+    let g: Vec<i32> = raw.into_iter().map(|v| v as i32).collect();
     let mut perm: Vec<u32> = (0..g.len() as u32).collect();
     perm.sort_by_key(|&i| g.get(i as usize).copied().unwrap_or(0));
     Ok((g, perm))
@@ -408,15 +428,15 @@ pub fn convert_layer(
         let dw = words(ckpt, &down.weight_tensor)?;
         // Act-order: one w13 g_idx per expert, so gate's and up's must agree.
         let (g13, p13, g2, p2) = if geo.act_order {
-            let (gg, gp) = g_idx_and_perm(ckpt, gate)?;
-            let (ug, _) = g_idx_and_perm(ckpt, up)?;
+            let (gg, gp) = g_idx_and_perm(ckpt, gate, h, gh)?;
+            let (ug, _) = g_idx_and_perm(ckpt, up, h, gh)?;
             if gg != ug {
                 return Err(layout(
                         &geo.prefix,
                         format!("expert {e}: '{}.weight_g_idx' and '{}.weight_g_idx' differ; Marlin keeps one w13 g_idx per expert", gate.name, up.name),
                     ));
             }
-            let (dg, dp) = g_idx_and_perm(ckpt, down)?;
+            let (dg, dp) = g_idx_and_perm(ckpt, down, i, gi_src)?;
             (
                 gp.iter().map(|&k| gg[k as usize]).collect(),
                 gp,

@@ -34,8 +34,7 @@ const TILE_BLOCKS: usize = 2;
 pub struct Bf16Rows {
     /// `[m][2 * pairs]` bf16, each group padded to even length: read as `[m][pairs]` pairs.
     pub x: Vec<u16>,
-    /// `Σ x` per row and group over the bf16 values (`[m][groups]`), the zero-point term;
-    /// empty when the layer has no zero points.
+    /// `Σ x` per row and group over the bf16 values (`[m][groups]`), the zero-point term.
     pub sums: Vec<f32>,
     pub pairs: usize,
 }
@@ -128,11 +127,9 @@ impl BlockedWo {
         let offs = self.pair_offsets();
         let pairs = offs[groups];
         let mut out = vec![0u16; m * 2 * pairs];
-        let mut sums = if self.zp.is_some() {
-            vec![0f32; m * groups]
-        } else {
-            Vec::new()
-        };
+        // Always computed: a projection that shares these rows (gate with up) may have zero
+        // points (4-bit storage adds them) where this one has none.
+        let mut sums = vec![0f32; m * groups];
         for r in 0..m {
             let Some(xr) = row(r).filter(|xr| xr.len() >= k) else {
                 break;
@@ -214,10 +211,10 @@ impl BlockedWo {
         let end = (first_block + nblocks).min(self.blocks());
         let offs = self.pair_offsets();
         let (pairs, groups) = (xb.pairs, self.groups());
-        let sums_needed = if self.zp.is_some() { m * groups } else { 0 };
-        if pairs != offs[groups]
+        if m == 0
+            || pairs != offs[groups]
             || xb.x.len() < m * 2 * pairs
-            || xb.sums.len() < sums_needed
+            || xb.sums.len() < m * groups
             || first_block >= end
         {
             return;
@@ -353,8 +350,9 @@ mod x86 {
     /// Widens one block (see [`BlockedWo::widen_scalar`]).
     ///
     /// # Safety
-    /// AVX-512F; `block` is one whole block of `w` (`block_len(k)` bytes) and `out` holds
-    /// `offs[groups] * 16` values.
+    /// AVX-512F; `offs` is `w.pair_offsets()` (non-decreasing, `offs[groups]` pairs); `block`
+    /// is one whole block of `w` (`block_len(k)` bytes) and `out` holds `offs[groups] * 16`
+    /// values.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn widen(w: &BlockedWo, block: &[u8], offs: &[usize], out: &mut [u32]) {
         let hi_mask = _mm512_set1_epi32(0xffff_0000u32 as i32);
@@ -404,8 +402,9 @@ mod x86 {
     }
 
     /// # Safety
-    /// AVX512-BF16 (and AVX-512F); `t.w` holds `nb` blocks of `t.pairs` pairs, `t.scale` (and
-    /// `t.zp`) `nb * groups * 16` values; `x` holds `mr` rows of `2 * t.pairs` bf16, `sums`
+    /// AVX512-BF16 (and AVX-512F); `t.offs` is the layer's `pair_offsets()` (non-decreasing,
+    /// ending at `t.pairs`); `t.w` holds `nb` blocks of `t.pairs` pairs, `t.scale` (and `t.zp`)
+    /// `nb * groups * 16` values; `x` holds `mr` rows of `2 * t.pairs` bf16, `sums`
     /// `mr * groups` values when `t.zp` is set; `1 <= mr <= 8`, `1 <= nb <= 2`.
     #[target_feature(enable = "avx512f,avx512bf16")]
     pub unsafe fn tile(
@@ -618,6 +617,36 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Gate and up share prepared rows when their columns and groups agree, even when only
+    /// one of them stores 4-bit codes (whose +8 bias needs the group sums): the shared rows
+    /// give the same result as the projection's own.
+    #[test]
+    fn rows_prepared_by_one_projection_serve_another() {
+        let (k, groups, m, n) = (64, 2, 9, 20);
+        let (up, _) = sample_bits(n, k, groups, false, 8);
+        let (gate, _) = sample_bits(n, k, groups, false, 4);
+        assert!(up.zp.is_none() && gate.zp.is_some());
+        let x: Vec<f32> = (0..m * k).map(|i| (i % 23) as f32 / 7.0 - 1.5).collect();
+        let collect = |w: &BlockedWo, xb: &Bf16Rows| {
+            let mut out = vec![f32::NAN; m * n];
+            w.gemm_bf16(xb, m, 0, w.blocks(), |r, b, lanes| {
+                for (l, &v) in lanes.iter().enumerate() {
+                    if b * BLOCK + l < n {
+                        out[r * n + b * BLOCK + l] = v;
+                    }
+                }
+            });
+            out
+        };
+        let own = collect(&gate, &gate.bf16_rows(&x, m));
+        let shared = collect(&gate, &up.bf16_rows(&x, m));
+        assert!(own.iter().all(|v| v.is_finite()));
+        assert_eq!(
+            own.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            shared.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
     }
 
     #[test]
