@@ -191,7 +191,16 @@ def wna16_bench(dev: torch.device, copy_bw: float, timed) -> None:  # type: igno
 
         def ours(x: torch.Tensor = x, logits: torch.Tensor = logits) -> None:
             mq.cuda.wna16_moe_unverified(
-                x, logits, w13, s13, w2, s2, num_bits=4, group_size=128, top_k=k, intermediate_size=i
+                x,
+                logits,
+                w13,
+                s13,
+                w2,
+                s2,
+                num_bits=4,
+                group_size=128,
+                top_k=k,
+                intermediate_size=i,
             )
 
         def ref(x: torch.Tensor = x, logits: torch.Tensor = logits) -> None:
