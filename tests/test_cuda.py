@@ -427,9 +427,10 @@ def test_cuda_layer_loader_builds_the_launch_arguments(
     logits = torch.randn(5, moe.num_experts)
     with pytest.raises(mq.LayoutError, match="expected a CUDA tensor"):
         moe(x, logits)
+    assert {"w13", "w13_scale", "w2", "w2_scale"} <= set(dict(moe.named_buffers()))
     if moe.method == "w8a8_int8":
-        a = moe._args
-        static = moe._options["a13_scale"] is not None
+        a = dict(moe.named_buffers())
+        static = "a13_scale" in a
         cpu = mq.MoELayer.from_checkpoint(ckpt, layer)
         rebuilt = mq.MoELayer.from_tensors(
             a["w13"],
@@ -438,8 +439,8 @@ def test_cuda_layer_loader_builds_the_launch_arguments(
             a["w2_scale"][..., None],
             scheme="w8a8_static" if static else "w8a8_dynamic",
             top_k=moe.top_k,
-            a13_scale=moe._options["a13_scale"],
-            a2_scale=moe._options["a2_scale"],
+            a13_scale=a.get("a13_scale"),
+            a2_scale=a.get("a2_scale"),
         )
         xf = torch.randn(7, moe.hidden_size)
         lg = torch.randn(7, moe.num_experts)
@@ -536,9 +537,9 @@ def test_act_order_indices_are_range_checked(fixture_path, monkeypatch: pytest.M
     ckpt = mq.open(fixture_path("qwen3_w4a16_actorder"))
     moe = mq.cuda.load_moe_layer_unverified(ckpt, 0, device="cpu")
     _validate_only(monkeypatch)
-    bad = moe._options["w2_sort_indices"].clone()
+    bad = moe.w2_sort_indices.clone()
     bad[1, 3] = 128  # I = 128: one past the last column
-    moe._options["w2_sort_indices"] = bad
+    moe.w2_sort_indices = bad
     x = torch.randn(4, moe.hidden_size).to(torch.bfloat16)
     with pytest.raises(mq.LayoutError, match=r"w2_sort_indices: entries must lie in 0..127"):
         moe(x, torch.randn(4, moe.num_experts))

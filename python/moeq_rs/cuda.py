@@ -749,15 +749,23 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
     from .moe import _register
 
     class CudaMoELayerUnverified(torch.nn.Module):
-        """One MoE layer on the CUDA kernels (unverified; see load_moe_layer_unverified).
-        Under ``torch.compile`` it goes through ``torch.ops.moeq.moe_forward`` (with a fake
-        implementation), like :class:`moeq_rs.MoELayer`."""
+        """One MoE layer on the CUDA kernels (unverified; see load_moe_layer_unverified). Its
+        weights are buffers (``.to()`` and ``state_dict`` see them). Under ``torch.compile`` it
+        goes through ``torch.ops.moeq.moe_forward`` (with a fake implementation), like
+        :class:`moeq_rs.MoELayer`."""
 
         def __init__(self) -> None:
             super().__init__()
             self.layer, self.method, self.top_k = layer, info["method"], top_k
             self.hidden_size, self.num_experts = info["hidden_size"], info["num_experts"]
-            self._args, self._options = args, options
+            self._tensor_names: list[str] = []
+            self._plain: dict[str, Any] = {}
+            for name, value in {**args, **options}.items():
+                if isinstance(value, torch.Tensor):
+                    self.register_buffer(name, value)
+                    self._tensor_names.append(name)
+                else:
+                    self._plain[name] = value
             self._renormalize = bool(routing["renormalize"])
             self._handle = _register(self)
 
@@ -767,16 +775,16 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
             return self._forward_eager(hidden_states, router_logits)
 
         def _forward_eager(self, hidden_states: Any, router_logits: Any) -> Any:
+            t = {name: getattr(self, name) for name in self._tensor_names}
+            weights = [t.pop(k) for k in ("w13", "w13_scale", "w2", "w2_scale")]
             return run(
                 hidden_states,
                 router_logits,
-                self._args["w13"],
-                self._args["w13_scale"],
-                self._args["w2"],
-                self._args["w2_scale"],
+                *weights,
                 top_k=self.top_k,
                 renormalize=self._renormalize,
-                **self._options,
+                **t,
+                **self._plain,
             )
 
         def extra_repr(self) -> str:
