@@ -257,7 +257,7 @@ impl BlockedWo {
             return;
         }
         let sums = self.zp.as_ref().map(|_| self.group_sums(x, m));
-        let simd = isa().avx512();
+        let (simd, neon) = (isa().avx512(), isa().neon());
         let g = self.groups();
         let len = self.codes.block_len(self.k);
         for b in first_block..end {
@@ -285,6 +285,9 @@ impl BlockedWo {
                     unsafe {
                         x86::tile(&tile, xs, ss, mr, &mut out)
                     };
+                } else if neon {
+                    #[cfg(target_arch = "aarch64")]
+                    neon::tile(&tile, xs, ss, mr, &mut out);
                 } else {
                     tile_scalar(&tile, xs, ss, mr, &mut out);
                 }
@@ -589,6 +592,181 @@ mod x86 {
         for (r, tot) in total.iter().enumerate() {
             // SAFETY: r < MR <= 8 = out.len(); each entry is 16 f32.
             unsafe { _mm512_storeu_ps(out[r].as_mut_ptr(), *tot) };
+        }
+    }
+}
+
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use super::{unroll, Codes, Tile, BLOCK, TILE_ROWS};
+    use std::arch::aarch64::*;
+
+    /// Four registers: the 16 features of one block.
+    type Lanes = [float32x4_t; 4];
+
+    /// The NEON weight-only tile: the operations of [`super::tile_scalar`] in the same order
+    /// (fused multiply-adds per column into `unroll(mr)` partial sums, the same pairwise
+    /// combination and group epilogue), so the results are identical. Rows go in passes of up
+    /// to four (each row's operations do not depend on the others), which keeps the partial
+    /// sums in NEON's 32 registers. Checked under qemu (`make check-aarch64`).
+    pub fn tile(
+        t: &Tile<'_>,
+        x: &[f32],
+        sums: Option<&[f32]>,
+        mr: usize,
+        out: &mut [[f32; BLOCK]; TILE_ROWS],
+    ) {
+        let groups = t.group_starts.len().max(1);
+        let need = match t.storage {
+            Codes::I8(_) => t.k * BLOCK,
+            Codes::U4(_) => t.k.div_ceil(2) * BLOCK,
+        };
+        if t.codes.len() < need
+            || x.len() < mr * t.k
+            || t.scale.len() < groups * BLOCK
+            || t.zp.is_some_and(|z| z.len() < groups * BLOCK)
+            || sums.is_some_and(|s| s.len() < mr * groups)
+        {
+            return;
+        }
+        let u = unroll(mr);
+        let mut r0 = 0;
+        while r0 < mr {
+            let rows = (mr - r0).min(4);
+            let xs = &x[r0 * t.k..];
+            let ss = sums.map(|s| &s[r0 * groups..]);
+            let dst = &mut out[r0..r0 + rows];
+            // SAFETY: NEON is part of the aarch64 baseline; the sizes `pass` reads were checked
+            // above (codes, scales, zero points, `rows` rows of x and of the sums).
+            unsafe {
+                match (rows, u) {
+                    (1, 4) => pass::<1, 4>(t, xs, ss, dst),
+                    (2, 2) => pass::<2, 2>(t, xs, ss, dst),
+                    (1, _) => pass::<1, 1>(t, xs, ss, dst),
+                    (2, _) => pass::<2, 1>(t, xs, ss, dst),
+                    (3, _) => pass::<3, 1>(t, xs, ss, dst),
+                    _ => pass::<4, 1>(t, xs, ss, dst),
+                }
+            }
+            r0 += rows;
+        }
+    }
+
+    /// Sixteen int8 values (as two int16x8 halves) to floats.
+    #[target_feature(enable = "neon")]
+    fn widen16(lo: int16x8_t, hi: int16x8_t) -> Lanes {
+        [
+            vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))),
+            vcvtq_f32_s32(vmovl_s16(vget_high_s16(lo))),
+            vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))),
+            vcvtq_f32_s32(vmovl_s16(vget_high_s16(hi))),
+        ]
+    }
+
+    /// Column `c`'s 16 stored values as floats (4-bit: the nibble of byte row `c / 2`).
+    ///
+    /// # Safety
+    /// `c < t.k` and `t.codes` holds the whole block (`k * 16` bytes, `ceil(k / 2) * 16` for
+    /// 4-bit storage).
+    #[target_feature(enable = "neon")]
+    #[inline]
+    unsafe fn column(t: &Tile<'_>, c: usize) -> Lanes {
+        match t.storage {
+            Codes::I8(_) => {
+                // SAFETY: the caller's contract: the 16 bytes of column c lie inside the block.
+                let v = unsafe { vld1q_s8(t.codes.as_ptr().add(c * BLOCK).cast()) };
+                widen16(vmovl_s8(vget_low_s8(v)), vmovl_s8(vget_high_s8(v)))
+            }
+            Codes::U4(_) => {
+                // SAFETY: the caller's contract: byte row c / 2 lies inside the block.
+                let v = unsafe { vld1q_u8(t.codes.as_ptr().add((c / 2) * BLOCK)) };
+                let nib = if c.is_multiple_of(2) {
+                    vandq_u8(v, vdupq_n_u8(15))
+                } else {
+                    vshrq_n_u8::<4>(v)
+                };
+                let s = vreinterpretq_s8_u8(nib);
+                widen16(vmovl_s8(vget_low_s8(s)), vmovl_s8(vget_high_s8(s)))
+            }
+        }
+    }
+
+    /// Sixteen floats at `p`.
+    ///
+    /// # Safety
+    /// `p` points at 16 readable f32.
+    #[target_feature(enable = "neon")]
+    #[inline]
+    unsafe fn load16(p: *const f32) -> Lanes {
+        // SAFETY: the caller's contract.
+        unsafe {
+            [
+                vld1q_f32(p),
+                vld1q_f32(p.add(4)),
+                vld1q_f32(p.add(8)),
+                vld1q_f32(p.add(12)),
+            ]
+        }
+    }
+
+    /// `R` rows of the tile with `U` partial sums per group.
+    ///
+    /// # Safety
+    /// As checked in [`tile`]: `t.codes` holds the whole block, `t.scale` (and `t.zp`)
+    /// `groups * 16` values, `x` `R` rows of `t.k`, `sums` `R * groups` values, `out` `R` rows.
+    #[target_feature(enable = "neon")]
+    unsafe fn pass<const R: usize, const U: usize>(
+        t: &Tile<'_>,
+        x: &[f32],
+        sums: Option<&[f32]>,
+        out: &mut [[f32; BLOCK]],
+    ) {
+        let groups = t.group_starts.len().max(1);
+        let zero = vdupq_n_f32(0.0);
+        let mut total = [[zero; 4]; R];
+        for g in 0..groups {
+            let (a, e) = t.bounds(g);
+            let e = e.min(t.k);
+            let full = a + (e.saturating_sub(a) / U) * U;
+            let mut parts = [[[zero; 4]; U]; R];
+            // Column c goes to partial sum (c - a) % U below `full`, to partial 0 after it.
+            for c in a..e {
+                let slot = if c < full { (c - a) % U } else { 0 };
+                // SAFETY: c < e <= k; the caller's contract covers the block.
+                let w = unsafe { column(t, c) };
+                for (r, p) in parts.iter_mut().enumerate() {
+                    let xv = vdupq_n_f32(x[r * t.k + c]);
+                    for (acc, wq) in p[slot].iter_mut().zip(w) {
+                        *acc = vfmaq_f32(*acc, wq, xv);
+                    }
+                }
+            }
+            // SAFETY: the caller's contract: scale (and zp) hold groups * 16 values, g < groups.
+            let sc = unsafe { load16(t.scale.as_ptr().add(g * BLOCK)) };
+            let z = t.zp.map(|z| {
+                // SAFETY: as above.
+                unsafe { load16(z.as_ptr().add(g * BLOCK)) }
+            });
+            for (r, (p, tot)) in parts.iter().zip(total.iter_mut()).enumerate() {
+                for q in 0..4 {
+                    let mut acc = match U {
+                        4 => vaddq_f32(vaddq_f32(p[0][q], p[1][q]), vaddq_f32(p[2][q], p[3][q])),
+                        2 => vaddq_f32(p[0][q], p[1][q]),
+                        _ => p[0][q],
+                    };
+                    if let (Some(z), Some(s)) = (z, sums) {
+                        // acc - z * Σx, fused: the scalar `(-z).mul_add(Σx, acc)`.
+                        acc = vfmsq_f32(acc, z[q], vdupq_n_f32(s[r * groups + g]));
+                    }
+                    tot[q] = vfmaq_f32(tot[q], acc, sc[q]);
+                }
+            }
+        }
+        for (o, tot) in out.iter_mut().zip(total) {
+            for (q, v) in tot.iter().enumerate() {
+                // SAFETY: each output row holds 16 f32; q * 4 + 4 <= 16.
+                unsafe { vst1q_f32(o.as_mut_ptr().add(q * 4), *v) };
+            }
         }
     }
 }
