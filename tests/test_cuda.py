@@ -474,17 +474,25 @@ def test_cuda_layer_goes_through_the_custom_op_under_compile(
     ckpt = mq.open(fixture_path("qwen3_w8a8_dynamic"))
     cpu = mq.MoELayer.from_checkpoint(ckpt, 0)
 
-    def launcher(x, logits, *_args, **_kwargs):  # type: ignore[no-untyped-def]
-        return cpu._forward_eager(x, logits)
+    def launcher(x, routing, *_args, **_kwargs):  # type: ignore[no-untyped-def]
+        if isinstance(routing, tuple):
+            return cpu._forward_topk_eager(x, *routing)
+        return cpu._forward_eager(x, routing)
 
     monkeypatch.setattr(mq.cuda, "w8a8_moe_unverified", launcher)
     moe = mq.cuda.load_moe_layer_unverified(ckpt, 0, device="cpu")
     handles = []
+    ops = (
+        torch.ops.moeq.moe_forward,
+        torch.ops.moeq.moe_forward.default,
+        torch.ops.moeq.moe_forward_topk,
+        torch.ops.moeq.moe_forward_topk.default,
+    )
 
     def backend(gm, _inputs):  # type: ignore[no-untyped-def]
         for node in gm.graph.nodes:
-            if node.target in (torch.ops.moeq.moe_forward, torch.ops.moeq.moe_forward.default):
-                handles.append(node.args[2])
+            if node.target in ops:
+                handles.append(node.args[-1])  # the layer handle comes last
         return gm.forward
 
     x, logits = torch.randn(4, moe.hidden_size), torch.randn(4, moe.num_experts)
@@ -492,6 +500,10 @@ def test_cuda_layer_goes_through_the_custom_op_under_compile(
     compiled = torch.compile(moe, fullgraph=True, backend=backend)
     assert torch.equal(compiled(x, logits), cpu(x, logits))
     assert handles == [moe._handle]
+    w, ids = torch.rand(4, 2), torch.randint(0, moe.num_experts, (4, 2))
+    topk = torch.compile(moe.forward_topk, fullgraph=True, backend=backend)
+    assert torch.equal(topk(x, w, ids), cpu.forward_topk(x, w, ids))
+    assert handles == [moe._handle, moe._handle]
 
 
 def test_wna16_launcher_refuses_shapes_the_kernel_would_overrun(
@@ -543,3 +555,26 @@ def test_act_order_indices_are_range_checked(fixture_path, monkeypatch: pytest.M
     x = torch.randn(4, moe.hidden_size).to(torch.bfloat16)
     with pytest.raises(mq.LayoutError, match=r"w2_sort_indices: entries must lie in 0..127"):
         moe(x, torch.randn(4, moe.num_experts))
+
+
+def test_cuda_layer_forward_topk_checks_the_routing(
+    fixture_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """forward_topk takes the given routing: its shapes, dtypes and expert ids are checked
+    before any launch."""
+    import torch
+
+    ckpt = mq.open(fixture_path("qwen3_w4a16_g128_sym"))
+    moe = mq.cuda.load_moe_layer_unverified(ckpt, 0, device="cpu")
+    x = torch.randn(5, moe.hidden_size).to(torch.bfloat16)
+    w = torch.rand(5, 3)
+    ids = torch.randint(0, moe.num_experts, (5, 3), dtype=torch.int32)
+    _validate_only(monkeypatch)
+    with pytest.raises(_Validated):
+        moe.forward_topk(x, w, ids)
+    with pytest.raises(mq.LayoutError, match=r"topk_ids: entries must lie in 0..7"):
+        moe.forward_topk(x, w, ids + 5)
+    with pytest.raises(mq.LayoutError, match=r"must both be \[5, k\]"):
+        moe.forward_topk(x, w[:, :2], ids)
+    with pytest.raises(mq.LayoutError, match="topk_ids: expected int32 or int64"):
+        moe.forward_topk(x, w, ids.float())

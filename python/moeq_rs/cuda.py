@@ -141,10 +141,43 @@ def _check_index_range(name: str, t: Any, hi: int) -> None:
         raise LayoutError(f"{name}: entries must lie in 0..{hi - 1}, found {lo}..{top}")
 
 
-class _Routed:
-    """Softmax top-k routing and the token-by-expert alignment of one call, on the GPU."""
+def _routing_input(x: Any, routing: Any, e: int, top_k: int) -> tuple[Any, int]:
+    """Checks the launchers' second argument: router logits ``[T, E]``, or ``(topk_weights,
+    topk_ids)`` ``[T, k]`` (the routed experts only, as ``MoELayer.forward_topk``). Returns it
+    (top-k as float32 weights and int32 ids) and the top-k in use."""
+    import torch
 
-    def __init__(self, x: Any, router_logits: Any, e: int, top_k: int, renormalize: bool) -> None:
+    from .errors import LayoutError
+
+    t = x.shape[0]
+    if not isinstance(routing, tuple):
+        _check_cuda_tensors(x, {"router_logits": routing})
+        if tuple(routing.shape) != (t, e):
+            raise LayoutError(f"router_logits: expected [{t}, {e}], got {list(routing.shape)}")
+        return routing, top_k
+    if len(routing) != 2:
+        raise LayoutError("routing: expected router_logits or (topk_weights, topk_ids)")
+    weights, ids = routing
+    _check_cuda_tensors(x, {"topk_weights": weights, "topk_ids": ids})
+    if ids.dim() != 2 or ids.shape[0] != t or tuple(weights.shape) != tuple(ids.shape):
+        raise LayoutError(
+            f"topk_weights {list(weights.shape)} and topk_ids {list(ids.shape)} must both be "
+            f"[{t}, k]"
+        )
+    if ids.dtype not in (torch.int32, torch.int64) or not weights.is_floating_point():
+        raise LayoutError("topk_ids: expected int32 or int64; topk_weights: a float dtype")
+    k = ids.shape[1]
+    if not 1 <= k <= e:
+        raise LayoutError(f"topk_ids: {k} experts per token, expected 1..{e}")
+    _check_index_range("topk_ids", ids, e)
+    return (weights.float().contiguous(), ids.to(torch.int32).contiguous()), k
+
+
+class _Routed:
+    """The routing (softmax top-k on the GPU, or given top-k) and the token-by-expert
+    alignment of one call."""
+
+    def __init__(self, x: Any, routing: Any, e: int, top_k: int, renormalize: bool) -> None:
         import torch
 
         self.x, self.top_k, self.e = x, top_k, e
@@ -152,7 +185,11 @@ class _Routed:
         self.slots = self.t * top_k
         self.dev = x.device.index or 0
         self.stream = torch.cuda.current_stream(x.device).cuda_stream
-        logits = router_logits.float().contiguous()
+        if isinstance(routing, tuple):
+            self.weights, ids = routing
+            self._align(ids)
+            return
+        logits = routing.float().contiguous()
         self.weights = torch.empty(self.t, top_k, dtype=torch.float32, device=x.device)
         ids = torch.empty(self.t, top_k, dtype=torch.int32, device=x.device)
         self.launch(
@@ -170,6 +207,12 @@ class _Routed:
                 ("ptr", ids.data_ptr()),
             ],
         )
+        self._align(ids)
+
+    def _align(self, ids: Any) -> None:
+        import torch
+
+        e, x = self.e, self.x
         self.offsets = torch.empty(e + 1, dtype=torch.int32, device=x.device)
         self.order = torch.empty(self.slots, dtype=torch.int32, device=x.device)
         self.launch(
@@ -249,8 +292,9 @@ def w8a8_moe_unverified(
 ) -> Any:
     """W8A8 MoE on CUDA tensors with this build's kernels (softmax top-k, alignment, int8
     activation quantisation, grouped int8 GEMMs, SiLU-and-mul, combine), on torch's current
-    stream. **Not yet run on a GPU**: ``scripts/gpu_check.sh`` is its first check; it is not
-    wired into :class:`moeq_rs.MoELayer` until that passes.
+    stream. ``router_logits`` may instead be ``(topk_weights, topk_ids)``: the routed experts
+    only, with the given routing. **Not yet run on a GPU**: ``scripts/gpu_check.sh`` is its
+    first check; it is not wired into :class:`moeq_rs.MoELayer` until that passes.
 
     ``w13`` int8 ``[E, 2I, H]`` (gate rows, then up rows), ``w2`` int8 ``[E, H, I]``, scales f32
     ``[E, 2I]`` / ``[E, H]``; H and I multiples of 4; E <= 1024. Activations are quantised per
@@ -265,7 +309,6 @@ def w8a8_moe_unverified(
         x,
         {
             "hidden_states": x,
-            "router_logits": router_logits,
             "w13": w13,
             "w13_scale": w13_scale,
             "w2": w2,
@@ -288,8 +331,7 @@ def w8a8_moe_unverified(
         raise LayoutError(f"w13_scale: expected float32 [{e}, {two_i}]")
     if w2_scale.dtype != torch.float32 or tuple(w2_scale.shape) != (e, h):
         raise LayoutError(f"w2_scale: expected float32 [{e}, {h}]")
-    if tuple(router_logits.shape) != (t_count, e):
-        raise LayoutError(f"router_logits: expected [{t_count}, {e}]")
+    routing, top_k = _routing_input(x, router_logits, e, top_k)
     if not 1 <= top_k <= min(e, 64) or e > 1024:
         raise LayoutError("top_k must be in 1..min(E, 64) and E <= 1024")
     if gemm not in ("imma", "dp4a"):
@@ -306,7 +348,7 @@ def w8a8_moe_unverified(
     if t_count == 0:
         return torch.empty(0, h, dtype=x.dtype, device=x.device)
     dt = _DTYPES[str(x.dtype).removeprefix("torch.")]
-    r = _Routed(x, router_logits, e, top_k, renormalize)
+    r = _Routed(x, routing, e, top_k, renormalize)
     slots = r.slots
     rows = x.index_select(0, (r.order // top_k).long()).contiguous()
     # The expert of each sorted row (for static scales), without a host sync.
@@ -419,7 +461,9 @@ def wna16_moe_unverified(
     """WNA16 MoE (int4 or int8 weights, fp16/bf16 activations) on the Marlin layout of
     ``moeq repack --target marlin`` (the ``P.w13_weight_packed``, ``P.w13_weight_scale``, ...
     tensors, per expert stacked), with the tensor-core kernel ``cuda/wna16_gemm.cu``, on torch's
-    current stream. **Not yet run on a GPU**: ``scripts/gpu_check.sh`` is its first check.
+    current stream. ``router_logits`` may instead be ``(topk_weights, topk_ids)``: the routed
+    experts only, with the given routing. **Not yet run on a GPU**: ``scripts/gpu_check.sh`` is
+    its first check.
 
     ``w13`` int32 ``[E, H/16, 2I*16/pf]``, ``w2`` int32 ``[E, I/16, H*16/pf]`` (pf = 32 /
     num_bits); scales ``[E, G, N]`` in Marlin order (converted to the activation dtype, as vLLM
@@ -445,7 +489,6 @@ def wna16_moe_unverified(
         x,
         {
             "hidden_states": x,
-            "router_logits": router_logits,
             "w13": w13,
             "w13_scale": w13_scale,
             "w2": w2,
@@ -513,8 +556,7 @@ def wna16_moe_unverified(
         _check_index_range("w2_g_idx", w2_g_idx, g2)
         _check_index_range("w13_sort_indices", w13_sort_indices, h)
         _check_index_range("w2_sort_indices", w2_sort_indices, inter)
-    if tuple(router_logits.shape) != (t_count, e):
-        raise LayoutError(f"router_logits: expected [{t_count}, {e}]")
+    routing, top_k = _routing_input(x, router_logits, e, top_k)
     if not 1 <= top_k <= min(e, 64) or e > 1024:
         raise LayoutError("top_k must be in 1..min(E, 64) and E <= 1024")
     # The scale tables the repack used (vLLM's rules): w13 grouped iff group_size < I, w2
@@ -525,7 +567,7 @@ def wna16_moe_unverified(
     if t_count == 0:
         return torch.empty(0, h, dtype=x.dtype, device=x.device)
     dt = _DTYPES[str(x.dtype).removeprefix("torch.")]
-    r = _Routed(x, router_logits, e, top_k, renormalize)
+    r = _Routed(x, routing, e, top_k, renormalize)
     slots = r.slots
     identity = torch.arange(slots, dtype=torch.int32, device=x.device)
 
@@ -666,7 +708,8 @@ def _int8_stack(ckpt: Any, info: dict[str, Any]) -> dict[str, Any]:
 
 def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any = "cuda") -> Any:
     """Decoder layer ``layer`` on ``device`` for the CUDA kernels: a ``torch.nn.Module`` whose
-    ``forward(hidden_states, router_logits)`` runs :func:`wna16_moe_unverified` (weights from
+    ``forward(hidden_states, router_logits)`` (and ``forward_topk(hidden_states, topk_weights,
+    topk_ids)``) runs :func:`wna16_moe_unverified` (weights from
     :meth:`moeq_rs.Checkpoint.marlin_layer`) or :func:`w8a8_moe_unverified` (int8 weights
     stacked from the checkpoint, static scales per expert). **Not yet run on a GPU**; it
     becomes ``MoELayer.from_checkpoint(..., device="cuda")`` once ``scripts/gpu_check.sh``
@@ -773,6 +816,17 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
             if torch.compiler.is_compiling():
                 return torch.ops.moeq.moe_forward(hidden_states, router_logits, self._handle)
             return self._forward_eager(hidden_states, router_logits)
+
+        def forward_topk(self, hidden_states: Any, topk_weights: Any, topk_ids: Any) -> Any:
+            """``sum_k topk_weights[t, k] * expert[topk_ids[t, k]](x_t)``: routed experts only."""
+            if torch.compiler.is_compiling():
+                return torch.ops.moeq.moe_forward_topk(
+                    hidden_states, topk_weights, topk_ids, self._handle
+                )
+            return self._forward_topk_eager(hidden_states, topk_weights, topk_ids)
+
+        def _forward_topk_eager(self, hidden_states: Any, topk_weights: Any, topk_ids: Any) -> Any:
+            return self._forward_eager(hidden_states, (topk_weights, topk_ids))
 
         def _forward_eager(self, hidden_states: Any, router_logits: Any) -> Any:
             t = {name: getattr(self, name) for name in self._tensor_names}
