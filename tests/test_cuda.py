@@ -578,3 +578,84 @@ def test_cuda_layer_forward_topk_checks_the_routing(
         moe.forward_topk(x, w[:, :2], ids)
     with pytest.raises(mq.LayoutError, match="topk_ids: expected int32 or int64"):
         moe.forward_topk(x, w, ids.float())
+
+
+def _gpu() -> bool:
+    import torch
+
+    try:
+        return torch.cuda.is_available() and mq.cuda.driver_present()
+    except Exception:  # noqa: BLE001 - no usable GPU
+        return False
+
+
+needs_gpu = pytest.mark.skipif(
+    not _gpu(), reason="no CUDA GPU here: scripts/gpu_check.sh is the GPU check"
+)
+
+
+@needs_gpu
+@pytest.mark.parametrize(
+    "name", ["qwen3_w8a8_dynamic", "qwen3_w4a16_g128_asym", "qwen3_w4a16_actorder"]
+)
+def test_cuda_layer_matches_the_cpu_layer_on_a_gpu(fixture_path, name: str) -> None:
+    import torch
+
+    ckpt = mq.open(fixture_path(name))
+    cpu = mq.MoELayer.from_checkpoint(ckpt, 0)
+    gpu = mq.cuda.load_moe_layer_unverified(ckpt, 0, device="cuda")
+    x = (torch.randn(37, cpu.hidden_size) / 2).to(torch.bfloat16)
+    logits = torch.randn(37, cpu.num_experts)
+    got = gpu(x.cuda(), logits.cuda()).float().cpu()
+    want = cpu(x.float(), logits)
+    assert float((got - want).norm() / want.norm()) <= 1e-2
+
+
+@needs_gpu
+def test_wna16_launcher_matches_dequantised_weights_on_a_gpu() -> None:
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from marlin_ref import marlin_moe_case
+
+    rng = np.random.default_rng(11)
+    e, h, i, k = 4, 256, 128, 2
+    c13 = marlin_moe_case(rng, e, h, 2 * i, 4, 64, scale_size_k=i)
+    c2 = marlin_moe_case(rng, e, i, h, 4, 64)
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).cuda()
+
+    x = (torch.randn(9, h) / 4).to(torch.bfloat16)
+    logits = torch.randn(9, e)
+    got = (
+        mq.cuda.wna16_moe_unverified(
+            x.cuda(),
+            logits.cuda(),
+            t(c13["w"]),
+            t(c13["s"]),
+            t(c2["w"]),
+            t(c2["s"]),
+            num_bits=4,
+            group_size=64,
+            top_k=k,
+            intermediate_size=i,
+        )
+        .float()
+        .cpu()
+    )
+    w, ids = logits.softmax(-1).topk(k, -1)
+    w = w / w.sum(-1, keepdim=True)
+    w13 = torch.from_numpy(c13["weights"]).float()
+    w2 = torch.from_numpy(c2["weights"]).float()
+    want = torch.zeros(9, h)
+    for tok in range(9):
+        for j in range(k):
+            ex = int(ids[tok, j])
+            gu = x[tok].float() @ w13[ex]
+            hh = torch.nn.functional.silu(gu[:i]) * gu[i:]
+            want[tok] += float(w[tok, j]) * (hh @ w2[ex])
+    assert float((got - want).norm() / want.norm()) <= 1e-2
