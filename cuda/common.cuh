@@ -48,3 +48,22 @@ __device__ __forceinline__ float act_load(const act_t* p, long i) { return moeq_
 __device__ __forceinline__ void act_store(act_t* p, long i, float v) { p[i] = moeq_f32_to_bf16(v); }
 #define SUFFIX(name) name##_bf16
 #endif
+
+// The grouped GEMMs' block-to-work map: block y walks the experts' 16-row tiles of the sorted
+// rows (expert_offsets [E+1]); the grid has ceil(rows / 16) + E blocks in y, so some find none.
+// Returns the first sorted row of this block's tile and sets *expert and *row_end, or returns
+// -1 when the block has no tile.
+__device__ __forceinline__ int moeq_expert_tile(const int* expert_offsets, int experts, int tile,
+                                                int* expert, int* row_end) {
+    for (int e = 0; e < experts; ++e) {
+        int begin = expert_offsets[e];
+        int tiles = (expert_offsets[e + 1] - begin + 15) >> 4;
+        if (tile < tiles) {
+            *expert = e;
+            *row_end = expert_offsets[e + 1];
+            return begin + tile * 16;
+        }
+        tile -= tiles;
+    }
+    return -1;
+}

@@ -24,18 +24,9 @@ extern "C" __global__ void __launch_bounds__(128, 1) SUFFIX(w8a8_imma_gemm)(
     const signed char* __restrict__ a, const float* __restrict__ a_scale,
     const signed char* __restrict__ w, const float* __restrict__ w_scale,
     const int* __restrict__ expert_offsets, int experts, int n, int k, act_t* __restrict__ out) {
-    int tile = blockIdx.y, e = 0, row0 = -1;
-    for (; e < experts; ++e) {
-        int begin = expert_offsets[e];
-        int tiles = (expert_offsets[e + 1] - begin + 15) >> 4;
-        if (tile < tiles) {
-            row0 = begin + tile * 16;
-            break;
-        }
-        tile -= tiles;
-    }
+    int e = 0, row_end = 0;
+    int row0 = moeq_expert_tile(expert_offsets, experts, blockIdx.y, &e, &row_end);
     if (row0 < 0) return;
-    int row_end = expert_offsets[e + 1];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int gq = lane >> 2, t = lane & 3;
     int r0 = row0 + gq, r1 = r0 + 8;

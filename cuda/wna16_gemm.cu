@@ -83,19 +83,9 @@ extern "C" __global__ void __launch_bounds__(128, 1) SUFFIX(wna16_moe_gemm)(
     const act_t* __restrict__ scales, const unsigned* __restrict__ zp,
     const int* __restrict__ g_idx, const int* __restrict__ perm, int n, int k, int groups,
     int group_size, int bits, int grouped_table, act_t* __restrict__ out) {
-    // This block's expert and 16-row tile.
-    int tile = blockIdx.y, e = 0, row0 = -1;
-    for (; e < experts; ++e) {
-        int begin = expert_offsets[e];
-        int tiles = (expert_offsets[e + 1] - begin + 15) >> 4;
-        if (tile < tiles) {
-            row0 = begin + tile * 16;
-            break;
-        }
-        tile -= tiles;
-    }
+    int e = 0, row_end = 0;
+    int row0 = moeq_expert_tile(expert_offsets, experts, blockIdx.y, &e, &row_end);
     if (row0 < 0) return;
-    int row_end = expert_offsets[e + 1];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int gq = lane >> 2, t = lane & 3;
     int nt = blockIdx.x, n_tiles = n >> 6;

@@ -72,6 +72,22 @@ def torch_moe(
     return out
 
 
+def torch_bf16_moe(
+    x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, k: int
+) -> torch.Tensor:
+    """The benchmarks' torch baseline: softmax top-k, a bf16 per-expert loop (``x @ w13[e].T``
+    with w13 ``[E, 2I, H]``, SiLU(gate) * up, ``@ w2[e].T``), ``index_add_``."""
+    inter = w2.shape[2]
+    w, ids = logits.softmax(-1).topk(k, -1)
+    out = torch.zeros_like(x)
+    for ex in ids.unique().tolist():
+        tok, slot = (ids == ex).nonzero(as_tuple=True)
+        gu = x[tok] @ w13[ex].T
+        hh = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        out.index_add_(0, tok, (hh @ w2[ex].T) * w[tok, slot, None].to(x.dtype))
+    return out
+
+
 def wna16_checks(dev: torch.device) -> None:
     e, h, i, k = 8, 256, 128, 2
     rng = np.random.default_rng(3)
@@ -209,13 +225,7 @@ def wna16_bench(dev: torch.device, copy_bw: float, timed) -> None:  # type: igno
             )
 
         def ref(x: torch.Tensor = x, logits: torch.Tensor = logits) -> None:
-            w, ids = logits.softmax(-1).topk(k, -1)
-            out = torch.zeros_like(x)
-            for ex in ids.unique().tolist():
-                tok, slot = (ids == ex).nonzero(as_tuple=True)
-                gu = x[tok] @ bw13[ex].T
-                hh = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]
-                out.index_add_(0, tok, (hh @ bw2[ex].T) * w[tok, slot, None].to(x.dtype))
+            torch_bf16_moe(x, logits, bw13, bw2, k)
 
         try:
             a, b = timed(ours), timed(ref, 5)
@@ -358,13 +368,7 @@ def main() -> int:
             mq.cuda.w8a8_moe_unverified(x, logits, *gw[:2], *gw[2:], top_k=k, gemm="dp4a")
 
         def ref(x: torch.Tensor = x, logits: torch.Tensor = logits) -> None:
-            w, ids = logits.softmax(-1).topk(k, -1)
-            out = torch.zeros_like(x)
-            for ex in ids.unique().tolist():
-                tok, slot = (ids == ex).nonzero(as_tuple=True)
-                gu = x[tok] @ bw13[ex].T
-                hh = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]
-                out.index_add_(0, tok, (hh @ bw2[ex].T) * w[tok, slot, None].to(x.dtype))
+            torch_bf16_moe(x, logits, bw13, bw2, k)
 
         a, b, c = timed(ours), timed(ref, 5), timed(ours_dp4a, 5)
         touched = min(e, t * k) * 3 * i * h

@@ -184,6 +184,13 @@ class Checkpoint:
         return f"<moeq_rs.Checkpoint {str(self.path)!r}: {len(layers)} MoE layers>"
 
 
+def as_checkpoint(path_or_checkpoint: str | os.PathLike[str] | Checkpoint) -> Checkpoint:
+    """An open :class:`Checkpoint` as it is, or the directory opened with :func:`open`."""
+    if isinstance(path_or_checkpoint, Checkpoint):
+        return path_or_checkpoint
+    return open(path_or_checkpoint)
+
+
 def open(path: str | os.PathLike[str]) -> Checkpoint:  # noqa: A001 - mirrors safetensors/builtins
     """Open and validate a checkpoint directory (``config.json`` + safetensors files).
 

@@ -718,15 +718,10 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
     :class:`moeq_rs.UnsupportedSchemeError` with the reason."""
     import torch
 
-    from .checkpoint import Checkpoint
-    from .checkpoint import open as open_checkpoint
+    from .checkpoint import as_checkpoint
     from .errors import LayoutError, UnsupportedSchemeError
 
-    ckpt = (
-        path_or_checkpoint
-        if isinstance(path_or_checkpoint, Checkpoint)
-        else open_checkpoint(path_or_checkpoint)
-    )
+    ckpt = as_checkpoint(path_or_checkpoint)
     info = next((x for x in ckpt.moe_layers() if x["layer"] == layer), None)
     if info is None:
         raise LayoutError(f"layer {layer}: this decoder layer has no MoE block")

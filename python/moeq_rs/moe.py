@@ -69,17 +69,12 @@ class MoELayer(torch.nn.Module):
         """Load decoder layer ``layer`` (its routed experts, router parameters and shared
         experts). Raises :class:`moeq_rs.UnsupportedSchemeError` when the oracle does not plan
         the layer onto the CPU backend, with the oracle's reason."""
-        from .checkpoint import Checkpoint
-        from .checkpoint import open as open_checkpoint
+        from .checkpoint import as_checkpoint
         from .errors import CudaUnavailableError
 
         if device != "cpu":
             raise CudaUnavailableError(_NOT_ON_CUDA_YET.format(device=device))
-        ckpt = (
-            path_or_checkpoint
-            if isinstance(path_or_checkpoint, Checkpoint)
-            else open_checkpoint(path_or_checkpoint)
-        )
+        ckpt = as_checkpoint(path_or_checkpoint)
         return cls(_core.CpuMoeLayer.from_checkpoint(ckpt._core, layer))
 
     @property

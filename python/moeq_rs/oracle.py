@@ -257,14 +257,9 @@ def plan(
     """Plan every MoE layer of a checkpoint for ``platform`` (``"cuda"`` with ``sm`` = major*10
     + minor, default 90). ``backend`` forces one backend (layers it cannot run get an ``error``,
     never a silent fallback); ``compat="vllm"`` adds what vLLM would do per layer."""
-    from .checkpoint import Checkpoint
-    from .checkpoint import open as open_checkpoint
+    from .checkpoint import as_checkpoint
 
-    ckpt = (
-        path_or_checkpoint
-        if isinstance(path_or_checkpoint, Checkpoint)
-        else open_checkpoint(path_or_checkpoint)
-    )
+    ckpt = as_checkpoint(path_or_checkpoint)
     if compat not in (None, "vllm"):
         from .errors import ConfigError
 

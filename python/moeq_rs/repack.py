@@ -250,10 +250,9 @@ def repack_checkpoint(
     "verified_modules"}``."""
     import os
 
-    from .checkpoint import Checkpoint
-    from .checkpoint import open as open_checkpoint
+    from .checkpoint import as_checkpoint
 
-    ckpt = model_dir if isinstance(model_dir, Checkpoint) else open_checkpoint(model_dir)
+    ckpt = as_checkpoint(model_dir)
     return ckpt._core.repack(
         os.fspath(out_dir), target, force, parse_size(max_shard_size), verify, progress
     )
