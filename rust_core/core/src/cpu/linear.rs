@@ -251,24 +251,15 @@ impl Linear {
             }
             (Linear::Int8 { w, scale, .. }, Prepared::U8 { xu, sx }) => {
                 let end = first + count;
-                w.gemm(xu, m, first / BLOCK, count.div_ceil(BLOCK), |r, b, acc| {
-                    let j0 = b * BLOCK;
-                    let s = sx[r];
-                    if cs == 1 && j0 >= first && j0 + BLOCK <= end {
-                        // A whole block into a contiguous run: a vectorised loop.
-                        let dst = &mut out[at(r, j0)..at(r, j0) + BLOCK];
-                        for ((o, &v), &ws) in dst.iter_mut().zip(acc).zip(&scale[j0..j0 + BLOCK]) {
-                            *o = v as f32 * s * ws;
-                        }
-                        return;
-                    }
-                    for (l, &v) in acc.iter().enumerate() {
-                        let j = j0 + l;
-                        if j >= first && j < end {
-                            out[at(r, j)] = v as f32 * s * scale[j];
-                        }
-                    }
-                });
+                w.gemm_scaled(
+                    xu,
+                    m,
+                    sx,
+                    scale,
+                    first / BLOCK,
+                    count.div_ceil(BLOCK),
+                    |r, b, lanes| emit_block(out, at, r, b, lanes, first, end, cs),
+                );
             }
             // `prepare` of the same layer always gives the matching form.
             _ => out.fill(f32::NAN),

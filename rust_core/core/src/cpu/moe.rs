@@ -3,7 +3,8 @@
 
 use rayon::prelude::*;
 
-use super::linear::{Compute, Linear};
+use super::kernels;
+use super::linear::{transpose, Compute, Linear};
 use super::routing::{route, Routed};
 use crate::error::{LayoutError, Result};
 use crate::moe::Routing;
@@ -14,15 +15,6 @@ pub struct CpuExpert {
     pub gate: Option<Linear>,
     pub up: Linear,
     pub down: Linear,
-}
-
-/// `silu(g) * u`, or `silu(u)` without a gate.
-#[inline]
-fn act(g: Option<f32>, u: f32) -> f32 {
-    match g {
-        Some(a) => a / (1.0 + (-a).exp()) * u,
-        None => u / (1.0 + (-u).exp()),
-    }
 }
 
 impl CpuExpert {
@@ -132,13 +124,9 @@ impl Job<'_> {
             } else {
                 gate.forward_cols(&gate.prepare_rows(x, m, rows, compute), m, 0, i, gv, i, 1);
             }
-            for (h, &gv) in hidden.iter_mut().zip(gv.iter()) {
-                *h = act(Some(gv), *h);
-            }
+            kernels::silu_mul(Some(gv), hidden);
         } else {
-            for h in hidden.iter_mut() {
-                *h = act(None, *h);
-            }
+            kernels::silu_mul(None, hidden);
         }
         let n = ex.down.out_features();
         let ph = ex.down.prepare(hidden, m, compute);
@@ -236,15 +224,12 @@ fn run_experts(jobs: &[Job<'_>], parallel: bool, out: &mut [f32]) {
     // silu(gate) * up, row-major, then the down projection's input.
     let down_in: Vec<_> = jobs
         .par_iter()
-        .zip(&gu)
+        .zip(gu.par_iter_mut())
         .map(|(&Job { ex, m, compute, .. }, (g, u))| {
             let i = ex.up.out_features();
-            let mut h = vec![0f32; m * i];
-            for j in 0..i {
-                for r in 0..m {
-                    h[r * i + j] = act(g.get(j * m + r).copied(), u[j * m + r]);
-                }
-            }
+            let mut u = std::mem::take(u);
+            kernels::silu_mul(ex.gate.as_ref().map(|_| g.as_slice()), &mut u);
+            let h = if m == 1 { u } else { transpose(&u, i, m) };
             ex.down.prepare(&h, m, compute).into_owned()
         })
         .collect();

@@ -186,16 +186,86 @@ impl PackedI8 {
         nblocks: usize,
         mut emit: impl FnMut(usize, usize, &[i32; BLOCK]),
     ) {
+        self.tiles(xu, m, first_block, nblocks, |r, mr, b, nb, acc| {
+            for rr in 0..mr {
+                for bb in 0..nb {
+                    let lanes = &mut acc[rr * nb + bb];
+                    let sums = &self.wsum[(b + bb) * BLOCK..(b + bb + 1) * BLOCK];
+                    for (v, &s) in lanes.iter_mut().zip(sums) {
+                        *v -= 128 * s;
+                    }
+                    emit(r + rr, b + bb, lanes);
+                }
+            }
+        });
+    }
+
+    /// As [`PackedI8::gemm`], rescaled: emits `f32(acc[l]) * sx[row] * scale[16 * block + l]`
+    /// (in that order, so every path rounds alike), the W8A8 output. `sx` has a scale per row
+    /// of `xu`; `scale` one per feature (lanes past its end emit zeros).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_scaled(
+        &self,
+        xu: &[u8],
+        m: usize,
+        sx: &[f32],
+        scale: &[f32],
+        first_block: usize,
+        nblocks: usize,
+        mut emit: impl FnMut(usize, usize, &[f32; BLOCK]),
+    ) {
+        if sx.len() < m {
+            return;
+        }
+        let simd = isa().avx512();
+        let mut out = [[0f32; BLOCK]; TILE_ROWS * TILE_BLOCKS];
+        self.tiles(xu, m, first_block, nblocks, |r, mr, b, nb, acc| {
+            let rows = &sx[r..r + mr];
+            let dst = &mut out[..mr * nb];
+            if simd {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `isa()` detected AVX-512F; `acc` and `dst` hold `mr * nb` tiles,
+                // `rows` has `mr` scales and `self.wsum` covers blocks `b..b + nb` (tiles()
+                // only hands out whole blocks of this layer).
+                unsafe {
+                    x86::finish(acc, dst, mr, nb, b, &self.wsum, rows, scale)
+                };
+            } else {
+                finish_scalar(acc, dst, mr, nb, b, &self.wsum, rows, scale);
+            }
+            for rr in 0..mr {
+                for bb in 0..nb {
+                    emit(r + rr, b + bb, &dst[rr * nb + bb]);
+                }
+            }
+        });
+    }
+
+    /// Runs the register tiles over blocks `first_block..first_block + nblocks` and rows
+    /// `0..m`, calling `done(row, rows, block, blocks, acc)` with each tile's raw
+    /// accumulators `Σ xu * w` (no compensation), `acc[rr * blocks + bb]` for row `row + rr`
+    /// and block `block + bb`.
+    fn tiles(
+        &self,
+        xu: &[u8],
+        m: usize,
+        first_block: usize,
+        nblocks: usize,
+        mut done: impl FnMut(usize, usize, usize, usize, &mut [[i32; BLOCK]]),
+    ) {
         let block_len = self.k_pad * BLOCK;
         let end = (first_block + nblocks).min(self.blocks());
         if xu.len() < m * self.k_pad || first_block >= end {
             return;
         }
         let data = self.bytes();
-        if data.len() < end * block_len {
+        if data.len() < end * block_len || self.wsum.len() < end * BLOCK {
             return;
         }
         let (use_vnni, use_avx2, use_neon) = (isa().vnni(), isa().avx2_int8(), isa().neon());
+        let mut acc = [[0i32; BLOCK]; TILE_ROWS * TILE_BLOCKS];
+        #[cfg(target_arch = "x86_64")]
+        let passes = m.div_ceil(TILE_ROWS);
         let mut b = first_block;
         while b < end {
             let nb = (end - b).min(TILE_BLOCKS);
@@ -204,15 +274,33 @@ impl PackedI8 {
             while r < m {
                 let mr = (m - r).min(TILE_ROWS);
                 let x = &xu[r * self.k_pad..(r + mr) * self.k_pad];
-                let mut acc = [[0i32; BLOCK]; TILE_ROWS * TILE_BLOCKS];
                 let tile = &mut acc[..mr * nb];
+                if !use_vnni {
+                    // The VNNI kernel stores whole tiles; the others add into them.
+                    tile.fill([0; BLOCK]);
+                }
                 if use_vnni {
                     #[cfg(target_arch = "x86_64")]
-                    // SAFETY: `isa()` detected AVX-512 VNNI and BW; `x` is `mr` rows of `k_pad`
-                    // bytes and `w` is `nb` whole blocks of `k_pad * 16` bytes, as required.
-                    unsafe {
-                        x86::tile(x, mr, self.k_pad, w, nb, tile)
-                    };
+                    {
+                        let pf = if r == 0 {
+                            x86::Prefetch::Ahead
+                        } else {
+                            // Pass p of the `passes - 1` later passes takes its share of the
+                            // next tile's lines (the blocks after this tile, inside `end`).
+                            let next = (end - (b + nb)).min(TILE_BLOCKS) * block_len / 64;
+                            let share = next.div_ceil(passes - 1);
+                            let from = (r / TILE_ROWS - 1) * share;
+                            let lines = share.min(next.saturating_sub(from));
+                            x86::Prefetch::Next {
+                                at: data.as_ptr().wrapping_add((b + nb) * block_len + from * 64),
+                                lines,
+                            }
+                        };
+                        // SAFETY: `isa()` detected AVX-512 VNNI and BW; `x` is `mr` rows of
+                        // `k_pad` bytes and `w` is `nb` whole blocks of `k_pad * 16` bytes, as
+                        // required (prefetch addresses need not be valid).
+                        unsafe { x86::tile(x, mr, self.k_pad, w, nb, tile, pf) };
+                    }
                 } else if use_avx2 {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: `isa()` detected AVX2; the slices are sized as for the VNNI tile.
@@ -225,19 +313,36 @@ impl PackedI8 {
                 } else {
                     tile_scalar(x, mr, self.k_pad, w, nb, tile);
                 }
-                for rr in 0..mr {
-                    for bb in 0..nb {
-                        let lanes = &mut acc[rr * nb + bb];
-                        let sums = &self.wsum[(b + bb) * BLOCK..(b + bb + 1) * BLOCK];
-                        for (v, &s) in lanes.iter_mut().zip(sums) {
-                            *v -= 128 * s;
-                        }
-                        emit(r + rr, b + bb, lanes);
-                    }
-                }
+                done(r, mr, b, nb, tile);
                 r += mr;
             }
             b += nb;
+        }
+    }
+}
+
+/// The scalar reference of the W8A8 epilogue: `out[rr * nb + bb][l] =
+/// f32(acc - 128 * wsum[j]) * sx[rr] * scale[j]` for feature `j = 16 * (b + bb) + l`, with
+/// scale 0 where `scale` has no entry `j`.
+#[allow(clippy::too_many_arguments)]
+pub fn finish_scalar(
+    acc: &[[i32; BLOCK]],
+    out: &mut [[f32; BLOCK]],
+    mr: usize,
+    nb: usize,
+    b: usize,
+    wsum: &[i32],
+    sx: &[f32],
+    scale: &[f32],
+) {
+    for rr in 0..mr {
+        for bb in 0..nb {
+            let j0 = (b + bb) * BLOCK;
+            for l in 0..BLOCK {
+                let v = acc[rr * nb + bb][l] - 128 * wsum[j0 + l];
+                let ws = scale.get(j0 + l).copied().unwrap_or(0.0);
+                out[rr * nb + bb][l] = v as f32 * sx[rr] * ws;
+            }
         }
     }
 }
@@ -275,6 +380,21 @@ mod x86 {
 
     /// How far ahead (bytes) each weight stream is prefetched.
     const PF_DIST: usize = 1024;
+
+    /// What a VNNI tile prefetches while it computes. A tile's first pass over its weights
+    /// reads them from DRAM, so it prefetches its own streams `PF_DIST` ahead; later passes
+    /// (more rows over the same weights, read from L2) prefetch a share of the next tile's
+    /// weights into L2, so that their first pass finds them there.
+    #[derive(Clone, Copy, Debug)]
+    pub enum Prefetch {
+        Ahead,
+        /// `lines` cache lines from `at`.
+        Next {
+            at: *const i8,
+            lines: usize,
+        },
+        Nothing,
+    }
     use std::arch::x86_64::*;
 
     /// Dispatches a `mr x nb` tile to its monomorphic kernel.
@@ -290,22 +410,23 @@ mod x86 {
         w: &[i8],
         nb: usize,
         out: &mut [[i32; BLOCK]],
+        pf: Prefetch,
     ) {
         // SAFETY: the caller's contract is exactly each kernel's contract (all arms).
         unsafe {
             match (mr, nb) {
-                (1, 4) => kernel::<1, 4>(xu, k_pad, w, out),
-                (2, 4) => kernel::<2, 4>(xu, k_pad, w, out),
-                (3, 4) => kernel::<3, 4>(xu, k_pad, w, out),
-                (4, 4) => kernel::<4, 4>(xu, k_pad, w, out),
-                (5, 4) => kernel::<5, 4>(xu, k_pad, w, out),
-                (6, 4) => kernel::<6, 4>(xu, k_pad, w, out),
-                (1, 1) => kernel::<1, 1>(xu, k_pad, w, out),
-                (1, 2) => kernel::<1, 2>(xu, k_pad, w, out),
-                (1, 3) => kernel::<1, 3>(xu, k_pad, w, out),
-                (r, 1) => kernel_rows::<1>(xu, r, k_pad, w, out),
-                (r, 2) => kernel_rows::<2>(xu, r, k_pad, w, out),
-                (r, _) => kernel_rows::<3>(xu, r, k_pad, w, out),
+                (1, 4) => kernel::<1, 4>(xu, k_pad, w, out, pf),
+                (2, 4) => kernel::<2, 4>(xu, k_pad, w, out, pf),
+                (3, 4) => kernel::<3, 4>(xu, k_pad, w, out, pf),
+                (4, 4) => kernel::<4, 4>(xu, k_pad, w, out, pf),
+                (5, 4) => kernel::<5, 4>(xu, k_pad, w, out, pf),
+                (6, 4) => kernel::<6, 4>(xu, k_pad, w, out, pf),
+                (1, 1) => kernel::<1, 1>(xu, k_pad, w, out, pf),
+                (1, 2) => kernel::<1, 2>(xu, k_pad, w, out, pf),
+                (1, 3) => kernel::<1, 3>(xu, k_pad, w, out, pf),
+                (r, 1) => kernel_rows::<1>(xu, r, k_pad, w, out, pf),
+                (r, 2) => kernel_rows::<2>(xu, r, k_pad, w, out, pf),
+                (r, _) => kernel_rows::<3>(xu, r, k_pad, w, out, pf),
             }
         }
     }
@@ -373,6 +494,53 @@ mod x86 {
         }
     }
 
+    /// The AVX-512 W8A8 epilogue, lane for lane the arithmetic of
+    /// [`super::finish_scalar`] (`vcvtdq2ps` rounds to nearest as `as f32` does; the two
+    /// multiplies in the same order).
+    ///
+    /// # Safety
+    /// The CPU supports AVX-512F; `acc.len() >= mr * nb`, `out.len() >= mr * nb`,
+    /// `sx.len() >= mr`, `wsum.len() >= 16 * (b + nb)`.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn finish(
+        acc: &[[i32; BLOCK]],
+        out: &mut [[f32; BLOCK]],
+        mr: usize,
+        nb: usize,
+        b: usize,
+        wsum: &[i32],
+        sx: &[f32],
+        scale: &[f32],
+    ) {
+        let bias = _mm512_set1_epi32(128);
+        for bb in 0..nb {
+            let j0 = (b + bb) * BLOCK;
+            // Lanes with a scale: all 16, or the tail of the last block.
+            let valid = scale.len().saturating_sub(j0).min(BLOCK);
+            let mask: __mmask16 = ((1u32 << valid) - 1) as __mmask16;
+            // SAFETY: the masked load touches only the `valid` entries from j0, which lie
+            // in `scale`; wsum has 16 entries from j0 (caller's contract).
+            let (ws, sums) = unsafe {
+                (
+                    _mm512_maskz_loadu_ps(mask, scale.as_ptr().wrapping_add(j0)),
+                    _mm512_loadu_si512(wsum.as_ptr().add(j0).cast()),
+                )
+            };
+            let comp = _mm512_mullo_epi32(sums, bias);
+            for (rr, &s) in sx.iter().enumerate().take(mr) {
+                let t = rr * nb + bb;
+                // SAFETY: t < mr * nb <= acc.len(), out.len(); each entry is 64 bytes.
+                unsafe {
+                    let v = _mm512_sub_epi32(_mm512_loadu_si512(acc[t].as_ptr().cast()), comp);
+                    let f =
+                        _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(s)), ws);
+                    _mm512_storeu_ps(out[t].as_mut_ptr(), f);
+                }
+            }
+        }
+    }
+
     /// Leftover blocks (fewer than 4) with several rows: one row at a time.
     ///
     /// # Safety
@@ -384,6 +552,7 @@ mod x86 {
         k_pad: usize,
         w: &[i8],
         out: &mut [[i32; BLOCK]],
+        pf: Prefetch,
     ) {
         for r in 0..mr {
             // SAFETY: row r of `xu` is in bounds (r < mr); `w` holds NB blocks; `out` has the
@@ -394,6 +563,7 @@ mod x86 {
                     k_pad,
                     w,
                     &mut out[r * NB..(r + 1) * NB],
+                    if r == 0 { pf } else { Prefetch::Nothing },
                 )
             };
         }
@@ -411,19 +581,30 @@ mod x86 {
         k_pad: usize,
         w: &[i8],
         out: &mut [[i32; BLOCK]],
+        pf: Prefetch,
     ) {
         let block_len = k_pad * BLOCK;
         let mut acc = [[_mm512_setzero_si512(); NB]; MR];
         let wp = w.as_ptr();
         let xp = xu.as_ptr();
+        let (ahead, next, lines) = match pf {
+            Prefetch::Ahead => (true, wp, 0),
+            Prefetch::Next { at, lines } => (false, at, lines),
+            Prefetch::Nothing => (false, wp, 0),
+        };
         for quad in 0..k_pad / 4 {
             let mut wv = [_mm512_setzero_si512(); NB];
             for (b, v) in wv.iter_mut().enumerate() {
                 let at = b * block_len + quad * 64;
-                // Sixteen cache lines ahead in the same stream keeps several misses in flight
-                // per stream when the weights come from DRAM. A prefetch never faults, and
-                // `wrapping_add` makes the address without claiming it is in bounds.
-                _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(at + PF_DIST).cast());
+                // A prefetch never faults, and `wrapping_add` makes the address without
+                // claiming it is in bounds.
+                if ahead {
+                    // Sixteen cache lines ahead in the same stream keeps several misses in
+                    // flight per stream when the weights come from DRAM.
+                    _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(at + PF_DIST).cast());
+                } else if quad * NB + b < lines {
+                    _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add((quad * NB + b) * 64).cast());
+                }
                 // SAFETY: b < NB and quad < k_pad / 4, so the 64 bytes at `at` lie inside
                 // block b of `w` (w.len() >= NB * block_len).
                 *v = unsafe { _mm512_loadu_si512(wp.add(at).cast()) };
@@ -638,6 +819,80 @@ mod tests {
         let mut got = vec![[0i32; BLOCK]; 1];
         neon::tile(&x, 1, 4096, &w, 1, &mut got);
         assert_eq!(got[0], [255 * -128 * 4096; BLOCK]);
+    }
+
+    /// The AVX-512 W8A8 epilogue equals the scalar one bit for bit, a partial last block
+    /// (lanes past `scale` emit 0) and extreme accumulators included.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn simd_finish_equals_scalar_finish() {
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        let mut s = 0x51ed_2701_u64;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        for (mr, nb, b, n) in [(6, 4, 0, 64), (1, 1, 2, 40), (3, 2, 1, 45), (5, 4, 1, 77)] {
+            let mut acc: Vec<[i32; BLOCK]> = (0..mr * nb)
+                .map(|_| std::array::from_fn(|_| (next() >> 40) as i32 - (1 << 23)))
+                .collect();
+            acc[0][0] = i32::MAX / 2;
+            acc[0][1] = i32::MIN / 2;
+            let wsum: Vec<i32> = (0..(b + nb) * BLOCK)
+                .map(|_| (next() % 60_000) as i32 - 30_000)
+                .collect();
+            let sx: Vec<f32> = (0..mr)
+                .map(|_| (next() % 1000) as f32 * 1.3e-4 + 1e-6)
+                .collect();
+            let scale: Vec<f32> = (0..n)
+                .map(|_| (next() % 1000) as f32 * 7.1e-5 + 1e-7)
+                .collect();
+            let mut want = vec![[1f32; BLOCK]; mr * nb];
+            finish_scalar(&acc, &mut want, mr, nb, b, &wsum, &sx, &scale);
+            let mut got = vec![[2f32; BLOCK]; mr * nb];
+            // SAFETY: AVX-512F detected above; every slice is sized as `finish` requires.
+            unsafe { x86::finish(&acc, &mut got, mr, nb, b, &wsum, &sx, &scale) };
+            let bits =
+                |v: &[[f32; BLOCK]]| v.iter().flatten().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "mr={mr} nb={nb} b={b} n={n}");
+            let last = &got[nb - 1];
+            let past = ((b + nb) * BLOCK).saturating_sub(n).min(BLOCK);
+            assert!(last[BLOCK - past..].iter().all(|&v| v == 0.0));
+        }
+    }
+
+    /// `gemm_scaled` emits what `gemm` does, rescaled in the documented order.
+    #[test]
+    fn gemm_scaled_is_gemm_rescaled() {
+        let (n, k, m) = (70, 100, 9);
+        let w: Vec<i8> = (0..n * k).map(|i| ((i * 37) % 255) as i8).collect();
+        let p = PackedI8::pack(&w, n, k);
+        let xu: Vec<u8> = (0..m * p.k_pad).map(|i| ((i * 11) % 256) as u8).collect();
+        let sx: Vec<f32> = (0..m).map(|r| 0.01 + r as f32 * 1e-3).collect();
+        let scale: Vec<f32> = (0..n).map(|j| 1e-3 + j as f32 * 3e-5).collect();
+        let mut want = vec![f32::NAN; m * n];
+        p.gemm(&xu, m, 1, p.blocks(), |r, b, acc| {
+            for (l, &v) in acc.iter().enumerate() {
+                if b * BLOCK + l < n {
+                    want[r * n + b * BLOCK + l] = v as f32 * sx[r] * scale[b * BLOCK + l];
+                }
+            }
+        });
+        let mut got = vec![f32::NAN; m * n];
+        p.gemm_scaled(&xu, m, &sx, &scale, 1, p.blocks(), |r, b, lanes| {
+            for (l, &v) in lanes.iter().enumerate() {
+                if b * BLOCK + l < n {
+                    got[r * n + b * BLOCK + l] = v;
+                }
+            }
+        });
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want));
+        assert!(got[..BLOCK].iter().all(|v| v.is_nan()) && !got[BLOCK].is_nan());
     }
 
     #[test]

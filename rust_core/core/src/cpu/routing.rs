@@ -1,6 +1,8 @@
 //! Top-k routing: softmax (Qwen-MoE, Mixtral) and sigmoid with score-correction bias, expert
 //! groups and routed scaling (DeepSeek-V3, Laguna).
 
+use rayon::prelude::*;
+
 use crate::moe::{Routing, Scoring};
 
 /// Routing of `t` tokens: `ids[t * k + j]`, `weights[t * k + j]`.
@@ -12,17 +14,25 @@ pub struct Routed {
 }
 
 /// Indices of the `k` largest values, largest first; ties keep the lower index (like
-/// `torch.topk` on CPU for distinct values; ties are measure-zero with real logits).
+/// `torch.topk` on CPU for distinct values; ties are measure-zero with real logits). NaN ranks
+/// below every number. An insertion into a sorted list of `k`: routing picks a few of many.
 fn top_k_indices(values: &[f32], k: usize) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..values.len()).collect();
-    idx.sort_by(|&a, &b| {
-        let (va, vb) = (values[a], values[b]);
-        vb.partial_cmp(&va)
-            .unwrap_or(std::cmp::Ordering::Equal)
-            .then(a.cmp(&b))
-    });
-    idx.truncate(k);
-    idx
+    // `a` ranks strictly above `b`; the scan goes in index order, so an equal value found
+    // later never passes an earlier one.
+    let above = |a: f32, b: f32| !a.is_nan() && (b.is_nan() || a > b);
+    let mut best: Vec<usize> = Vec::with_capacity(k + 1);
+    for (i, &v) in values.iter().enumerate() {
+        if best.len() == k && best.last().is_none_or(|&l| !above(v, values[l])) {
+            continue;
+        }
+        let at = best
+            .iter()
+            .position(|&j| above(v, values[j]))
+            .unwrap_or(best.len());
+        best.insert(at, i);
+        best.truncate(k);
+    }
+    best
 }
 
 /// Routes `logits` (`[tokens, experts]`, f32) with the model's routing parameters.
@@ -38,83 +48,14 @@ pub fn route(
 ) -> Routed {
     let tokens = logits.len().checked_div(experts).unwrap_or(0);
     let k = top_k.min(experts);
+    let rows: Vec<(Vec<usize>, Vec<f32>)> = logits
+        .par_chunks_exact(experts.max(1))
+        .take(tokens)
+        .map(|row| route_row(row, experts, routing, k, correction_bias, apply_scaling))
+        .collect();
     let mut ids = Vec::with_capacity(tokens * k);
     let mut weights = Vec::with_capacity(tokens * k);
-    for row in logits.chunks_exact(experts.max(1)).take(tokens) {
-        let capped: Vec<f32> = match routing.logit_softcapping {
-            Some(c) if c > 0.0 => row
-                .iter()
-                .map(|&x| ((x as f64 / c).tanh() * c) as f32)
-                .collect(),
-            _ => row.to_vec(),
-        };
-        let (chosen, mut w): (Vec<usize>, Vec<f32>) = match routing.scoring {
-            Scoring::Softmax => {
-                let max = capped.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let exps: Vec<f32> = capped.iter().map(|&x| (x - max).exp()).collect();
-                let sum: f32 = exps.iter().sum();
-                let probs: Vec<f32> = exps.iter().map(|&e| e / sum).collect();
-                let chosen = top_k_indices(&probs, k);
-                let w = chosen.iter().map(|&i| probs[i]).collect();
-                (chosen, w)
-            }
-            Scoring::Sigmoid => {
-                let scores: Vec<f32> = capped.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect();
-                let choice: Vec<f32> = match correction_bias {
-                    Some(b) if b.len() == scores.len() => {
-                        scores.iter().zip(b).map(|(s, b)| s + b).collect()
-                    }
-                    _ => scores.clone(),
-                };
-                let masked = match (routing.n_group, routing.topk_group) {
-                    (Some(groups), Some(keep)) if groups > 1 && experts.is_multiple_of(groups) => {
-                        let per = experts / groups;
-                        // Group score: sum of the two best corrected scores in the group.
-                        let gscore: Vec<f32> = (0..groups)
-                            .map(|g| {
-                                let best =
-                                    top_k_indices(&choice[g * per..(g + 1) * per], 2.min(per));
-                                best.iter().map(|&i| choice[g * per + i]).sum()
-                            })
-                            .collect();
-                        let kept = top_k_indices(&gscore, keep.min(groups));
-                        choice
-                            .iter()
-                            .enumerate()
-                            .map(|(e, &c)| {
-                                if kept.contains(&(e / per)) {
-                                    c
-                                } else {
-                                    f32::NEG_INFINITY
-                                }
-                            })
-                            .collect()
-                    }
-                    _ => choice,
-                };
-                let chosen = top_k_indices(&masked, k);
-                let w = chosen.iter().map(|&i| scores[i]).collect();
-                (chosen, w)
-            }
-        };
-        if routing.renormalize {
-            let sum: f32 = w.iter().sum();
-            let denom = if routing.scoring == Scoring::Sigmoid {
-                sum + 1e-20
-            } else {
-                sum
-            };
-            if denom > 0.0 {
-                for x in &mut w {
-                    *x /= denom;
-                }
-            }
-        }
-        if apply_scaling && routing.routed_scaling_factor != 1.0 {
-            for x in &mut w {
-                *x *= routing.routed_scaling_factor as f32;
-            }
-        }
+    for (chosen, w) in rows {
         ids.extend(chosen.iter().map(|&i| i as u32));
         weights.extend(w);
     }
@@ -122,5 +63,124 @@ pub fn route(
         top_k: k,
         ids,
         weights,
+    }
+}
+
+/// One token's experts and weights.
+fn route_row(
+    row: &[f32],
+    experts: usize,
+    routing: &Routing,
+    k: usize,
+    correction_bias: Option<&[f32]>,
+    apply_scaling: bool,
+) -> (Vec<usize>, Vec<f32>) {
+    let capped: Vec<f32> = match routing.logit_softcapping {
+        Some(c) if c > 0.0 => row
+            .iter()
+            .map(|&x| ((x as f64 / c).tanh() * c) as f32)
+            .collect(),
+        _ => row.to_vec(),
+    };
+    let (chosen, mut w): (Vec<usize>, Vec<f32>) = match routing.scoring {
+        Scoring::Softmax => {
+            let max = capped.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let exps: Vec<f32> = capped.iter().map(|&x| (x - max).exp()).collect();
+            let sum: f32 = exps.iter().sum();
+            let probs: Vec<f32> = exps.iter().map(|&e| e / sum).collect();
+            let chosen = top_k_indices(&probs, k);
+            let w = chosen.iter().map(|&i| probs[i]).collect();
+            (chosen, w)
+        }
+        Scoring::Sigmoid => {
+            let scores: Vec<f32> = capped.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect();
+            let choice: Vec<f32> = match correction_bias {
+                Some(b) if b.len() == scores.len() => {
+                    scores.iter().zip(b).map(|(s, b)| s + b).collect()
+                }
+                _ => scores.clone(),
+            };
+            let masked = match (routing.n_group, routing.topk_group) {
+                (Some(groups), Some(keep)) if groups > 1 && experts.is_multiple_of(groups) => {
+                    let per = experts / groups;
+                    // Group score: sum of the two best corrected scores in the group.
+                    let gscore: Vec<f32> = (0..groups)
+                        .map(|g| {
+                            let best = top_k_indices(&choice[g * per..(g + 1) * per], 2.min(per));
+                            best.iter().map(|&i| choice[g * per + i]).sum()
+                        })
+                        .collect();
+                    let kept = top_k_indices(&gscore, keep.min(groups));
+                    choice
+                        .iter()
+                        .enumerate()
+                        .map(|(e, &c)| {
+                            if kept.contains(&(e / per)) {
+                                c
+                            } else {
+                                f32::NEG_INFINITY
+                            }
+                        })
+                        .collect()
+                }
+                _ => choice,
+            };
+            let chosen = top_k_indices(&masked, k);
+            let w = chosen.iter().map(|&i| scores[i]).collect();
+            (chosen, w)
+        }
+    };
+    if routing.renormalize {
+        let sum: f32 = w.iter().sum();
+        let denom = if routing.scoring == Scoring::Sigmoid {
+            sum + 1e-20
+        } else {
+            sum
+        };
+        if denom > 0.0 {
+            for x in &mut w {
+                *x /= denom;
+            }
+        }
+    }
+    if apply_scaling && routing.routed_scaling_factor != 1.0 {
+        for x in &mut w {
+            *x *= routing.routed_scaling_factor as f32;
+        }
+    }
+    (chosen, w)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::top_k_indices;
+
+    /// The insertion selection equals a full sort (value descending, then index), ties and
+    /// repeated values included; NaN ranks last.
+    #[test]
+    fn top_k_equals_full_sort() {
+        let mut s = 0x1234_5678_u64;
+        for case in 0..300 {
+            let n = 1 + case % 70;
+            let values: Vec<f32> = (0..n)
+                .map(|_| {
+                    s ^= s << 13;
+                    s ^= s >> 7;
+                    s ^= s << 17;
+                    // Few distinct values, so ties are common.
+                    ((s % 9) as f32 - 4.0) * if case % 3 == 0 { 0.5 } else { 1.7 }
+                })
+                .collect();
+            for k in [0, 1, 2, 6, 8, n, n + 3] {
+                let mut want: Vec<usize> = (0..n).collect();
+                want.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
+                want.truncate(k);
+                assert_eq!(top_k_indices(&values, k), want, "{values:?} k={k}");
+            }
+        }
+        assert_eq!(
+            top_k_indices(&[f32::NAN, 1.0, f32::NEG_INFINITY, 3.0], 3),
+            vec![3, 1, 2]
+        );
     }
 }
