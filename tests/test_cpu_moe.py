@@ -566,3 +566,53 @@ def test_thread_count_is_honoured_and_results_do_not_depend_on_it(tmp_path: Path
     three, n3, _ = run_int8_script(tmp_path / "t3.npy", MOEQ_NUM_THREADS="3")
     assert (n1, n3) == (1, 3)
     assert np.array_equal(one, three)
+
+
+_THREADS_SCRIPT = r"""
+import threading, numpy as np, torch
+from moeq_rs.moe import MoELayer
+g = torch.Generator().manual_seed(11)
+e, h, i, k = 10, 130, 48, 3
+layer = MoELayer.from_tensors(
+    torch.randint(-128, 128, (e, 2 * i, h), dtype=torch.int8, generator=g),
+    torch.randint(-128, 128, (e, h, i), dtype=torch.int8, generator=g),
+    torch.rand(e, 2 * i, 1, generator=g) * 1e-2, torch.rand(e, h, 1, generator=g) * 1e-2,
+    scheme="w8a8_dynamic", top_k=k)
+inputs = [(torch.randn(t, h, generator=g), torch.randn(t, e, generator=g)) for t in (1, 7, 64)]
+def run():
+    return [layer(x, lg).numpy().copy() for x, lg in inputs]
+main = run()  # the first forward: this thread owns a pool
+seen = {}
+def worker(name):
+    for _ in range(5):
+        seen.setdefault(name, []).append(run())
+threads = [threading.Thread(target=worker, args=(n,)) for n in ("a", "b")]
+for t in threads:
+    t.start()
+again = [run() for _ in range(5)]  # the owner, while the other threads run too
+for t in threads:
+    t.join()
+for outs in again + seen["a"] + seen["b"]:
+    for got, want in zip(outs, main):
+        assert np.array_equal(got, want)
+print("ok", len(seen["a"]) + len(seen["b"]) + len(again))
+"""
+
+
+def test_forward_from_other_threads_equals_the_owner_thread() -> None:
+    """The first thread to run a forward works inside its own pool; other threads, also running
+    at the same time as it, use the shared pool. Every call gives the same bits."""
+    import os
+    import subprocess
+    import sys
+
+    for threads in ("1", "2", "3"):
+        ran = subprocess.run(
+            [sys.executable, "-c", _THREADS_SCRIPT],
+            env=dict(os.environ, MOEQ_NUM_THREADS=threads),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert ran.returncode == 0, ran.stderr
+        assert ran.stdout.split() == ["ok", "15"]
