@@ -223,6 +223,26 @@ def test_bf16_inputs_use_bf16_dot_products(
     assert torch.equal(public, bf16.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("name", ["qwen3_w8a8_dynamic", "qwen3_w4a16_g128_asym"])
+def test_bf16_forward_equals_f32_forward_rounded(
+    fixture_path: Callable[[str], Path], name: str
+) -> None:
+    """bf16 tensors reach the native forward as their raw bits and come back as bf16 bits:
+    the same values as the f32 route (computing as for bf16) rounded by torch, bit for bit."""
+    moe = mq.MoELayer.from_checkpoint(fixture_path(name), 0)
+    for tokens in (1, 5, 40):
+        x = torch.randn(tokens, moe.hidden_size).to(torch.bfloat16)
+        logits = torch.randn(tokens, moe.num_experts)
+        via_f32 = moe._core.forward(
+            x.float().numpy().reshape(-1), tokens, logits.numpy().reshape(-1), bf16=True
+        )
+        want = torch.from_numpy(via_f32).reshape(tokens, -1).to(torch.bfloat16)
+        got = moe(x, logits)
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        assert torch.isfinite(got.float()).all() and got.float().abs().max() > 0
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def test_bf16_dot_products_can_be_switched_off() -> None:
     import os
     import subprocess

@@ -48,7 +48,27 @@ def _check(t: object, name: str, ndim: int, floating: bool) -> torch.Tensor:
 
 
 def _f32(t: torch.Tensor):  # type: ignore[no-untyped-def]
-    return t.detach().to(torch.float32).contiguous().reshape(-1).numpy()
+    # Few torch calls: each costs microseconds, and tens of them when caches are cold (a
+    # decode step). numpy's reshape copies a non-contiguous view.
+    t = t.detach()
+    if t.dtype != torch.float32:
+        t = t.to(torch.float32)
+    return t.numpy().reshape(-1)
+
+
+def _hidden(t: torch.Tensor):  # type: ignore[no-untyped-def]
+    """What the native forward takes for ``hidden_states``: bf16 as its raw bits (int16), which
+    it widens and rounds back itself (two torch conversions fewer per call), else f32."""
+    if t.dtype == torch.bfloat16:
+        return t.detach().view(torch.int16).numpy().reshape(-1)
+    return _f32(t)
+
+
+def _output(out, t: int, h: int, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    y = torch.from_numpy(out).reshape(t, h)
+    if dtype == torch.bfloat16:
+        return y.view(torch.bfloat16)
+    return y.to(dtype)
 
 
 class MoELayer(torch.nn.Module):
@@ -126,8 +146,8 @@ class MoELayer(torch.nn.Module):
                 f"router_logits: expected [{t}, {self.num_experts}], got {list(logits.shape)}"
             )
         # bf16 input: weight-only layers may use bf16 dot products (moeq_rs.oracle.cpu_bf16_dot).
-        out = self._core.forward(_f32(x), t, _f32(logits), bf16=x.dtype == torch.bfloat16)
-        return torch.from_numpy(out).reshape(t, h).to(x.dtype)
+        out = self._core.forward(_hidden(x), t, _f32(logits))
+        return _output(out, t, h, x.dtype)
 
     def _forward_topk_eager(
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -146,14 +166,9 @@ class MoELayer(torch.nn.Module):
             )
         k = w.shape[1]
         out = self._core.forward_topk(
-            _f32(x),
-            t,
-            _f32(w),
-            ids.to(torch.int64).contiguous().reshape(-1).numpy(),
-            k,
-            bf16=x.dtype == torch.bfloat16,
+            _hidden(x), t, _f32(w), ids.to(torch.int64).contiguous().reshape(-1).numpy(), k
         )
-        return torch.from_numpy(out).reshape(t, h).to(x.dtype)
+        return _output(out, t, h, x.dtype)
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}"

@@ -131,24 +131,22 @@ impl CpuMoeLayer {
         self.moe.shared.is_some()
     }
 
-    /// `[tokens * hidden]` f32 output for f32 `hidden_states` and `router_logits` (flattened).
-    /// `bf16`: the input was bf16, so weight-only layers may use bf16 dot products.
+    /// `[tokens * hidden]` output for flattened `hidden_states` and f32 `router_logits`.
+    /// `hidden_states` is f32 (f32 out; `bf16`: the input was bf16, so weight-only layers may
+    /// use bf16 dot products) or the raw bits of bf16 values as int16 (bf16 bits out, rounded
+    /// as torch rounds): the bf16 form spares the caller two conversions.
     #[pyo3(signature = (hidden_states, tokens, router_logits, bf16 = false))]
     fn forward<'py>(
         &self,
         py: Python<'py>,
-        hidden_states: PyReadonlyArray1<'py, f32>,
+        hidden_states: Hidden<'py>,
         tokens: usize,
         router_logits: PyReadonlyArray1<'py, f32>,
         bf16: bool,
-    ) -> PyResult<Bound<'py, PyArray1<f32>>> {
-        let x = contiguous(py, &hidden_states, "hidden_states")?;
+    ) -> PyResult<Bound<'py, PyAny>> {
         let l = contiguous(py, &router_logits, "router_logits")?;
         let moe = Arc::clone(&self.moe);
-        let out = py
-            .detach(|| moe.forward(x, tokens, l, compute(bf16)))
-            .map_err(|e| to_py(py, e))?;
-        Ok(PyArray1::from_vec(py, out))
+        hidden_states.run(py, bf16, |x, c| moe.forward(x, tokens, l, c))
     }
 
     /// The weighted sum of the routed experts only.
@@ -157,14 +155,13 @@ impl CpuMoeLayer {
     fn forward_topk<'py>(
         &self,
         py: Python<'py>,
-        hidden_states: PyReadonlyArray1<'py, f32>,
+        hidden_states: Hidden<'py>,
         tokens: usize,
         topk_weights: PyReadonlyArray1<'py, f32>,
         topk_ids: PyReadonlyArray1<'py, i64>,
         top_k: usize,
         bf16: bool,
-    ) -> PyResult<Bound<'py, PyArray1<f32>>> {
-        let x = contiguous(py, &hidden_states, "hidden_states")?;
+    ) -> PyResult<Bound<'py, PyAny>> {
         let w = contiguous(py, &topk_weights, "topk_weights")?;
         let ids = contiguous(py, &topk_ids, "topk_ids")?;
         if let Some((i, v)) = ids
@@ -187,10 +184,46 @@ impl CpuMoeLayer {
             weights: w.to_vec(),
         };
         let moe = Arc::clone(&self.moe);
-        let out = py
-            .detach(|| moe.forward_topk(x, tokens, &routed, compute(bf16)))
-            .map_err(|e| to_py(py, e))?;
-        Ok(PyArray1::from_vec(py, out))
+        hidden_states.run(py, bf16, |x, c| moe.forward_topk(x, tokens, &routed, c))
+    }
+}
+
+/// `hidden_states` as f32 values or as the bits of bf16 values (int16).
+#[derive(FromPyObject)]
+enum Hidden<'py> {
+    F32(PyReadonlyArray1<'py, f32>),
+    Bf16Bits(PyReadonlyArray1<'py, i16>),
+}
+
+impl<'py> Hidden<'py> {
+    /// Runs `f` on the f32 values without the GIL; the output is f32, or bf16 bits for bf16
+    /// input (which always computes as for bf16, see `compute`).
+    fn run(
+        &self,
+        py: Python<'py>,
+        bf16: bool,
+        f: impl FnOnce(&[f32], moeq_core::cpu::linear::Compute) -> moeq_core::error::Result<Vec<f32>>
+            + Send,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        use moeq_core::cpu::kernels::{bf16_bits_to_f32, f32_to_bf16_bits};
+        match self {
+            Hidden::F32(a) => {
+                let x = contiguous(py, a, "hidden_states")?;
+                let out = py
+                    .detach(|| f(x, compute(bf16)))
+                    .map_err(|e| to_py(py, e))?;
+                Ok(PyArray1::from_vec(py, out).into_any())
+            }
+            Hidden::Bf16Bits(a) => {
+                let bits = contiguous(py, a, "hidden_states")?;
+                let out = py
+                    .detach(|| {
+                        f(&bf16_bits_to_f32(bits), compute(true)).map(|o| f32_to_bf16_bits(&o))
+                    })
+                    .map_err(|e| to_py(py, e))?;
+                Ok(PyArray1::from_vec(py, out).into_any())
+            }
+        }
     }
 }
 

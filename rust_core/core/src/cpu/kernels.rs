@@ -251,6 +251,25 @@ pub fn silu_mul(gate: Option<&[f32]>, up: &mut [f32]) {
     }
 }
 
+/// bf16 bits (as torch stores `torch.bfloat16`) to f32: exact.
+pub fn bf16_bits_to_f32(bits: &[i16]) -> Vec<f32> {
+    bits.iter()
+        .map(|&b| f32::from_bits(u32::from(b as u16) << 16))
+        .collect()
+}
+
+/// f32 to bf16 bits as torch's `.to(torch.bfloat16)` rounds finite values: to nearest, ties
+/// to even, subnormals kept. NaN becomes the canonical quiet NaN (0x7fc0).
+pub fn f32_to_bf16_bits(v: &[f32]) -> Vec<i16> {
+    v.iter()
+        .map(|&x| {
+            let b = x.to_bits();
+            let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+            (if x.is_nan() { 0x7fc0 } else { rounded }) as i16
+        })
+        .collect()
+}
+
 /// `Σ w[i] * x[i]` in f32, 16 lanes.
 #[inline]
 pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
@@ -524,6 +543,52 @@ mod tests {
             // Below -87 the clamp leaves an absolute error under 1e-35 (silu is ~0 there).
             let tol = 4.0 * f64::from(f32::EPSILON) * exact.abs() + 1e-35;
             assert!((f64::from(silu_ref(a)) - exact).abs() <= tol, "silu({a})");
+        }
+    }
+
+    /// bf16 bits round trip exactly, and rounding is to nearest even with carries into the
+    /// exponent (checked against f64 arithmetic on the two neighbouring bf16 values).
+    #[test]
+    fn bf16_conversions() {
+        let all: Vec<i16> = (0..=u16::MAX).map(|b| b as i16).collect();
+        let f = bf16_bits_to_f32(&all);
+        let back = f32_to_bf16_bits(&f);
+        for (&b, (&x, &r)) in all.iter().zip(f.iter().zip(&back)) {
+            if x.is_nan() {
+                assert_eq!(r, 0x7fc0);
+            } else {
+                assert_eq!(r, b, "{x}");
+            }
+        }
+        let mut s = 0x0bad_5eed_u64;
+        for _ in 0..200_000 {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let x = f32::from_bits(s as u32);
+            if !x.is_finite() {
+                continue;
+            }
+            let r = f32_to_bf16_bits(&[x])[0];
+            let lo = f32::from_bits((s as u32) & 0xffff_0000);
+            let hi_bits = ((s as u32) & 0xffff_0000).wrapping_add(0x1_0000);
+            let hi = f32::from_bits(hi_bits);
+            // Past the largest bf16 the next step is infinity, one ulp (2^120) further.
+            let hi_at = if hi.is_infinite() {
+                f64::from(lo) + f64::from(lo.signum()) * 2f64.powi(120)
+            } else {
+                f64::from(hi)
+            };
+            let (dl, dh) = (
+                (f64::from(x) - f64::from(lo)).abs(),
+                (hi_at - f64::from(x)).abs(),
+            );
+            let want = if dl < dh || (dl == dh && (lo.to_bits() >> 16) & 1 == 0) {
+                lo
+            } else {
+                hi
+            };
+            assert_eq!(r as u16, (want.to_bits() >> 16) as u16, "{x}");
         }
     }
 
