@@ -69,6 +69,28 @@ impl Prepared<'_> {
     }
 }
 
+impl Prepared<'_> {
+    /// Rows `rows` of an int8 input prepared for all tokens (see
+    /// [`Linear::prepare_int8_all`]), exactly as [`Linear::prepare_rows`] would prepare
+    /// them; `None` for other forms or rows out of range.
+    pub fn gather(&self, rows: &[usize]) -> Option<Prepared<'static>> {
+        let Prepared::U8 { xu, sx } = self else {
+            return None;
+        };
+        let k_pad = xu.len().checked_div(sx.len())?;
+        let mut out = Vec::with_capacity(rows.len() * k_pad);
+        let mut scales = Vec::with_capacity(rows.len());
+        for &t in rows {
+            out.extend_from_slice(xu.get(t * k_pad..(t + 1) * k_pad)?);
+            scales.push(*sx.get(t)?);
+        }
+        Some(Prepared::U8 {
+            xu: out,
+            sx: scales,
+        })
+    }
+}
+
 /// Dynamic per-token int8 quantisation: `s = max|x| / 127`, `q = clamp(rne(x / s))`; a zero row
 /// gives `q = 0` (and `s = 0`).
 pub fn quantize_row_dynamic(x: &[f32], q: &mut [i8]) -> f32 {
@@ -199,6 +221,38 @@ impl Linear {
             }
         };
         Prepared::F32(xs)
+    }
+
+    /// An int8 layer's input for all `m` rows of `x`, quantised in parallel: experts whose
+    /// projections take the same input ([`Linear::same_input`]) then copy their tokens' rows
+    /// ([`Prepared::gather`]) instead of quantising each token once per expert. `None` for
+    /// other layers.
+    pub fn prepare_int8_all(&self, x: &[f32], m: usize) -> Option<Prepared<'static>> {
+        let Linear::Int8 {
+            w, input_scale, k, ..
+        } = self
+        else {
+            return None;
+        };
+        let (k, k_pad) = (*k, w.k_pad);
+        if x.len() < m * k {
+            return None;
+        }
+        let mut xu = vec![128u8; m * k_pad];
+        let mut sx = vec![0f32; m];
+        xu.par_chunks_mut(k_pad.max(1))
+            .zip(sx.par_iter_mut())
+            .enumerate()
+            .with_min_len(16)
+            .for_each(|(r, (dst, s))| {
+                let xr = &x[r * k..(r + 1) * k];
+                *s = match input_scale {
+                    Some(s) => *s,
+                    None => kernels::amax(xr) / 127.0,
+                };
+                kernels::quantize_u8(xr, *s, &mut dst[..k]);
+            });
+        Some(Prepared::U8 { xu, sx })
     }
 
     /// Output features `first..first + count` for all `m` rows into a strided view:

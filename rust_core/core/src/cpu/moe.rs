@@ -4,7 +4,7 @@
 use rayon::prelude::*;
 
 use super::kernels;
-use super::linear::{transpose, Compute, Linear};
+use super::linear::{transpose, Compute, Linear, Prepared};
 use super::routing::{route, Routed};
 use crate::error::{LayoutError, Result};
 use crate::moe::Routing;
@@ -26,6 +26,7 @@ impl CpuExpert {
             rows: None,
             m,
             compute,
+            pre: None,
         };
         let mut y = vec![0f32; m * self.down.out_features()];
         if parallel {
@@ -90,9 +91,24 @@ struct Job<'a> {
     rows: Option<&'a [usize]>,
     m: usize,
     compute: Compute,
+    /// The layer input prepared once for all tokens, when gate and up take it as it is.
+    pre: Option<&'a Prepared<'a>>,
 }
 
 impl Job<'_> {
+    /// The up projection's input: rows of the shared prepared input, or prepared here.
+    fn up_input(&self) -> Prepared<'_> {
+        let shared = match (self.pre, self.rows) {
+            (Some(p), Some(rows)) => p.gather(rows),
+            _ => None,
+        };
+        shared.unwrap_or_else(|| {
+            self.ex
+                .up
+                .prepare_rows(self.x, self.m, self.rows, self.compute)
+        })
+    }
+
     /// The whole expert on this thread into `y` (`[m, hidden]`), every buffer row-major.
     fn forward_whole(&self, y: &mut [f32]) {
         GATE_UP.with(|cell| match cell.try_borrow_mut() {
@@ -112,9 +128,10 @@ impl Job<'_> {
             rows,
             m,
             compute,
+            ..
         } = *self;
         let i = ex.up.out_features();
-        let px = ex.up.prepare_rows(x, m, rows, compute);
+        let px = self.up_input();
         let hidden = sized(u, m * i);
         ex.up.forward_cols(&px, m, 0, i, hidden, i, 1);
         if let Some(gate) = &ex.gate {
@@ -166,23 +183,23 @@ fn run_experts(jobs: &[Job<'_>], parallel: bool, out: &mut [f32]) {
     // GEMM1: inputs prepared once per expert (gate and up share them when they can).
     let prepared: Vec<_> = jobs
         .par_iter()
-        .map(
-            |&Job {
-                 ex,
-                 x,
-                 rows,
-                 m,
-                 compute,
-             }| {
-                let up = ex.up.prepare_rows(x, m, rows, compute);
-                let gate = ex
-                    .gate
-                    .as_ref()
-                    .filter(|g| !g.same_input(&ex.up))
-                    .map(|g| g.prepare_rows(x, m, rows, compute));
-                (up, gate)
-            },
-        )
+        .map(|job| {
+            let Job {
+                ex,
+                x,
+                rows,
+                m,
+                compute,
+                ..
+            } = *job;
+            let up = job.up_input();
+            let gate = ex
+                .gate
+                .as_ref()
+                .filter(|g| !g.same_input(&ex.up))
+                .map(|g| g.prepare_rows(x, m, rows, compute));
+            (up, gate)
+        })
         .collect();
     let mut gu: Vec<(Vec<f32>, Vec<f32>)> = jobs
         .iter()
@@ -337,6 +354,20 @@ impl CpuMoe {
         }
     }
 
+    /// int8 experts that all quantise their input alike (dynamic per token, or one static
+    /// scale) get it quantised once per token here rather than once per (token, expert).
+    fn shared_int8_input(&self, x: &[f32], tokens: usize, k: usize) -> Option<Prepared<'static>> {
+        let first = &self.experts.first()?.up;
+        let shared = self.experts.iter().all(|ex| {
+            ex.up.same_input(first) && ex.gate.as_ref().is_none_or(|g| g.same_input(first))
+        });
+        // Worth it once tokens are routed to several experts each.
+        if !shared || k < 2 {
+            return None;
+        }
+        first.prepare_int8_all(x, tokens)
+    }
+
     /// The weighted sum over the routed experts only: `out[t] = Σ_j w[t, j] * expert[ids[t, j]](x_t)`.
     /// `compute` is the weight-only arithmetic (see [`Compute`]).
     pub fn forward_topk(
@@ -391,6 +422,7 @@ impl CpuMoe {
             }
         }
         let active: Vec<usize> = (0..e_count).filter(|&e| !by_expert[e].is_empty()).collect();
+        let pre = self.shared_int8_input(x, tokens, k);
         let token_rows: Vec<Vec<usize>> = active
             .iter()
             .map(|&e| by_expert[e].iter().map(|&(t, _)| t).collect())
@@ -404,6 +436,7 @@ impl CpuMoe {
                 rows: Some(rows),
                 m: rows.len(),
                 compute,
+                pre: pre.as_ref(),
             })
             .collect();
         // All experts' outputs in one reused buffer, expert after expert.
