@@ -22,6 +22,11 @@ pub const BLOCK: usize = 16;
 pub const TILE_BLOCKS: usize = 4;
 /// Activation rows per register tile (6 x 4 accumulators + 4 weight registers + 1 broadcast).
 pub const TILE_ROWS: usize = 6;
+/// Row passes over a tile from which the later passes prefetch the next tile: with fewer,
+/// each pass would issue a large share of 128 KB of prefetches in a short run of compute and
+/// stall on them (measured slower at 8-16 rows per expert, faster at 64).
+#[cfg(target_arch = "x86_64")]
+const MIN_PF_PASSES: usize = 4;
 
 /// `[n, k]` int8 weights in the VNNI block layout, with per-feature code sums.
 #[derive(Clone, Debug)]
@@ -284,6 +289,8 @@ impl PackedI8 {
                     {
                         let pf = if r == 0 {
                             x86::Prefetch::Ahead
+                        } else if passes < MIN_PF_PASSES {
+                            x86::Prefetch::Nothing
                         } else {
                             // Pass p of the `passes - 1` later passes takes its share of the
                             // next tile's lines (the blocks after this tile, inside `end`).
@@ -383,8 +390,8 @@ mod x86 {
 
     /// What a VNNI tile prefetches while it computes. A tile's first pass over its weights
     /// reads them from DRAM, so it prefetches its own streams `PF_DIST` ahead; later passes
-    /// (more rows over the same weights, read from L2) prefetch a share of the next tile's
-    /// weights into L2, so that their first pass finds them there.
+    /// (more rows over the same weights, read from L2; from `MIN_PF_PASSES` passes) prefetch
+    /// a share of the next tile's weights into L2, so that its first pass finds them there.
     #[derive(Clone, Copy, Debug)]
     pub enum Prefetch {
         Ahead,
