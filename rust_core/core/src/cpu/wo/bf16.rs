@@ -454,7 +454,13 @@ mod x86 {
         let wp = t.w.as_ptr();
         let xp = x.as_ptr();
         let (ahead, ahead_lines) = (t.ahead.as_ptr(), t.ahead.len().div_ceil(64));
-        let mut total = [[_mm512_setzero_ps(); NB]; MR];
+        // The running totals live in `out` (L1), not registers: with them the group
+        // accumulators would not fit in the 32 vector registers. Each group adds to them once.
+        for row in out.iter_mut().take(MR) {
+            for lanes in row.iter_mut().take(NB) {
+                *lanes = [0.0; BLOCK];
+            }
+        }
         for g in 0..groups {
             let mut acc = [[_mm512_setzero_ps(); NB]; MR];
             for j in t.offs[g]..t.offs[g + 1] {
@@ -499,14 +505,10 @@ mod x86 {
                     if let (Some(z), Some(&sm)) = (z, sums.get(r * groups + g)) {
                         a = _mm512_fnmadd_ps(z, _mm512_set1_ps(sm), a);
                     }
-                    total[r][i] = _mm512_fmadd_ps(a, s, total[r][i]);
+                    let o = out[r][i].as_mut_ptr();
+                    // SAFETY: r < MR <= 8, i < NB <= 2; each entry is 16 f32.
+                    unsafe { _mm512_storeu_ps(o, _mm512_fmadd_ps(a, s, _mm512_loadu_ps(o))) };
                 }
-            }
-        }
-        for (r, row) in total.iter().enumerate() {
-            for (i, v) in row.iter().enumerate() {
-                // SAFETY: r < MR <= 8, i < NB <= 2; each entry is 16 f32.
-                unsafe { _mm512_storeu_ps(out[r][i].as_mut_ptr(), *v) };
             }
         }
     }
