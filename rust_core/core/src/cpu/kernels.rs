@@ -251,23 +251,46 @@ pub fn silu_mul(gate: Option<&[f32]>, up: &mut [f32]) {
     }
 }
 
-/// bf16 bits (as torch stores `torch.bfloat16`) to f32: exact.
+/// bf16 bits (as torch stores `torch.bfloat16`) to f32: exact. Large inputs are converted
+/// on the forward's threads (a prefill step's are millions of values).
 pub fn bf16_bits_to_f32(bits: &[i16]) -> Vec<f32> {
-    bits.iter()
-        .map(|&b| f32::from_bits(u32::from(b as u16) << 16))
-        .collect()
+    let mut out = vec![0f32; bits.len()];
+    convert_chunks(bits, &mut out, |b| {
+        f32::from_bits(u32::from(b as u16) << 16)
+    });
+    out
 }
 
 /// f32 to bf16 bits as torch's `.to(torch.bfloat16)` rounds finite values: to nearest, ties
 /// to even, subnormals kept. NaN becomes the canonical quiet NaN (0x7fc0).
 pub fn f32_to_bf16_bits(v: &[f32]) -> Vec<i16> {
-    v.iter()
-        .map(|&x| {
-            let b = x.to_bits();
-            let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
-            (if x.is_nan() { 0x7fc0 } else { rounded }) as i16
-        })
-        .collect()
+    let mut out = vec![0i16; v.len()];
+    convert_chunks(v, &mut out, |x| {
+        let b = x.to_bits();
+        let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+        (if x.is_nan() { 0x7fc0 } else { rounded }) as i16
+    });
+    out
+}
+
+/// `out[i] = f(src[i])`, in parallel chunks on the forward's pool when long.
+fn convert_chunks<A: Copy + Sync, B: Send>(src: &[A], out: &mut [B], f: impl Fn(A) -> B + Sync) {
+    use rayon::prelude::*;
+    const CHUNK: usize = 1 << 16;
+    let run = |(o, s): (&mut [B], &[A])| {
+        for (d, &v) in o.iter_mut().zip(s) {
+            *d = f(v);
+        }
+    };
+    if src.len() <= CHUNK {
+        run((out, src));
+    } else {
+        super::in_pool(|| {
+            out.par_chunks_mut(CHUNK)
+                .zip(src.par_chunks(CHUNK))
+                .for_each(run)
+        });
+    }
 }
 
 /// `Σ w[i] * x[i]` in f32, 16 lanes.
@@ -559,6 +582,18 @@ mod tests {
             } else {
                 assert_eq!(r, b, "{x}");
             }
+        }
+        // Long inputs go through the parallel chunks: the same values.
+        let long: Vec<i16> = (0..300_000u32)
+            .map(|i| (i.wrapping_mul(40_503) >> 3) as i16)
+            .collect();
+        let wide = bf16_bits_to_f32(&long);
+        for (&b, &x) in long.iter().zip(&wide) {
+            assert_eq!(x.to_bits(), bf16_bits_to_f32(&[b])[0].to_bits());
+        }
+        let narrow = f32_to_bf16_bits(&wide);
+        for (&x, &r) in wide.iter().zip(&narrow) {
+            assert_eq!(r, f32_to_bf16_bits(&[x])[0]);
         }
         let mut s = 0x0bad_5eed_u64;
         for _ in 0..200_000 {
