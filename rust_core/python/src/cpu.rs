@@ -206,6 +206,7 @@ impl<'py> Hidden<'py> {
             + Send,
     ) -> PyResult<Bound<'py, PyAny>> {
         use moeq_core::cpu::kernels::{bf16_bits_to_f32, f32_to_bf16_bits};
+        use moeq_core::cpu::spare::give;
         match self {
             Hidden::F32(a) => {
                 let x = contiguous(py, a, "hidden_states")?;
@@ -218,7 +219,15 @@ impl<'py> Hidden<'py> {
                 let bits = contiguous(py, a, "hidden_states")?;
                 let out = py
                     .detach(|| {
-                        f(&bf16_bits_to_f32(bits), compute(true)).map(|o| f32_to_bf16_bits(&o))
+                        // Both f32 buffers go back to this thread's spares for the next call.
+                        let x = bf16_bits_to_f32(bits);
+                        let out = f(&x, compute(true)).map(|o| {
+                            let bits = f32_to_bf16_bits(&o);
+                            give(o);
+                            bits
+                        });
+                        give(x);
+                        out
                     })
                     .map_err(|e| to_py(py, e))?;
                 Ok(PyArray1::from_vec(py, out).into_any())

@@ -254,7 +254,7 @@ pub fn silu_mul(gate: Option<&[f32]>, up: &mut [f32]) {
 /// bf16 bits (as torch stores `torch.bfloat16`) to f32: exact. Large inputs are converted
 /// on the forward's threads (a prefill step's are millions of values).
 pub fn bf16_bits_to_f32(bits: &[i16]) -> Vec<f32> {
-    let mut out = vec![0f32; bits.len()];
+    let mut out = super::spare::take(bits.len(), 0f32);
     convert_chunks(bits, &mut out, |b| {
         f32::from_bits(u32::from(b as u16) << 16)
     });

@@ -11,6 +11,7 @@ use rayon::prelude::*;
 
 use super::kernels;
 use super::packed::{PackedI8, BLOCK};
+use super::spare;
 use super::wo::bf16::{Bf16Rows, BF16_MIN_ROWS};
 use super::wo::BlockedWo;
 
@@ -59,6 +60,22 @@ pub enum Prepared<'a> {
 }
 
 impl Prepared<'_> {
+    /// Hands the buffers to this thread's spares (see [`super::spare`]) once used.
+    pub fn recycle(self) {
+        match self {
+            Prepared::F32(Cow::Owned(v)) => spare::give(v),
+            Prepared::F32(Cow::Borrowed(_)) => {}
+            Prepared::U8 { xu, sx } => {
+                spare::give(xu);
+                spare::give(sx);
+            }
+            Prepared::Bf16(r) => {
+                spare::give(r.x);
+                spare::give(r.sums);
+            }
+        }
+    }
+
     /// The same input, owning its values.
     pub fn into_owned(self) -> Prepared<'static> {
         match self {
@@ -78,8 +95,8 @@ impl Prepared<'_> {
             return None;
         };
         let k_pad = xu.len().checked_div(sx.len())?;
-        let mut out = Vec::with_capacity(rows.len() * k_pad);
-        let mut scales = Vec::with_capacity(rows.len());
+        let mut out = spare::take(0, 0u8);
+        let mut scales = spare::take(0, 0f32);
         for &t in rows {
             out.extend_from_slice(xu.get(t * k_pad..(t + 1) * k_pad)?);
             scales.push(*sx.get(t)?);
@@ -195,20 +212,26 @@ impl Linear {
         let xs = match self {
             Linear::Dense { .. } | Linear::WeightOnly { perm: None, .. } => match rows {
                 None => Cow::Borrowed(&x[..m * k]),
-                Some(_) => Cow::Owned((0..m).flat_map(|r| row(r).iter().copied()).collect()),
+                Some(_) => {
+                    let mut v = spare::take(0, 0f32);
+                    for r in 0..m {
+                        v.extend_from_slice(row(r));
+                    }
+                    Cow::Owned(v)
+                }
             },
             // Act-order: gather x into the sorted column order once.
-            Linear::WeightOnly { perm: Some(p), .. } => Cow::Owned(
-                (0..m)
-                    .flat_map(|r| {
-                        let xr = row(r);
-                        p.iter().map(move |&c| xr[c as usize])
-                    })
-                    .collect(),
-            ),
+            Linear::WeightOnly { perm: Some(p), .. } => {
+                let mut v = spare::take(0, 0f32);
+                for r in 0..m {
+                    let xr = row(r);
+                    v.extend(p.iter().map(|&c| xr[c as usize]));
+                }
+                Cow::Owned(v)
+            }
             Linear::Int8 { w, input_scale, .. } => {
-                let mut xu = vec![128u8; m * w.k_pad];
-                let mut sx = vec![0f32; m];
+                let mut xu = spare::take(m * w.k_pad, 128u8);
+                let mut sx = spare::take(m, 0f32);
                 for (r, s) in sx.iter_mut().enumerate() {
                     let xr = row(r);
                     *s = match input_scale {
@@ -238,8 +261,8 @@ impl Linear {
         if x.len() < m * k {
             return None;
         }
-        let mut xu = vec![128u8; m * k_pad];
-        let mut sx = vec![0f32; m];
+        let mut xu = spare::take(m * k_pad, 128u8);
+        let mut sx = spare::take(m, 0f32);
         xu.par_chunks_mut(k_pad.max(1))
             .zip(sx.par_iter_mut())
             .enumerate()

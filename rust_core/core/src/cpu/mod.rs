@@ -8,6 +8,7 @@ pub mod load;
 pub mod moe;
 pub mod packed;
 pub mod routing;
+pub mod spare;
 pub mod wo;
 
 pub use moe::{CpuExpert, CpuMoe};

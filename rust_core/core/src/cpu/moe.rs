@@ -139,15 +139,19 @@ impl Job<'_> {
             if gate.same_input(&ex.up) {
                 gate.forward_cols(&px, m, 0, i, gv, i, 1);
             } else {
-                gate.forward_cols(&gate.prepare_rows(x, m, rows, compute), m, 0, i, gv, i, 1);
+                let pg = gate.prepare_rows(x, m, rows, compute);
+                gate.forward_cols(&pg, m, 0, i, gv, i, 1);
+                pg.recycle();
             }
             kernels::silu_mul(Some(gv), hidden);
         } else {
             kernels::silu_mul(None, hidden);
         }
+        px.recycle();
         let n = ex.down.out_features();
         let ph = ex.down.prepare(hidden, m, compute);
         ex.down.forward_cols(&ph, m, 0, n, &mut y[..m * n], n, 1);
+        ph.recycle();
     }
 }
 
@@ -237,7 +241,12 @@ fn run_experts(jobs: &[Job<'_>], parallel: bool, out: &mut [f32]) {
             lin.forward_cols(input, m, first, out.len() / m, out, 1, m);
         });
     }
-    drop(prepared);
+    for (up, gate) in prepared {
+        up.recycle();
+        if let Some(g) = gate {
+            g.recycle();
+        }
+    }
     // silu(gate) * up, row-major, then the down projection's input.
     let down_in: Vec<_> = jobs
         .par_iter()
@@ -272,6 +281,9 @@ fn run_experts(jobs: &[Job<'_>], parallel: bool, out: &mut [f32]) {
             ex.down
                 .forward_cols(&down_in[e], m, first, out.len() / m, out, 1, m);
         });
+    }
+    for d in down_in {
+        d.recycle();
     }
     for ((&Job { ex, m, .. }, yt), y) in jobs.iter().zip(ys).zip(outs) {
         let n = ex.down.out_features();
@@ -448,6 +460,10 @@ impl CpuMoe {
         }
         let mut buf = self.scratch.take();
         run_experts(&jobs, true, sized(&mut buf, total));
+        drop(jobs);
+        if let Some(p) = pre {
+            p.recycle();
+        }
         // Where each (token, slot) landed: (index into `active`, row).
         let mut place = vec![(0usize, 0usize); tokens * k];
         let mut next = vec![0usize; tokens];
@@ -458,7 +474,7 @@ impl CpuMoe {
             }
         }
         // Sum per token in a fixed order (expert, then row), so results are deterministic.
-        let mut out = vec![0f32; tokens * h];
+        let mut out = super::spare::take(tokens * h, 0f32);
         out.par_chunks_mut(h.max(1))
             .enumerate()
             .for_each(|(t, dst)| {

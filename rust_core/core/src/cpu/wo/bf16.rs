@@ -126,10 +126,10 @@ impl BlockedWo {
         let (k, groups) = (self.k, self.groups());
         let offs = self.pair_offsets();
         let pairs = offs[groups];
-        let mut out = vec![0u16; m * 2 * pairs];
+        let mut out = crate::cpu::spare::take(m * 2 * pairs, 0u16);
         // Always computed: a projection that shares these rows (gate with up) may have zero
         // points (4-bit storage adds them) where this one has none.
-        let mut sums = vec![0f32; m * groups];
+        let mut sums = crate::cpu::spare::take(m * groups, 0f32);
         for r in 0..m {
             let Some(xr) = row(r).filter(|xr| xr.len() >= k) else {
                 break;

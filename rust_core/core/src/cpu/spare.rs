@@ -1,0 +1,90 @@
+//! Per-thread spare buffers for the forward's per-call scratch (prepared inputs, bf16 rows,
+//! converted activations). A prefill call would otherwise allocate and free tens of MB; once
+//! the allocator hands that memory back to the OS (as glibc does after other code in the
+//! process frees large blocks) every call faults it in again: measured 18 ms of 75 at the
+//! Qwen3 shape, T=1024, inside a torch process.
+
+use std::cell::RefCell;
+
+/// Spare buffers kept per thread and element type.
+const KEEP: usize = 8;
+
+/// Element types with a per-thread spare list.
+pub trait Spare: Copy + 'static {
+    /// Runs `f` on this thread's spares (`None` if re-entered).
+    fn with_spares<R>(f: impl FnOnce(Option<&mut Vec<Vec<Self>>>) -> R) -> R;
+}
+
+macro_rules! spare {
+    ($t:ty, $name:ident) => {
+        thread_local! {
+            static $name: RefCell<Vec<Vec<$t>>> = const { RefCell::new(Vec::new()) };
+        }
+        impl Spare for $t {
+            fn with_spares<R>(f: impl FnOnce(Option<&mut Vec<Vec<$t>>>) -> R) -> R {
+                $name.with(|c| match c.try_borrow_mut() {
+                    Ok(mut s) => f(Some(&mut s)),
+                    Err(_) => f(None),
+                })
+            }
+        }
+    };
+}
+
+spare!(u8, SPARE_U8);
+spare!(u16, SPARE_U16);
+spare!(f32, SPARE_F32);
+
+/// `len` copies of `fill`, in a spare buffer of this thread when one is large enough (else
+/// the largest, grown, or a new one).
+pub fn take<T: Spare>(len: usize, fill: T) -> Vec<T> {
+    let mut v = T::with_spares(|s| {
+        let s = s?;
+        let at = s
+            .iter()
+            .position(|b| b.capacity() >= len)
+            .or_else(|| (0..s.len()).max_by_key(|&i| s[i].capacity()))?;
+        Some(s.swap_remove(at))
+    })
+    .unwrap_or_default();
+    v.clear();
+    v.resize(len, fill);
+    v
+}
+
+/// Gives `v` back to this thread's spares (dropped when there are enough).
+pub fn give<T: Spare>(v: Vec<T>) {
+    if v.capacity() == 0 {
+        return;
+    }
+    T::with_spares(|s| {
+        if let Some(s) = s {
+            if s.len() < KEEP {
+                s.push(v);
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffers_come_back_filled_and_reused() {
+        let a = take(1000, 7u8);
+        assert_eq!(a, vec![7u8; 1000]);
+        let ptr = a.as_ptr();
+        give(a);
+        let b = take(600, 3u8);
+        assert_eq!(b, vec![3u8; 600]);
+        assert_eq!(b.as_ptr(), ptr, "the spare is reused");
+        give(b);
+        let c = take(5000, 1u8);
+        assert_eq!(c, vec![1u8; 5000]);
+        for _ in 0..20 {
+            give(vec![0f32; 10]);
+        }
+        assert!(f32::with_spares(|s| s.map(|s| s.len())) <= Some(KEEP));
+    }
+}
