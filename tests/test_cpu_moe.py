@@ -601,7 +601,12 @@ layer = MoELayer.from_tensors(
 inputs = [(torch.randn(t, h, generator=g), torch.randn(t, e, generator=g)) for t in (1, 7, 64)]
 def run():
     return [layer(x, lg).numpy().copy() for x, lg in inputs]
-main = run()  # the first forward: this thread owns a pool
+first = []
+early = threading.Thread(target=lambda: first.append(run()))  # a short-lived thread first
+early.start()
+early.join()
+main = run()  # the main thread joins the forward's threads here
+assert all(np.array_equal(a, b) for a, b in zip(first[0], main))
 seen = {}
 def worker(name):
     for _ in range(5):
@@ -620,8 +625,9 @@ print("ok", len(seen["a"]) + len(seen["b"]) + len(again))
 
 
 def test_forward_from_other_threads_equals_the_owner_thread() -> None:
-    """The first thread to run a forward works inside its own pool; other threads, also running
-    at the same time as it, use the shared pool. Every call gives the same bits."""
+    """The main thread becomes one of the forward's threads at its first forward; other
+    threads (a short-lived one before it, two running at the same time as it) use the shared
+    pool. Every call gives the same bits."""
     import os
     import subprocess
     import sys

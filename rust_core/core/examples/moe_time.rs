@@ -13,6 +13,8 @@ fn leak<T>(v: Vec<T>) -> &'static [T] {
 }
 
 fn main() -> moeq_core::error::Result<()> {
+    // As moeq_rs does for Python's main thread.
+    moeq_core::cpu::adopt_calling_thread();
     let mut args = std::env::args().skip(1);
     let tokens: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(1024);
     let reps: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(5);

@@ -466,6 +466,13 @@ fn cpu_threads() -> usize {
     moeq_core::cpu::pool().map_or_else(rayon::current_num_threads, |p| p.current_num_threads())
 }
 
+/// Makes the calling thread one of the CPU forward's threads (see
+/// `moeq_core::cpu::adopt_calling_thread`); `moeq_rs` calls it from the main thread.
+#[pyfunction]
+fn cpu_adopt_calling_thread() -> bool {
+    moeq_core::cpu::adopt_calling_thread()
+}
+
 /// Whether a CUDA driver with a device is present (never raises, never panics).
 #[pyfunction]
 fn cuda_driver_available() -> bool {
@@ -566,6 +573,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_bf16_dot, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_adopt_calling_thread, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_driver_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_compile_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_nvrtc_version, m)?)?;

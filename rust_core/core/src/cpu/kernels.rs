@@ -177,10 +177,11 @@ pub fn quantize_u8_scalar(x: &[f32], s: f32, out: &mut [u8]) {
 }
 
 /// `exp(x)` for the activation: Cody-Waite reduction `x = n ln2 + r` (`n` rounded to nearest
-/// even, `ln2` in two parts), a degree-6 polynomial in `r` (the Cephes `expf` coefficients,
-/// about 1 ulp) and `2^n` built in the exponent bits. `x` is clamped to `[-87, 88]` first so
-/// `2^n` is always a normal number; NaN passes through. Every step is one IEEE operation (or
-/// fused multiply-add), so the SIMD form equals this one bit for bit.
+/// even with the 1.5 * 2^23 trick, `ln2` in two parts), a degree-6 polynomial in `r` (the
+/// Cephes `expf` coefficients, about 1 ulp) and `2^n` built in the exponent bits. `x` is
+/// clamped to `[-87, 88]` first so `2^n` is always a normal number; NaN passes through. Every
+/// step is one IEEE multiply or add (no fused multiply-add, no rounding call: both would be
+/// library calls on CPUs without FMA or SSE4.1), so the SIMD form equals this one bit for bit.
 #[inline]
 pub fn exp_act(x: f32) -> f32 {
     // Written with comparisons, not clamp(), so that NaN passes through as in the SIMD form.
@@ -192,20 +193,22 @@ pub fn exp_act(x: f32) -> f32 {
     } else {
         x
     };
-    let n = (x * std::f32::consts::LOG2_E).round_ties_even();
-    let r = n.mul_add(-LN2_HI, x);
-    let r = n.mul_add(-LN2_LO, r);
+    // |x * log2(e)| < 2^22: adding and removing 1.5 * 2^23 rounds it to nearest even.
+    let n = (x * std::f32::consts::LOG2_E + ROUND) - ROUND;
+    let r = x - n * LN2_HI;
+    let r = r - n * LN2_LO;
     let mut p = EXP_POLY[0];
     for &c in &EXP_POLY[1..] {
-        p = p.mul_add(r, c);
+        p = p * r + c;
     }
-    let y = p.mul_add(r * r, r) + 1.0;
+    let y = (p * (r * r) + r) + 1.0;
     // n is an integer in [-126, 127] (or NaN, which gives a NaN y anyway).
     y * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
 const EXP_LO: f32 = -87.0;
 const EXP_HI: f32 = 88.0;
+const ROUND: f32 = 12_582_912.0;
 const LN2_HI: f32 = 0.693_359_4;
 const LN2_LO: f32 = -2.121_944_4e-4;
 const EXP_POLY: [f32; 6] = [
@@ -217,10 +220,15 @@ const EXP_POLY: [f32; 6] = [
     0.5,
 ];
 
-/// `silu(a) = a / (1 + exp(-a))` with [`exp_act`].
+/// `silu(a) = a / (1 + exp(-a))` with [`exp_act`]; below `-88` (where `exp(-a)` would be
+/// clamped) `a * 0`: -0 for finite `a`, NaN for -inf, as torch gives.
 #[inline]
 pub fn silu_ref(a: f32) -> f32 {
-    a / (1.0 + exp_act(-a))
+    if a < -EXP_HI {
+        a * 0.0
+    } else {
+        a / (1.0 + exp_act(-a))
+    }
 }
 
 /// `up[i] = silu(gate[i]) * up[i]` (SwiGLU), or `up[i] = silu(up[i])` without a gate; the
@@ -375,17 +383,17 @@ mod x86 {
         // MAXPS/MINPS return their second operand when either is NaN: NaN passes through.
         let x = _mm512_max_ps(_mm512_set1_ps(super::EXP_LO), x);
         let x = _mm512_min_ps(_mm512_set1_ps(super::EXP_HI), x);
-        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
-        );
-        let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-super::LN2_HI), x);
-        let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-super::LN2_LO), r);
+        let round = _mm512_set1_ps(super::ROUND);
+        let t = _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E));
+        let n = _mm512_sub_ps(_mm512_add_ps(t, round), round);
+        let r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(super::LN2_HI)));
+        let r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(super::LN2_LO)));
         let mut p = _mm512_set1_ps(super::EXP_POLY[0]);
         for &c in &super::EXP_POLY[1..] {
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+            p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
         }
         let y = _mm512_add_ps(
-            _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r),
+            _mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r),
             _mm512_set1_ps(1.0),
         );
         let e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
@@ -397,6 +405,9 @@ mod x86 {
     fn silu_avx512(a: __m512, u: Option<__m512>) -> __m512 {
         let neg = _mm512_sub_ps(_mm512_setzero_ps(), a);
         let s = _mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.0), exp_act_avx512(neg)));
+        // Below -88, `a * 0` (see silu_ref); NaN compares false and keeps the quotient.
+        let tiny = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a, _mm512_set1_ps(-super::EXP_HI));
+        let s = _mm512_mask_mov_ps(s, tiny, _mm512_mul_ps(a, _mm512_setzero_ps()));
         match u {
             Some(u) => _mm512_mul_ps(u, s),
             None => s,
@@ -560,13 +571,25 @@ mod tests {
         silu_mul(None, &mut got);
         let want: Vec<f32> = g.iter().map(|&a| silu_ref(a)).collect();
         assert_eq!(bits(&got), bits(&want));
-        // The reference itself: silu(x) = x * sigmoid(x), checked in f64.
-        for &a in &g[8..] {
+        // The reference itself: silu(x) = x * sigmoid(x), checked in f64, extremes included
+        // (below -88 the result is -0 where f64 gives a few 1e-37 or less).
+        for &a in g[4..]
+            .iter()
+            .chain(&[-88.5, -87.9, -1e38, f32::MAX, -f32::MAX])
+        {
             let exact = f64::from(a) / (1.0 + (-f64::from(a)).exp());
-            // Below -87 the clamp leaves an absolute error under 1e-35 (silu is ~0 there).
-            let tol = 4.0 * f64::from(f32::EPSILON) * exact.abs() + 1e-35;
-            assert!((f64::from(silu_ref(a)) - exact).abs() <= tol, "silu({a})");
+            let got = f64::from(silu_ref(a));
+            if exact.is_finite() {
+                let tol = 4.0 * f64::from(f32::EPSILON) * exact.abs() + 1e-35;
+                assert!(
+                    (got - exact).abs() <= tol,
+                    "silu({a}) = {got}, want {exact}"
+                );
+            } else {
+                assert_eq!(got, exact, "silu({a})");
+            }
         }
+        assert!(silu_ref(f32::NEG_INFINITY).is_nan());
     }
 
     /// bf16 bits round trip exactly, and rounding is to nearest even with carries into the

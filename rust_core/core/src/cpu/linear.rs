@@ -95,8 +95,10 @@ impl Prepared<'_> {
             return None;
         };
         let k_pad = xu.len().checked_div(sx.len())?;
-        let mut out = spare::take(0, 0u8);
-        let mut scales = spare::take(0, 0f32);
+        let mut out = spare::take(rows.len() * k_pad, 0u8);
+        let mut scales = spare::take(rows.len(), 0f32);
+        out.clear();
+        scales.clear();
         for &t in rows {
             out.extend_from_slice(xu.get(t * k_pad..(t + 1) * k_pad)?);
             scales.push(*sx.get(t)?);
@@ -213,7 +215,8 @@ impl Linear {
             Linear::Dense { .. } | Linear::WeightOnly { perm: None, .. } => match rows {
                 None => Cow::Borrowed(&x[..m * k]),
                 Some(_) => {
-                    let mut v = spare::take(0, 0f32);
+                    let mut v = spare::take(m * k, 0f32);
+                    v.clear();
                     for r in 0..m {
                         v.extend_from_slice(row(r));
                     }
@@ -222,7 +225,8 @@ impl Linear {
             },
             // Act-order: gather x into the sorted column order once.
             Linear::WeightOnly { perm: Some(p), .. } => {
-                let mut v = spare::take(0, 0f32);
+                let mut v = spare::take(m * p.len(), 0f32);
+                v.clear();
                 for r in 0..m {
                     let xr = row(r);
                     v.extend(p.iter().map(|&c| xr[c as usize]));

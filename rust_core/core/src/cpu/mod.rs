@@ -13,7 +13,7 @@ pub mod wo;
 
 pub use moe::{CpuExpert, CpuMoe};
 
-/// The thread pool of the CPU forward for threads other than its owner: `MOEQ_NUM_THREADS`
+/// The thread pool of the CPU forward for threads other than an adopted one: `MOEQ_NUM_THREADS`
 /// threads (read once; unset, zero or unparsable means one per available CPU). A pool of our
 /// own keeps the thread count ours to set, whatever else in the process uses rayon's global
 /// pool. `None` only if the OS refused the threads; the work then runs on rayon's global pool.
@@ -29,22 +29,30 @@ pub fn pool() -> Option<&'static rayon::ThreadPool> {
     .as_ref()
 }
 
-/// The pool of the first thread that runs a forward (in Python, normally the main thread): that
-/// thread is one of its `MOEQ_NUM_THREADS` threads. A forward called there starts at once on
-/// the calling thread instead of handing the work to a sleeping worker and waiting for it to
-/// wake (about 0.1 ms on small machines, a tenth of a decode step); the other workers join as
-/// they wake. Other threads use [`pool`].
-fn owner_pool() -> Option<&'static rayon::ThreadPool> {
-    static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
-    POOL.get_or_init(|| {
-        rayon::ThreadPoolBuilder::new()
+/// The pool that a long-lived thread joined with [`adopt_calling_thread`] (in Python, the
+/// main thread at import): that thread is one of its `MOEQ_NUM_THREADS` threads.
+static OWNER: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
+
+/// Makes the calling thread one of the forward's `MOEQ_NUM_THREADS` threads, so that a
+/// forward called on it starts at once instead of handing the work to a sleeping worker and
+/// waiting for it to wake (about 0.1 ms on small machines, a tenth of a decode step); the
+/// other workers join as they wake. Other threads keep using [`pool`]. Meant for one
+/// long-lived thread (the first caller wins; a thread that exits leaves its pool's workers
+/// idle). Rayon's parallel iterators called on this thread then run on this pool. `false`
+/// when another thread was adopted, or this one already works for another rayon pool.
+pub fn adopt_calling_thread() -> bool {
+    let mut adopted = false;
+    OWNER.get_or_init(|| {
+        let built = rayon::ThreadPoolBuilder::new()
             .num_threads(num_threads())
             .use_current_thread()
-            .thread_name(|i| format!("moeq-cpu-owner-{i}"))
+            .thread_name(|i| format!("moeq-cpu-main-{i}"))
             .build()
-            .ok()
-    })
-    .as_ref()
+            .ok();
+        adopted = built.is_some();
+        built
+    });
+    adopted
 }
 
 /// The thread count `MOEQ_NUM_THREADS` asks for (default: the available CPUs).
@@ -57,9 +65,9 @@ pub fn num_threads() -> usize {
 }
 
 /// Runs `f` with `MOEQ_NUM_THREADS` threads: on the calling thread and the rest of its pool
-/// when it owns one (see [`owner_pool`]), else on [`pool`].
+/// when it was adopted (see [`adopt_calling_thread`]), else on [`pool`].
 pub fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    if let Some(p) = owner_pool() {
+    if let Some(Some(p)) = OWNER.get() {
         if p.current_thread_index().is_some() {
             // This thread is a member: rayon's parallel iterators in `f` use its pool.
             return f();

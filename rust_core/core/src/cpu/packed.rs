@@ -759,6 +759,34 @@ mod tests {
         }
     }
 
+    /// Many rows (the later row passes prefetch the next tile, from `MIN_PF_PASSES` passes)
+    /// and a partial last tile still give the plain int32 dot products.
+    #[test]
+    fn gemm_with_many_rows_equals_scalar() {
+        let (m, n, k) = (41, 150, 300);
+        let x: Vec<i8> = (0..m * k).map(|i| ((i * 31) % 251) as i8).collect();
+        let w: Vec<i8> = (0..n * k).map(|i| ((i * 17) % 253) as i8).collect();
+        let p = PackedI8::pack(&w, n, k);
+        let mut xu = vec![128u8; m * p.k_pad];
+        for r in 0..m {
+            for i in 0..k {
+                xu[r * p.k_pad + i] = (x[r * k + i] as u8) ^ 0x80;
+            }
+        }
+        let mut seen = 0;
+        p.gemm(&xu, m, 0, p.blocks(), |r, b, acc| {
+            for (l, &v) in acc.iter().enumerate().filter(|(l, _)| b * BLOCK + l < n) {
+                let j = b * BLOCK + l;
+                assert_eq!(
+                    v,
+                    scalar_dot(&x[r * k..(r + 1) * k], &w[j * k..(j + 1) * k])
+                );
+                seen += 1;
+            }
+        });
+        assert_eq!(seen, m * n);
+    }
+
     /// The AVX2 tile (the kernel of CPUs without VNNI) equals the scalar tile exactly.
     #[cfg(target_arch = "x86_64")]
     #[test]

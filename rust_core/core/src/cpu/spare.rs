@@ -8,6 +8,8 @@ use std::cell::RefCell;
 
 /// Spare buffers kept per thread and element type.
 const KEEP: usize = 8;
+/// Buffers larger than this are freed rather than kept (bytes).
+const MAX_BYTES: usize = 256 << 20;
 
 /// Element types with a per-thread spare list.
 pub trait Spare: Copy + 'static {
@@ -35,15 +37,16 @@ spare!(u8, SPARE_U8);
 spare!(u16, SPARE_U16);
 spare!(f32, SPARE_F32);
 
-/// `len` copies of `fill`, in a spare buffer of this thread when one is large enough (else
-/// the largest, grown, or a new one).
+/// `len` copies of `fill`: in the smallest spare buffer of this thread that holds `len`
+/// values and is at most twice that size (or 64 KiB), else in a new one. The bound keeps a
+/// small result (which may be handed to Python) from pinning a large buffer.
 pub fn take<T: Spare>(len: usize, fill: T) -> Vec<T> {
+    let limit = (2 * len).max((64 << 10) / std::mem::size_of::<T>().max(1));
     let mut v = T::with_spares(|s| {
         let s = s?;
-        let at = s
-            .iter()
-            .position(|b| b.capacity() >= len)
-            .or_else(|| (0..s.len()).max_by_key(|&i| s[i].capacity()))?;
+        let at = (0..s.len())
+            .filter(|&i| (len..=limit).contains(&s[i].capacity()))
+            .min_by_key(|&i| s[i].capacity())?;
         Some(s.swap_remove(at))
     })
     .unwrap_or_default();
@@ -52,9 +55,10 @@ pub fn take<T: Spare>(len: usize, fill: T) -> Vec<T> {
     v
 }
 
-/// Gives `v` back to this thread's spares (dropped when there are enough).
+/// Gives `v` back to this thread's spares (dropped when there are enough, or when it is
+/// larger than 256 MiB).
 pub fn give<T: Spare>(v: Vec<T>) {
-    if v.capacity() == 0 {
+    if v.capacity() == 0 || v.capacity() * std::mem::size_of::<T>() > MAX_BYTES {
         return;
     }
     T::with_spares(|s| {
@@ -82,9 +86,15 @@ mod tests {
         give(b);
         let c = take(5000, 1u8);
         assert_eq!(c, vec![1u8; 5000]);
+        // The smallest spare that fits; never one more than twice the size asked for.
+        give(vec![0u8; 1 << 20]);
+        give(vec![0u8; 1 << 18]);
+        assert_eq!(take(200_000, 0u8).capacity(), 1 << 18);
+        // A small request takes a small spare (the 1000-byte one) or a new buffer, never 1 MiB.
+        assert!(take(100, 0u8).capacity() <= 64 << 10);
         for _ in 0..20 {
             give(vec![0f32; 10]);
         }
-        assert!(f32::with_spares(|s| s.map(|s| s.len())) <= Some(KEEP));
+        assert_eq!(f32::with_spares(|s| s.map(|s| s.len())), Some(KEEP));
     }
 }
