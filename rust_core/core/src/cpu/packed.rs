@@ -710,6 +710,16 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// A xorshift64 stream: test inputs without a dependency.
+    fn xorshift(mut s: u64) -> impl FnMut() -> u64 {
+        move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        }
+    }
+
     fn scalar_dot(x: &[i8], w: &[i8]) -> i32 {
         x.iter()
             .zip(w)
@@ -794,13 +804,7 @@ mod tests {
         if !std::arch::is_x86_feature_detected!("avx2") {
             return;
         }
-        let mut s = 0x9e37_79b9_u64;
-        let mut next = || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s
-        };
+        let mut next = xorshift(0x9e37_79b9_u64);
         for (mr, nb, k) in [
             (1, 1, 4),
             (2, 3, 64),
@@ -832,13 +836,7 @@ mod tests {
     #[cfg(target_arch = "aarch64")]
     #[test]
     fn neon_tile_equals_scalar_tile() {
-        let mut s = 0x2545_f491_u64;
-        let mut next = || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s
-        };
+        let mut next = xorshift(0x2545_f491_u64);
         for (mr, nb, k) in [(1, 1, 4), (2, 3, 64), (6, 4, 2048), (5, 2, 12)] {
             let x: Vec<u8> = (0..mr * k).map(|_| next() as u8).collect();
             let mut w: Vec<i8> = (0..nb * k * BLOCK).map(|_| next() as i8).collect();
@@ -864,13 +862,7 @@ mod tests {
         if !std::arch::is_x86_feature_detected!("avx512f") {
             return;
         }
-        let mut s = 0x51ed_2701_u64;
-        let mut next = || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s
-        };
+        let mut next = xorshift(0x51ed_2701_u64);
         for (mr, nb, b, n) in [(6, 4, 0, 64), (1, 1, 2, 40), (3, 2, 1, 45), (5, 4, 1, 77)] {
             let mut acc: Vec<[i32; BLOCK]> = (0..mr * nb)
                 .map(|_| std::array::from_fn(|_| (next() >> 40) as i32 - (1 << 23)))
