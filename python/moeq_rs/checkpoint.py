@@ -42,6 +42,16 @@ _TORCH_DTYPES = {
 _BIT_PATTERN = {"BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4"}
 
 
+def _tensor(data: Any, dtype: str, shape: Any) -> torch.Tensor:
+    """A torch tensor over the bytes the native module returned (empty data gives an empty
+    tensor: ``frombuffer`` refuses zero-length buffers)."""
+    import torch
+
+    if len(data) == 0:
+        return torch.empty(shape, dtype=_torch_dtype(dtype))
+    return torch.frombuffer(data, dtype=_torch_dtype(dtype)).reshape(shape)
+
+
 def _torch_dtype(name: str) -> torch.dtype:
     import torch
 
@@ -154,12 +164,8 @@ class Checkpoint:
 
         ``exact=True``: ``(q - zp) * scale`` as float32 without the final rounding to the scale
         dtype (what the CPU kernels compute with)."""
-        import torch
-
         data, dtype, shape = self._core.dequantize(module, exact)
-        if len(data) == 0:
-            return torch.empty(shape, dtype=_torch_dtype(dtype))
-        return torch.frombuffer(data, dtype=_torch_dtype(dtype)).reshape(shape)
+        return _tensor(data, dtype, shape)
 
     def marlin_layer(self, layer: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Decoder layer ``layer``'s MoE tensors in the Marlin layout, in memory: exactly what
@@ -168,16 +174,8 @@ class Checkpoint:
         (``experts``, ``hidden``, ``intermediate``, ``intermediate_padded``, ``bits``,
         ``group_size``, ``symmetric``, ``act_order``, ``scale_dtype``, ``prefix``). Raises
         :class:`moeq_rs.UnsupportedSchemeError` for layers Marlin cannot hold."""
-        import torch
-
         geometry, tensors = self._core.marlin_layer(layer)
-        out = {}
-        for name, dtype, shape, data in tensors:
-            t = torch.frombuffer(data, dtype=_torch_dtype(dtype)) if len(data) else None
-            out[name] = (
-                t.reshape(shape) if t is not None else torch.empty(shape, dtype=_torch_dtype(dtype))
-            )
-        return geometry, out
+        return geometry, {name: _tensor(data, dtype, shape) for name, dtype, shape, data in tensors}
 
     def __repr__(self) -> str:
         layers = self.summary()["moe_layers"]

@@ -110,6 +110,14 @@ impl Prepared<'_> {
     }
 }
 
+/// One row of an int8 layer's input as the u8 operand of the kernels, with its scale: the
+/// static `input_scale`, or dynamic per token (`max|x| / 127`).
+fn quantize_row_u8(xr: &[f32], input_scale: Option<f32>, dst: &mut [u8]) -> f32 {
+    let s = input_scale.unwrap_or_else(|| kernels::amax(xr) / 127.0);
+    kernels::quantize_u8(xr, s, dst);
+    s
+}
+
 /// Dynamic per-token int8 quantisation: `s = max|x| / 127`, `q = clamp(rne(x / s))`; a zero row
 /// gives `q = 0` (and `s = 0`).
 pub fn quantize_row_dynamic(x: &[f32], q: &mut [i8]) -> f32 {
@@ -237,12 +245,8 @@ impl Linear {
                 let mut xu = spare::take(m * w.k_pad, 128u8);
                 let mut sx = spare::take(m, 0f32);
                 for (r, s) in sx.iter_mut().enumerate() {
-                    let xr = row(r);
-                    *s = match input_scale {
-                        Some(s) => *s,
-                        None => kernels::amax(xr) / 127.0,
-                    };
-                    kernels::quantize_u8(xr, *s, &mut xu[r * w.k_pad..r * w.k_pad + k]);
+                    let dst = &mut xu[r * w.k_pad..r * w.k_pad + k];
+                    *s = quantize_row_u8(row(r), *input_scale, dst);
                 }
                 return Prepared::U8 { xu, sx };
             }
@@ -272,12 +276,7 @@ impl Linear {
             .enumerate()
             .with_min_len(16)
             .for_each(|(r, (dst, s))| {
-                let xr = &x[r * k..(r + 1) * k];
-                *s = match input_scale {
-                    Some(s) => *s,
-                    None => kernels::amax(xr) / 127.0,
-                };
-                kernels::quantize_u8(xr, *s, &mut dst[..k]);
+                *s = quantize_row_u8(&x[r * k..(r + 1) * k], *input_scale, &mut dst[..k]);
             });
         Some(Prepared::U8 { xu, sx })
     }

@@ -72,32 +72,17 @@ pub fn linear(ckpt: &Checkpoint, m: &ModuleInfo, version: Option<&str>) -> Resul
                 }
             };
             // Column order: act-order sorts columns by group so each group is contiguous.
-            let col_group: Vec<u32> = if m.has_g_idx && w.actorder == Some(ActOrder::Group) {
-                let g_idx = ckpt.tensor(&format!("{name}.weight_g_idx"))?.to_i64_vec()?;
-                if let Some((i, g)) = g_idx
-                    .iter()
-                    .enumerate()
-                    .find(|(_, &g)| g < 0 || g >= groups as i64)
-                {
-                    return Err(module_error(
-                        name,
-                        format!("weight_g_idx entry {i} is {g}, not one of the {groups} groups"),
-                    ));
-                }
-                g_idx.into_iter().map(|g| g as u32).collect()
-            } else {
-                (0..k)
-                    .map(|c| {
-                        if groups > 1 {
-                            (c / (k / groups)) as u32
-                        } else {
-                            0
-                        }
-                    })
-                    .collect()
-            };
-            let mut perm: Vec<u32> = (0..k as u32).collect();
-            perm.sort_by_key(|&c| col_group.get(c as usize).copied().unwrap_or(0));
+            let (col_group, perm): (Vec<u32>, Vec<u32>) =
+                if m.has_g_idx && w.actorder == Some(ActOrder::Group) {
+                    let (g, perm) = crate::repack::moe_layer::g_idx_and_perm(ckpt, m, k, groups)?;
+                    (g.into_iter().map(|g| g as u32).collect(), perm)
+                } else {
+                    let per = k / groups.max(1);
+                    (
+                        (0..k).map(|c| (c / per.max(1)) as u32).collect(),
+                        (0..k as u32).collect(),
+                    )
+                };
             let identity = perm.iter().enumerate().all(|(i, &p)| i as u32 == p);
             let mut q = vec![0i8; n * k];
             for r in 0..n {

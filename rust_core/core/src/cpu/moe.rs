@@ -1,6 +1,8 @@
 //! The fused MoE forward on the CPU: tokens grouped by expert, GEMM1 (gate|up) with
 //! SiLU(gate) * up, GEMM2 (down) with the top-k weights applied, shared experts.
 
+use std::borrow::Cow;
+
 use rayon::prelude::*;
 
 use super::kernels;
@@ -256,7 +258,14 @@ fn run_experts(jobs: &[Job<'_>], parallel: bool, out: &mut [f32]) {
             let mut u = std::mem::take(u);
             kernels::silu_mul(ex.gate.as_ref().map(|_| g.as_slice()), &mut u);
             let h = if m == 1 { u } else { transpose(&u, i, m) };
-            ex.down.prepare(&h, m, compute).into_owned()
+            let p = ex.down.prepare(&h, m, compute);
+            if matches!(p, Prepared::F32(Cow::Borrowed(_))) {
+                // fp32 input as it is: keep `h` rather than copy it.
+                drop(p);
+                Prepared::F32(Cow::Owned(h))
+            } else {
+                p.into_owned()
+            }
         })
         .collect();
     drop(gu);

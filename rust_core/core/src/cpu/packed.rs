@@ -233,10 +233,10 @@ impl PackedI8 {
                 // `rows` has `mr` scales and `self.wsum` covers blocks `b..b + nb` (tiles()
                 // only hands out whole blocks of this layer).
                 unsafe {
-                    x86::finish(acc, dst, mr, nb, b, &self.wsum, rows, scale)
+                    x86::finish(acc, dst, b, &self.wsum, rows, scale)
                 };
             } else {
-                finish_scalar(acc, dst, mr, nb, b, &self.wsum, rows, scale);
+                finish_scalar(acc, dst, b, &self.wsum, rows, scale);
             }
             for rr in 0..mr {
                 for bb in 0..nb {
@@ -328,20 +328,19 @@ impl PackedI8 {
     }
 }
 
-/// The scalar reference of the W8A8 epilogue: `out[rr * nb + bb][l] =
+/// The scalar reference of the W8A8 epilogue for a tile of `sx.len()` rows and
+/// `acc.len() / sx.len()` blocks from block `b`: `out[rr * nb + bb][l] =
 /// f32(acc - 128 * wsum[j]) * sx[rr] * scale[j]` for feature `j = 16 * (b + bb) + l`, with
 /// scale 0 where `scale` has no entry `j`.
-#[allow(clippy::too_many_arguments)]
 pub fn finish_scalar(
     acc: &[[i32; BLOCK]],
     out: &mut [[f32; BLOCK]],
-    mr: usize,
-    nb: usize,
     b: usize,
     wsum: &[i32],
     sx: &[f32],
     scale: &[f32],
 ) {
+    let (mr, nb) = (sx.len(), acc.len().checked_div(sx.len()).unwrap_or(0));
     for rr in 0..mr {
         for bb in 0..nb {
             let j0 = (b + bb) * BLOCK;
@@ -506,20 +505,18 @@ mod x86 {
     /// multiplies in the same order).
     ///
     /// # Safety
-    /// The CPU supports AVX-512F; `acc.len() >= mr * nb`, `out.len() >= mr * nb`,
-    /// `sx.len() >= mr`, `wsum.len() >= 16 * (b + nb)`.
+    /// The CPU supports AVX-512F; with `mr = sx.len()` rows and `nb = acc.len() / mr`
+    /// blocks: `out.len() >= acc.len()` and `wsum.len() >= 16 * (b + nb)`.
     #[target_feature(enable = "avx512f")]
-    #[allow(clippy::too_many_arguments)]
     pub unsafe fn finish(
         acc: &[[i32; BLOCK]],
         out: &mut [[f32; BLOCK]],
-        mr: usize,
-        nb: usize,
         b: usize,
         wsum: &[i32],
         sx: &[f32],
         scale: &[f32],
     ) {
+        let (mr, nb) = (sx.len(), acc.len().checked_div(sx.len()).unwrap_or(0));
         let bias = _mm512_set1_epi32(128);
         for bb in 0..nb {
             let j0 = (b + bb) * BLOCK;
@@ -879,10 +876,10 @@ mod tests {
                 .map(|_| (next() % 1000) as f32 * 7.1e-5 + 1e-7)
                 .collect();
             let mut want = vec![[1f32; BLOCK]; mr * nb];
-            finish_scalar(&acc, &mut want, mr, nb, b, &wsum, &sx, &scale);
+            finish_scalar(&acc, &mut want, b, &wsum, &sx, &scale);
             let mut got = vec![[2f32; BLOCK]; mr * nb];
             // SAFETY: AVX-512F detected above; every slice is sized as `finish` requires.
-            unsafe { x86::finish(&acc, &mut got, mr, nb, b, &wsum, &sx, &scale) };
+            unsafe { x86::finish(&acc, &mut got, b, &wsum, &sx, &scale) };
             let bits =
                 |v: &[[f32; BLOCK]]| v.iter().flatten().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&got), bits(&want), "mr={mr} nb={nb} b={b} n={n}");

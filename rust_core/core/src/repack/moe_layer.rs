@@ -329,10 +329,10 @@ fn zero_point_codes(
     Ok(codes)
 }
 
-/// g_idx of a module and its stable argsort (vLLM sorts on the GPU, where the sort is stable).
-/// A module's act-order `g_idx` (checked: `k` entries, each a group in `0..groups`) and the
-/// stable sort that makes each group contiguous.
-fn g_idx_and_perm(
+/// A module's act-order `g_idx` (checked: `k` entries, each a group in `0..groups`) and its
+/// stable argsort, which makes each group contiguous (vLLM sorts on the GPU, where the sort is
+/// stable). The Marlin conversion and the CPU loader both read act-order through it.
+pub(crate) fn g_idx_and_perm(
     ckpt: &Checkpoint,
     m: &ModuleInfo,
     k: usize,
