@@ -168,10 +168,13 @@ def test_interrupted_write_leaves_nothing(
 
 def test_interrupt_from_signal(fixture_path: Callable[[str], Path], tmp_path: Path) -> None:
     # A real SIGINT mid-run: the progress callback sees it and the CLI exits 130, cleanly.
+    # Python leaves SIGINT ignored when it starts with it ignored (a job started with `&`
+    # without job control, nohup): the child installs the interactive handler itself.
     src = fixture_path("qwen3_w4a16_g128_sym")
     out = tmp_path / "out"
     code = (
         "import os, signal, sys\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "from moeq_rs import cli, repack\n"
         "orig = repack.repack_checkpoint\n"
         "def wrapped(*a, **k):\n"
