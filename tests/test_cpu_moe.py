@@ -164,25 +164,30 @@ def emulate_rows(
 
 
 @pytest.mark.parametrize(
-    "name,layer",
+    "name,layer,rows",
     [
-        ("qwen3_w4a16_g128_asym", 0),
-        ("qwen3_w8a16_g128", 1),
-        ("qwen3_w4a16_actorder", 0),
-        ("mixtral_w8a16_channel", 1),
-        ("laguna_mixed_int4_int8", 1),
+        ("qwen3_w4a16_g128_asym", 0, 24),
+        ("qwen3_w8a16_g128", 1, 24),
+        ("qwen3_w4a16_actorder", 0, 24),
+        ("mixtral_w8a16_channel", 1, 24),
+        ("laguna_mixed_int4_int8", 1, 24),
+        # int4 codes looked up in registers (2-8 rows per expert).
+        ("qwen3_w4a16_g128_asym", 0, 4),
+        ("qwen3_w4a16_actorder", 0, 2),
+        ("qwen3_w4a16_g128_asym", 0, 8),
     ],
 )
 def test_bf16_inputs_use_bf16_dot_products(
-    fixture_path: Callable[[str], Path], name: str, layer: int
+    fixture_path: Callable[[str], Path], name: str, layer: int, rows: int
 ) -> None:
-    """Weight-only layers given bf16 activations with >= 8 rows per expert run bf16 dot
-    products where the CPU has them (products exact, fp32 sums, the intermediate rounded to
-    bf16): the result agrees with an fp64 emulation that rounds the intermediate to bf16 far
-    better than with one that does not. The same rows as fp32 input stay fp32 compute."""
+    """Weight-only layers given bf16 activations with enough rows per expert (8, or 2 for
+    int4) run bf16 dot products where the CPU has them (products exact, fp32 sums, the
+    intermediate rounded to bf16): the result agrees with an fp64 emulation that rounds the
+    intermediate to bf16 far better than with one that does not. The same rows as fp32 input
+    stay fp32 compute."""
     ckpt = mq.open(fixture_path(name))
     moe = mq.MoELayer.from_checkpoint(ckpt, layer)
-    tokens = 12 * moe.num_experts  # 24 rows per expert
+    tokens = rows * moe.num_experts // 2  # `rows` rows per expert
     x = torch.randn(tokens, moe.hidden_size).to(torch.bfloat16).float()
     w, ids = balanced_routing(tokens, moe.num_experts)
 

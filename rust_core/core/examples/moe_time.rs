@@ -1,8 +1,9 @@
 //! Times the CPU MoE forward on the Qwen3-30B-A3B shape (H2048 I768 E128 k8) or another, W8A8
 //! dynamic unless `SCHEME` says otherwise:
 //! `MOEQ_NUM_THREADS=2 cargo run --release --example moe_time [tokens] [reps]`
-//! (`SHAPE=qwen3|dsv2lite|mixtral`, `SCHEME=w8a8|w8a16|w4a16`, `WARM=1` skips the cache flush, `BF16=1` runs weight-only
-//! layers as for bf16 inputs).
+//! (`SHAPE=qwen3|dsv2lite|mixtral`, `SCHEME=w8a8|w8a16|w4a16`, `WARM=1` skips the cache flush,
+//! `FIXED=1` routes every call the same way, `BF16=1` runs weight-only layers as for bf16
+//! inputs).
 use std::time::Instant;
 
 use moeq_core::cpu::build::{from_raw, RawProj, RawScheme, RawWeights};
@@ -74,6 +75,8 @@ fn main() -> moeq_core::error::Result<()> {
     let mut best = f64::MAX;
     let mut all = Vec::new();
     let warm = std::env::var_os("WARM").is_some();
+    // The same routing every call: with `WARM=1`, the touched experts stay in cache.
+    let fixed = std::env::var_os("FIXED").is_some();
     let compute = if std::env::var_os("BF16").is_some() {
         moeq_core::cpu::linear::Compute::Bf16
     } else {
@@ -84,7 +87,7 @@ fn main() -> moeq_core::error::Result<()> {
             std::hint::black_box(flush.iter().fold(0u64, |a, &v| a.wrapping_add(v)));
         }
         let logits: Vec<f32> = (0..tokens * e)
-            .map(|v| ((v * 31 + rep * 7) % 113) as f32 / 17.0)
+            .map(|v| ((v * 31 + if fixed { 0 } else { rep * 7 }) % 113) as f32 / 17.0)
             .collect();
         let t = Instant::now();
         std::hint::black_box(moe.forward(&x, tokens, &logits, compute)?);

@@ -105,7 +105,8 @@ impl Isa {
     }
 }
 
-/// The bf16 dot-product kernels (AVX512-BF16 `vdpbf16ps`) apply: the CPU has them and
+/// The bf16 dot-product kernels (AVX512-BF16 `vdpbf16ps`, with AVX512-BW's word permute for
+/// 4-bit codes) apply: the CPU has them and
 /// `MOEQ_CPU_ISA` leaves AVX-512 on. `MOEQ_CPU_BF16=0` switches them off, so weight-only layers
 /// with bf16 inputs compute in fp32 as with any other input.
 pub fn bf16_dot() -> bool {
@@ -115,6 +116,7 @@ pub fn bf16_dot() -> bool {
         {
             isa().avx512()
                 && std::arch::is_x86_feature_detected!("avx512bf16")
+                && std::arch::is_x86_feature_detected!("avx512bw")
                 && std::env::var("MOEQ_CPU_BF16").map_or(true, |v| v.trim() != "0")
         }
         #[cfg(not(target_arch = "x86_64"))]

@@ -12,12 +12,13 @@ use rayon::prelude::*;
 use super::kernels;
 use super::packed::{PackedI8, BLOCK};
 use super::spare;
-use super::wo::bf16::{Bf16Rows, BF16_MIN_ROWS};
+use super::wo::bf16::Bf16Rows;
 use super::wo::BlockedWo;
 
 /// The arithmetic of weight-only layers. DESIGN.md: fp32 input means fp32 compute. For bf16
 /// input the caller may ask for bf16 dot products (see [`super::wo::bf16`]); they are used
-/// where the CPU has them and a layer sees at least [`BF16_MIN_ROWS`] rows, fp32 otherwise.
+/// where the CPU has them and a layer sees enough rows ([`BlockedWo::bf16_min_rows`]: one for
+/// 4-bit codes, [`super::wo::bf16::BF16_MIN_ROWS`] for int8), fp32 otherwise.
 /// W8A8 layers quantise their input either way.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Compute {
@@ -215,7 +216,7 @@ impl Linear {
             &x[t * k..(t + 1) * k]
         };
         if let Linear::WeightOnly { w, perm, .. } = self {
-            if compute == Compute::Bf16 && m >= BF16_MIN_ROWS && kernels::bf16_dot() {
+            if compute == Compute::Bf16 && m >= w.bf16_min_rows() && kernels::bf16_dot() {
                 return Prepared::Bf16(w.bf16_rows_from(m, |r| Some(row(r)), perm.as_deref()));
             }
         }

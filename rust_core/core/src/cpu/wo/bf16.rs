@@ -9,22 +9,45 @@
 //!
 //! Layout: activations are `[m][pairs]` u32, each the bf16 pair (column `c` low, `c + 1`
 //! high); every group is padded to an even number of columns with zeros, so a pair never
-//! straddles a group. A block's codes are widened per call into the same pair order,
-//! `[pairs][16]` u32, in a per-thread buffer: the widening costs about one 8-row tile of dot
-//! products, so this path is used from [`BF16_MIN_ROWS`] rows on.
+//! straddles a group. int8 codes are widened per call into the same pair order, `[pairs][16]`
+//! u32, in a per-thread buffer: the widening costs about one 8-row tile of dot products, so
+//! int8 layers use this path from [`BF16_MIN_ROWS`] rows on. 4-bit codes within one row tile
+//! need no buffer: their byte row `p` already holds pair `p` of 16 features (even group
+//! starts, even `k`), and one table lookup (`vpermw`) turns each nibble into its bf16 value in
+//! registers, so those layers use this path from [`NIBBLE_MIN_ROWS`] rows on (see
+//! [`BlockedWo::bf16_min_rows`]): 2-8 rows per expert run about twice the fp32 kernel's rate.
 //!
-//! Numerics per group and lane: `acc = 0`; for each pair, `acc += w_hi * x_hi` then
+//! Numerics per group and lane: the group's pairs are dealt round-robin to [`unroll`] partial
+//! sums (the remainder to the first); in each, per pair, `acc += w_hi * x_hi` then
 //! `acc += w_lo * x_lo` (the order `vdpbf16ps` documents, fp32 with round-to-nearest-even and
-//! subnormal results flushed to zero); then the group epilogue of the fp32 path
-//! (`acc -= z * Σx`, `y += acc * s`). [`tile_scalar`] repeats this exactly.
+//! subnormal results flushed to zero); the partial sums are added pairwise; then the group
+//! epilogue of the fp32 path (`acc -= z * Σx`, `y += acc * s`). [`tile_scalar`] repeats this
+//! exactly.
 
 use std::cell::RefCell;
 
-use super::{BlockedWo, BLOCK, TILE_ROWS};
+use super::{BlockedWo, Codes, BLOCK, TILE_ROWS};
 use crate::cpu::kernels::bf16_dot;
+
+/// Whether the 4-bit lookup may use AVX512-VBMI's `vpmultishiftqb` (fewer shuffles).
+#[cfg(target_arch = "x86_64")]
+fn vbmi() -> bool {
+    #[cfg(test)]
+    if tests::NO_VBMI.with(std::cell::Cell::get) {
+        return false;
+    }
+    static VBMI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *VBMI.get_or_init(|| std::arch::is_x86_feature_detected!("avx512vbmi"))
+}
 
 /// Rows from which weight-only layers with bf16 inputs use this path.
 pub const BF16_MIN_ROWS: usize = 8;
+
+/// Rows from which 4-bit layers with bf16 inputs use this path. A single row stays on the
+/// fp32 kernel: both are bound by memory there, and the fp32 kernel streams cold weights
+/// 10-20% faster on one core (`COLD=1 cargo run --release --example wo_time`); at 4 rows this
+/// path streams them 1.6x faster.
+pub const NIBBLE_MIN_ROWS: usize = 2;
 
 /// Blocks per register tile (two 16-feature blocks share each activation broadcast).
 const TILE_BLOCKS: usize = 2;
@@ -108,6 +131,39 @@ impl BlockedWo {
         }
         offs.push(p);
         offs
+    }
+
+    /// Rows from which bf16 input takes this path: [`NIBBLE_MIN_ROWS`] for 4-bit codes
+    /// where the CPU can look their nibbles up in registers, [`BF16_MIN_ROWS`] otherwise.
+    pub fn bf16_min_rows(&self) -> usize {
+        if self.nibbles_in_registers() {
+            NIBBLE_MIN_ROWS
+        } else {
+            BF16_MIN_ROWS
+        }
+    }
+
+    /// 4-bit codes read straight from their bytes by the SIMD tile (no widening).
+    fn nibbles_in_registers(&self) -> bool {
+        matches!(self.codes, Codes::U4(_)) && bf16_dot()
+    }
+
+    /// Whether [`BlockedWo::gemm_bf16`] reads 4-bit codes straight from their bytes for `m`
+    /// rows: within one row tile (more rows reuse widened codes, which is cheaper than looking
+    /// them up again for every row tile).
+    fn reads_nibbles(&self, m: usize) -> bool {
+        self.nibbles_in_registers() && m <= TILE_ROWS
+    }
+
+    /// Blocks per tile of [`BlockedWo::gemm_bf16`] for `m` rows. 4-bit tiles read straight
+    /// from the codes take one block: a single stream per thread, which the prefetchers follow
+    /// better than two (measured: 17-22 against 12-13 GB/s on one core).
+    pub fn tile_blocks(&self, m: usize) -> usize {
+        if self.reads_nibbles(m) {
+            1
+        } else {
+            TILE_BLOCKS
+        }
     }
 
     /// `x[m, k]` (f32, sorted column order) as bf16 pairs, with the group sums.
@@ -220,22 +276,33 @@ impl BlockedWo {
             return;
         }
         let simd = bf16_dot();
+        let nibbles = self.reads_nibbles(m);
         let codes = self.codes.bytes();
         let len = self.codes.block_len(self.k);
+        let tile_blocks = self.tile_blocks(m);
         let mut run = |wide: &mut Vec<u32>| {
-            if wide.len() < TILE_BLOCKS * pairs * BLOCK {
+            if !nibbles && wide.len() < TILE_BLOCKS * pairs * BLOCK {
                 wide.resize(TILE_BLOCKS * pairs * BLOCK, 0);
             }
             let mut b = first_block;
             while b < end {
-                let nb = (end - b).min(TILE_BLOCKS);
-                for i in 0..nb {
-                    let dst = &mut wide[i * pairs * BLOCK..(i + 1) * pairs * BLOCK];
-                    self.widen(b + i, &offs, dst);
-                }
+                let nb = (end - b).min(tile_blocks);
+                let w = if nibbles {
+                    // 4-bit byte rows are the pairs (`len == pairs * 16`).
+                    match codes.get(b * len..(b + nb) * len) {
+                        Some(c) if len == pairs * BLOCK => Weights::Nibbles(c),
+                        _ => return,
+                    }
+                } else {
+                    for i in 0..nb {
+                        let dst = &mut wide[i * pairs * BLOCK..(i + 1) * pairs * BLOCK];
+                        self.widen(b + i, &offs, dst);
+                    }
+                    Weights::Wide(&wide[..nb * pairs * BLOCK])
+                };
                 let per = groups * BLOCK;
                 let t = Tile {
-                    w: &wide[..nb * pairs * BLOCK],
+                    w,
                     pairs,
                     offs: &offs,
                     scale: &self.scale[b * per..(b + nb) * per],
@@ -244,7 +311,8 @@ impl BlockedWo {
                 };
                 // The next blocks' codes, split evenly over this block's row tiles.
                 let next = codes.get((b + nb) * len..((b + 2 * nb).min(end)) * len);
-                let next = next.unwrap_or(&[]);
+                // (4-bit tiles prefetch their own stream ahead instead.)
+                let next = next.filter(|_| !nibbles).unwrap_or(&[]);
                 let share = next
                     .len()
                     .div_ceil(m.div_ceil(TILE_ROWS))
@@ -262,8 +330,9 @@ impl BlockedWo {
                     let mut out = [[[0f32; BLOCK]; TILE_BLOCKS]; TILE_ROWS];
                     #[cfg(target_arch = "x86_64")]
                     if simd {
-                        // SAFETY: AVX512-BF16 detected; the tile holds `nb` widened blocks of
-                        // `pairs` pairs with their scales, `xs`/`ss` hold `mr` rows.
+                        // SAFETY: AVX512-BF16/BW detected; the tile holds `nb` blocks of
+                        // `pairs` pairs (widened, or byte rows) with their scales, `xs`/`ss`
+                        // hold `mr` rows.
                         unsafe { x86::tile(&t, xs, ss, mr, nb, &mut out) };
                     } else {
                         tile_scalar(&t, xs, ss, mr, nb, &mut out);
@@ -283,6 +352,10 @@ impl BlockedWo {
                 b += nb;
             }
         };
+        if nibbles {
+            run(&mut Vec::new());
+            return;
+        }
         WIDE.with(|cell| match cell.try_borrow_mut() {
             Ok(mut wide) => run(&mut wide),
             Err(_) => run(&mut Vec::new()),
@@ -290,11 +363,34 @@ impl BlockedWo {
     }
 }
 
-/// Up to [`TILE_BLOCKS`] widened blocks with their scales and zero points.
+/// A tile's weights: widened pairs, or 4-bit byte rows read as they are stored.
+#[derive(Clone, Copy)]
+pub enum Weights<'a> {
+    /// `[nb][pairs][16]` bf16 pairs.
+    Wide(&'a [u32]),
+    /// `[nb][pairs][16]` bytes: low nibble column `2p`, high nibble `2p + 1` (stored values
+    /// 0..15).
+    Nibbles(&'a [u8]),
+}
+
+impl Weights<'_> {
+    /// Block `i`'s pair `p` for lane `l` as widened bf16 bits (`0` when out of range).
+    fn pair(&self, pairs: usize, i: usize, p: usize, l: usize) -> u32 {
+        let at = (i * pairs + p) * BLOCK + l;
+        match self {
+            Weights::Wide(w) => w.get(at).copied().unwrap_or(0),
+            Weights::Nibbles(c) => c.get(at).map_or(0, |&byte| {
+                let bf = |v: u8| f32::from(v).to_bits() >> 16;
+                bf(byte & 15) | (bf(byte >> 4) << 16)
+            }),
+        }
+    }
+}
+
+/// Up to [`TILE_BLOCKS`] blocks with their scales and zero points.
 #[derive(Clone, Copy)]
 pub struct Tile<'a> {
-    /// `[nb][pairs][16]`
-    w: &'a [u32],
+    w: Weights<'a>,
     pairs: usize,
     offs: &'a [usize],
     /// `[nb][groups][16]`
@@ -304,6 +400,30 @@ pub struct Tile<'a> {
     /// widening is the first read of the weights and would otherwise wait on memory.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     ahead: &'a [u8],
+}
+
+/// Partial sums per (row, block, group): the pairs of a group are dealt round-robin to
+/// `unroll` accumulators so that at least eight `vdpbf16ps` chains are in flight (their
+/// latency would otherwise bound few-row tiles), then combined pairwise ([`combine`]).
+pub const fn unroll(mr: usize, nb: usize) -> usize {
+    match mr * nb {
+        1 => 8,
+        2 => 4,
+        3..=4 => 2,
+        _ => 1,
+    }
+}
+
+/// Pairwise sum of a power-of-two number of partial sums: `(p0 + p1) + (p2 + p3)` for four.
+fn combine(parts: &mut [f32]) -> f32 {
+    let mut w = parts.len();
+    while w > 1 {
+        w /= 2;
+        for q in 0..w {
+            parts[q] = parts[2 * q] + parts[2 * q + 1];
+        }
+    }
+    parts.first().copied().unwrap_or(0.0)
 }
 
 /// The scalar reference of the bf16 tile: the same operations in the same order.
@@ -316,19 +436,26 @@ pub fn tile_scalar(
     out: &mut [[[f32; BLOCK]; TILE_BLOCKS]; TILE_ROWS],
 ) {
     let groups = t.offs.len() - 1;
+    let u = unroll(mr, nb);
     for (r, row) in out.iter_mut().enumerate().take(mr) {
         for (i, lanes) in row.iter_mut().enumerate().take(nb) {
             for (l, o) in lanes.iter_mut().enumerate() {
                 let mut total = 0f32;
                 for g in 0..groups {
-                    let mut acc = 0f32;
-                    for p in t.offs[g]..t.offs[g + 1] {
-                        let w = t.w[(i * t.pairs + p) * BLOCK + l];
+                    let (first, end) = (t.offs[g], t.offs[g + 1]);
+                    // Full runs of `u` pairs round-robin over the partial sums, the rest
+                    // into partial 0.
+                    let full = first + (end - first) / u * u;
+                    let mut parts = [0f32; 8];
+                    for p in first..end {
+                        let part = &mut parts[if p < full { (p - first) % u } else { 0 }];
+                        let w = t.w.pair(t.pairs, i, p, l);
                         let at = 2 * (r * t.pairs + p);
                         let xv = u32::from(x[at]) | (u32::from(x[at + 1]) << 16);
-                        acc = ftz(acc + from_bf16(w >> 16) * from_bf16(xv >> 16));
-                        acc = ftz(acc + from_bf16(w & 0xffff) * from_bf16(xv & 0xffff));
+                        *part = ftz(*part + from_bf16(w >> 16) * from_bf16(xv >> 16));
+                        *part = ftz(*part + from_bf16(w & 0xffff) * from_bf16(xv & 0xffff));
                     }
+                    let mut acc = combine(&mut parts[..u]);
                     let at = (i * groups + g) * BLOCK + l;
                     if let (Some(z), Some(s)) = (t.zp, sums.get(r * groups + g)) {
                         acc = (-z[at]).mul_add(*s, acc);
@@ -344,8 +471,24 @@ pub fn tile_scalar(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::Codes;
-    use super::{BlockedWo, Tile, BLOCK, TILE_BLOCKS, TILE_ROWS};
+    use super::{BlockedWo, Tile, Weights, BLOCK, TILE_BLOCKS, TILE_ROWS};
     use std::arch::x86_64::*;
+
+    /// The kernel for `$mr` rows (1..=8) and `$nb` blocks (a literal).
+    macro_rules! rows {
+        ($mr:expr, $nb:literal, $t:expr, $x:expr, $sums:expr, $out:expr, $load:expr) => {
+            match $mr {
+                1 => kernel::<1, $nb, { super::unroll(1, $nb) }>($t, $x, $sums, $out, $load),
+                2 => kernel::<2, $nb, { super::unroll(2, $nb) }>($t, $x, $sums, $out, $load),
+                3 => kernel::<3, $nb, { super::unroll(3, $nb) }>($t, $x, $sums, $out, $load),
+                4 => kernel::<4, $nb, { super::unroll(4, $nb) }>($t, $x, $sums, $out, $load),
+                5 => kernel::<5, $nb, { super::unroll(5, $nb) }>($t, $x, $sums, $out, $load),
+                6 => kernel::<6, $nb, { super::unroll(6, $nb) }>($t, $x, $sums, $out, $load),
+                7 => kernel::<7, $nb, { super::unroll(7, $nb) }>($t, $x, $sums, $out, $load),
+                _ => kernel::<8, $nb, { super::unroll(8, $nb) }>($t, $x, $sums, $out, $load),
+            }
+        };
+    }
 
     /// Widens one block (see [`BlockedWo::widen_scalar`]).
     ///
@@ -402,11 +545,12 @@ mod x86 {
     }
 
     /// # Safety
-    /// AVX512-BF16 (and AVX-512F); `t.offs` is the layer's `pair_offsets()` (non-decreasing,
-    /// ending at `t.pairs`); `t.w` holds `nb` blocks of `t.pairs` pairs, `t.scale` (and `t.zp`)
+    /// AVX512-BF16, AVX-512F and AVX512-BW (all implied by `bf16_dot`); `t.offs` is the
+    /// layer's `pair_offsets()` (non-decreasing, ending at `t.pairs`); `t.w` holds `nb` blocks
+    /// of `t.pairs` pairs (u32 pairs, or byte rows), `t.scale` (and `t.zp`)
     /// `nb * groups * 16` values; `x` holds `mr` rows of `2 * t.pairs` bf16, `sums`
     /// `mr * groups` values when `t.zp` is set; `1 <= mr <= 8`, `1 <= nb <= 2`.
-    #[target_feature(enable = "avx512f,avx512bf16")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub unsafe fn tile(
         t: &Tile<'_>,
         x: &[u16],
@@ -415,43 +559,132 @@ mod x86 {
         nb: usize,
         out: &mut [[[f32; BLOCK]; TILE_BLOCKS]; TILE_ROWS],
     ) {
-        macro_rules! rows {
-            ($nb:literal) => {
-                match mr {
-                    1 => kernel::<1, $nb>(t, x, sums, out),
-                    2 => kernel::<2, $nb>(t, x, sums, out),
-                    3 => kernel::<3, $nb>(t, x, sums, out),
-                    4 => kernel::<4, $nb>(t, x, sums, out),
-                    5 => kernel::<5, $nb>(t, x, sums, out),
-                    6 => kernel::<6, $nb>(t, x, sums, out),
-                    7 => kernel::<7, $nb>(t, x, sums, out),
-                    _ => kernel::<8, $nb>(t, x, sums, out),
+        let p = t.pairs;
+        match t.w {
+            Weights::Wide(w) => {
+                let wp = w.as_ptr();
+                // SAFETY: the kernel calls this with i < nb and j < pairs, so the 16 u32 at
+                // (i * pairs + j) * 16 lie inside `w`.
+                let load = |i: usize, j: usize| unsafe {
+                    _mm512_loadu_si512(wp.add((i * p + j) * BLOCK).cast())
+                };
+                // SAFETY: the caller's contract is each kernel's contract.
+                unsafe {
+                    if nb >= 2 {
+                        rows!(mr, 2, t, x, sums, out, load)
+                    } else {
+                        rows!(mr, 1, t, x, sums, out, load)
+                    }
                 }
-            };
-        }
-        // SAFETY: the caller's contract is each kernel's contract.
-        unsafe {
-            if nb >= 2 {
-                rows!(2)
-            } else {
-                rows!(1)
+            }
+            Weights::Nibbles(c) => {
+                let cp = c.as_ptr();
+                // Word w of the table is bf16(w mod 16): each word lookup reads only the low 5
+                // index bits, so bit 4 may hold the neighbouring nibble's low bit.
+                let mut bits = [0u16; 32];
+                for (w, b) in bits.iter_mut().enumerate() {
+                    *b = ((w % 16) as f32).to_bits().wrapping_shr(16) as u16;
+                }
+                // SAFETY: `bits` is 32 u16, one 64-byte load.
+                let table = unsafe { _mm512_loadu_si512(bits.as_ptr().cast()) };
+                // Once per 64-byte line, ahead in the code stream (blocks are contiguous, so it
+                // runs on into the next block); a prefetch never faults.
+                let prefetch = |at: usize, j: usize| {
+                    if j.is_multiple_of(4) {
+                        _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(at + PF_DIST).cast());
+                    }
+                };
+                if super::vbmi() {
+                    // SAFETY: the caller's contract with `Weights::Nibbles`; VBMI detected.
+                    unsafe { kernel_vbmi(t, x, sums, out, mr, nb, table) }
+                } else {
+                    let load = |i: usize, j: usize| {
+                        let at = (i * p + j) * BLOCK;
+                        prefetch(at, j);
+                        // Lane l: the byte (low nibble column 2j, high 2j + 1) zero-extended;
+                        // `| v << 12` also puts the high nibble at bit 16 for the second word.
+                        // SAFETY: the kernel calls this with i < nb, j < pairs: the 16 bytes at
+                        // (i * pairs + j) * 16 lie inside the tile's codes.
+                        let v = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(cp.add(at).cast()) });
+                        _mm512_permutexvar_epi16(
+                            _mm512_or_si512(v, _mm512_slli_epi32::<12>(v)),
+                            table,
+                        )
+                    };
+                    // SAFETY: the caller's contract is each kernel's contract.
+                    unsafe {
+                        if nb >= 2 {
+                            rows!(mr, 2, t, x, sums, out, load)
+                        } else {
+                            rows!(mr, 1, t, x, sums, out, load)
+                        }
+                    }
+                }
             }
         }
     }
 
+    /// [`tile`] for 4-bit codes with the VBMI lookup (`table` as there).
+    ///
     /// # Safety
-    /// As [`tile`] with `mr == MR`, `nb == NB`.
-    #[target_feature(enable = "avx512f,avx512bf16")]
-    #[inline]
-    unsafe fn kernel<const MR: usize, const NB: usize>(
+    /// As [`tile`] with [`Weights::Nibbles`], and the CPU has AVX512-VBMI.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx512vbmi")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn kernel_vbmi(
         t: &Tile<'_>,
         x: &[u16],
         sums: &[f32],
         out: &mut [[[f32; BLOCK]; TILE_BLOCKS]; TILE_ROWS],
+        mr: usize,
+        nb: usize,
+        table: __m512i,
+    ) {
+        let Weights::Nibbles(c) = t.w else {
+            return;
+        };
+        let (cp, p) = (c.as_ptr(), t.pairs);
+        // qword q of `v` holds the bytes of features 2q and 2q + 1; output bytes 0, 2, 4, 6 of
+        // it start at bits 0, 4, 8, 12: word by word, the nibbles of lanes 2q and 2q + 1
+        // (bytes 1, 3, 5, 7 start at bit 0: don't-cares above the lookup's 5 index bits).
+        let ctrl = _mm512_set1_epi64(i64::from_le_bytes([0, 0, 4, 0, 8, 0, 12, 0]));
+        let load = |i: usize, j: usize| {
+            let at = (i * p + j) * BLOCK;
+            if j.is_multiple_of(4) {
+                // As in [`tile`].
+                _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(at + PF_DIST).cast());
+            }
+            // SAFETY: the kernel calls this with i < nb, j < pairs: the 16 bytes at
+            // (i * pairs + j) * 16 lie inside the tile's codes.
+            let v = _mm512_cvtepu16_epi64(unsafe { _mm_loadu_si128(cp.add(at).cast()) });
+            _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(ctrl, v), table)
+        };
+        // SAFETY: the caller's contract is each kernel's contract.
+        unsafe {
+            if nb >= 2 {
+                rows!(mr, 2, t, x, sums, out, load)
+            } else {
+                rows!(mr, 1, t, x, sums, out, load)
+            }
+        }
+    }
+
+    /// How far ahead (bytes) a 4-bit code stream is prefetched.
+    const PF_DIST: usize = 4096;
+
+    /// # Safety
+    /// As [`tile`] with `mr == MR`, `nb == NB`, `U == super::unroll(MR, NB)`; `load(i, j)` is block `i`'s pair `j` as bf16
+    /// pairs, valid for `i < NB`, `j < t.pairs`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[inline]
+    unsafe fn kernel<const MR: usize, const NB: usize, const U: usize>(
+        t: &Tile<'_>,
+        x: &[u16],
+        sums: &[f32],
+        out: &mut [[[f32; BLOCK]; TILE_BLOCKS]; TILE_ROWS],
+        load: impl Fn(usize, usize) -> __m512i,
     ) {
         let groups = t.offs.len() - 1;
         let p = t.pairs;
-        let wp = t.w.as_ptr();
         let xp = x.as_ptr();
         let (ahead, ahead_lines) = (t.ahead.as_ptr(), t.ahead.len().div_ceil(64));
         // The running totals live in `out` (L1), not registers: with them the group
@@ -461,31 +694,56 @@ mod x86 {
                 *lanes = [0.0; BLOCK];
             }
         }
+        // Pair j into partial sum u of every (row, block).
+        let step = |parts: &mut [[[__m512; U]; NB]; MR], j: usize, u: usize| {
+            if j < ahead_lines {
+                // In bounds (j < lines of `ahead`); a prefetch never faults anyway.
+                _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(j * 64).cast());
+            }
+            let mut w = [_mm512_setzero_si512(); NB];
+            for (i, wi) in w.iter_mut().enumerate() {
+                *wi = load(i, j);
+            }
+            for (r, a) in parts.iter_mut().enumerate() {
+                // SAFETY: j < pairs: the two bf16 at 2 * (r * pairs + j) lie inside row r
+                // (read unaligned).
+                let pair = unsafe { xp.add(2 * (r * p + j)).cast::<i32>().read_unaligned() };
+                // SAFETY: __m512i and __m512bh are both 64-byte vectors of plain bits.
+                let xv: __m512bh = unsafe { std::mem::transmute(_mm512_set1_epi32(pair)) };
+                for (ai, wi) in a.iter_mut().zip(&w) {
+                    // SAFETY: as above.
+                    let wb = unsafe { std::mem::transmute::<__m512i, __m512bh>(*wi) };
+                    ai[u] = _mm512_dpbf16_ps(ai[u], wb, xv);
+                }
+            }
+        };
         for g in 0..groups {
+            let (first, end) = (t.offs[g], t.offs[g + 1]);
+            let mut parts = [[[_mm512_setzero_ps(); U]; NB]; MR];
+            let mut j = first;
+            while j + U <= end {
+                for u in 0..U {
+                    step(&mut parts, j + u, u);
+                }
+                j += U;
+            }
+            while j < end {
+                step(&mut parts, j, 0);
+                j += 1;
+            }
             let mut acc = [[_mm512_setzero_ps(); NB]; MR];
-            for j in t.offs[g]..t.offs[g + 1] {
-                // SAFETY: j < pairs: each block's pair j (16 u32) lies inside `t.w`, and the
-                // two bf16 at 2 * (r * pairs + j) inside row r (read unaligned).
-                unsafe {
-                    if j < ahead_lines {
-                        // In bounds (j < lines of `ahead`); a prefetch never faults anyway.
-                        _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(j * 64).cast());
-                    }
-                    let mut w = [_mm512_setzero_si512(); NB];
-                    for (i, wi) in w.iter_mut().enumerate() {
-                        *wi = _mm512_loadu_si512(wp.add((i * p + j) * BLOCK).cast());
-                    }
-                    for (r, a) in acc.iter_mut().enumerate() {
-                        let pair = xp.add(2 * (r * p + j)).cast::<i32>().read_unaligned();
-                        let xv: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair));
-                        for (ai, wi) in a.iter_mut().zip(&w) {
-                            *ai = _mm512_dpbf16_ps(
-                                *ai,
-                                std::mem::transmute::<__m512i, __m512bh>(*wi),
-                                xv,
-                            );
+            for (a, pr) in acc.iter_mut().zip(&parts) {
+                for (ai, p) in a.iter_mut().zip(pr) {
+                    // Pairwise, as `combine` does.
+                    let mut p = *p;
+                    let mut w = U;
+                    while w > 1 {
+                        w /= 2;
+                        for q in 0..w {
+                            p[q] = _mm512_add_ps(p[2 * q], p[2 * q + 1]);
                         }
                     }
+                    *ai = p[0];
                 }
             }
             for i in 0..NB {
@@ -519,10 +777,24 @@ mod tests {
     use super::super::tests::sample_bits;
     use super::*;
 
+    thread_local! {
+        /// Makes this thread's 4-bit lookups take the path without VBMI.
+        pub(super) static NO_VBMI: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
     /// Widening: SIMD equals scalar; the bf16 tile: SIMD equals the scalar reference bit for
     /// bit, and both are close to an f64 reference on the bf16-rounded activations.
     #[test]
     fn bf16_simd_equals_scalar_and_reference() {
+        // Both 4-bit lookups where the CPU has VBMI (the other one otherwise twice).
+        for no_vbmi in [false, true] {
+            NO_VBMI.with(|f| f.set(no_vbmi));
+            bf16_simd_equals_scalar_and_reference_once();
+        }
+        NO_VBMI.with(|f| f.set(false));
+    }
+
+    fn bf16_simd_equals_scalar_and_reference_once() {
         for (n, k, groups, asym, m) in [
             (37, 64, 4, true, 11),
             (16, 128, 1, false, 9),
@@ -530,6 +802,10 @@ mod tests {
             (20, 70, 2, true, 3),
             (33, 66, 3, false, 17),
             (48, 75, 5, true, 8),
+            (40, 128, 2, true, 1),
+            (24, 64, 1, false, 2),
+            (33, 96, 3, true, 5),
+            (17, 256, 2, false, 4),
         ] {
             for bits in [8, 4] {
                 let (w, _) = sample_bits(n, k, groups, asym, bits);
@@ -555,13 +831,14 @@ mod tests {
                 });
                 let g = w.groups();
                 let mut wide = vec![0u32; 2 * offs[g] * BLOCK];
-                for b in (0..w.blocks()).step_by(2) {
-                    let nb = (w.blocks() - b).min(2);
+                let tb = w.tile_blocks(m);
+                for b in (0..w.blocks()).step_by(tb) {
+                    let nb = (w.blocks() - b).min(tb);
                     for i in 0..nb {
                         w.widen_scalar(b + i, &offs, &mut wide[i * offs[g] * BLOCK..]);
                     }
                     let t = Tile {
-                        w: &wide,
+                        w: Weights::Wide(&wide),
                         pairs: offs[g],
                         offs: &offs,
                         scale: &w.scale[b * g * BLOCK..(b + nb) * g * BLOCK],

@@ -1,0 +1,90 @@
+//! Times the weight-only (W4A16 / W8A16) GEMM kernels, fp32 and bf16 dot products, on one
+//! thread: with the weights cache-resident (their compute rate,
+//! `cargo run --release --example wo_time`), or streaming a 64 MB 4-bit layer from memory
+//! (`COLD=1`).
+use std::time::Instant;
+
+use moeq_core::cpu::wo::BlockedWo;
+
+fn main() {
+    if std::env::var_os("COLD").is_some() {
+        return cold();
+    }
+    let (n, k) = (512usize, 2048usize);
+    for bits in [4u32, 8] {
+        let q: Vec<i8> = (0..n * k)
+            .map(|i| {
+                let v = ((i * 7919) % 251) as i32;
+                if bits == 4 {
+                    (v % 16 - 8) as i8
+                } else {
+                    (v - 125) as i8
+                }
+            })
+            .collect();
+        let groups: Vec<usize> = (0..k / 128).map(|g| g * 128).collect();
+        let scale = vec![1e-3f32; n * groups.len()];
+        let w = BlockedWo::new(n, k, &q, &scale, None, groups);
+        for m in [1usize, 2, 4, 8] {
+            let x: Vec<f32> = (0..m * k).map(|i| ((i % 97) as f32 - 48.0) / 7.0).collect();
+            let reps = 2000 / m;
+            let mut sink = 0f32;
+            let t = Instant::now();
+            for _ in 0..reps {
+                w.gemm(&x, m, 0, w.blocks(), |_, _, l| sink += l[0]);
+            }
+            let s = t.elapsed().as_secs_f64() / reps as f64;
+            std::hint::black_box(sink);
+            report(bits, m, "f32", s, n, k);
+            let xb = w.bf16_rows(&x, m);
+            let t = Instant::now();
+            for _ in 0..reps {
+                w.gemm_bf16(&xb, m, 0, w.blocks(), |_, _, l| sink += l[0]);
+            }
+            let s = t.elapsed().as_secs_f64() / reps as f64;
+            std::hint::black_box(sink);
+            report(bits, m, "bf16", s, n, k);
+        }
+    }
+}
+
+fn report(bits: u32, m: usize, path: &str, s: f64, n: usize, k: usize) {
+    println!(
+        "int{bits} m={m} {path}: {:.1} us, {:.1} GMAC/s, {:.1} GB/s of codes",
+        s * 1e6,
+        (m * n * k) as f64 / s / 1e9,
+        (n * k * bits as usize / 8) as f64 / s / 1e9
+    );
+}
+
+/// One thread streaming a 4-bit layer far larger than the caches, 1 and 4 rows.
+fn cold() {
+    let (n, k) = (32768usize, 4096usize);
+    let q: Vec<i8> = (0..n * k)
+        .map(|i| (((i * 7919) % 251) % 16) as i8 - 8)
+        .collect();
+    let groups: Vec<usize> = (0..k / 128).map(|g| g * 128).collect();
+    let scale = vec![1e-3f32; n * groups.len()];
+    let w = BlockedWo::new(n, k, &q, &scale, None, groups);
+    drop(q);
+    let gb = w.code_bytes().len() as f64 / 1e9;
+    for m in [1usize, 4] {
+        let x: Vec<f32> = (0..m * k).map(|i| ((i % 97) as f32 - 48.0) / 7.0).collect();
+        let xb = w.bf16_rows(&x, m);
+        for _ in 0..3 {
+            let mut sink = 0f32;
+            let t = Instant::now();
+            w.gemm(&x, m, 0, w.blocks(), |_, _, l| sink += l[0]);
+            let f = t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            w.gemm_bf16(&xb, m, 0, w.blocks(), |_, _, l| sink += l[0]);
+            let b = t.elapsed().as_secs_f64();
+            std::hint::black_box(sink);
+            println!(
+                "cold, m={m}: fp32 kernel {:.1} GB/s, bf16 kernel {:.1} GB/s of codes",
+                gb / f,
+                gb / b
+            );
+        }
+    }
+}
