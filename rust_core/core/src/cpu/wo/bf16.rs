@@ -29,24 +29,13 @@ use std::cell::RefCell;
 use super::{BlockedWo, Codes, BLOCK, TILE_ROWS};
 use crate::cpu::kernels::bf16_dot;
 
-/// Whether the 4-bit lookup may use AVX512-VBMI's `vpmultishiftqb` (fewer shuffles).
-#[cfg(target_arch = "x86_64")]
-fn vbmi() -> bool {
-    #[cfg(test)]
-    if tests::NO_VBMI.with(std::cell::Cell::get) {
-        return false;
-    }
-    static VBMI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *VBMI.get_or_init(|| std::arch::is_x86_feature_detected!("avx512vbmi"))
-}
-
 /// Rows from which weight-only layers with bf16 inputs use this path.
 pub const BF16_MIN_ROWS: usize = 8;
 
 /// Rows from which 4-bit layers with bf16 inputs use this path. A single row stays on the
 /// fp32 kernel: both are bound by memory there, and the fp32 kernel streams cold weights
-/// 10-20% faster on one core (`COLD=1 cargo run --release --example wo_time`); at 4 rows this
-/// path streams them 1.6x faster.
+/// 5-25% faster on one core (`COLD=1 cargo run --release --example wo_time`); at 4 rows this
+/// path streams them about twice as fast.
 pub const NIBBLE_MIN_ROWS: usize = 2;
 
 /// Blocks per register tile (two 16-feature blocks share each activation broadcast).
@@ -587,83 +576,31 @@ mod x86 {
                 }
                 // SAFETY: `bits` is 32 u16, one 64-byte load.
                 let table = unsafe { _mm512_loadu_si512(bits.as_ptr().cast()) };
-                // Once per 64-byte line, ahead in the code stream (blocks are contiguous, so it
-                // runs on into the next block); a prefetch never faults.
-                let prefetch = |at: usize, j: usize| {
+                let load = |i: usize, j: usize| {
+                    let at = (i * p + j) * BLOCK;
                     if j.is_multiple_of(4) {
+                        // Once per 64-byte line, ahead in the code stream (blocks are
+                        // contiguous, so it runs on into the next block); a prefetch never
+                        // faults.
                         _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(at + PF_DIST).cast());
                     }
+                    // Lane l: the byte (low nibble column 2j, high 2j + 1) zero-extended;
+                    // `| v << 12` also puts the high nibble at bit 16 for the second word.
+                    // (VBMI's `vpmultishiftqb` in place of the shift and or measured no faster
+                    // hot and 10-15% slower streaming cold weights.)
+                    // SAFETY: the kernel calls this with i < nb, j < pairs: the 16 bytes at
+                    // (i * pairs + j) * 16 lie inside the tile's codes.
+                    let v = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(cp.add(at).cast()) });
+                    _mm512_permutexvar_epi16(_mm512_or_si512(v, _mm512_slli_epi32::<12>(v)), table)
                 };
-                if super::vbmi() {
-                    // SAFETY: the caller's contract with `Weights::Nibbles`; VBMI detected.
-                    unsafe { kernel_vbmi(t, x, sums, out, mr, nb, table) }
-                } else {
-                    let load = |i: usize, j: usize| {
-                        let at = (i * p + j) * BLOCK;
-                        prefetch(at, j);
-                        // Lane l: the byte (low nibble column 2j, high 2j + 1) zero-extended;
-                        // `| v << 12` also puts the high nibble at bit 16 for the second word.
-                        // SAFETY: the kernel calls this with i < nb, j < pairs: the 16 bytes at
-                        // (i * pairs + j) * 16 lie inside the tile's codes.
-                        let v = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(cp.add(at).cast()) });
-                        _mm512_permutexvar_epi16(
-                            _mm512_or_si512(v, _mm512_slli_epi32::<12>(v)),
-                            table,
-                        )
-                    };
-                    // SAFETY: the caller's contract is each kernel's contract.
-                    unsafe {
-                        if nb >= 2 {
-                            rows!(mr, 2, t, x, sums, out, load)
-                        } else {
-                            rows!(mr, 1, t, x, sums, out, load)
-                        }
+                // SAFETY: the caller's contract is each kernel's contract.
+                unsafe {
+                    if nb >= 2 {
+                        rows!(mr, 2, t, x, sums, out, load)
+                    } else {
+                        rows!(mr, 1, t, x, sums, out, load)
                     }
                 }
-            }
-        }
-    }
-
-    /// [`tile`] for 4-bit codes with the VBMI lookup (`table` as there).
-    ///
-    /// # Safety
-    /// As [`tile`] with [`Weights::Nibbles`], and the CPU has AVX512-VBMI.
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx512vbmi")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn kernel_vbmi(
-        t: &Tile<'_>,
-        x: &[u16],
-        sums: &[f32],
-        out: &mut [[[f32; BLOCK]; TILE_BLOCKS]; TILE_ROWS],
-        mr: usize,
-        nb: usize,
-        table: __m512i,
-    ) {
-        let Weights::Nibbles(c) = t.w else {
-            return;
-        };
-        let (cp, p) = (c.as_ptr(), t.pairs);
-        // qword q of `v` holds the bytes of features 2q and 2q + 1; output bytes 0, 2, 4, 6 of
-        // it start at bits 0, 4, 8, 12: word by word, the nibbles of lanes 2q and 2q + 1
-        // (bytes 1, 3, 5, 7 start at bit 0: don't-cares above the lookup's 5 index bits).
-        let ctrl = _mm512_set1_epi64(i64::from_le_bytes([0, 0, 4, 0, 8, 0, 12, 0]));
-        let load = |i: usize, j: usize| {
-            let at = (i * p + j) * BLOCK;
-            if j.is_multiple_of(4) {
-                // As in [`tile`].
-                _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(at + PF_DIST).cast());
-            }
-            // SAFETY: the kernel calls this with i < nb, j < pairs: the 16 bytes at
-            // (i * pairs + j) * 16 lie inside the tile's codes.
-            let v = _mm512_cvtepu16_epi64(unsafe { _mm_loadu_si128(cp.add(at).cast()) });
-            _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(ctrl, v), table)
-        };
-        // SAFETY: the caller's contract is each kernel's contract.
-        unsafe {
-            if nb >= 2 {
-                rows!(mr, 2, t, x, sums, out, load)
-            } else {
-                rows!(mr, 1, t, x, sums, out, load)
             }
         }
     }
@@ -777,24 +714,10 @@ mod tests {
     use super::super::tests::sample_bits;
     use super::*;
 
-    thread_local! {
-        /// Makes this thread's 4-bit lookups take the path without VBMI.
-        pub(super) static NO_VBMI: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-    }
-
     /// Widening: SIMD equals scalar; the bf16 tile: SIMD equals the scalar reference bit for
     /// bit, and both are close to an f64 reference on the bf16-rounded activations.
     #[test]
     fn bf16_simd_equals_scalar_and_reference() {
-        // Both 4-bit lookups where the CPU has VBMI (the other one otherwise twice).
-        for no_vbmi in [false, true] {
-            NO_VBMI.with(|f| f.set(no_vbmi));
-            bf16_simd_equals_scalar_and_reference_once();
-        }
-        NO_VBMI.with(|f| f.set(false));
-    }
-
-    fn bf16_simd_equals_scalar_and_reference_once() {
         for (n, k, groups, asym, m) in [
             (37, 64, 4, true, 11),
             (16, 128, 1, false, 9),
