@@ -379,7 +379,7 @@ impl Linear {
                 (
                     Linear::WeightOnly { perm: a, w: wa, .. },
                     Linear::WeightOnly { perm: b, w: wb, .. },
-                ) => a == b && wa.group_starts == wb.group_starts,
+                ) => a == b && wa.group_starts() == wb.group_starts(),
                 (Linear::Int8 { input_scale: a, .. }, Linear::Int8 { input_scale: b, .. }) => {
                     a.map(f32::to_bits) == b.map(f32::to_bits)
                 }

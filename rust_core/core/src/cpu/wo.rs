@@ -33,7 +33,10 @@ pub struct BlockedWo {
     /// The scheme has zero points of its own.
     asym: bool,
     /// First (sorted) column of each group.
-    pub group_starts: Vec<usize>,
+    group_starts: Vec<usize>,
+    /// The first bf16 pair of each group and the total (see [`BlockedWo::pair_offsets`]),
+    /// fixed with the groups.
+    pair_offs: Vec<usize>,
 }
 
 /// Bytes owned here or moved into the layer's huge-page [`Arena`].
@@ -157,6 +160,7 @@ impl BlockedWo {
                 }
             }
         }
+        let pair_offs = bf16::pair_offsets(k, &group_starts);
         BlockedWo {
             n,
             k,
@@ -165,6 +169,7 @@ impl BlockedWo {
             zp: zs,
             asym: zp.is_some(),
             group_starts,
+            pair_offs,
         }
     }
 
@@ -194,6 +199,11 @@ impl BlockedWo {
             len,
         };
     }
+    /// First (sorted) column of each group.
+    pub fn group_starts(&self) -> &[usize] {
+        &self.group_starts
+    }
+
     pub fn groups(&self) -> usize {
         self.group_starts.len().max(1)
     }
@@ -849,7 +859,7 @@ mod tests {
                             .as_ref()
                             .map(|z| &z[b * g * BLOCK..(b + 1) * g * BLOCK]),
                         k,
-                        group_starts: &w.group_starts,
+                        group_starts: w.group_starts(),
                     };
                     for r0 in (0..m).step_by(TILE_ROWS) {
                         let mr = (m - r0).min(TILE_ROWS);

@@ -680,7 +680,7 @@ fn verify_cpu_weight_only(
             if want.shape != [n, k] || want.data.len() != n * k * width {
                 return Err(fail());
             }
-            let group_starts = &w.group_starts;
+            let group_starts = w.group_starts();
             for j in 0..n {
                 let (q, scale, zp) = w.row(j);
                 let mut gi = 0;

@@ -339,7 +339,7 @@ fn weight_only_parts(lin: &Linear) -> Option<WeightOnlyParts> {
         q: Vec::with_capacity(n * w.k),
         zp: None,
         scale: Vec::with_capacity(n * w.groups()),
-        group_starts: w.group_starts.clone(),
+        group_starts: w.group_starts().to_vec(),
         perm: perm.clone(),
     };
     for j in 0..*n {

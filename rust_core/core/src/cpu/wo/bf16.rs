@@ -29,6 +29,27 @@ use std::cell::RefCell;
 use super::{BlockedWo, Codes, BLOCK, TILE_ROWS};
 use crate::cpu::kernels::bf16_dot;
 
+/// The first pair of each group of a `k`-column layer whose groups start at `group_starts`,
+/// each padded to an even length, and the total (`groups + 1` entries).
+pub(super) fn pair_offsets(k: usize, group_starts: &[usize]) -> Vec<usize> {
+    let groups = group_starts.len().max(1);
+    let bound = |g: usize| {
+        group_starts
+            .get(g)
+            .copied()
+            .unwrap_or(if g == 0 { 0 } else { k })
+    };
+    let mut offs = Vec::with_capacity(groups + 1);
+    let mut p = 0;
+    for g in 0..groups {
+        offs.push(p);
+        let (a, e) = (bound(g), bound(g + 1).min(k));
+        p += e.saturating_sub(a).div_ceil(2);
+    }
+    offs.push(p);
+    offs
+}
+
 /// Rows from which weight-only layers with bf16 inputs use this path.
 pub const BF16_MIN_ROWS: usize = 8;
 
@@ -110,16 +131,8 @@ thread_local! {
 
 impl BlockedWo {
     /// The first pair of each group, and the total (`groups + 1` entries).
-    pub fn pair_offsets(&self) -> Vec<usize> {
-        let mut offs = Vec::with_capacity(self.groups() + 1);
-        let mut p = 0;
-        for g in 0..self.groups() {
-            offs.push(p);
-            let (a, e) = self.bounds(g);
-            p += e.min(self.k).saturating_sub(a).div_ceil(2);
-        }
-        offs.push(p);
-        offs
+    pub fn pair_offsets(&self) -> &[usize] {
+        &self.pair_offs
     }
 
     /// Rows from which bf16 input takes this path: [`NIBBLE_MIN_ROWS`] for 4-bit codes
@@ -285,7 +298,7 @@ impl BlockedWo {
                 } else {
                     for i in 0..nb {
                         let dst = &mut wide[i * pairs * BLOCK..(i + 1) * pairs * BLOCK];
-                        self.widen(b + i, &offs, dst);
+                        self.widen(b + i, offs, dst);
                     }
                     Weights::Wide(&wide[..nb * pairs * BLOCK])
                 };
@@ -293,7 +306,7 @@ impl BlockedWo {
                 let t = Tile {
                     w,
                     pairs,
-                    offs: &offs,
+                    offs,
                     scale: &self.scale[b * per..(b + nb) * per],
                     zp: self.zp.as_ref().map(|z| &z[b * per..(b + nb) * per]),
                     ahead: &[],
@@ -736,8 +749,8 @@ mod tests {
                 for b in 0..w.blocks() {
                     let mut a = vec![7u32; offs[groups] * BLOCK];
                     let mut s = vec![9u32; offs[groups] * BLOCK];
-                    w.widen(b, &offs, &mut a);
-                    w.widen_scalar(b, &offs, &mut s);
+                    w.widen(b, offs, &mut a);
+                    w.widen_scalar(b, offs, &mut s);
                     assert_eq!(a, s, "widen block {b} of {n}x{k}, {bits} bits");
                 }
                 let x: Vec<f32> = (0..m * k)
@@ -758,12 +771,12 @@ mod tests {
                 for b in (0..w.blocks()).step_by(tb) {
                     let nb = (w.blocks() - b).min(tb);
                     for i in 0..nb {
-                        w.widen_scalar(b + i, &offs, &mut wide[i * offs[g] * BLOCK..]);
+                        w.widen_scalar(b + i, offs, &mut wide[i * offs[g] * BLOCK..]);
                     }
                     let t = Tile {
                         w: Weights::Wide(&wide),
                         pairs: offs[g],
-                        offs: &offs,
+                        offs,
                         scale: &w.scale[b * g * BLOCK..(b + nb) * g * BLOCK],
                         zp: w
                             .zp
