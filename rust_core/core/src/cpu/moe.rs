@@ -55,6 +55,17 @@ fn sized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
     &mut v[..n]
 }
 
+/// Runs `a` and `b`, offering `b` to the pool's other threads when this thread is one of its
+/// workers (`rayon::join`); elsewhere both run here, rather than in rayon's global pool.
+fn offer_both(a: impl FnOnce() + Send, b: impl FnOnce() + Send) {
+    if rayon::current_thread_index().is_some() {
+        rayon::join(a, b);
+    } else {
+        a();
+        b();
+    }
+}
+
 /// A buffer reused across calls (whichever call gets it; a concurrent call allocates).
 #[derive(Default)]
 pub struct Scratch(std::sync::Mutex<Vec<f32>>);
@@ -132,27 +143,48 @@ impl Job<'_> {
             compute,
             ..
         } = *self;
+        // Up and gate (and for one row, the two halves of down) are offered to the pool with
+        // `join`: while the other threads are busy with experts of their own, this thread runs
+        // both sides itself at no cost; a thread that is idle (or just woke: a sleeping worker
+        // starts ~0.1 ms after the call) takes one, so no expert waits whole for a late thread.
         let i = ex.up.out_features();
         let px = self.up_input();
         let hidden = sized(u, m * i);
-        ex.up.forward_cols(&px, m, 0, i, hidden, i, 1);
+        let up = |hidden: &mut [f32]| ex.up.forward_cols(&px, m, 0, i, hidden, i, 1);
         if let Some(gate) = &ex.gate {
             let gv = sized(g, m * i);
-            if gate.same_input(&ex.up) {
-                gate.forward_cols(&px, m, 0, i, gv, i, 1);
-            } else {
-                let pg = gate.prepare_rows(x, m, rows, compute);
-                gate.forward_cols(&pg, m, 0, i, gv, i, 1);
-                pg.recycle();
-            }
+            offer_both(
+                || up(hidden),
+                || {
+                    if gate.same_input(&ex.up) {
+                        gate.forward_cols(&px, m, 0, i, gv, i, 1);
+                    } else {
+                        let pg = gate.prepare_rows(x, m, rows, compute);
+                        gate.forward_cols(&pg, m, 0, i, gv, i, 1);
+                        pg.recycle();
+                    }
+                },
+            );
             kernels::silu_mul(Some(gv), hidden);
         } else {
+            up(hidden);
             kernels::silu_mul(None, hidden);
         }
         px.recycle();
         let n = ex.down.out_features();
         let ph = ex.down.prepare(hidden, m, compute);
-        ex.down.forward_cols(&ph, m, 0, n, &mut y[..m * n], n, 1);
+        let y = &mut y[..m * n];
+        // One row is contiguous per feature range: split at a panel boundary.
+        let half = (n / 2).next_multiple_of(ex.down.panel().max(1));
+        if m == 1 && half < n {
+            let (a, b) = y.split_at_mut(half);
+            offer_both(
+                || ex.down.forward_cols(&ph, 1, 0, half, a, half, 1),
+                || ex.down.forward_cols(&ph, 1, half, n - half, b, n - half, 1),
+            );
+        } else {
+            ex.down.forward_cols(&ph, m, 0, n, y, n, 1);
+        }
         ph.recycle();
     }
 }
@@ -559,5 +591,83 @@ impl CpuMoe {
             }
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::build::{from_raw, RawProj, RawScheme, RawWeights};
+
+    /// One token routed to many experts: one row each, every expert whole on one thread with
+    /// its halves offered to the pool (gate beside up, down split at a panel boundary that
+    /// leaves unequal halves). Equal, bit for bit, to each projection run on its own and
+    /// summed in expert order.
+    #[test]
+    fn one_row_experts_equal_their_projections() {
+        let (e, h, i, k) = (48usize, 192usize, 128usize, 40usize);
+        let w13: Vec<i8> = (0..e * 2 * i * h).map(|v| (v * 7919 % 251) as i8).collect();
+        let w2: Vec<i8> = (0..e * h * i).map(|v| (v * 104729 % 253) as i8).collect();
+        let w13p: Vec<u32> = (0..e * 2 * i * h / 8)
+            .map(|v| (v as u32).wrapping_mul(2654435761))
+            .collect();
+        let w2p: Vec<u32> = (0..e * h * i / 8)
+            .map(|v| (v as u32).wrapping_mul(40503))
+            .collect();
+        for scheme in [RawScheme::W8a8Dynamic, RawScheme::W4a16] {
+            let group = if scheme == RawScheme::W4a16 { 64 } else { -1 };
+            let g13 = if group > 0 { h / 64 } else { 1 };
+            let g2 = if group > 0 { i / 64 } else { 1 };
+            let s13: Vec<f32> = (0..e * 2 * i * g13)
+                .map(|v| 1e-3 * (1 + v % 5) as f32)
+                .collect();
+            let s2: Vec<f32> = (0..e * h * g2).map(|v| 1e-3 * (1 + v % 7) as f32).collect();
+            let (a, b) = if scheme == RawScheme::W4a16 {
+                (RawWeights::Int4Packed(&w13p), RawWeights::Int4Packed(&w2p))
+            } else {
+                (RawWeights::Int8(&w13), RawWeights::Int8(&w2))
+            };
+            let proj = |w, s| RawProj {
+                weights: w,
+                scales: s,
+                zero_points: None,
+                act_scales: None,
+            };
+            let moe = from_raw(scheme, e, h, i, group, proj(a, &s13), proj(b, &s2), k, true)
+                .expect("a valid layer");
+            let x: Vec<f32> = (0..h)
+                .map(|v| ((v * 37) % 101) as f32 / 25.0 - 2.0)
+                .collect();
+            // Experts in a shuffled order, weights all different.
+            let ids: Vec<u32> = (0..k).map(|j| ((j * 7 + 3) % e) as u32).collect();
+            let weights: Vec<f32> = (0..k).map(|j| 0.01 + j as f32 / 100.0).collect();
+            let routed = Routed {
+                top_k: k,
+                ids: ids.clone(),
+                weights: weights.clone(),
+            };
+            let got = moe
+                .forward_topk(&x, 1, &routed, Compute::F32)
+                .expect("a valid call");
+            let mut order: Vec<usize> = (0..k).collect();
+            order.sort_by_key(|&j| ids[j]);
+            let mut want = vec![0f32; h];
+            for j in order {
+                let ex = &moe.experts[ids[j] as usize];
+                let gate = ex.gate.as_ref().expect("gated experts");
+                let mut hid = ex.up.forward(&x, 1, false);
+                kernels::silu_mul(Some(&gate.forward(&x, 1, false)), &mut hid);
+                let y = ex.down.forward(&hid, 1, false);
+                for (o, v) in want.iter_mut().zip(&y) {
+                    *o += weights[j] * v;
+                }
+            }
+            assert!(want.iter().any(|v| *v != 0.0));
+            assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{scheme:?}"
+            );
+        }
     }
 }
