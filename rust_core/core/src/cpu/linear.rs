@@ -17,8 +17,9 @@ use super::wo::BlockedWo;
 
 /// The arithmetic of weight-only layers. DESIGN.md: fp32 input means fp32 compute. For bf16
 /// input the caller may ask for bf16 dot products (see [`super::wo::bf16`]); they are used
-/// where the CPU has them and a layer sees enough rows ([`BlockedWo::bf16_min_rows`]: one for
-/// 4-bit codes, [`super::wo::bf16::BF16_MIN_ROWS`] for int8), fp32 otherwise.
+/// where the CPU has them and a layer sees enough rows ([`BlockedWo::bf16_min_rows`]:
+/// [`super::wo::bf16::NIBBLE_MIN_ROWS`] for 4-bit codes, [`super::wo::bf16::BF16_MIN_ROWS`]
+/// for int8), fp32 otherwise.
 /// W8A8 layers quantise their input either way.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Compute {
@@ -375,11 +376,16 @@ impl Linear {
         self.in_features() == other.in_features()
             && match (self, other) {
                 (Linear::Dense { .. }, Linear::Dense { .. }) => true,
-                // bf16 rows are padded per group and carry group sums: same groups too.
+                // bf16 rows are padded per group and carry group sums: same groups too, and the
+                // same row count from which each takes them.
                 (
                     Linear::WeightOnly { perm: a, w: wa, .. },
                     Linear::WeightOnly { perm: b, w: wb, .. },
-                ) => a == b && wa.group_starts() == wb.group_starts(),
+                ) => {
+                    a == b
+                        && wa.group_starts() == wb.group_starts()
+                        && wa.bf16_min_rows() == wb.bf16_min_rows()
+                }
                 (Linear::Int8 { input_scale: a, .. }, Linear::Int8 { input_scale: b, .. }) => {
                     a.map(f32::to_bits) == b.map(f32::to_bits)
                 }

@@ -34,7 +34,7 @@ impl CpuExpert {
         if parallel {
             run_experts(&[job], true, &mut y);
         } else {
-            job.forward_whole(&mut y);
+            job.forward_whole(&mut y, false);
         }
         y
     }
@@ -55,10 +55,11 @@ fn sized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
     &mut v[..n]
 }
 
-/// Runs `a` and `b`, offering `b` to the pool's other threads when this thread is one of its
-/// workers (`rayon::join`); elsewhere both run here, rather than in rayon's global pool.
-fn offer_both(a: impl FnOnce() + Send, b: impl FnOnce() + Send) {
-    if rayon::current_thread_index().is_some() {
+/// Runs `a` and `b`; with `offer`, `b` is offered to the pool's other threads when this
+/// thread is one of its workers (`rayon::join`). Elsewhere both run here, rather than in
+/// rayon's global pool.
+fn offer_both(offer: bool, a: impl FnOnce() + Send, b: impl FnOnce() + Send) {
+    if offer && rayon::current_thread_index().is_some() {
         rayon::join(a, b);
     } else {
         a();
@@ -122,19 +123,28 @@ impl Job<'_> {
         })
     }
 
-    /// The whole expert on this thread into `y` (`[m, hidden]`), every buffer row-major.
-    fn forward_whole(&self, y: &mut [f32]) {
-        GATE_UP.with(|cell| match cell.try_borrow_mut() {
-            Ok(mut bufs) => {
-                let (u, g) = &mut *bufs;
-                self.forward_whole_with(u, g, y);
+    /// The whole expert into `y` (`[m, hidden]`), every buffer row-major, led by this thread;
+    /// with `offer`, parts of it are offered to the pool (see below).
+    fn forward_whole(&self, y: &mut [f32], offer: bool) {
+        // The buffers leave the cell for the call: while this thread waits on an offered part
+        // it may run another expert, which then finds the cell empty and sizes its own.
+        let (mut u, mut g) = GATE_UP.with(|cell| {
+            cell.try_borrow_mut()
+                .map(|mut b| std::mem::take(&mut *b))
+                .unwrap_or_default()
+        });
+        self.forward_whole_with(&mut u, &mut g, y, offer);
+        GATE_UP.with(|cell| {
+            if let Ok(mut b) = cell.try_borrow_mut() {
+                // Keep the larger pair (a nested expert may have put its own back).
+                if b.0.capacity() + b.1.capacity() < u.capacity() + g.capacity() {
+                    *b = (u, g);
+                }
             }
-            // Re-entered on this thread (never expected): fresh buffers.
-            Err(_) => self.forward_whole_with(&mut Vec::new(), &mut Vec::new(), y),
-        })
+        });
     }
 
-    fn forward_whole_with(&self, u: &mut Vec<f32>, g: &mut Vec<f32>, y: &mut [f32]) {
+    fn forward_whole_with(&self, u: &mut Vec<f32>, g: &mut Vec<f32>, y: &mut [f32], offer: bool) {
         let Job {
             ex,
             x,
@@ -154,6 +164,7 @@ impl Job<'_> {
         if let Some(gate) = &ex.gate {
             let gv = sized(g, m * i);
             offer_both(
+                offer,
                 || up(hidden),
                 || {
                     if gate.same_input(&ex.up) {
@@ -176,9 +187,10 @@ impl Job<'_> {
         let y = &mut y[..m * n];
         // One row is contiguous per feature range: split at a panel boundary.
         let half = (n / 2).next_multiple_of(ex.down.panel().max(1));
-        if m == 1 && half < n {
+        if offer && m == 1 && half > 0 && half < n {
             let (a, b) = y.split_at_mut(half);
             offer_both(
+                true,
                 || ex.down.forward_cols(&ph, 1, 0, half, a, half, 1),
                 || ex.down.forward_cols(&ph, 1, half, n - half, b, n - half, 1),
             );
@@ -215,7 +227,7 @@ fn run_experts(jobs: &[Job<'_>], parallel: bool, out: &mut [f32]) {
         jobs.par_iter()
             .zip(outs.into_par_iter())
             .with_max_len(1)
-            .for_each(|(j, y)| j.forward_whole(y));
+            .for_each(|(j, y)| j.forward_whole(y, true));
         return;
     }
     // GEMM1: inputs prepared once per expert (gate and up share them when they can).
@@ -599,9 +611,9 @@ mod tests {
     use super::*;
     use crate::cpu::build::{from_raw, RawProj, RawScheme, RawWeights};
 
-    /// One token routed to many experts: one row each, every expert whole on one thread with
-    /// its halves offered to the pool (gate beside up, down split at a panel boundary that
-    /// leaves unequal halves). Equal, bit for bit, to each projection run on its own and
+    /// One-row experts run whole with their parts offered to the pool (gate beside up, down
+    /// split at a panel boundary that leaves unequal halves): equal, bit for bit, to each
+    /// projection run on its own; and one token routed to all of them equals those outputs
     /// summed in expert order.
     #[test]
     fn one_row_experts_equal_their_projections() {
@@ -658,6 +670,23 @@ mod tests {
                 let mut hid = ex.up.forward(&x, 1, false);
                 kernels::silu_mul(Some(&gate.forward(&x, 1, false)), &mut hid);
                 let y = ex.down.forward(&hid, 1, false);
+                // The expert alone, whole, its parts offered to the pool.
+                let job = Job {
+                    ex,
+                    x: &x,
+                    rows: None,
+                    m: 1,
+                    compute: Compute::F32,
+                    pre: None,
+                };
+                let mut whole = vec![f32::NAN; h];
+                crate::cpu::in_pool(|| job.forward_whole(&mut whole, true));
+                assert_eq!(
+                    whole.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "{scheme:?} expert {}",
+                    ids[j]
+                );
                 for (o, v) in want.iter_mut().zip(&y) {
                     *o += weights[j] * v;
                 }

@@ -154,7 +154,12 @@ impl BlockedWo {
     /// rows: within one row tile (more rows reuse widened codes, which is cheaper than looking
     /// them up again for every row tile).
     fn reads_nibbles(&self, m: usize) -> bool {
-        self.nibbles_in_registers() && m <= TILE_ROWS
+        // A 4-bit byte row is a pair when no group pads (`block_len == pairs * 16`), which
+        // 4-bit storage guarantees (even `k`, even group starts).
+        let pairs = self.pair_offs.last().copied().unwrap_or(0);
+        self.nibbles_in_registers()
+            && m <= TILE_ROWS
+            && self.codes.block_len(self.k) == pairs * BLOCK
     }
 
     /// Blocks per tile of [`BlockedWo::gemm_bf16`] for `m` rows. 4-bit tiles read straight
@@ -290,10 +295,11 @@ impl BlockedWo {
             while b < end {
                 let nb = (end - b).min(tile_blocks);
                 let w = if nibbles {
-                    // 4-bit byte rows are the pairs (`len == pairs * 16`).
+                    // 4-bit byte rows are the pairs (`len == pairs * 16`, see `reads_nibbles`).
                     match codes.get(b * len..(b + nb) * len) {
-                        Some(c) if len == pairs * BLOCK => Weights::Nibbles(c),
-                        _ => return,
+                        Some(c) => Weights::Nibbles(c),
+                        // The codes hold every block below `self.blocks()`.
+                        None => return,
                     }
                 } else {
                     for i in 0..nb {
@@ -742,6 +748,8 @@ mod tests {
             (24, 64, 1, false, 2),
             (33, 96, 3, true, 5),
             (17, 256, 2, false, 4),
+            (24, 44, 2, false, 2),
+            (20, 44, 2, true, 1),
         ] {
             for bits in [8, 4] {
                 let (w, _) = sample_bits(n, k, groups, asym, bits);
@@ -830,6 +838,46 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    /// The scalar tile reads 4-bit byte rows as their widened pairs.
+    #[test]
+    fn scalar_tile_reads_nibbles_as_widened_pairs() {
+        for (n, k, groups, asym, m) in [(40, 64, 2, true, 3), (24, 44, 2, false, 1)] {
+            let (w, _) = sample_bits(n, k, groups, asym, 4);
+            assert!(matches!(w.codes, Codes::U4(_)));
+            let offs = w.pair_offsets();
+            let (g, pairs) = (w.groups(), offs[w.groups()]);
+            let len = w.codes.block_len(k);
+            assert_eq!(len, pairs * BLOCK);
+            let x: Vec<f32> = (0..m * k).map(|i| (i % 13) as f32 / 5.0 - 1.0).collect();
+            let xb = w.bf16_rows(&x, m);
+            for b in 0..w.blocks() {
+                let mut wide = vec![0u32; pairs * BLOCK];
+                w.widen_scalar(b, offs, &mut wide);
+                let scale = &w.scale[b * g * BLOCK..(b + 1) * g * BLOCK];
+                let zp =
+                    w.zp.as_ref()
+                        .map(|z| &z[b * g * BLOCK..(b + 1) * g * BLOCK]);
+                let run = |weights| {
+                    let t = Tile {
+                        w: weights,
+                        pairs,
+                        offs,
+                        scale,
+                        zp,
+                        ahead: &[],
+                    };
+                    let mut out = [[[0f32; BLOCK]; TILE_BLOCKS]; TILE_ROWS];
+                    tile_scalar(&t, &xb.x, &xb.sums, m, 1, &mut out);
+                    out
+                };
+                let a = run(Weights::Wide(&wide));
+                let c = run(Weights::Nibbles(&w.codes.bytes()[b * len..(b + 1) * len]));
+                assert!(a[0][0].iter().any(|v| *v != 0.0));
+                assert_eq!(a, c, "block {b} of {n}x{k}");
             }
         }
     }
