@@ -6,6 +6,9 @@ use std::time::Instant;
 
 use moeq_core::cpu::wo::BlockedWo;
 
+/// Where a timed GEMM emits each block's lanes.
+type Sink<'a> = dyn FnMut(&[f32; 16]) + 'a;
+
 fn main() {
     if std::env::var_os("COLD").is_some() {
         return cold();
@@ -28,21 +31,20 @@ fn main() {
         for m in [1usize, 2, 4, 8] {
             let x: Vec<f32> = (0..m * k).map(|i| ((i % 97) as f32 - 48.0) / 7.0).collect();
             let reps = 2000 / m;
-            let mut sink = 0f32;
-            let t = Instant::now();
-            for _ in 0..reps {
-                w.gemm(&x, m, 0, w.blocks(), |_, _, l| sink += l[0]);
-            }
-            let s = t.elapsed().as_secs_f64() / reps as f64;
-            std::hint::black_box(sink);
+            // Seconds per call of `gemm`, which emits each block's lanes to a sink.
+            let per_call = |gemm: &dyn Fn(&mut Sink)| {
+                let mut sink = 0f32;
+                let t = Instant::now();
+                for _ in 0..reps {
+                    gemm(&mut |l| sink += l[0]);
+                }
+                std::hint::black_box(sink);
+                t.elapsed().as_secs_f64() / reps as f64
+            };
+            let s = per_call(&|f| w.gemm(&x, m, 0, w.blocks(), |_, _, l| f(l)));
             report(bits, m, "f32", s, n, k);
             let xb = w.bf16_rows(&x, m);
-            let t = Instant::now();
-            for _ in 0..reps {
-                w.gemm_bf16(&xb, m, 0, w.blocks(), |_, _, l| sink += l[0]);
-            }
-            let s = t.elapsed().as_secs_f64() / reps as f64;
-            std::hint::black_box(sink);
+            let s = per_call(&|f| w.gemm_bf16(&xb, m, 0, w.blocks(), |_, _, l| f(l)));
             report(bits, m, "bf16", s, n, k);
         }
     }
