@@ -210,10 +210,13 @@ enum Proj {
 
 /// Runs each job, writing its output (row-major `[m, hidden]`) into `out`, one after another.
 ///
-/// Many busy experts (prefill): one task per expert, everything row-major on its thread. Few
-/// (decode): every projection is cut into panels of output features and all experts' panels
-/// run as one parallel pass per GEMM, so both threads stream different weight bytes and each
-/// byte is read once.
+/// At least one expert per thread: one task per expert, everything row-major, its parts
+/// (gate beside up, one row's down halves) offered to the pool so the threads stay balanced
+/// to the end. Fewer experts than threads: every projection is cut into panels of output
+/// features and all experts' panels run as one parallel pass per GEMM, so the threads stream
+/// different weight bytes and each byte is read once. (The whole-expert tasks took over from
+/// one to four experts per thread, measured with 2 threads: DeepSeek-V2-Lite and Mixtral
+/// W4A16 decode ~10% faster, W8A8 and W8A16 unchanged.)
 fn run_experts(jobs: &[Job<'_>], parallel: bool, out: &mut [f32]) {
     let mut outs: Vec<&mut [f32]> = Vec::with_capacity(jobs.len());
     let mut rest = out;
@@ -223,7 +226,7 @@ fn run_experts(jobs: &[Job<'_>], parallel: bool, out: &mut [f32]) {
         rest = tail;
     }
     let threads = rayon::current_num_threads();
-    if !parallel || jobs.len() >= 4 * threads {
+    if !parallel || jobs.len() >= threads {
         jobs.par_iter()
             .zip(outs.into_par_iter())
             .with_max_len(1)
