@@ -271,14 +271,19 @@ pub fn bf16_bits_to_f32(bits: &[i16]) -> Vec<f32> {
     out
 }
 
+/// The bf16 bits nearest to finite `v` (ties to even; a carry runs on into the exponent).
+#[inline]
+pub fn round_bf16(v: f32) -> u16 {
+    let b = v.to_bits();
+    (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
 /// f32 to bf16 bits as torch's `.to(torch.bfloat16)` rounds finite values: to nearest, ties
 /// to even, subnormals kept. NaN becomes the canonical quiet NaN (0x7fc0).
 pub fn f32_to_bf16_bits(v: &[f32]) -> Vec<i16> {
     let mut out = vec![0i16; v.len()];
     convert_chunks(v, &mut out, |x| {
-        let b = x.to_bits();
-        let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
-        (if x.is_nan() { 0x7fc0 } else { rounded }) as i16
+        (if x.is_nan() { 0x7fc0 } else { round_bf16(x) }) as i16
     });
     out
 }
@@ -620,11 +625,9 @@ mod tests {
         for (&x, &r) in wide.iter().zip(&narrow) {
             assert_eq!(r, f32_to_bf16_bits(&[x])[0]);
         }
-        let mut s = 0x0bad_5eed_u64;
+        let mut next = crate::cpu::xorshift(0x0bad_5eed_u64);
         for _ in 0..200_000 {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
+            let s = next();
             let x = f32::from_bits(s as u32);
             if !x.is_finite() {
                 continue;

@@ -86,9 +86,7 @@ impl Prepared<'_> {
             Prepared::Bf16(x) => Prepared::Bf16(x),
         }
     }
-}
 
-impl Prepared<'_> {
     /// Rows `rows` of an int8 input prepared for all tokens (see
     /// [`Linear::prepare_int8_all`]), exactly as [`Linear::prepare_rows`] would prepare
     /// them; `None` for other forms or rows out of range.
@@ -97,10 +95,8 @@ impl Prepared<'_> {
             return None;
         };
         let k_pad = xu.len().checked_div(sx.len())?;
-        let mut out = spare::take(rows.len() * k_pad, 0u8);
-        let mut scales = spare::take(rows.len(), 0f32);
-        out.clear();
-        scales.clear();
+        let mut out = spare::take_empty(rows.len() * k_pad);
+        let mut scales = spare::take_empty(rows.len());
         for &t in rows {
             out.extend_from_slice(xu.get(t * k_pad..(t + 1) * k_pad)?);
             scales.push(*sx.get(t)?);
@@ -225,8 +221,7 @@ impl Linear {
             Linear::Dense { .. } | Linear::WeightOnly { perm: None, .. } => match rows {
                 None => Cow::Borrowed(&x[..m * k]),
                 Some(_) => {
-                    let mut v = spare::take(m * k, 0f32);
-                    v.clear();
+                    let mut v = spare::take_empty(m * k);
                     for r in 0..m {
                         v.extend_from_slice(row(r));
                     }
@@ -235,8 +230,7 @@ impl Linear {
             },
             // Act-order: gather x into the sorted column order once.
             Linear::WeightOnly { perm: Some(p), .. } => {
-                let mut v = spare::take(m * p.len(), 0f32);
-                v.clear();
+                let mut v = spare::take_empty(m * p.len());
                 for r in 0..m {
                     let xr = row(r);
                     v.extend(p.iter().map(|&c| xr[c as usize]));

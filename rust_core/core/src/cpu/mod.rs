@@ -55,6 +55,17 @@ pub fn adopt_calling_thread() -> bool {
     adopted
 }
 
+/// A xorshift64 stream: varied test inputs without a dependency.
+#[cfg(test)]
+pub(crate) fn xorshift(mut s: u64) -> impl FnMut() -> u64 {
+    move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    }
+}
+
 /// The thread count `MOEQ_NUM_THREADS` asks for (default: the available CPUs).
 pub fn num_threads() -> usize {
     std::env::var("MOEQ_NUM_THREADS")

@@ -705,17 +705,8 @@ mod neon {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::xorshift;
     use proptest::prelude::*;
-
-    /// A xorshift64 stream: test inputs without a dependency.
-    fn xorshift(mut s: u64) -> impl FnMut() -> u64 {
-        move || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s
-        }
-    }
 
     fn scalar_dot(x: &[i8], w: &[i8]) -> i32 {
         x.iter()
@@ -729,8 +720,8 @@ mod tests {
         #[test]
         fn gemm_equals_scalar(m in 0usize..15, n in 1usize..90, k in 0usize..150,
                               first in 0usize..3, seed in any::<u64>()) {
-            let mut s = seed | 1;
-            let mut next = || { s ^= s << 13; s ^= s >> 7; s ^= s << 17; s as i8 };
+            let mut rng = xorshift(seed | 1);
+            let mut next = || rng() as i8;
             let x: Vec<i8> = (0..m * k).map(|_| next()).collect();
             let w: Vec<i8> = (0..n * k).map(|_| next()).collect();
             let p = PackedI8::pack(&w, n, k);

@@ -37,10 +37,18 @@ spare!(u8, SPARE_U8);
 spare!(u16, SPARE_U16);
 spare!(f32, SPARE_F32);
 
-/// `len` copies of `fill`: in the smallest spare buffer of this thread that holds `len`
-/// values and is at most twice that size (or 64 KiB), else in a new one. The bound keeps a
-/// small result (which may be handed to Python) from pinning a large buffer.
+/// `len` copies of `fill`, in a buffer as [`take_empty`] finds one.
 pub fn take<T: Spare>(len: usize, fill: T) -> Vec<T> {
+    let mut v = take_empty(len);
+    v.resize(len, fill);
+    v
+}
+
+/// An empty buffer with room for `len` values, for a caller that appends them: the smallest
+/// spare buffer of this thread that holds `len` values and is at most twice that size (or
+/// 64 KiB), else a new one. The bound keeps a small result (which may be handed to Python)
+/// from pinning a large buffer.
+pub fn take_empty<T: Spare>(len: usize) -> Vec<T> {
     let limit = (2 * len).max((64 << 10) / std::mem::size_of::<T>().max(1));
     let mut v = T::with_spares(|s| {
         let s = s?;
@@ -49,9 +57,8 @@ pub fn take<T: Spare>(len: usize, fill: T) -> Vec<T> {
             .min_by_key(|&i| s[i].capacity())?;
         Some(s.swap_remove(at))
     })
-    .unwrap_or_default();
+    .unwrap_or_else(|| Vec::with_capacity(len));
     v.clear();
-    v.resize(len, fill);
     v
 }
 
@@ -86,6 +93,9 @@ mod tests {
         give(b);
         let c = take(5000, 1u8);
         assert_eq!(c, vec![1u8; 5000]);
+        give(c);
+        let e = take_empty::<u8>(4000);
+        assert!(e.is_empty() && e.capacity() >= 4000);
         // The smallest spare that fits; never one more than twice the size asked for.
         give(vec![0u8; 1 << 20]);
         give(vec![0u8; 1 << 18]);

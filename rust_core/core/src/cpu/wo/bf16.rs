@@ -78,7 +78,7 @@ pub struct Bf16Rows {
 pub fn to_bf16(v: f32) -> u16 {
     let b = v.to_bits();
     let nan = (b & 0x7fff_ffff) > 0x7f80_0000;
-    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+    let rounded = crate::cpu::kernels::round_bf16(v);
     let h = if nan {
         ((b >> 16) as u16) | 0x40
     } else {
@@ -109,6 +109,12 @@ fn sum_bf16(v: &[u16]) -> f32 {
     ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
         + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
         + tail
+}
+
+/// The bf16 bits of a code or stored value (a small integer, exact in bf16).
+#[inline]
+fn code_bf16(v: i8) -> u32 {
+    f32::from(v).to_bits() >> 16
 }
 
 fn from_bf16(h: u32) -> f32 {
@@ -232,7 +238,7 @@ impl BlockedWo {
         let Some(block) = self.codes.bytes().get(b * len..(b + 1) * len) else {
             return;
         };
-        let bf = |c: usize, l: usize| f32::from(self.codes.get(block, c, l)).to_bits() >> 16;
+        let bf = |c: usize, l: usize| code_bf16(self.codes.get(block, c, l));
         for g in 0..self.groups() {
             let (a, e) = self.bounds(g);
             let e = e.min(self.k);
@@ -388,8 +394,7 @@ impl Weights<'_> {
         match self {
             Weights::Wide(w) => w.get(at).copied().unwrap_or(0),
             Weights::Nibbles(c) => c.get(at).map_or(0, |&byte| {
-                let bf = |v: u8| f32::from(v).to_bits() >> 16;
-                bf(byte & 15) | (bf(byte >> 4) << 16)
+                code_bf16((byte & 15) as i8) | (code_bf16((byte >> 4) as i8) << 16)
             }),
         }
     }
@@ -591,7 +596,7 @@ mod x86 {
                 // index bits, so bit 4 may hold the neighbouring nibble's low bit.
                 let mut bits = [0u16; 32];
                 for (w, b) in bits.iter_mut().enumerate() {
-                    *b = ((w % 16) as f32).to_bits().wrapping_shr(16) as u16;
+                    *b = super::code_bf16((w % 16) as i8) as u16;
                 }
                 // SAFETY: `bits` is 32 u16, one 64-byte load.
                 let table = unsafe { _mm512_loadu_si512(bits.as_ptr().cast()) };
