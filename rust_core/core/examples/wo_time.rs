@@ -13,7 +13,19 @@ fn main() {
     if std::env::var_os("COLD").is_some() {
         return cold();
     }
-    let (n, k) = (512usize, 2048usize);
+    // `K=14336` (a multiple of 128) times a wider layer; `N` sets its output features.
+    let dim = |name: &str, default: usize| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(default)
+    };
+    let (n, k) = (dim("N", 512), dim("K", 2048));
+    // `ROWS=64,256` times prefill-sized calls instead of the decode sizes.
+    let rows: Vec<usize> = std::env::var("ROWS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|r| r.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![1, 2, 4, 8]);
     for bits in [4u32, 8] {
         let q: Vec<i8> = (0..n * k)
             .map(|i| {
@@ -28,9 +40,9 @@ fn main() {
         let groups: Vec<usize> = (0..k / 128).map(|g| g * 128).collect();
         let scale = vec![1e-3f32; n * groups.len()];
         let w = BlockedWo::new(n, k, &q, &scale, None, groups);
-        for m in [1usize, 2, 4, 8] {
+        for &m in &rows {
             let x: Vec<f32> = (0..m * k).map(|i| ((i % 97) as f32 - 48.0) / 7.0).collect();
-            let reps = 2000 / m;
+            let reps = (2000 / m).max(20);
             // Seconds per call of `gemm`, which emits each block's lanes to a sink.
             let per_call = |gemm: &dyn Fn(&mut Sink)| {
                 let mut sink = 0f32;

@@ -7,9 +7,11 @@
 //! caller's dtype for the layer input; the intermediate `silu(gate) * up` is rounded to bf16
 //! before the down projection, as inference engines keep it in the activation dtype.
 //!
-//! Layout: activations are `[m][pairs]` u32, each the bf16 pair (column `c` low, `c + 1`
-//! high); every group is padded to an even number of columns with zeros, so a pair never
-//! straddles a group. int8 codes are widened per call into the same pair order, `[pairs][16]`
+//! Layout: activations are bf16 pairs (column `c` low, `c + 1` high), every group padded to an
+//! even number of columns with zeros so that a pair never straddles a group, stored per row
+//! tile as `[pairs][rows of the tile]` u32 (see [`Bf16Rows`]): one pair step of a tile reads
+//! its rows' pairs from one 32-byte run at constant offsets, with no address arithmetic per
+//! row and one stream for the prefetchers instead of eight. int8 codes are widened per call into the same pair order, `[pairs][16]`
 //! u32, in a per-thread buffer: the widening costs about one 8-row tile of dot products, so
 //! int8 layers use this path from [`BF16_MIN_ROWS`] rows on. 4-bit codes within one row tile
 //! need no buffer: their byte row `p` already holds pair `p` of 16 features (even group
@@ -62,14 +64,48 @@ pub const NIBBLE_MIN_ROWS: usize = 2;
 /// Blocks per register tile (two 16-feature blocks share each activation broadcast).
 const TILE_BLOCKS: usize = 2;
 
+/// At most this many pairs of widened codes per pass of the row tiles (whole groups, at
+/// least one): 128 KiB for two blocks, which stay in L2 while every row tile reads them and
+/// the activations stream past. Whole rows of a wide layer (Mixtral's down projection: 7168
+/// pairs, 0.9 MiB for two blocks) did not, and the tiles ran ~10% slower.
+const SPAN_PAIRS: usize = 1024;
+
+/// The layer's groups cut into consecutive runs of at most `max_pairs` pairs (a longer group
+/// alone), as `(first, end)` group ranges; one run of every group when `max_pairs` is 0.
+fn group_spans(offs: &[usize], max_pairs: usize) -> Vec<(usize, usize)> {
+    let groups = offs.len().saturating_sub(1);
+    if max_pairs == 0 {
+        return vec![(0, groups)];
+    }
+    let mut spans = Vec::new();
+    let mut first = 0;
+    for g in 1..=groups {
+        if g == groups || offs[g + 1] - offs[first] > max_pairs {
+            spans.push((first, g));
+            first = g;
+        }
+    }
+    spans
+}
+
 /// Activation rows as the bf16 kernels read them.
 #[derive(Clone, Debug)]
 pub struct Bf16Rows {
-    /// `[m][2 * pairs]` bf16, each group padded to even length: read as `[m][pairs]` pairs.
+    /// bf16 pairs (each group padded to even length) by row tile: the tile of rows
+    /// `r0..r0 + mt` (`r0` a multiple of [`TILE_ROWS`], `mt` up to it) starts at pair
+    /// `r0 * pairs` and holds `[pairs][mt]` pairs, so row `r0 + i`'s pair `p` is the u16 at
+    /// `2 * (r0 * pairs + p * mt + i)` (low) and the next (high). See [`tile_pair`].
     pub x: Vec<u16>,
     /// `Σ x` per row and group over the bf16 values (`[m][groups]`), the zero-point term.
     pub sums: Vec<f32>,
     pub pairs: usize,
+}
+
+/// The u16 index of row `r`'s pair `p` (low half) in a row tile of `mt` rows stored as
+/// `[pairs][mt]` (the layout of [`Bf16Rows::x`] inside one tile).
+#[inline]
+pub fn tile_pair(mt: usize, r: usize, p: usize) -> usize {
+    2 * (p * mt + r)
 }
 
 /// `v` rounded to bf16 (nearest, ties to even); subnormals become zero, as `vdpbf16ps` reads
@@ -199,11 +235,13 @@ impl BlockedWo {
         // Always computed: a projection that shares these rows (gate with up) may have zero
         // points (4-bit storage adds them) where this one has none.
         let mut sums = crate::cpu::spare::take(m * groups, 0f32);
+        // One row in pair order, then dealt into its tile. The padding halves are never
+        // written, so they stay zero from row to row.
+        let mut dst_row = crate::cpu::spare::take(2 * pairs, 0u16);
         for r in 0..m {
             let Some(xr) = row(r).filter(|xr| xr.len() >= k) else {
                 break;
             };
-            let dst_row = &mut out[r * 2 * pairs..(r + 1) * 2 * pairs];
             for g in 0..groups {
                 let (a, e) = self.bounds(g);
                 let (a, e) = (a.min(k), e.min(k));
@@ -224,7 +262,15 @@ impl BlockedWo {
                     *s = sum_bf16(dst);
                 }
             }
+            let r0 = r - r % TILE_ROWS;
+            let (mt, i) = ((m - r0).min(TILE_ROWS), r - r0);
+            let tile = &mut out[2 * r0 * pairs..2 * (r0 + mt) * pairs];
+            for (p, pair) in dst_row.chunks_exact(2).enumerate() {
+                let at = tile_pair(mt, i, p);
+                tile[at..at + 2].copy_from_slice(pair);
+            }
         }
+        crate::cpu::spare::give(dst_row);
         Bf16Rows {
             x: out,
             sums,
@@ -293,6 +339,10 @@ impl BlockedWo {
         let codes = self.codes.bytes();
         let len = self.codes.block_len(self.k);
         let tile_blocks = self.tile_blocks(m);
+        let tiles = m.div_ceil(TILE_ROWS);
+        // Spans matter only where row tiles share widened codes.
+        let spans = group_spans(offs, if tiles > 1 { SPAN_PAIRS } else { 0 });
+        let mut totals = vec![[[[0f32; BLOCK]; TILE_BLOCKS]; TILE_ROWS]; tiles];
         let mut run = |wide: &mut Vec<u32>| {
             if !nibbles && wide.len() < TILE_BLOCKS * pairs * BLOCK {
                 wide.resize(TILE_BLOCKS * pairs * BLOCK, 0);
@@ -321,47 +371,57 @@ impl BlockedWo {
                     offs,
                     scale: &self.scale[b * per..(b + nb) * per],
                     zp: self.zp.as_ref().map(|z| &z[b * per..(b + nb) * per]),
+                    groups: (0, groups),
                     ahead: &[],
                 };
-                // The next blocks' codes, split evenly over this block's row tiles.
+                // The next blocks' codes, split evenly over this block's tile calls.
                 let next = codes.get((b + nb) * len..((b + 2 * nb).min(end)) * len);
                 // (4-bit tiles prefetch their own stream ahead instead.)
                 let next = next.filter(|_| !nibbles).unwrap_or(&[]);
                 let share = next
                     .len()
-                    .div_ceil(m.div_ceil(TILE_ROWS))
+                    .div_ceil(tiles * spans.len())
                     .next_multiple_of(64);
-                let mut r = 0;
-                while r < m {
-                    let mr = (m - r).min(TILE_ROWS);
-                    let from = (r / TILE_ROWS * share).min(next.len());
-                    let t = Tile {
-                        ahead: &next[from..(from + share).min(next.len())],
-                        ..t
-                    };
-                    let xs = &xb.x[r * 2 * pairs..(r + mr) * 2 * pairs];
-                    let ss = xb.sums.get(r * groups..(r + mr) * groups).unwrap_or(&[]);
-                    let mut out = [[[0f32; BLOCK]; TILE_BLOCKS]; TILE_ROWS];
-                    #[cfg(target_arch = "x86_64")]
-                    if simd {
-                        // SAFETY: AVX512-BF16/BW detected; the tile holds `nb` blocks of
-                        // `pairs` pairs (widened, or byte rows) with their scales, `xs`/`ss`
-                        // hold `mr` rows.
-                        unsafe { x86::tile(&t, xs, ss, mr, nb, &mut out) };
-                    } else {
-                        tile_scalar(&t, xs, ss, mr, nb, &mut out);
+                for out in totals.iter_mut() {
+                    *out = [[[0f32; BLOCK]; TILE_BLOCKS]; TILE_ROWS];
+                }
+                // Span by span, every row tile adds its groups to its totals (in group
+                // order, as one pass over all groups would).
+                for (si, &span) in spans.iter().enumerate() {
+                    for (ti, out) in totals.iter_mut().enumerate() {
+                        let r = ti * TILE_ROWS;
+                        let mr = (m - r).min(TILE_ROWS);
+                        let from = ((si * tiles + ti) * share).min(next.len());
+                        let t = Tile {
+                            ahead: &next[from..(from + share).min(next.len())],
+                            groups: span,
+                            ..t
+                        };
+                        let xs = &xb.x[r * 2 * pairs..(r + mr) * 2 * pairs];
+                        let ss = xb.sums.get(r * groups..(r + mr) * groups).unwrap_or(&[]);
+                        #[cfg(target_arch = "x86_64")]
+                        if simd {
+                            // SAFETY: AVX512-BF16/BW detected; the tile holds `nb` blocks of
+                            // `pairs` pairs (widened, or byte rows) with their scales, its
+                            // groups lie within the layer's; `xs`/`ss` hold `mr` rows.
+                            unsafe { x86::tile(&t, xs, ss, mr, nb, out) };
+                        } else {
+                            tile_scalar(&t, xs, ss, mr, nb, out);
+                        }
+                        #[cfg(not(target_arch = "x86_64"))]
+                        {
+                            let _ = simd;
+                            tile_scalar(&t, xs, ss, mr, nb, out);
+                        }
                     }
-                    #[cfg(not(target_arch = "x86_64"))]
-                    {
-                        let _ = simd;
-                        tile_scalar(&t, xs, ss, mr, nb, &mut out);
-                    }
-                    for (rr, row) in out.iter().enumerate().take(mr) {
+                }
+                for (ti, out) in totals.iter().enumerate() {
+                    let r = ti * TILE_ROWS;
+                    for (rr, row) in out.iter().enumerate().take((m - r).min(TILE_ROWS)) {
                         for (i, lanes) in row.iter().enumerate().take(nb) {
                             emit(r + rr, b + i, lanes);
                         }
                     }
-                    r += mr;
                 }
                 b += nb;
             }
@@ -409,6 +469,8 @@ pub struct Tile<'a> {
     /// `[nb][groups][16]`
     scale: &'a [f32],
     zp: Option<&'a [f32]>,
+    /// The groups this call adds to the running totals, `first..end`.
+    groups: (usize, usize),
     /// Code bytes widened next, prefetched (one line per pair step) while this tile runs: the
     /// widening is the first read of the weights and would otherwise wait on memory.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -439,7 +501,9 @@ fn combine(parts: &mut [f32]) -> f32 {
     parts.first().copied().unwrap_or(0.0)
 }
 
-/// The scalar reference of the bf16 tile: the same operations in the same order.
+/// The scalar reference of the bf16 tile: the same operations in the same order. `x` is one
+/// row tile of `mr` rows (`[t.pairs][mr]` pairs, see [`Bf16Rows::x`]); each group of
+/// `t.groups` adds its term to the running total in `out`, in group order.
 pub fn tile_scalar(
     t: &Tile<'_>,
     x: &[u16],
@@ -453,8 +517,8 @@ pub fn tile_scalar(
     for (r, row) in out.iter_mut().enumerate().take(mr) {
         for (i, lanes) in row.iter_mut().enumerate().take(nb) {
             for (l, o) in lanes.iter_mut().enumerate() {
-                let mut total = 0f32;
-                for g in 0..groups {
+                let mut total = *o;
+                for g in t.groups.0..t.groups.1.min(groups) {
                     let (first, end) = (t.offs[g], t.offs[g + 1]);
                     // Full runs of `u` pairs round-robin over the partial sums, the rest
                     // into partial 0.
@@ -463,7 +527,7 @@ pub fn tile_scalar(
                     for p in first..end {
                         let part = &mut parts[if p < full { (p - first) % u } else { 0 }];
                         let w = t.w.pair(t.pairs, i, p, l);
-                        let at = 2 * (r * t.pairs + p);
+                        let at = tile_pair(mr, r, p);
                         let xv = u32::from(x[at]) | (u32::from(x[at + 1]) << 16);
                         *part = ftz(*part + from_bf16(w >> 16) * from_bf16(xv >> 16));
                         *part = ftz(*part + from_bf16(w & 0xffff) * from_bf16(xv & 0xffff));
@@ -561,7 +625,7 @@ mod x86 {
     /// AVX512-BF16, AVX-512F and AVX512-BW (all implied by `bf16_dot`); `t.offs` is the
     /// layer's `pair_offsets()` (non-decreasing, ending at `t.pairs`); `t.w` holds `nb` blocks
     /// of `t.pairs` pairs (u32 pairs, or byte rows), `t.scale` (and `t.zp`)
-    /// `nb * groups * 16` values; `x` holds `mr` rows of `2 * t.pairs` bf16, `sums`
+    /// `nb * groups * 16` values; `x` is one row tile of `mr` rows (`[t.pairs][mr]` pairs), `sums`
     /// `mr * groups` values when `t.zp` is set; `1 <= mr <= 8`, `1 <= nb <= 2`.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub unsafe fn tile(
@@ -645,16 +709,10 @@ mod x86 {
         load: impl Fn(usize, usize) -> __m512i,
     ) {
         let groups = t.offs.len() - 1;
-        let p = t.pairs;
         let xp = x.as_ptr();
         let (ahead, ahead_lines) = (t.ahead.as_ptr(), t.ahead.len().div_ceil(64));
         // The running totals live in `out` (L1), not registers: with them the group
         // accumulators would not fit in the 32 vector registers. Each group adds to them once.
-        for row in out.iter_mut().take(MR) {
-            for lanes in row.iter_mut().take(NB) {
-                *lanes = [0.0; BLOCK];
-            }
-        }
         // Pair j into partial sum u of every (row, block).
         let step = |parts: &mut [[[__m512; U]; NB]; MR], j: usize, u: usize| {
             if j < ahead_lines {
@@ -666,9 +724,9 @@ mod x86 {
                 *wi = load(i, j);
             }
             for (r, a) in parts.iter_mut().enumerate() {
-                // SAFETY: j < pairs: the two bf16 at 2 * (r * pairs + j) lie inside row r
-                // (read unaligned).
-                let pair = unsafe { xp.add(2 * (r * p + j)).cast::<i32>().read_unaligned() };
+                // SAFETY: j < pairs and r < MR: the two bf16 at 2 * (j * MR + r) (this row's
+                // pair j in the tile's `[pairs][MR]` layout) lie inside `x` (read unaligned).
+                let pair = unsafe { xp.add(2 * (j * MR + r)).cast::<i32>().read_unaligned() };
                 // SAFETY: __m512i and __m512bh are both 64-byte vectors of plain bits.
                 let xv: __m512bh = unsafe { std::mem::transmute(_mm512_set1_epi32(pair)) };
                 for (ai, wi) in a.iter_mut().zip(&w) {
@@ -678,7 +736,7 @@ mod x86 {
                 }
             }
         };
-        for g in 0..groups {
+        for g in t.groups.0..t.groups.1.min(groups) {
             let (first, end) = (t.offs[g], t.offs[g + 1]);
             let mut parts = [[[_mm512_setzero_ps(); U]; NB]; MR];
             let mut j = first;
@@ -755,6 +813,9 @@ mod tests {
             (17, 256, 2, false, 4),
             (24, 44, 2, false, 2),
             (20, 44, 2, true, 1),
+            // Wider than one span of pairs: row tiles add span after span.
+            (20, 4096, 32, true, 9),
+            (18, 2304, 3, false, 17),
         ] {
             for bits in [8, 4] {
                 let (w, _) = sample_bits(n, k, groups, asym, bits);
@@ -795,6 +856,7 @@ mod tests {
                             .zp
                             .as_ref()
                             .map(|z| &z[b * g * BLOCK..(b + nb) * g * BLOCK]),
+                        groups: (0, g),
                         ahead: &[],
                     };
                     for r0 in (0..m).step_by(TILE_ROWS) {
@@ -873,6 +935,7 @@ mod tests {
                         offs,
                         scale,
                         zp,
+                        groups: (0, g),
                         ahead: &[],
                     };
                     let mut out = [[[0f32; BLOCK]; TILE_BLOCKS]; TILE_ROWS];
@@ -915,6 +978,17 @@ mod tests {
             own.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
             shared.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
         );
+    }
+
+    #[test]
+    fn group_spans_cover_the_groups_in_order() {
+        // Groups of 64, 64, 1100 and 10 pairs.
+        let offs = [0, 64, 128, 1228, 1238];
+        assert_eq!(group_spans(&offs, 1024), vec![(0, 2), (2, 3), (3, 4)]);
+        assert_eq!(group_spans(&offs, 1200), vec![(0, 2), (2, 4)]);
+        assert_eq!(group_spans(&offs, 0), vec![(0, 4)]);
+        assert_eq!(group_spans(&offs, 5000), vec![(0, 4)]);
+        assert_eq!(group_spans(&[0, 10], 4), vec![(0, 1)]);
     }
 
     #[test]
