@@ -171,7 +171,8 @@ def emulate_rows(
         ("qwen3_w4a16_actorder", 0, 24),
         ("mixtral_w8a16_channel", 1, 24),
         ("laguna_mixed_int4_int8", 1, 24),
-        # int4 codes looked up in registers (2-8 rows per expert).
+        # int4 codes looked up in registers (1-8 rows per expert).
+        ("qwen3_w4a16_g128_asym", 0, 1),
         ("qwen3_w4a16_g128_asym", 0, 4),
         ("qwen3_w4a16_actorder", 0, 2),
         ("qwen3_w4a16_g128_asym", 0, 8),
@@ -180,7 +181,7 @@ def emulate_rows(
 def test_bf16_inputs_use_bf16_dot_products(
     fixture_path: Callable[[str], Path], name: str, layer: int, rows: int
 ) -> None:
-    """Weight-only layers given bf16 activations with enough rows per expert (8, or 2 for
+    """Weight-only layers given bf16 activations with enough rows per expert (8, or any for
     int4) run bf16 dot products where the CPU has them (products exact, fp32 sums, the
     intermediate rounded to bf16): the result agrees with an fp64 emulation that rounds the
     intermediate to bf16 far better than with one that does not. The same rows as fp32 input

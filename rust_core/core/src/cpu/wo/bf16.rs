@@ -11,13 +11,14 @@
 //! even number of columns with zeros so that a pair never straddles a group, stored per row
 //! tile as `[pairs][rows of the tile]` u32 (see [`Bf16Rows`]): one pair step of a tile reads
 //! its rows' pairs from one 32-byte run at constant offsets, with no address arithmetic per
-//! row and one stream for the prefetchers instead of eight. int8 codes are widened per call into the same pair order, `[pairs][16]`
-//! u32, in a per-thread buffer: the widening costs about one 8-row tile of dot products, so
-//! int8 layers use this path from [`BF16_MIN_ROWS`] rows on. 4-bit codes within one row tile
-//! need no buffer: their byte row `p` already holds pair `p` of 16 features (even group
-//! starts, even `k`), and one table lookup (`vpermw`) turns each nibble into its bf16 value in
-//! registers, so those layers use this path from [`NIBBLE_MIN_ROWS`] rows on (see
-//! [`BlockedWo::bf16_min_rows`]): 2-8 rows per expert run about twice the fp32 kernel's rate.
+//! row and one stream for the prefetchers instead of eight. int8 codes are widened per call
+//! into the same pair order, `[pairs][16]` u32, in a per-thread buffer: the widening costs
+//! about one 8-row tile of dot products, so int8 layers use this path from [`BF16_MIN_ROWS`]
+//! rows on. 4-bit codes within one row tile need no buffer: their byte row `p` already holds
+//! pair `p` of 16 features (even group starts, even `k`), and one table lookup (`vpermw`)
+//! turns each nibble into its bf16 value in registers, so those layers use this path from
+//! [`NIBBLE_MIN_ROWS`] rows on (see [`BlockedWo::bf16_min_rows`]): 1-8 rows per expert run
+//! 1.4-2x the fp32 kernel's rate.
 //!
 //! Numerics per group and lane: the group's pairs are dealt round-robin to [`unroll`] partial
 //! sums (the remainder to the first); in each, per pair, `acc += w_hi * x_hi` then
@@ -55,11 +56,12 @@ pub(super) fn pair_offsets(k: usize, group_starts: &[usize]) -> Vec<usize> {
 /// Rows from which weight-only layers with bf16 inputs use this path.
 pub const BF16_MIN_ROWS: usize = 8;
 
-/// Rows from which 4-bit layers with bf16 inputs use this path. A single row stays on the
-/// fp32 kernel: both are bound by memory there, and the fp32 kernel streams cold weights
-/// 5-25% faster on one core (`COLD=1 cargo run --release --example wo_time`); at 4 rows this
-/// path streams them about twice as fast.
-pub const NIBBLE_MIN_ROWS: usize = 2;
+/// Rows from which 4-bit layers with bf16 inputs use this path: all. At one row it computes
+/// ~40% faster than the fp32 kernel hot (72-75 against 52 GMAC/s on one core, `cargo run
+/// --release --example wo_time`) and streams cold weights alike on one core (`COLD=1`), so
+/// with two threads sharing the memory it overlaps better (Qwen3 W4A16 decode from Rust
+/// 0.65-0.71 -> 0.58-0.66 ms); at 4 rows it streams them about twice as fast.
+pub const NIBBLE_MIN_ROWS: usize = 1;
 
 /// Blocks per register tile (two 16-feature blocks share each activation broadcast).
 const TILE_BLOCKS: usize = 2;
@@ -553,16 +555,16 @@ mod x86 {
 
     /// The kernel for `$mr` rows (1..=8) and `$nb` blocks (a literal).
     macro_rules! rows {
-        ($mr:expr, $nb:literal, $t:expr, $x:expr, $sums:expr, $out:expr, $load:expr) => {
+        ($mr:expr, $nb:literal, $t:expr, $x:expr, $sums:expr, $out:expr, $load:expr, $pf:expr) => {
             match $mr {
-                1 => kernel::<1, $nb, { super::unroll(1, $nb) }>($t, $x, $sums, $out, $load),
-                2 => kernel::<2, $nb, { super::unroll(2, $nb) }>($t, $x, $sums, $out, $load),
-                3 => kernel::<3, $nb, { super::unroll(3, $nb) }>($t, $x, $sums, $out, $load),
-                4 => kernel::<4, $nb, { super::unroll(4, $nb) }>($t, $x, $sums, $out, $load),
-                5 => kernel::<5, $nb, { super::unroll(5, $nb) }>($t, $x, $sums, $out, $load),
-                6 => kernel::<6, $nb, { super::unroll(6, $nb) }>($t, $x, $sums, $out, $load),
-                7 => kernel::<7, $nb, { super::unroll(7, $nb) }>($t, $x, $sums, $out, $load),
-                _ => kernel::<8, $nb, { super::unroll(8, $nb) }>($t, $x, $sums, $out, $load),
+                1 => kernel::<1, $nb, { super::unroll(1, $nb) }>($t, $x, $sums, $out, $load, $pf),
+                2 => kernel::<2, $nb, { super::unroll(2, $nb) }>($t, $x, $sums, $out, $load, $pf),
+                3 => kernel::<3, $nb, { super::unroll(3, $nb) }>($t, $x, $sums, $out, $load, $pf),
+                4 => kernel::<4, $nb, { super::unroll(4, $nb) }>($t, $x, $sums, $out, $load, $pf),
+                5 => kernel::<5, $nb, { super::unroll(5, $nb) }>($t, $x, $sums, $out, $load, $pf),
+                6 => kernel::<6, $nb, { super::unroll(6, $nb) }>($t, $x, $sums, $out, $load, $pf),
+                7 => kernel::<7, $nb, { super::unroll(7, $nb) }>($t, $x, $sums, $out, $load, $pf),
+                _ => kernel::<8, $nb, { super::unroll(8, $nb) }>($t, $x, $sums, $out, $load, $pf),
             }
         };
     }
@@ -645,12 +647,14 @@ mod x86 {
                 let load = |i: usize, j: usize| unsafe {
                     _mm512_loadu_si512(wp.add((i * p + j) * BLOCK).cast())
                 };
+                // Widened codes are read from L2, where the tile before put them.
+                let pf = |_: usize, _: usize| {};
                 // SAFETY: the caller's contract is each kernel's contract.
                 unsafe {
                     if nb >= 2 {
-                        rows!(mr, 2, t, x, sums, out, load)
+                        rows!(mr, 2, t, x, sums, out, load, pf)
                     } else {
-                        rows!(mr, 1, t, x, sums, out, load)
+                        rows!(mr, 1, t, x, sums, out, load, pf)
                     }
                 }
             }
@@ -666,12 +670,6 @@ mod x86 {
                 let table = unsafe { _mm512_loadu_si512(bits.as_ptr().cast()) };
                 let load = |i: usize, j: usize| {
                     let at = (i * p + j) * BLOCK;
-                    if j.is_multiple_of(4) {
-                        // Once per 64-byte line, ahead in the code stream (blocks are
-                        // contiguous, so it runs on into the next block); a prefetch never
-                        // faults.
-                        _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(at + PF_DIST).cast());
-                    }
                     // Lane l: the byte (low nibble column 2j, high 2j + 1) zero-extended;
                     // `| v << 12` also puts the high nibble at bit 16 for the second word.
                     // (VBMI's `vpmultishiftqb` in place of the shift and or measured no faster
@@ -681,12 +679,20 @@ mod x86 {
                     let v = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(cp.add(at).cast()) });
                     _mm512_permutexvar_epi16(_mm512_or_si512(v, _mm512_slli_epi32::<12>(v)), table)
                 };
+                // The 64-byte line `PF_DIST` ahead of pair j in the code stream (blocks are
+                // contiguous, so it runs on into the next block); the address is formed with
+                // wrapping_add and a prefetch never faults.
+                let pf = |i: usize, j: usize| {
+                    _mm_prefetch::<_MM_HINT_T0>(
+                        cp.wrapping_add((i * p + j) * BLOCK + PF_DIST).cast(),
+                    );
+                };
                 // SAFETY: the caller's contract is each kernel's contract.
                 unsafe {
                     if nb >= 2 {
-                        rows!(mr, 2, t, x, sums, out, load)
+                        rows!(mr, 2, t, x, sums, out, load, pf)
                     } else {
-                        rows!(mr, 1, t, x, sums, out, load)
+                        rows!(mr, 1, t, x, sums, out, load, pf)
                     }
                 }
             }
@@ -707,18 +713,28 @@ mod x86 {
         sums: &[f32],
         out: &mut [[[f32; BLOCK]; TILE_BLOCKS]; TILE_ROWS],
         load: impl Fn(usize, usize) -> __m512i,
+        pf: impl Fn(usize, usize),
     ) {
         let groups = t.offs.len() - 1;
         let xp = x.as_ptr();
         let (ahead, ahead_lines) = (t.ahead.as_ptr(), t.ahead.len().div_ceil(64));
+        // `ahead` is this call's share: line q goes with the call's q-th pair step.
+        let base = t.offs.get(t.groups.0).copied().unwrap_or(0);
+        let ahead_at = |j: usize| {
+            let q = j.wrapping_sub(base);
+            if q < ahead_lines {
+                // In bounds (q < lines of `ahead`); a prefetch never faults anyway.
+                _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(q * 64).cast());
+            }
+        };
+        // Pairs per batch of the main loop: whole runs of U partial sums, and at least the 4
+        // pairs of a 64-byte line of 4-bit codes, so that the line's prefetch is issued once
+        // per batch rather than tested for at every step.
+        let batch = U.max(4);
         // The running totals live in `out` (L1), not registers: with them the group
         // accumulators would not fit in the 32 vector registers. Each group adds to them once.
         // Pair j into partial sum u of every (row, block).
         let step = |parts: &mut [[[__m512; U]; NB]; MR], j: usize, u: usize| {
-            if j < ahead_lines {
-                // In bounds (j < lines of `ahead`); a prefetch never faults anyway.
-                _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(j * 64).cast());
-            }
             let mut w = [_mm512_setzero_si512(); NB];
             for (i, wi) in w.iter_mut().enumerate() {
                 *wi = load(i, j);
@@ -740,13 +756,33 @@ mod x86 {
             let (first, end) = (t.offs[g], t.offs[g + 1]);
             let mut parts = [[[_mm512_setzero_ps(); U]; NB]; MR];
             let mut j = first;
+            // Batches start at multiples of U from `first`: pair j + q goes to partial q % U,
+            // as in the runs below and in `tile_scalar`.
+            while j + batch <= end {
+                if j.wrapping_sub(base) < ahead_lines {
+                    for q in 0..batch {
+                        ahead_at(j + q);
+                    }
+                }
+                for i in 0..NB {
+                    for q in (0..batch).step_by(4) {
+                        pf(i, j + q);
+                    }
+                }
+                for q in 0..batch {
+                    step(&mut parts, j + q, q % U);
+                }
+                j += batch;
+            }
             while j + U <= end {
                 for u in 0..U {
+                    ahead_at(j + u);
                     step(&mut parts, j + u, u);
                 }
                 j += U;
             }
             while j < end {
+                ahead_at(j);
                 step(&mut parts, j, 0);
                 j += 1;
             }
