@@ -487,15 +487,8 @@ mod x86 {
         // One column: 16 codes times row r's activation into partial sum `u`.
         let step = |parts: &mut [[__m512; U]; MR], c: usize, u: usize| {
             // SAFETY: callers pass c < min(e, k): the 16 codes at c * 16 lie inside the block
-            // (k * 16 codes) and x[r * k + c] inside row r; the prefetch address is formed with
-            // wrapping_add and a prefetch never faults.
+            // (k * 16 codes) and x[r * k + c] inside row r.
             unsafe {
-                if c.is_multiple_of(4) {
-                    // Once per 64-byte line, in this block and (a second stream) in the next
-                    // one, which the same task usually reads next.
-                    _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(c * BLOCK + PF_DIST).cast());
-                    _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(c * BLOCK + block_len).cast());
-                }
                 let w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
                     cp.add(c * BLOCK).cast(),
                 )));
@@ -504,11 +497,29 @@ mod x86 {
                 }
             }
         };
+        // Columns per batch: whole runs of U, and at least the 4 columns of a 64-byte line,
+        // whose prefetches (ahead in this block, and in the next one, which the same task
+        // usually reads next) are then issued once per batch, not tested for at every column.
+        let batch = U.max(4);
         for g in 0..groups {
             let (a, e) = t.bounds(g);
             let e = e.min(k);
             let mut parts = [[_mm512_setzero_ps(); U]; MR];
             let mut c = a;
+            // Batches start at multiples of U from `a`: column c + q goes to partial q % U, as
+            // in the runs below.
+            while c + batch <= e {
+                for q in (0..batch).step_by(4) {
+                    let at = (c + q) * BLOCK;
+                    // The addresses are formed with wrapping_add; a prefetch never faults.
+                    _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(at + PF_DIST).cast());
+                    _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(at + block_len).cast());
+                }
+                for q in 0..batch {
+                    step(&mut parts, c + q, q % U);
+                }
+                c += batch;
+            }
             while c + U <= e {
                 for u in 0..U {
                     step(&mut parts, c + u, u);
@@ -557,14 +568,8 @@ mod x86 {
             // Columns c and c + 1 of all 16 features (stored + 8; the 8 is in the zero point).
             let decode = |c: usize| {
                 // SAFETY: callers pass c + 1 < e <= k: byte row c / 2 lies inside the block of
-                // ceil(k / 2) * 16 bytes. The prefetch addresses are formed with wrapping_add
-                // and a prefetch never faults.
+                // ceil(k / 2) * 16 bytes.
                 unsafe {
-                    if c.is_multiple_of(8) {
-                        let at = (c / 2) * BLOCK;
-                        _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(at + PF_DIST).cast());
-                        _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(at + block_len).cast());
-                    }
                     let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(cp.add((c / 2) * BLOCK).cast()));
                     (
                         _mm512_cvtepi32_ps(_mm512_and_si512(v, mask)),
@@ -581,6 +586,23 @@ mod x86 {
                 }
             };
             let mut c = a;
+            // Batches of whole runs of U columns and at least the 8 columns of a 64-byte line
+            // (4 byte rows), whose prefetches (ahead in this block, and in the next) are then
+            // issued once per batch; column c + o goes to partial o % U, as in the runs below.
+            let batch = U.max(8);
+            // (`full` is `e` when U is 1.)
+            while c + batch <= full {
+                let at = (c / 2) * BLOCK;
+                // The addresses are formed with wrapping_add; a prefetch never faults.
+                _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(at + PF_DIST).cast());
+                _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(at + block_len).cast());
+                for o in (0..batch).step_by(2) {
+                    let (lo, hi) = decode(c + o);
+                    fma(&mut parts, lo, c + o, o % U);
+                    fma(&mut parts, hi, c + o + 1, (o + 1) % U);
+                }
+                c += batch;
+            }
             if U >= 2 {
                 while c < full {
                     for q in 0..U / 2 {
