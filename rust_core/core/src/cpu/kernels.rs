@@ -261,6 +261,29 @@ pub fn silu_mul(gate: Option<&[f32]>, up: &mut [f32]) {
     }
 }
 
+/// `dst[i] += w * src[i]`, the product rounded before the sum (no fused multiply-add); with
+/// `first`, `dst[i] = 0 + w * src[i]` (the value adding to a zeroed `dst` gives) whatever
+/// `dst` held, so the first term of a sum needs no zeroed buffer.
+pub fn add_scaled(dst: &mut [f32], src: &[f32], w: f32, first: bool) {
+    let n = dst.len().min(src.len());
+    let (dst, src) = (&mut dst[..n], &src[..n]);
+    #[cfg(target_arch = "x86_64")]
+    if matches!(isa(), Isa::Avx512 | Isa::Avx512Vnni) {
+        // SAFETY: AVX-512F detected by `isa()`; both slices have n values.
+        unsafe { x86::add_scaled_avx512(dst, src, w, first) };
+        return;
+    }
+    add_scaled_scalar(dst, src, w, first);
+}
+
+/// [`add_scaled`]'s scalar reference.
+pub fn add_scaled_scalar(dst: &mut [f32], src: &[f32], w: f32, first: bool) {
+    for (d, &v) in dst.iter_mut().zip(src) {
+        let base = if first { 0.0 } else { *d };
+        *d = base + w * v;
+    }
+}
+
 /// bf16 bits (as torch stores `torch.bfloat16`) to f32: exact. Large inputs are converted
 /// on the forward's threads (a prefill step's are millions of values).
 pub fn bf16_bits_to_f32(bits: &[i16]) -> Vec<f32> {
@@ -458,6 +481,32 @@ mod x86 {
         }
     }
 
+    /// [`super::add_scaled`]'s loop.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F; `src` is at least as long as `dst`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn add_scaled_avx512(dst: &mut [f32], src: &[f32], w: f32, first: bool) {
+        let n = dst.len();
+        let vw = _mm512_set1_ps(w);
+        let mut i = 0;
+        while i + 16 <= n {
+            // SAFETY: i + 16 <= n <= src.len(): the loads and the store are in bounds.
+            unsafe {
+                let p = dst.as_mut_ptr().add(i);
+                let base = if first {
+                    _mm512_setzero_ps()
+                } else {
+                    _mm512_loadu_ps(p)
+                };
+                let v = _mm512_mul_ps(vw, _mm512_loadu_ps(src.as_ptr().add(i)));
+                _mm512_storeu_ps(p, _mm512_add_ps(base, v));
+            }
+            i += 16;
+        }
+        super::add_scaled_scalar(&mut dst[i..], &src[i..], w, first);
+    }
+
     /// # Safety
     /// The CPU must support AVX-512F.
     #[target_feature(enable = "avx512f")]
@@ -511,6 +560,40 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn add_scaled_equals_scalar() {
+        let mut next = crate::cpu::xorshift(7);
+        let mut val = || (next() % 20001) as f32 / 97.0 - 100.0;
+        for n in [0usize, 5, 16, 37, 1000] {
+            let mut src: Vec<f32> = (0..n).map(|_| val()).collect();
+            let dst0: Vec<f32> = (0..n).map(|_| val()).collect();
+            if n > 3 {
+                src[1] = -0.0;
+                src[2] = f32::NAN;
+            }
+            for first in [false, true] {
+                let w = 0.3719;
+                let (mut a, mut b) = (dst0.clone(), dst0.clone());
+                add_scaled(&mut a, &src, w, first);
+                add_scaled_scalar(&mut b, &src, w, first);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a), bits(&b), "n={n} first={first}");
+                for i in 0..n {
+                    let want = if first {
+                        0.0 + w * src[i]
+                    } else {
+                        dst0[i] + w * src[i]
+                    };
+                    assert!(want.to_bits() == b[i].to_bits() || want.is_nan() && b[i].is_nan());
+                }
+                if n > 3 {
+                    // 0 + w * -0 is +0: what summing into a zeroed buffer gives.
+                    assert_eq!(first.then(|| a[1].to_bits()), first.then_some(0));
+                }
+            }
+        }
+    }
 
     #[test]
     fn quantize_matches_reference() {

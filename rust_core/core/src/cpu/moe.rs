@@ -530,16 +530,19 @@ impl CpuMoe {
             }
         }
         // Sum per token in a fixed order (expert, then row), so results are deterministic.
-        let mut out = super::spare::take(tokens * h, 0f32);
+        // The first term overwrites whatever the buffer held (as if added to zeros).
+        let mut out = super::spare::take_any(tokens * h, 0f32);
         out.par_chunks_mut(h.max(1))
             .enumerate()
             .for_each(|(t, dst)| {
-                for &(a, r) in &place[t * k..t * k + next[t]] {
+                let slots = &place[t * k..t * k + next[t]];
+                if slots.is_empty() {
+                    dst.fill(0.0);
+                }
+                for (i, &(a, r)) in slots.iter().enumerate() {
                     let w = by_expert[active[a]][r].1;
                     let at = starts[a] + r * h;
-                    for (o, v) in dst.iter_mut().zip(&buf[at..at + h]) {
-                        *o += w * v;
-                    }
+                    super::kernels::add_scaled(dst, &buf[at..at + h], w, i == 0);
                 }
             });
         self.scratch.put(buf);

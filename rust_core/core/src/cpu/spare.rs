@@ -49,17 +49,36 @@ pub fn take<T: Spare>(len: usize, fill: T) -> Vec<T> {
 /// 64 KiB), else a new one. The bound keeps a small result (which may be handed to Python)
 /// from pinning a large buffer.
 pub fn take_empty<T: Spare>(len: usize) -> Vec<T> {
+    let mut v = find(len);
+    v.clear();
+    v
+}
+
+/// `len` values, for a caller that overwrites every one: a buffer as [`take_empty`] finds
+/// one, holding what it held (values past its old length are `fill`). Saves the pass that
+/// [`take`] spends filling a buffer about to be overwritten.
+pub fn take_any<T: Spare>(len: usize, fill: T) -> Vec<T> {
+    let mut v = find(len);
+    if v.len() >= len {
+        v.truncate(len);
+    } else {
+        v.resize(len, fill);
+    }
+    v
+}
+
+/// The smallest spare buffer of this thread that holds `len` values and is at most twice
+/// that size (or 64 KiB), as it was given back; else a new empty one with room for `len`.
+fn find<T: Spare>(len: usize) -> Vec<T> {
     let limit = (2 * len).max((64 << 10) / std::mem::size_of::<T>().max(1));
-    let mut v = T::with_spares(|s| {
+    T::with_spares(|s| {
         let s = s?;
         let at = (0..s.len())
             .filter(|&i| (len..=limit).contains(&s[i].capacity()))
             .min_by_key(|&i| s[i].capacity())?;
         Some(s.swap_remove(at))
     })
-    .unwrap_or_else(|| Vec::with_capacity(len));
-    v.clear();
-    v
+    .unwrap_or_else(|| Vec::with_capacity(len))
 }
 
 /// Gives `v` back to this thread's spares (dropped when there are enough, or when it is
@@ -106,5 +125,23 @@ mod tests {
             give(vec![0f32; 10]);
         }
         assert_eq!(f32::with_spares(|s| s.map(|s| s.len())), Some(KEEP));
+    }
+
+    #[test]
+    fn take_any_keeps_what_the_buffer_held() {
+        // u16 spares are used by no other test in this thread.
+        let mut a = take_empty::<u16>(3000);
+        a.extend((0..2000).map(|i| i as u16));
+        let ptr = a.as_ptr();
+        give(a);
+        let b = take_any(1500, 9u16);
+        assert_eq!(b.as_ptr(), ptr, "the spare is reused");
+        assert!(b.iter().enumerate().all(|(i, &v)| v == i as u16));
+        give(b);
+        // Longer than it held: the rest is `fill`.
+        let c = take_any(2500, 9u16);
+        assert_eq!(c.len(), 2500);
+        assert!(c[..1500].iter().enumerate().all(|(i, &v)| v == i as u16));
+        assert!(c[1500..].iter().all(|&v| v == 9));
     }
 }
