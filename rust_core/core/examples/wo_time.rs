@@ -37,7 +37,9 @@ fn main() {
                 }
             })
             .collect();
-        let groups: Vec<usize> = (0..k / 128).map(|g| g * 128).collect();
+        // `GROUP=2048` times larger groups (a multiple of 2 dividing `k`).
+        let group = dim("GROUP", 128);
+        let groups: Vec<usize> = (0..k / group).map(|g| g * group).collect();
         let scale = vec![1e-3f32; n * groups.len()];
         let w = BlockedWo::new(n, k, &q, &scale, None, groups);
         for &m in &rows {

@@ -716,6 +716,17 @@ mod x86 {
         pf: impl Fn(usize, usize),
     ) {
         let groups = t.offs.len() - 1;
+        // Checked once here, so that each group's epilogue is straight-line code (with checks
+        // per group, the compiler spilled the accumulators to the stack and branched per row).
+        if t.scale.len() < NB * groups * BLOCK {
+            return;
+        }
+        let scale = t.scale.as_ptr();
+        // The zero-point term needs both the zero points and the rows' group sums.
+        let zp =
+            t.zp.filter(|z| z.len() >= NB * groups * BLOCK && sums.len() >= MR * groups)
+                .map(|z| z.as_ptr());
+        let sp = sums.as_ptr();
         let xp = x.as_ptr();
         let (ahead, ahead_lines) = (t.ahead.as_ptr(), t.ahead.len().div_ceil(64));
         // `ahead` is this call's share: line q goes with the call's q-th pair step.
@@ -801,26 +812,27 @@ mod x86 {
                     *ai = p[0];
                 }
             }
-            for i in 0..NB {
-                let at = (i * groups + g) * BLOCK;
-                let (Some(s), z) = (
-                    t.scale.get(at..at + BLOCK),
-                    t.zp.and_then(|z| z.get(at..at + BLOCK)),
-                ) else {
-                    continue;
-                };
-                // SAFETY: `s` is exactly 16 f32.
-                let s = unsafe { _mm512_loadu_ps(s.as_ptr()) };
-                // SAFETY: `z` is exactly 16 f32.
-                let z = z.map(|z| unsafe { _mm512_loadu_ps(z.as_ptr()) });
-                for r in 0..MR {
-                    let mut a = acc[r][i];
-                    if let (Some(z), Some(&sm)) = (z, sums.get(r * groups + g)) {
-                        a = _mm512_fnmadd_ps(z, _mm512_set1_ps(sm), a);
+            if let Some(zp) = zp {
+                for (r, a) in acc.iter_mut().enumerate() {
+                    // SAFETY: r < MR and g < groups: inside `sums` (MR * groups, checked).
+                    let sm = _mm512_set1_ps(unsafe { *sp.add(r * groups + g) });
+                    for (i, ai) in a.iter_mut().enumerate() {
+                        // SAFETY: i < NB, g < groups: the 16 zero points at
+                        // (i * groups + g) * 16 lie inside `t.zp` (NB * groups * 16, checked).
+                        let z = unsafe { _mm512_loadu_ps(zp.add((i * groups + g) * BLOCK)) };
+                        *ai = _mm512_fnmadd_ps(z, sm, *ai);
                     }
+                }
+            }
+            for i in 0..NB {
+                // SAFETY: as the zero points: inside `t.scale` (NB * groups * 16, checked).
+                let s = unsafe { _mm512_loadu_ps(scale.add((i * groups + g) * BLOCK)) };
+                for r in 0..MR {
                     let o = out[r][i].as_mut_ptr();
                     // SAFETY: r < MR <= 8, i < NB <= 2; each entry is 16 f32.
-                    unsafe { _mm512_storeu_ps(o, _mm512_fmadd_ps(a, s, _mm512_loadu_ps(o))) };
+                    unsafe {
+                        _mm512_storeu_ps(o, _mm512_fmadd_ps(acc[r][i], s, _mm512_loadu_ps(o)))
+                    };
                 }
             }
         }
