@@ -433,9 +433,15 @@ mod x86 {
 
     /// The end of a group, shared by both kernels: the partial sums combined pairwise, the
     /// zero-point term `z * Σx` subtracted, and `acc * scale` added to the row totals.
+    /// Straight-line code with unchecked reads: with a check per read the compiler kept
+    /// branches in every group's epilogue.
+    ///
+    /// # Safety
+    /// AVX-512F; `g < groups`; `t.scale` (and `t.zp`) hold `groups * 16` values and `sums`,
+    /// when given, `MR * groups` (the contract of [`tile`]).
     #[target_feature(enable = "avx512f")]
     #[inline]
-    fn finish_group<const MR: usize, const U: usize>(
+    unsafe fn finish_group<const MR: usize, const U: usize>(
         parts: &[[__m512; U]; MR],
         t: &Tile<'_>,
         g: usize,
@@ -451,16 +457,15 @@ mod x86 {
                 _ => p[0],
             };
         }
-        let Some(s) = t.scale.get(g * BLOCK..(g + 1) * BLOCK) else {
-            return;
-        };
-        // SAFETY: `s` is exactly 16 f32.
-        let s = unsafe { _mm512_loadu_ps(s.as_ptr()) };
-        if let (Some(z), Some(sm)) = (t.zp.and_then(|z| z.get(g * BLOCK..(g + 1) * BLOCK)), sums) {
-            // SAFETY: `z` is exactly 16 f32.
-            let vz = unsafe { _mm512_loadu_ps(z.as_ptr()) };
+        // SAFETY: g < groups: the 16 scales at g * 16 lie inside `t.scale` (groups * 16).
+        let s = unsafe { _mm512_loadu_ps(t.scale.as_ptr().add(g * BLOCK)) };
+        if let (Some(z), Some(sm)) = (t.zp, sums) {
+            // SAFETY: as the scales, inside `t.zp` (groups * 16).
+            let vz = unsafe { _mm512_loadu_ps(z.as_ptr().add(g * BLOCK)) };
             for (r, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_fnmadd_ps(vz, _mm512_set1_ps(sm[r * groups + g]), *a);
+                // SAFETY: r < MR, g < groups: inside `sums` (MR * groups).
+                let v = unsafe { *sm.as_ptr().add(r * groups + g) };
+                *a = _mm512_fnmadd_ps(vz, _mm512_set1_ps(v), *a);
             }
         }
         for (tot, a) in total.iter_mut().zip(acc) {
@@ -530,7 +535,8 @@ mod x86 {
                 step(&mut parts, c, 0);
                 c += 1;
             }
-            finish_group(&parts, t, g, sums, &mut total);
+            // SAFETY: g < groups; the caller's contract covers the scales, zero points and sums.
+            unsafe { finish_group(&parts, t, g, sums, &mut total) };
         }
         for (r, tot) in total.iter().enumerate() {
             // SAFETY: r < MR <= 8 = out.len(); each entry is 16 f32.
@@ -619,7 +625,8 @@ mod x86 {
                 fma(&mut parts, hi, c + 1, 0);
                 c += 2;
             }
-            finish_group(&parts, t, g, sums, &mut total);
+            // SAFETY: g < groups; the caller's contract covers the scales, zero points and sums.
+            unsafe { finish_group(&parts, t, g, sums, &mut total) };
         }
         for (r, tot) in total.iter().enumerate() {
             // SAFETY: r < MR <= 8 = out.len(); each entry is 16 f32.
