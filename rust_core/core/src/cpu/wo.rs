@@ -666,6 +666,9 @@ mod neon {
             || t.zp.is_some_and(|z| z.len() < groups * BLOCK)
             || sums.is_some_and(|s| s.len() < mr * groups)
         {
+            // The callers' slices always fit (as for the x86 tile's contract); a future
+            // caller's mistake shows here in debug builds instead of as zeros.
+            debug_assert!(false, "NEON weight-only tile: operand sizes do not fit");
             return;
         }
         let u = unroll(mr);

@@ -241,7 +241,13 @@ impl BlockedWo {
         // written, so they stay zero from row to row.
         let mut dst_row = crate::cpu::spare::take(2 * pairs, 0u16);
         for r in 0..m {
-            let Some(xr) = row(r).filter(|xr| xr.len() >= k) else {
+            let xr = row(r);
+            // Every caller has its m rows; without them the rest stay zero.
+            debug_assert!(
+                xr.is_some_and(|xr| xr.len() >= k),
+                "bf16 row {r} of {m} missing"
+            );
+            let Some(xr) = xr.filter(|xr| xr.len() >= k) else {
                 break;
             };
             for g in 0..groups {
