@@ -83,8 +83,9 @@ class CpuMoeLayer:
     def top_k(self) -> int: ...
     @property
     def has_shared_experts(self) -> bool: ...
-    # hidden_states: flattened f32 values (f32 out), or the bits of bf16 values as int16
-    # (bf16 bits out, rounded as torch rounds; computes as for bf16 input).
+    # hidden_states: a contiguous array (any shape) of tokens * hidden f32 values (f32 out),
+    # or of the bits of bf16 values as int16 (bf16 bits out, rounded as torch rounds;
+    # computes as for bf16 input). Returns a [tokens, hidden] numpy array.
     def forward(
         self, hidden_states: Any, tokens: int, router_logits: Any, bf16: bool = False
     ) -> Any: ...

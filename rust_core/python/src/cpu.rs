@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use moeq_core::cpu::routing::Routed;
 use moeq_core::cpu::CpuMoe;
-use numpy::{PyArray1, PyReadonlyArray1};
+use numpy::{IntoPyArray, PyReadonlyArray1, PyReadonlyArrayDyn};
 use pyo3::prelude::*;
 
 use crate::repack::slice as contiguous;
@@ -131,7 +131,8 @@ impl CpuMoeLayer {
         self.moe.shared.is_some()
     }
 
-    /// `[tokens * hidden]` output for flattened `hidden_states` and f32 `router_logits`.
+    /// `[tokens, hidden]` output for `hidden_states` and f32 `router_logits` (contiguous
+    /// arrays of any shape holding `tokens * hidden` and `tokens * experts` values).
     /// `hidden_states` is f32 (f32 out; `bf16`: the input was bf16, so weight-only layers may
     /// use bf16 dot products) or the raw bits of bf16 values as int16 (bf16 bits out, rounded
     /// as torch rounds): the bf16 form spares the caller two conversions.
@@ -141,12 +142,13 @@ impl CpuMoeLayer {
         py: Python<'py>,
         hidden_states: Hidden<'py>,
         tokens: usize,
-        router_logits: PyReadonlyArray1<'py, f32>,
+        router_logits: PyReadonlyArrayDyn<'py, f32>,
         bf16: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         let l = contiguous(py, &router_logits, "router_logits")?;
         let moe = Arc::clone(&self.moe);
-        hidden_states.run(py, bf16, |x, c| moe.forward(x, tokens, l, c))
+        let h = self.moe.hidden;
+        hidden_states.run(py, bf16, tokens, h, |x, c| moe.forward(x, tokens, l, c))
     }
 
     /// The weighted sum of the routed experts only.
@@ -157,8 +159,8 @@ impl CpuMoeLayer {
         py: Python<'py>,
         hidden_states: Hidden<'py>,
         tokens: usize,
-        topk_weights: PyReadonlyArray1<'py, f32>,
-        topk_ids: PyReadonlyArray1<'py, i64>,
+        topk_weights: PyReadonlyArrayDyn<'py, f32>,
+        topk_ids: PyReadonlyArrayDyn<'py, i64>,
         top_k: usize,
         bf16: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
@@ -184,24 +186,52 @@ impl CpuMoeLayer {
             weights: w.to_vec(),
         };
         let moe = Arc::clone(&self.moe);
-        hidden_states.run(py, bf16, |x, c| moe.forward_topk(x, tokens, &routed, c))
+        let h = self.moe.hidden;
+        hidden_states.run(py, bf16, tokens, h, |x, c| {
+            moe.forward_topk(x, tokens, &routed, c)
+        })
     }
 }
 
-/// `hidden_states` as f32 values or as the bits of bf16 values (int16).
+/// `hidden_states` as f32 values or as the bits of bf16 values (int16), in a contiguous array
+/// of any shape.
 #[derive(FromPyObject)]
 enum Hidden<'py> {
-    F32(PyReadonlyArray1<'py, f32>),
-    Bf16Bits(PyReadonlyArray1<'py, i16>),
+    F32(PyReadonlyArrayDyn<'py, f32>),
+    Bf16Bits(PyReadonlyArrayDyn<'py, i16>),
+}
+
+/// `out` (`tokens * h` values) as a `[tokens, h]` numpy array, without a copy.
+fn rows<'py, T: numpy::Element>(
+    py: Python<'py>,
+    out: Vec<T>,
+    tokens: usize,
+    h: usize,
+) -> PyResult<Bound<'py, PyAny>> {
+    let len = out.len();
+    numpy::ndarray::Array2::from_shape_vec((tokens, h), out)
+        .map(|a| a.into_pyarray(py).into_any())
+        .map_err(|_| {
+            to_py(
+                py,
+                moeq_core::error::LayoutError {
+                    subject: "output".into(),
+                    reason: format!("{len} values are not [{tokens}, {h}]"),
+                }
+                .into(),
+            )
+        })
 }
 
 impl<'py> Hidden<'py> {
-    /// Runs `f` on the f32 values without the GIL; the output is f32, or bf16 bits for bf16
-    /// input (which always computes as for bf16, see `compute`).
+    /// Runs `f` on the f32 values without the GIL; the output (`[tokens, h]`) is f32, or bf16
+    /// bits for bf16 input (which always computes as for bf16, see `compute`).
     fn run(
         &self,
         py: Python<'py>,
         bf16: bool,
+        tokens: usize,
+        h: usize,
         f: impl FnOnce(&[f32], moeq_core::cpu::linear::Compute) -> moeq_core::error::Result<Vec<f32>>
             + Send,
     ) -> PyResult<Bound<'py, PyAny>> {
@@ -213,7 +243,7 @@ impl<'py> Hidden<'py> {
                 let out = py
                     .detach(|| f(x, compute(bf16)))
                     .map_err(|e| to_py(py, e))?;
-                Ok(PyArray1::from_vec(py, out).into_any())
+                rows(py, out, tokens, h)
             }
             Hidden::Bf16Bits(a) => {
                 let bits = contiguous(py, a, "hidden_states")?;
@@ -230,7 +260,7 @@ impl<'py> Hidden<'py> {
                         out
                     })
                     .map_err(|e| to_py(py, e))?;
-                Ok(PyArray1::from_vec(py, out).into_any())
+                rows(py, out, tokens, h)
             }
         }
     }

@@ -12,10 +12,11 @@ fn layout(py: Python<'_>, e: moeq_core::error::LayoutError) -> PyErr {
     to_py(py, e.into())
 }
 
-/// The contiguous data of a 1-D numpy array, or a `LayoutError` naming the argument.
-pub(crate) fn slice<'a, T: numpy::Element>(
+/// The contiguous data of a numpy array (any number of dimensions), or a `LayoutError` naming
+/// the argument.
+pub(crate) fn slice<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
     py: Python<'_>,
-    a: &'a PyReadonlyArray1<'_, T>,
+    a: &'a numpy::PyReadonlyArray<'_, T, D>,
     name: &str,
 ) -> PyResult<&'a [T]> {
     a.as_slice().map_err(|_| {
