@@ -355,6 +355,26 @@ def test_bad_arguments_name_the_argument(
         bad(moe, x, w, ids)
 
 
+def test_native_forward_takes_row_major_arrays_of_any_shape(
+    fixture_path: Callable[[str], Path],
+) -> None:
+    """The native forward reads flat or [T, H] arrays alike and returns [T, H]; a
+    column-major array (same bytes, other order) is refused, not misread."""
+    moe = mq.MoELayer.from_checkpoint(fixture_path("qwen3_w8a16_g128"), 0)
+    t, h = 6, moe.hidden_size
+    x = torch.randn(t, h).numpy()
+    w, ids = random_routing(t, moe.num_experts, moe.top_k)
+    args = (w.numpy(), ids.to(torch.int64).numpy(), moe.top_k)
+    flat = moe._core.forward_topk(x.reshape(-1), t, *args)
+    rows = moe._core.forward_topk(x, t, *args)
+    assert flat.shape == rows.shape == (t, h)
+    assert np.array_equal(flat, rows) and np.isfinite(rows).all()
+    with pytest.raises(mq.LayoutError, match="hidden_states"):
+        moe._core.forward_topk(np.asfortranarray(x), t, *args)
+    with pytest.raises(mq.LayoutError, match="topk_weights"):
+        moe._core.forward_topk(x, t, np.asfortranarray(w.numpy()), *args[1:])
+
+
 def test_unsupported_layers_are_refused(tmp_path: Path) -> None:
     from synth import quant_config, write_checkpoint
 

@@ -83,12 +83,14 @@ class CpuMoeLayer:
     def top_k(self) -> int: ...
     @property
     def has_shared_experts(self) -> bool: ...
-    # hidden_states: a contiguous array (any shape) of tokens * hidden f32 values (f32 out),
+    # hidden_states: a C-contiguous array (any shape) of tokens * hidden f32 values (f32 out),
     # or of the bits of bf16 values as int16 (bf16 bits out, rounded as torch rounds;
     # computes as for bf16 input). Returns a [tokens, hidden] numpy array.
     def forward(
         self, hidden_states: Any, tokens: int, router_logits: Any, bf16: bool = False
     ) -> Any: ...
+    # forward_topk: hidden_states as for forward; topk_weights (f32) and topk_ids (int64)
+    # contiguous arrays of tokens * top_k values. Returns a [tokens, hidden] numpy array.
     def forward_topk(
         self,
         hidden_states: Any,

@@ -88,7 +88,7 @@ def cpu_kernel() -> str:
 
 def cpu_bf16_dot() -> bool:
     """Whether weight-only (W8A16, W4A16) layers given bfloat16 activations use bf16 dot
-    products here (AVX512-BF16; int4 layers from 2 rows per expert on, int8 from 8), twice the
+    products here (AVX512-BF16; int4 layers at any rows per expert, int8 from 8), twice the
     fp32 rate. Their numerics:
     activations and the intermediate ``silu(gate) * up`` in bf16, products exact, fp32
     accumulation. ``MOEQ_CPU_BF16=0`` (or ``MOEQ_CPU_ISA`` below ``avx512``) keeps every

@@ -12,22 +12,28 @@ fn layout(py: Python<'_>, e: moeq_core::error::LayoutError) -> PyErr {
     to_py(py, e.into())
 }
 
-/// The contiguous data of a numpy array (any number of dimensions), or a `LayoutError` naming
-/// the argument.
+/// The data of a C-contiguous (row-major) numpy array of any number of dimensions, or a
+/// `LayoutError` naming the argument. Fortran order is refused: read in memory order, a
+/// transposed array would give silently wrong values.
 pub(crate) fn slice<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
     py: Python<'_>,
     a: &'a numpy::PyReadonlyArray<'_, T, D>,
     name: &str,
 ) -> PyResult<&'a [T]> {
-    a.as_slice().map_err(|_| {
+    use numpy::PyUntypedArrayMethods;
+    let refuse = || {
         layout(
             py,
             moeq_core::error::LayoutError {
                 subject: name.to_string(),
-                reason: "must be a contiguous array".into(),
+                reason: "must be a contiguous (row-major) array".into(),
             },
         )
-    })
+    };
+    if !a.is_c_contiguous() {
+        return Err(refuse());
+    }
+    a.as_slice().map_err(|_| refuse())
 }
 
 #[pyfunction]

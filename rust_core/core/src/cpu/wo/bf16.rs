@@ -101,6 +101,9 @@ pub struct Bf16Rows {
     /// `Σ x` per row and group over the bf16 values (`[m][groups]`), the zero-point term.
     pub sums: Vec<f32>,
     pub pairs: usize,
+    /// `m`, the rows prepared: the tile layout depends on it, so these rows serve only a
+    /// GEMM of `m` rows.
+    pub rows: usize,
 }
 
 /// The u16 index of row `r`'s pair `p` (low half) in a row tile of `mt` rows stored as
@@ -217,7 +220,8 @@ impl BlockedWo {
         }
     }
 
-    /// `x[m, k]` (f32, sorted column order) as bf16 pairs, with the group sums.
+    /// `x[m, k]` (f32, sorted column order) as bf16 pairs, with the group sums. A short `x`
+    /// leaves the missing rows zero (and fails a debug assertion: no caller passes one).
     pub fn bf16_rows(&self, x: &[f32], m: usize) -> Bf16Rows {
         self.bf16_rows_from(m, |r| x.get(r * self.k..(r + 1) * self.k), None)
     }
@@ -283,6 +287,7 @@ impl BlockedWo {
             x: out,
             sums,
             pairs,
+            rows: m,
         }
     }
 
@@ -322,7 +327,8 @@ impl BlockedWo {
         self.widen_scalar(b, offs, out);
     }
 
-    /// As [`BlockedWo::gemm`] for activations prepared by [`BlockedWo::bf16_rows`].
+    /// As [`BlockedWo::gemm`] for activations prepared by [`BlockedWo::bf16_rows`] for the
+    /// same `m` (rows prepared for another count emit nothing: their tile layout differs).
     pub fn gemm_bf16(
         &self,
         xb: &Bf16Rows,
@@ -336,6 +342,7 @@ impl BlockedWo {
         let (pairs, groups) = (xb.pairs, self.groups());
         if m == 0
             || pairs != offs[groups]
+            || xb.rows != m
             || xb.x.len() < m * 2 * pairs
             || xb.sums.len() < m * groups
             || first_block >= end
@@ -634,7 +641,9 @@ mod x86 {
     /// layer's `pair_offsets()` (non-decreasing, ending at `t.pairs`); `t.w` holds `nb` blocks
     /// of `t.pairs` pairs (u32 pairs, or byte rows), `t.scale` (and `t.zp`)
     /// `nb * groups * 16` values; `x` is one row tile of `mr` rows (`[t.pairs][mr]` pairs), `sums`
-    /// `mr * groups` values when `t.zp` is set; `1 <= mr <= 8`, `1 <= nb <= 2`.
+    /// `mr * groups` values when `t.zp` is set; `1 <= mr <= 8`, `1 <= nb <= 2`. Adds the
+    /// groups `t.groups` to the running totals in `out` (not zeroed here), as
+    /// [`super::tile_scalar`] does.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub unsafe fn tile(
         t: &Tile<'_>,
@@ -1032,6 +1041,21 @@ mod tests {
             own.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
             shared.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
         );
+    }
+
+    /// Rows prepared for one row count are laid out by its tiles: a GEMM of another count
+    /// emits nothing rather than misreading them.
+    #[test]
+    fn rows_serve_only_their_row_count() {
+        let (w, _) = sample_bits(20, 64, 2, false, 8);
+        let x: Vec<f32> = (0..9 * 64).map(|i| (i % 11) as f32 / 3.0 - 1.5).collect();
+        let xb = w.bf16_rows(&x, 9);
+        assert_eq!(xb.rows, 9);
+        let mut emitted = 0;
+        w.gemm_bf16(&xb, 8, 0, w.blocks(), |_, _, _| emitted += 1);
+        assert_eq!(emitted, 0);
+        w.gemm_bf16(&xb, 9, 0, w.blocks(), |_, _, _| emitted += 1);
+        assert_eq!(emitted, 9 * w.blocks());
     }
 
     #[test]
