@@ -371,6 +371,10 @@ def test_native_forward_takes_row_major_arrays_of_any_shape(
     assert np.array_equal(flat, rows) and np.isfinite(rows).all()
     with pytest.raises(mq.LayoutError, match="hidden_states"):
         moe._core.forward_topk(np.asfortranarray(x), t, *args)
+    with pytest.raises(mq.LayoutError, match="hidden_states"):
+        moe._core.forward_topk(x.astype(np.float64), t, *args)
+    bits = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy()
+    assert moe._core.forward_topk(bits, t, *args).dtype == np.int16
     with pytest.raises(mq.LayoutError, match="topk_weights"):
         moe._core.forward_topk(x, t, np.asfortranarray(w.numpy()), *args[1:])
 
