@@ -6,12 +6,7 @@
 //! inputs).
 use std::time::Instant;
 
-use moeq_core::cpu::build::{from_raw, RawProj, RawScheme, RawWeights};
-
-/// The example's weights live for the whole run.
-fn leak<T>(v: Vec<T>) -> &'static [T] {
-    v.leak()
-}
+use moeq_core::cpu::build::{from_raw, RawProj, RawScheme, SampleCodes};
 
 fn main() -> moeq_core::error::Result<()> {
     // As moeq_rs does for Python's main thread.
@@ -25,14 +20,6 @@ fn main() -> moeq_core::error::Result<()> {
         _ => (2048, 768, 128, 8),
     };
     let scheme = std::env::var("SCHEME").unwrap_or_else(|_| "w8a8".into());
-    let w13: Vec<i8> = (0..e * 2 * i * h).map(|v| (v * 7919 % 251) as i8).collect();
-    let w2: Vec<i8> = (0..e * h * i).map(|v| (v * 104729 % 251) as i8).collect();
-    let w13p: Vec<u32> = (0..e * 2 * i * h / 8)
-        .map(|v| (v as u32).wrapping_mul(2654435761))
-        .collect();
-    let w2p: Vec<u32> = (0..e * h * i / 8)
-        .map(|v| (v as u32).wrapping_mul(40503))
-        .collect();
     let (raw, group) = match scheme.as_str() {
         "w8a16" => (RawScheme::W8a16, 128i64),
         "w4a16" => (RawScheme::W4a16, 128),
@@ -42,20 +29,14 @@ fn main() -> moeq_core::error::Result<()> {
     let g2 = if group > 0 { i / group as usize } else { 1 };
     let s13 = vec![1e-3f32; e * 2 * i * g13];
     let s2 = vec![1e-3f32; e * h * g2];
-    let proj = |w: RawWeights<'static>, s| RawProj {
-        weights: w,
-        scales: s,
+    let proj = |weights, scales| RawProj {
+        weights,
+        scales,
         zero_points: None,
         act_scales: None,
     };
-    let (w13r, w2r): (RawWeights<'_>, RawWeights<'_>) = if raw == RawScheme::W4a16 {
-        (
-            RawWeights::Int4Packed(leak(w13p)),
-            RawWeights::Int4Packed(leak(w2p)),
-        )
-    } else {
-        (RawWeights::Int8(leak(w13)), RawWeights::Int8(leak(w2)))
-    };
+    let codes = SampleCodes::new(raw == RawScheme::W4a16, e, h, i);
+    let (w13r, w2r) = codes.raw();
     let moe = from_raw(
         raw,
         e,
@@ -67,6 +48,8 @@ fn main() -> moeq_core::error::Result<()> {
         k,
         true,
     )?;
+    // The layer holds its own packed copy.
+    drop(codes);
     let x: Vec<f32> = (0..tokens * h)
         .map(|v| ((v % 97) as f32 - 48.0) / 9.0)
         .collect();

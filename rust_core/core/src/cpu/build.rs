@@ -21,6 +21,36 @@ pub enum RawZeroPoints<'a> {
     Int4Packed(&'a [u32]),
 }
 
+/// Deterministic, varied codes for `e` experts' `[2i, h]` (gate rows, then up) and `[h, i]`
+/// projections, int8 or 4-bit packed as compressed-tensors packs them: a layer for examples
+/// and tests without a checkpoint.
+#[doc(hidden)]
+pub enum SampleCodes {
+    Int8(Vec<i8>, Vec<i8>),
+    Int4Packed(Vec<u32>, Vec<u32>),
+}
+
+impl SampleCodes {
+    pub fn new(int4: bool, e: usize, h: usize, i: usize) -> SampleCodes {
+        let (n13, n2) = (e * 2 * i * h, e * h * i);
+        if int4 {
+            let words = |n: usize, m: u32| (0..n / 8).map(|v| (v as u32).wrapping_mul(m)).collect();
+            SampleCodes::Int4Packed(words(n13, 2654435761), words(n2, 40503))
+        } else {
+            let codes = |n: usize, m: usize| (0..n).map(|v| (v * m % 251) as i8).collect();
+            SampleCodes::Int8(codes(n13, 7919), codes(n2, 104729))
+        }
+    }
+
+    /// The w13 and w2 codes as `from_raw` takes them.
+    pub fn raw(&self) -> (RawWeights<'_>, RawWeights<'_>) {
+        match self {
+            SampleCodes::Int8(a, b) => (RawWeights::Int8(a), RawWeights::Int8(b)),
+            SampleCodes::Int4Packed(a, b) => (RawWeights::Int4Packed(a), RawWeights::Int4Packed(b)),
+        }
+    }
+}
+
 pub struct RawProj<'a> {
     pub weights: RawWeights<'a>,
     /// `[E, N, G]` f32

@@ -615,7 +615,7 @@ impl CpuMoe {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::build::{from_raw, RawProj, RawScheme, RawWeights};
+    use crate::cpu::build::{from_raw, RawProj, RawScheme, SampleCodes};
 
     /// One-row experts run whole with their parts offered to the pool (gate beside up, down
     /// split at a panel boundary that leaves unequal halves): equal, bit for bit, to each
@@ -624,14 +624,6 @@ mod tests {
     #[test]
     fn one_row_experts_equal_their_projections() {
         let (e, h, i, k) = (48usize, 192usize, 128usize, 40usize);
-        let w13: Vec<i8> = (0..e * 2 * i * h).map(|v| (v * 7919 % 251) as i8).collect();
-        let w2: Vec<i8> = (0..e * h * i).map(|v| (v * 104729 % 253) as i8).collect();
-        let w13p: Vec<u32> = (0..e * 2 * i * h / 8)
-            .map(|v| (v as u32).wrapping_mul(2654435761))
-            .collect();
-        let w2p: Vec<u32> = (0..e * h * i / 8)
-            .map(|v| (v as u32).wrapping_mul(40503))
-            .collect();
         for scheme in [RawScheme::W8a8Dynamic, RawScheme::W4a16] {
             let group = if scheme == RawScheme::W4a16 { 64 } else { -1 };
             let g13 = if group > 0 { h / 64 } else { 1 };
@@ -640,11 +632,8 @@ mod tests {
                 .map(|v| 1e-3 * (1 + v % 5) as f32)
                 .collect();
             let s2: Vec<f32> = (0..e * h * g2).map(|v| 1e-3 * (1 + v % 7) as f32).collect();
-            let (a, b) = if scheme == RawScheme::W4a16 {
-                (RawWeights::Int4Packed(&w13p), RawWeights::Int4Packed(&w2p))
-            } else {
-                (RawWeights::Int8(&w13), RawWeights::Int8(&w2))
-            };
+            let codes = SampleCodes::new(scheme == RawScheme::W4a16, e, h, i);
+            let (a, b) = codes.raw();
             let proj = |w, s| RawProj {
                 weights: w,
                 scales: s,

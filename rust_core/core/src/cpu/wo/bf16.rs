@@ -171,6 +171,19 @@ fn ftz(v: f32) -> f32 {
     }
 }
 
+/// Word `w` is bf16(`w` mod 16): the nibble lookup's `vpermw` table (a word lookup reads only
+/// the low 5 index bits, so bit 4 may hold the neighbouring nibble's low bit).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+const NIBBLE_BF16: [u16; 32] = {
+    let mut t = [0u16; 32];
+    let mut w = 0;
+    while w < 32 {
+        t[w] = (((w % 16) as f32).to_bits() >> 16) as u16;
+        w += 1;
+    }
+    t
+};
+
 thread_local! {
     /// Widened codes of the blocks a thread is working on, kept between calls.
     static WIDE: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
@@ -355,9 +368,25 @@ impl BlockedWo {
         let len = self.codes.block_len(self.k);
         let tile_blocks = self.tile_blocks(m);
         let tiles = m.div_ceil(TILE_ROWS);
-        // Spans matter only where row tiles share widened codes.
-        let spans = group_spans(offs, if tiles > 1 { SPAN_PAIRS } else { 0 });
-        let mut totals = vec![[[[0f32; BLOCK]; TILE_BLOCKS]; TILE_ROWS]; tiles];
+        // Spans matter only where row tiles share widened codes. One row tile (a decode call)
+        // keeps its span and totals on the stack.
+        let (all_groups, many_spans);
+        let spans: &[(usize, usize)] = if tiles > 1 {
+            many_spans = group_spans(offs, SPAN_PAIRS);
+            &many_spans
+        } else {
+            all_groups = [(0, groups)];
+            &all_groups
+        };
+        let zero = [[[0f32; BLOCK]; TILE_BLOCKS]; TILE_ROWS];
+        let (mut one, mut many);
+        let totals: &mut [_] = if tiles > 1 {
+            many = vec![zero; tiles];
+            &mut many
+        } else {
+            one = [zero];
+            &mut one
+        };
         let mut run = |wide: &mut Vec<u32>| {
             if !nibbles && wide.len() < TILE_BLOCKS * pairs * BLOCK {
                 wide.resize(TILE_BLOCKS * pairs * BLOCK, 0);
@@ -397,9 +426,7 @@ impl BlockedWo {
                     .len()
                     .div_ceil(tiles * spans.len())
                     .next_multiple_of(64);
-                for out in totals.iter_mut() {
-                    *out = [[[0f32; BLOCK]; TILE_BLOCKS]; TILE_ROWS];
-                }
+                totals.fill(zero);
                 // Span by span, every row tile adds its groups to its totals (in group
                 // order, as one pass over all groups would).
                 for (si, &span) in spans.iter().enumerate() {
@@ -675,14 +702,8 @@ mod x86 {
             }
             Weights::Nibbles(c) => {
                 let cp = c.as_ptr();
-                // Word w of the table is bf16(w mod 16): each word lookup reads only the low 5
-                // index bits, so bit 4 may hold the neighbouring nibble's low bit.
-                let mut bits = [0u16; 32];
-                for (w, b) in bits.iter_mut().enumerate() {
-                    *b = super::code_bf16((w % 16) as i8) as u16;
-                }
-                // SAFETY: `bits` is 32 u16, one 64-byte load.
-                let table = unsafe { _mm512_loadu_si512(bits.as_ptr().cast()) };
+                // SAFETY: the table is 32 u16, one 64-byte load.
+                let table = unsafe { _mm512_loadu_si512(super::NIBBLE_BF16.as_ptr().cast()) };
                 let load = |i: usize, j: usize| {
                     let at = (i * p + j) * BLOCK;
                     // Lane l: the byte (low nibble column 2j, high 2j + 1) zero-extended;
@@ -1056,6 +1077,13 @@ mod tests {
         assert_eq!(emitted, 0);
         w.gemm_bf16(&xb, 9, 0, w.blocks(), |_, _, _| emitted += 1);
         assert_eq!(emitted, 9 * w.blocks());
+    }
+
+    #[test]
+    fn nibble_table_holds_the_codes_bf16_bits() {
+        for (w, &b) in NIBBLE_BF16.iter().enumerate() {
+            assert_eq!(u32::from(b), code_bf16((w % 16) as i8), "word {w}");
+        }
     }
 
     #[test]
