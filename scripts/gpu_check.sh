@@ -9,7 +9,8 @@
 # It installs dist/moeq_rs-*.whl into a temporary directory (no dependencies pulled) and runs
 # scripts/gpu_check.py: kernel compilation for the device's arch, W8A8 MoE correctness against
 # the CPU path, WNA16 (Marlin layout, mma.sync) correctness against an fp32 torch reference, a
-# non-default stream, CUDA graph capture and replay, and benchmarks. Output
+# non-default stream, CUDA graph capture and replay, and benchmarks; first scripts/amx_check.py
+# (the CPU int8 path's AMX tiles, when this host's CPU has them). Output
 # also goes to $OUT/gpu_check.log when OUT is set. Exit status: 0 when every check passes.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_check_out}
@@ -26,7 +27,11 @@ if [ -z "$wheel" ]; then
 fi
 "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$wheel" || exit 2
 export PYTHONPATH="$WORK/site" MOEQ_CACHE_DIR="$WORK/kcache" PYTHONUNBUFFERED=1
+# The GPU host's CPU may have AMX: run the CPU int8 path's AMX tiles there too.
+timeout 240 "$PY" scripts/amx_check.py
+amx_rc=$?
 timeout 280 "$PY" scripts/gpu_check.py
 rc=$?
+[ "$rc" -eq 0 ] && rc=$amx_rc
 echo "gpu_check: ${SECONDS}s, exit $rc"
 exit $rc

@@ -13,14 +13,19 @@ pub enum Isa {
     /// AVX-512 VNNI: `vpdpbusd` on (x + 128) as u8 times w as i8, minus 128 * sum(w).
     #[cfg(target_arch = "x86_64")]
     Avx512Vnni,
+    /// AVX-512 VNNI, and AMX-INT8 tiles for int8 GEMMs of [`super::amx::MIN_ROWS`] rows or
+    /// more (the same accumulators; see [`super::amx`]).
+    #[cfg(target_arch = "x86_64")]
+    AmxInt8,
     /// aarch64 NEON (always present there): widening `smull` int8 products.
     #[cfg(target_arch = "aarch64")]
     Neon,
 }
 
 /// The kernel family every CPU kernel dispatches to: the best this CPU runs, capped by the
-/// environment variable `MOEQ_CPU_ISA` (`scalar`, `avx2`, `avx512`, `avx512_vnni`, `neon`) so that each
-/// path can be tested and compared on one machine. A cap above the CPU's support is ignored.
+/// environment variable `MOEQ_CPU_ISA` (`scalar`, `avx2`, `avx512`, `avx512_vnni`, `amx_int8`,
+/// `neon`) so that each path can be tested and compared on one machine. A cap above the CPU's
+/// support is ignored.
 pub fn isa() -> Isa {
     static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
     *ISA.get_or_init(|| {
@@ -31,7 +36,12 @@ pub fn isa() -> Isa {
             #[cfg(target_arch = "x86_64")]
             "avx2" if detected != Isa::Scalar => Isa::Avx2,
             #[cfg(target_arch = "x86_64")]
-            "avx512" if matches!(detected, Isa::Avx512 | Isa::Avx512Vnni) => Isa::Avx512,
+            "avx512" if detected.avx512() => Isa::Avx512,
+            #[cfg(target_arch = "x86_64")]
+            "avx512_vnni" if detected.vnni() => Isa::Avx512Vnni,
+            // AMX is asked for (permission, self-test) only when no cap rules it out.
+            #[cfg(target_arch = "x86_64")]
+            "" | "amx_int8" if detected == Isa::Avx512Vnni && super::amx::usable() => Isa::AmxInt8,
             _ => detected,
         }
     })
@@ -74,7 +84,7 @@ impl Isa {
     pub fn vnni(self) -> bool {
         #[cfg(target_arch = "x86_64")]
         {
-            self == Isa::Avx512Vnni
+            matches!(self, Isa::Avx512Vnni | Isa::AmxInt8)
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
@@ -85,7 +95,18 @@ impl Isa {
     pub fn avx512(self) -> bool {
         #[cfg(target_arch = "x86_64")]
         {
-            matches!(self, Isa::Avx512 | Isa::Avx512Vnni)
+            matches!(self, Isa::Avx512 | Isa::Avx512Vnni | Isa::AmxInt8)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+    /// The AMX-INT8 tiles apply (to int8 GEMMs from [`super::amx::MIN_ROWS`] rows).
+    pub fn amx(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            self == Isa::AmxInt8
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
@@ -136,6 +157,8 @@ pub fn isa_name(isa: Isa) -> &'static str {
         Isa::Avx512 => "avx512",
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni => "avx512_vnni",
+        #[cfg(target_arch = "x86_64")]
+        Isa::AmxInt8 => "amx_int8",
         #[cfg(target_arch = "aarch64")]
         Isa::Neon => "neon",
     }
@@ -144,7 +167,7 @@ pub fn isa_name(isa: Isa) -> &'static str {
 /// `max |x|`, ignoring NaN (as `f32::max` does).
 pub fn amax(x: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if matches!(isa(), Isa::Avx512 | Isa::Avx512Vnni) {
+    if isa().avx512() {
         // SAFETY: AVX-512F detected by `isa()`.
         return unsafe { x86::amax_avx512(x) };
     }
@@ -163,7 +186,7 @@ pub fn quantize_u8(x: &[f32], s: f32, out: &mut [u8]) {
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if matches!(isa(), Isa::Avx512 | Isa::Avx512Vnni) {
+    if isa().avx512() {
         // SAFETY: AVX-512F and BW detected by `isa()`; both slices cut to the same length.
         unsafe { x86::quantize_u8_avx512(x, s, out) };
         return;
@@ -240,7 +263,7 @@ pub fn silu_mul(gate: Option<&[f32]>, up: &mut [f32]) {
         let n = g.len().min(up.len());
         let up = &mut up[..n];
         #[cfg(target_arch = "x86_64")]
-        if matches!(isa(), Isa::Avx512 | Isa::Avx512Vnni) {
+        if isa().avx512() {
             // SAFETY: AVX-512F detected by `isa()`; both slices have n values.
             unsafe { x86::silu_mul_avx512(Some(&g[..n]), up) };
             return;
@@ -251,7 +274,7 @@ pub fn silu_mul(gate: Option<&[f32]>, up: &mut [f32]) {
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if matches!(isa(), Isa::Avx512 | Isa::Avx512Vnni) {
+    if isa().avx512() {
         // SAFETY: AVX-512F detected by `isa()`.
         unsafe { x86::silu_mul_avx512(None, up) };
         return;
@@ -268,7 +291,7 @@ pub fn add_scaled(dst: &mut [f32], src: &[f32], w: f32, first: bool) {
     let n = dst.len().min(src.len());
     let (dst, src) = (&mut dst[..n], &src[..n]);
     #[cfg(target_arch = "x86_64")]
-    if matches!(isa(), Isa::Avx512 | Isa::Avx512Vnni) {
+    if isa().avx512() {
         // SAFETY: AVX-512F detected by `isa()`; both slices have n values.
         unsafe { x86::add_scaled_avx512(dst, src, w, first) };
         return;
@@ -335,7 +358,7 @@ fn convert_chunks<A: Copy + Sync, B: Send>(src: &[A], out: &mut [B], f: impl Fn(
 #[inline]
 pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if matches!(isa(), Isa::Avx512 | Isa::Avx512Vnni) {
+    if isa().avx512() {
         let n = w.len().min(x.len());
         let mut out = [[0f32; 4]; 1];
         // SAFETY: AVX-512F detected by `isa()`; one row of n values in each slice.

@@ -1,5 +1,6 @@
 //! The CPU MoE path: routing, quantized linear layers and the fused forward.
 
+pub mod amx;
 pub mod arena;
 pub mod build;
 pub mod kernels;

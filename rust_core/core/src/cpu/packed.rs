@@ -22,6 +22,13 @@ pub const BLOCK: usize = 16;
 pub const TILE_BLOCKS: usize = 4;
 /// Activation rows per register tile (6 x 4 accumulators + 4 weight registers + 1 broadcast).
 pub const TILE_ROWS: usize = 6;
+/// The most (row, block) accumulators one tile hands out: a VNNI register tile, or the AMX
+/// tiles' [`super::amx::ACC_ENTRIES`].
+const MAX_TILE: usize = if TILE_ROWS * TILE_BLOCKS > super::amx::ACC_ENTRIES {
+    TILE_ROWS * TILE_BLOCKS
+} else {
+    super::amx::ACC_ENTRIES
+};
 /// Row passes over a tile from which the later passes prefetch the next tile: with fewer,
 /// each pass would issue a large share of 128 KB of prefetches in a short run of compute and
 /// stall on them (measured slower at 8-16 rows per expert, faster at 64).
@@ -223,7 +230,7 @@ impl PackedI8 {
             return;
         }
         let simd = isa().avx512();
-        let mut out = [[0f32; BLOCK]; TILE_ROWS * TILE_BLOCKS];
+        let mut out = [[0f32; BLOCK]; MAX_TILE];
         self.tiles(xu, m, first_block, nblocks, |r, mr, b, nb, acc| {
             let rows = &sx[r..r + mr];
             let dst = &mut out[..mr * nb];
@@ -266,6 +273,33 @@ impl PackedI8 {
         let data = self.bytes();
         if data.len() < end * block_len || self.wsum.len() < end * BLOCK {
             return;
+        }
+        #[cfg(test)]
+        if AMX_MODEL.with(std::cell::Cell::get)
+            && m >= super::amx::MIN_ROWS
+            && super::amx::tiles(
+                &mut super::amx::Model::default(),
+                xu,
+                m,
+                self.k_pad,
+                &data[..end * block_len],
+                first_block,
+                end,
+                &mut done,
+            )
+        {
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if isa().amx() && m >= super::amx::MIN_ROWS && self.k_pad.is_multiple_of(super::amx::KSTEP)
+        {
+            // SAFETY: `isa()` reports AMX only after `amx::usable()` found the tiles, the OS
+            // permission and a passing hardware self-test in this process.
+            let mut hw = unsafe { super::amx::Hw::new() };
+            let w = &data[..end * block_len];
+            if super::amx::tiles(&mut hw, xu, m, self.k_pad, w, first_block, end, &mut done) {
+                return;
+            }
         }
         let (use_vnni, use_avx2, use_neon) = (isa().vnni(), isa().avx2_int8(), isa().neon());
         let mut acc = [[0i32; BLOCK]; TILE_ROWS * TILE_BLOCKS];
@@ -351,6 +385,47 @@ pub fn finish_scalar(
             }
         }
     }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Tests only: this thread's int8 GEMMs take the AMX path on the instruction model
+    /// ([`super::amx::Model`]) where the hardware path would apply, so that the path's
+    /// hand-off to the epilogue is tested on CPUs without AMX.
+    static AMX_MODEL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// One (row, block) of raw accumulators: `(row, block, lanes)`.
+pub type Accumulator = (usize, usize, [i32; BLOCK]);
+
+/// The scalar reference's raw accumulators `Σ xu * w` (no compensation) of rows `0..m` and
+/// blocks `0..blocks` of packed weights `w`, as `(row, block, lanes)` in row, then block,
+/// order: what the AMX tiles are checked against (their self-test and tests). Empty when the
+/// slices are shorter than that.
+pub fn reference_accumulators(
+    xu: &[u8],
+    m: usize,
+    k_pad: usize,
+    w: &[i8],
+    blocks: usize,
+) -> Vec<Accumulator> {
+    let block_len = k_pad * BLOCK;
+    if xu.len() < m * k_pad || w.len() < blocks * block_len {
+        return Vec::new();
+    }
+    let mut out = Vec::with_capacity(m * blocks);
+    for r in 0..m {
+        for b in 0..blocks {
+            let mut acc = [[0i32; BLOCK]; 1];
+            let (x, blk) = (
+                &xu[r * k_pad..(r + 1) * k_pad],
+                &w[b * block_len..(b + 1) * block_len],
+            );
+            tile_scalar(x, 1, k_pad, blk, 1, &mut acc);
+            out.push((r, b, acc[0]));
+        }
+    }
+    out
 }
 
 /// The scalar reference tile: `out[r * nb + b][l] = Σ_i xu[r, i] * w_b[i, l]` (u8 x i8, int32).
@@ -881,6 +956,52 @@ mod tests {
     }
 
     /// `gemm_scaled` emits what `gemm` does, rescaled in the documented order.
+    /// The AMX path (on the instruction model) through `gemm_scaled`: the same bits as the
+    /// kernel this CPU runs otherwise, for padded and full row tiles, a single trailing block
+    /// and column ranges; rows below `amx::MIN_ROWS` stay on the register tiles.
+    #[test]
+    fn amx_path_through_the_epilogue_equals_the_other_kernels() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for &(m, n, k, first, nblocks) in &[
+            (5usize, 16usize, 64usize, 0usize, 1usize),
+            (16, 40, 192, 0, 3),
+            (17, 100, 128, 1, 5),
+            (37, 48, 256, 0, 3),
+            (64, 33, 2048, 1, 2),
+            (3, 48, 128, 0, 3),
+        ] {
+            let q: Vec<i8> = (0..n * k).map(|_| next() as i8).collect();
+            let p = PackedI8::pack(&q, n, k);
+            let xu: Vec<u8> = (0..m * p.k_pad).map(|_| next() as u8).collect();
+            let sx: Vec<f32> = (0..m).map(|r| 1e-2 + r as f32 * 1e-3).collect();
+            let scale: Vec<f32> = (0..n).map(|j| 1e-3 * (1 + j % 7) as f32).collect();
+            let run = |model: bool| {
+                AMX_MODEL.with(|c| c.set(model));
+                let mut out = vec![f32::NAN; m * nblocks * BLOCK];
+                let mut hits = 0;
+                p.gemm_scaled(&xu, m, &sx, &scale, first, nblocks, |r, b, lanes| {
+                    let at = (r * nblocks + b - first) * BLOCK;
+                    out[at..at + BLOCK].copy_from_slice(lanes);
+                    hits += 1;
+                });
+                AMX_MODEL.with(|c| c.set(false));
+                (out, hits)
+            };
+            let (want, want_hits) = run(false);
+            let (got, got_hits) = run(true);
+            assert_eq!(want_hits, m * nblocks);
+            assert_eq!(got_hits, want_hits, "m={m} n={n} k={k}");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "m={m} n={n} k={k}");
+        }
+    }
+
     #[test]
     fn gemm_scaled_is_gemm_rescaled() {
         let (n, k, m) = (70, 100, 9);

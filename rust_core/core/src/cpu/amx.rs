@@ -1,0 +1,663 @@
+//! AMX-INT8 tiles for the W8A8 GEMM, on CPUs that have them (Intel Sapphire Rapids and later):
+//! one `tdpbusd` multiplies 16 activation rows by 16 features over 64 inputs (16,384 u8 x i8
+//! products) where a `vpdpbusd` does 64.
+//!
+//! The packed VNNI layout of [`super::packed`] already is AMX's B operand: in a block, 16
+//! consecutive 64-byte quads (4 inputs x 16 features each) are one B tile of 16 rows, so AMX
+//! reads the very bytes the VNNI kernels read, and the compensation (`- 128 * Σ w`) and the
+//! epilogue stay as they are. Activations (`xu`, u8 rows of `k_pad` bytes) are the A tiles.
+//!
+//! [`tiles`] is written against [`TileOps`], the five tile instructions it uses. Two
+//! implementations: the hardware, and [`Model`], an exact software model of those instructions
+//! (Intel SDM semantics of `tdpbusd`) that also checks every byte a tile load reads lies inside
+//! its slice. The tests run [`tiles`] on the model against the scalar reference on any CPU. On a
+//! CPU with AMX, [`usable`] runs it once on the hardware against the scalar reference before the
+//! dispatch picks it, and keeps AMX off if the two disagree.
+//!
+//! Tile state needs the kernel's permission (`arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)`,
+//! Linux 5.16 and later); when it is refused, or the CPU's tile palette is smaller than the one
+//! used here, the int8 GEMM stays on AVX-512 VNNI.
+
+use super::packed::{reference_accumulators, Accumulator, BLOCK};
+
+/// Rows of an A or C tile (activation rows per row tile).
+pub const TILE_ROWS: usize = 16;
+/// Input bytes per A tile row: one tile step of the reduction.
+pub const KSTEP: usize = 64;
+/// Row tiles per pass (two C tiles per block): 32 activation rows.
+const ROW_TILES: usize = 2;
+/// Blocks per pass (one B tile each): 32 features.
+const BLOCKS: usize = 2;
+/// Entries of the accumulator buffer [`tiles`] hands to `done`: every row of every C tile.
+pub const ACC_ENTRIES: usize = ROW_TILES * TILE_ROWS * BLOCKS;
+/// From this many activation rows the int8 GEMM uses AMX: below it a 16-row tile is mostly
+/// padding and the layer is bound by reading its weights anyway (SGLang's CPU kernels switch
+/// to AMX above 4 rows too).
+pub const MIN_ROWS: usize = 5;
+
+/// The tile instructions [`tiles`] uses. Tiles: C `(i, j)` is accumulator `2 * i + j`
+/// (`tmm0..tmm3`), A `i` is `tmm4 + i`, B `j` is `tmm6 + j`; every tile is 16 rows of 64 bytes.
+pub trait TileOps {
+    /// `tilezero` on the four C tiles.
+    fn zero(&mut self);
+    /// `tileloadd` A tile `i`: row `r` from `x[at + r * stride..][..64]`.
+    fn load_a(&mut self, i: usize, x: &[u8], at: usize, stride: usize);
+    /// `tileloadd` B tile `j`: row `r` from `w[at + 64 * r..][..64]`.
+    fn load_b(&mut self, j: usize, w: &[i8], at: usize);
+    /// `tdpbusd`: C `(i, j)` += A `i` (u8) x B `j` (i8).
+    fn dot(&mut self, i: usize, j: usize);
+    /// `tilestored` C `(i, j)`: row `r` to `out[at + r * stride]`.
+    fn store(&mut self, i: usize, j: usize, out: &mut [[i32; BLOCK]], at: usize, stride: usize);
+}
+
+/// Whether `[t..t + 15 * stride + 64)` lies inside a slice of `len` bytes.
+fn tile_fits(len: usize, at: usize, stride: usize) -> bool {
+    (TILE_ROWS - 1)
+        .checked_mul(stride)
+        .and_then(|s| s.checked_add(at))
+        .and_then(|s| s.checked_add(KSTEP))
+        .is_some_and(|end| end <= len)
+}
+
+/// Raw accumulators `Σ xu * w` of rows `0..m` and blocks `first..end` of packed weights `w`
+/// (`k_pad * 16` bytes per block), handed out as [`super::packed::PackedI8`]'s tiles hand
+/// them: `done(row, rows, block, blocks, acc)` with `acc[rr * blocks + bb]` for row `row + rr`
+/// and block `block + bb`, at most 16 rows and 2 blocks at a time, every (row, block) once.
+/// Returns `false`, having done nothing, when the arguments do not fit (`k_pad` not a multiple
+/// of 64, short slices): the caller then uses another kernel.
+#[allow(clippy::too_many_arguments)]
+pub fn tiles<T: TileOps>(
+    ops: &mut T,
+    xu: &[u8],
+    m: usize,
+    k_pad: usize,
+    w: &[i8],
+    first: usize,
+    end: usize,
+    mut done: impl FnMut(usize, usize, usize, usize, &mut [[i32; BLOCK]]),
+) -> bool {
+    let block_len = k_pad * BLOCK;
+    if k_pad == 0
+        || !k_pad.is_multiple_of(KSTEP)
+        || first >= end
+        || m == 0
+        || xu.len() < m * k_pad
+        || w.len() < end * block_len
+    {
+        return false;
+    }
+    let steps = k_pad / KSTEP;
+    // The last row tile when it has fewer than 16 rows, zero-padded: a tile load reads 16.
+    let full = m / TILE_ROWS * TILE_ROWS;
+    let tail: Vec<u8> = if full < m {
+        let mut t = vec![0u8; TILE_ROWS * k_pad];
+        t[..(m - full) * k_pad].copy_from_slice(&xu[full * k_pad..m * k_pad]);
+        t
+    } else {
+        Vec::new()
+    };
+    let mut acc = [[0i32; BLOCK]; ACC_ENTRIES];
+    let mut b = first;
+    while b < end {
+        let nb = (end - b).min(BLOCKS);
+        let mut r0 = 0;
+        while r0 < m {
+            let rts = (m - r0).div_ceil(TILE_ROWS).min(ROW_TILES);
+            // Each row tile's source: xu itself, or the padded copy of the last rows.
+            let src = |i: usize| -> (&[u8], usize) {
+                let r = r0 + i * TILE_ROWS;
+                if r < full {
+                    (xu, r * k_pad)
+                } else {
+                    (&tail, 0)
+                }
+            };
+            ops.zero();
+            for s in 0..steps {
+                for i in 0..rts {
+                    let (x, at) = src(i);
+                    ops.load_a(i, x, at + s * KSTEP, k_pad);
+                }
+                for j in 0..nb {
+                    ops.load_b(j, w, (b + j) * block_len + s * KSTEP * BLOCK);
+                }
+                for i in 0..rts {
+                    for j in 0..nb {
+                        ops.dot(i, j);
+                    }
+                }
+            }
+            for i in 0..rts {
+                let rows = (m - r0 - i * TILE_ROWS).min(TILE_ROWS);
+                let part = &mut acc[i * TILE_ROWS * BLOCKS..(i + 1) * TILE_ROWS * BLOCKS];
+                for j in 0..nb {
+                    // Row r of C (i, j) lands at part[r * nb + j]: the (row, block) order
+                    // `done` takes.
+                    ops.store(i, j, part, j, nb);
+                }
+                done(r0 + i * TILE_ROWS, rows, b, nb, &mut part[..rows * nb]);
+            }
+            r0 += rts * TILE_ROWS;
+        }
+        b += nb;
+    }
+    true
+}
+
+/// Every `(row, block, lanes)` that [`tiles`] hands out for rows `0..m` and blocks
+/// `first..end`, in row, then block, order (as [`reference_accumulators`] lists them); `None`
+/// when [`tiles`] refuses the arguments.
+pub fn accumulators<T: TileOps>(
+    ops: &mut T,
+    xu: &[u8],
+    m: usize,
+    k_pad: usize,
+    w: &[i8],
+    first: usize,
+    end: usize,
+) -> Option<Vec<Accumulator>> {
+    let mut seen = Vec::new();
+    let ran = tiles(ops, xu, m, k_pad, w, first, end, |r, mr, b, nb, acc| {
+        for rr in 0..mr {
+            for bb in 0..nb {
+                seen.push((r + rr, b + bb, acc[rr * nb + bb]));
+            }
+        }
+    });
+    seen.sort_by_key(|e| (e.0, e.1));
+    ran.then_some(seen)
+}
+
+/// Whether [`tiles`] on `ops` equals the scalar reference on a problem with a full pass of two
+/// row tiles, a pass with one padded row tile (5 rows), a block pair and a single block, three
+/// steps, and codes over the whole u8 x i8 range: the check [`usable`] runs on the hardware.
+pub fn self_test<T: TileOps>(ops: &mut T) -> bool {
+    let (m, blocks, k_pad) = (37, 3, 3 * KSTEP);
+    let mut seed = 0x9e37_79b9u32;
+    let mut next = || {
+        seed ^= seed << 13;
+        seed ^= seed >> 17;
+        seed ^= seed << 5;
+        seed
+    };
+    let xu: Vec<u8> = (0..m * k_pad).map(|_| next() as u8).collect();
+    let w: Vec<i8> = (0..blocks * k_pad * BLOCK).map(|_| next() as i8).collect();
+    let reference = reference_accumulators(&xu, m, k_pad, &w, blocks);
+    !reference.is_empty() && accumulators(ops, &xu, m, k_pad, &w, 0, blocks) == Some(reference)
+}
+
+/// An exact software model of the tile instructions: `tdpbusd` as the Intel SDM defines it
+/// (for each row `m` and column `n`: `C[m][n] += Σ_k Σ_t u8(A[m][4k + t]) * i8(B[k][4n + t])`,
+/// wrapping int32). Tile loads and stores assert that they stay inside their slices, so a test
+/// on the model also shows [`tiles`] never reads out of bounds.
+#[derive(Clone, Debug)]
+pub struct Model {
+    a: [[[u8; KSTEP]; TILE_ROWS]; 2],
+    b: [[[i8; KSTEP]; TILE_ROWS]; 2],
+    c: [[[i32; BLOCK]; TILE_ROWS]; 4],
+}
+
+impl Default for Model {
+    fn default() -> Self {
+        Model {
+            a: [[[0; KSTEP]; TILE_ROWS]; 2],
+            b: [[[0; KSTEP]; TILE_ROWS]; 2],
+            c: [[[0; BLOCK]; TILE_ROWS]; 4],
+        }
+    }
+}
+
+impl TileOps for Model {
+    fn zero(&mut self) {
+        self.c = [[[0; BLOCK]; TILE_ROWS]; 4];
+    }
+    fn load_a(&mut self, i: usize, x: &[u8], at: usize, stride: usize) {
+        assert!(tile_fits(x.len(), at, stride), "A tile read out of bounds");
+        for (r, row) in self.a[i].iter_mut().enumerate() {
+            row.copy_from_slice(&x[at + r * stride..at + r * stride + KSTEP]);
+        }
+    }
+    fn load_b(&mut self, j: usize, w: &[i8], at: usize) {
+        assert!(tile_fits(w.len(), at, KSTEP), "B tile read out of bounds");
+        for (r, row) in self.b[j].iter_mut().enumerate() {
+            row.copy_from_slice(&w[at + r * KSTEP..at + (r + 1) * KSTEP]);
+        }
+    }
+    fn dot(&mut self, i: usize, j: usize) {
+        let (a, b) = (&self.a[i], &self.b[j]);
+        for (m, c) in self.c[2 * i + j].iter_mut().enumerate() {
+            for (k, brow) in b.iter().enumerate() {
+                for (n, cn) in c.iter_mut().enumerate() {
+                    let dp: i32 = (0..4)
+                        .map(|t| i32::from(a[m][4 * k + t]) * i32::from(brow[4 * n + t]))
+                        .sum();
+                    *cn = cn.wrapping_add(dp);
+                }
+            }
+        }
+    }
+    fn store(&mut self, i: usize, j: usize, out: &mut [[i32; BLOCK]], at: usize, stride: usize) {
+        let last = (TILE_ROWS - 1) * stride + at;
+        assert!(last < out.len(), "C tile stored out of bounds");
+        for (r, row) in self.c[2 * i + j].iter().enumerate() {
+            out[at + r * stride] = *row;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub use hw::{usable, Hw};
+
+#[cfg(not(target_arch = "x86_64"))]
+/// AMX is x86 only.
+pub fn usable() -> bool {
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+mod hw {
+    use std::arch::asm;
+
+    use super::{self_test, TileOps, BLOCK, KSTEP, TILE_ROWS};
+
+    /// `arch_prctl` requests (Linux `asm/prctl.h`) and the tile-data state component.
+    const ARCH_GET_XCOMP_PERM: libc::c_long = 0x1022;
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+
+    /// The 64-byte `ldtilecfg` operand: palette 1, all eight tiles 16 rows of 64 bytes.
+    #[repr(C, align(64))]
+    pub(super) struct Config([u8; 64]);
+
+    impl Config {
+        pub(super) fn all_full() -> Config {
+            let mut c = [0u8; 64];
+            c[0] = 1; // palette 1
+            for t in 0..8 {
+                // colsb of tile t: a little-endian u16 at byte 16 + 2t; its rows at byte 48 + t.
+                c[16 + 2 * t..18 + 2 * t].copy_from_slice(&(KSTEP as u16).to_le_bytes());
+                c[48 + t] = TILE_ROWS as u8;
+            }
+            Config(c)
+        }
+        pub(super) fn bytes(&self) -> &[u8; 64] {
+            &self.0
+        }
+    }
+
+    /// The CPU's AMX tiles, configured for [`tiles`] while this value lives (`ldtilecfg` on
+    /// creation, `tilerelease` on drop; tile state is per thread, so it never leaves its
+    /// thread).
+    pub struct Hw {
+        _not_send: std::marker::PhantomData<*const ()>,
+    }
+
+    impl Hw {
+        /// Configures the calling thread's tiles.
+        ///
+        /// # Safety
+        /// [`usable`] returned true in this process (the CPU has AMX-INT8 with palette 1 of at
+        /// least 8 tiles of 16 rows x 64 bytes, and the OS granted tile state).
+        pub unsafe fn new() -> Hw {
+            let cfg = Config::all_full();
+            // SAFETY: AMX is present and permitted (caller's contract); the operand is a valid
+            // palette-1 configuration within the limits `usable` checked, 64 readable bytes.
+            unsafe {
+                asm!("ldtilecfg [{c}]", c = in(reg) cfg.bytes().as_ptr(),
+                     options(nostack, readonly, preserves_flags))
+            };
+            Hw {
+                _not_send: std::marker::PhantomData,
+            }
+        }
+    }
+
+    impl Drop for Hw {
+        fn drop(&mut self) {
+            // SAFETY: an `Hw` exists only where AMX is usable (see `Hw::new`).
+            unsafe { asm!("tilerelease", options(nostack, nomem, preserves_flags)) };
+        }
+    }
+
+    /// `tileloadd` into the named tile register from `p` with row stride `s`.
+    macro_rules! load {
+        ($reg:literal, $p:expr, $s:expr) => {
+            asm!(concat!("tileloadd ", $reg, ", [{p} + {s}*1]"), p = in(reg) $p, s = in(reg) $s,
+                 options(nostack, readonly, preserves_flags))
+        };
+    }
+
+    /// `tilestored` of the named tile register to `p` with row stride `s`.
+    macro_rules! store {
+        ($reg:literal, $p:expr, $s:expr) => {
+            asm!(concat!("tilestored [{p} + {s}*1], ", $reg), p = in(reg) $p, s = in(reg) $s,
+                 options(nostack, preserves_flags))
+        };
+    }
+
+    impl TileOps for Hw {
+        #[inline(always)]
+        fn zero(&mut self) {
+            // SAFETY: tiles configured by `Hw::new`; no memory access.
+            unsafe {
+                asm!(
+                    "tilezero tmm0",
+                    "tilezero tmm1",
+                    "tilezero tmm2",
+                    "tilezero tmm3",
+                    options(nostack, nomem, preserves_flags)
+                )
+            };
+        }
+        #[inline(always)]
+        fn load_a(&mut self, i: usize, x: &[u8], at: usize, stride: usize) {
+            debug_assert!(super::tile_fits(x.len(), at, stride));
+            let p = x.as_ptr().wrapping_add(at);
+            // SAFETY: `tiles` loads only 16 rows of 64 bytes that lie inside `x` (checked
+            // there once per call: xu holds m rows of `stride` bytes, the last partial row tile
+            // comes from a 16-row copy; the model's bounds assertions test it).
+            unsafe {
+                match i {
+                    0 => load!("tmm4", p, stride),
+                    _ => load!("tmm5", p, stride),
+                }
+            }
+        }
+        #[inline(always)]
+        fn load_b(&mut self, j: usize, w: &[i8], at: usize) {
+            debug_assert!(super::tile_fits(w.len(), at, KSTEP));
+            let p = w.as_ptr().wrapping_add(at);
+            // SAFETY: `tiles` loads B tiles only inside blocks `first..end`, which its entry
+            // check found inside `w`.
+            unsafe {
+                match j {
+                    0 => load!("tmm6", p, KSTEP),
+                    _ => load!("tmm7", p, KSTEP),
+                }
+            }
+        }
+        #[inline(always)]
+        fn dot(&mut self, i: usize, j: usize) {
+            // SAFETY: tiles configured by `Hw::new`; register-only.
+            unsafe {
+                match (i, j) {
+                    (0, 0) => asm!("tdpbusd tmm0, tmm4, tmm6", options(nostack, nomem)),
+                    (0, _) => asm!("tdpbusd tmm1, tmm4, tmm7", options(nostack, nomem)),
+                    (_, 0) => asm!("tdpbusd tmm2, tmm5, tmm6", options(nostack, nomem)),
+                    _ => asm!("tdpbusd tmm3, tmm5, tmm7", options(nostack, nomem)),
+                }
+            }
+        }
+        #[inline(always)]
+        fn store(
+            &mut self,
+            i: usize,
+            j: usize,
+            out: &mut [[i32; BLOCK]],
+            at: usize,
+            stride: usize,
+        ) {
+            // Rows land `stride` entries of 64 bytes apart, the last at `at + 15 * stride`.
+            if (TILE_ROWS - 1) * stride + at >= out.len() {
+                return;
+            }
+            let p = out.as_mut_ptr().wrapping_add(at);
+            let s = stride * std::mem::size_of::<[i32; BLOCK]>();
+            // SAFETY: checked just above: all 16 rows of 64 bytes lie inside `out`.
+            unsafe {
+                match (i, j) {
+                    (0, 0) => store!("tmm0", p, s),
+                    (0, _) => store!("tmm1", p, s),
+                    (_, 0) => store!("tmm2", p, s),
+                    _ => store!("tmm3", p, s),
+                }
+            }
+        }
+    }
+
+    /// CPUID leaf 7: AMX-TILE (EDX bit 24) and AMX-INT8 (bit 25); leaf 0x1D palette 1 and
+    /// leaf 0x1E TMUL limits at least what [`Config::all_full`] asks for.
+    fn cpu_has_tiles() -> bool {
+        use std::arch::x86_64::__cpuid_count;
+        if __cpuid_count(0, 0).eax < 0x1e {
+            return false;
+        }
+        let edx = __cpuid_count(7, 0).edx;
+        if edx & (1 << 24) == 0 || edx & (1 << 25) == 0 {
+            return false;
+        }
+        let palettes = __cpuid_count(0x1d, 0).eax;
+        let p1 = __cpuid_count(0x1d, 1);
+        let tmul = __cpuid_count(0x1e, 0).ebx;
+        let bytes_per_row = p1.ebx & 0xffff;
+        let names = p1.ebx >> 16;
+        let max_rows = p1.ecx & 0xffff;
+        let (max_k, max_n) = (tmul & 0xff, (tmul >> 8) & 0xffff);
+        palettes >= 1
+            && bytes_per_row as usize >= KSTEP
+            && names >= 8
+            && max_rows as usize >= TILE_ROWS
+            && max_k as usize >= TILE_ROWS
+            && max_n as usize >= KSTEP
+    }
+
+    /// Asks Linux for tile-data state in this process; true when granted.
+    fn request_permission() -> bool {
+        // SAFETY: arch_prctl with these codes only reads and sets the process's permitted
+        // extended-state mask; a kernel without them returns an error.
+        let req = unsafe {
+            libc::syscall(
+                libc::SYS_arch_prctl,
+                ARCH_REQ_XCOMP_PERM,
+                XFEATURE_XTILEDATA,
+            )
+        };
+        if req != 0 {
+            return false;
+        }
+        let mut mask: u64 = 0;
+        // SAFETY: ARCH_GET_XCOMP_PERM writes one u64 through the pointer, which is valid.
+        let got = unsafe {
+            libc::syscall(
+                libc::SYS_arch_prctl,
+                ARCH_GET_XCOMP_PERM,
+                std::ptr::addr_of_mut!(mask),
+            )
+        };
+        got == 0 && mask & (1 << XFEATURE_XTILEDATA) != 0
+    }
+
+    /// Whether the int8 GEMM may use AMX in this process: the CPU has the tiles, Linux granted
+    /// tile state, and [`tiles`] on the hardware equals the scalar reference on a problem with
+    /// two row tiles and a padded one, a block pair and a single block, and three steps. Asked
+    /// once (by [`super::super::kernels::isa`]).
+    pub fn usable() -> bool {
+        if !cpu_has_tiles() || !request_permission() {
+            return false;
+        }
+        // SAFETY: the CPU has the tiles and the OS granted their state (just checked).
+        let agree = self_test(&mut unsafe { Hw::new() });
+        if !agree {
+            eprintln!(
+                "moeq_rs: AMX tiles disagreed with the scalar int8 GEMM in a self-test; \
+                 using AVX-512 VNNI"
+            );
+        }
+        agree
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::packed::PackedI8;
+    use super::*;
+    use proptest::prelude::*;
+
+    fn run_model(
+        xu: &[u8],
+        m: usize,
+        k_pad: usize,
+        w: &[i8],
+        first: usize,
+        end: usize,
+    ) -> Vec<Accumulator> {
+        // Each hand-out is at most one C tile's rows by two blocks, sized as `done` is told.
+        let ran = tiles(
+            &mut Model::default(),
+            xu,
+            m,
+            k_pad,
+            w,
+            first,
+            end,
+            |_, mr, _, nb, acc| {
+                assert!((1..=TILE_ROWS).contains(&mr) && (1..=BLOCKS).contains(&nb));
+                assert_eq!(acc.len(), mr * nb);
+            },
+        );
+        assert!(ran);
+        accumulators(&mut Model::default(), xu, m, k_pad, w, first, end).unwrap_or_default()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// The tile driver on the exact model equals the scalar reference for every (row,
+        /// block), each handed out once, with slices of exactly the size the contract names
+        /// (the model asserts that no tile load or store leaves them).
+        #[test]
+        fn model_tiles_equal_scalar(m in 1usize..70, n in 1usize..100, steps in 1usize..5,
+                                    seed in any::<u64>()) {
+            let k = steps * KSTEP;
+            let mut s = seed | 1;
+            let mut next = move || { s ^= s << 13; s ^= s >> 7; s ^= s << 17; s };
+            let q: Vec<i8> = (0..n * k).map(|_| next() as i8).collect();
+            let packed = PackedI8::pack(&q, n, k);
+            let xu: Vec<u8> = (0..m * k).map(|_| next() as u8).collect();
+            let blocks = packed.blocks();
+            let reference = reference_accumulators(&xu, m, k, packed.bytes(), blocks);
+            prop_assert_eq!(run_model(&xu, m, k, packed.bytes(), 0, blocks), reference);
+        }
+    }
+
+    #[test]
+    fn model_tiles_at_extremes_and_a_block_range() {
+        // 255 x -128 everywhere: the largest products, summed over 4 steps.
+        let (m, blocks, k) = (21, 5, 4 * KSTEP);
+        let xu = vec![255u8; m * k];
+        let w = vec![-128i8; blocks * k * BLOCK];
+        let got = run_model(&xu, m, k, &w, 1, 4);
+        assert_eq!(got.len(), m * 3);
+        for (r, b, lanes) in got {
+            assert!(r < m && (1..4).contains(&b));
+            assert_eq!(lanes, [255 * -128 * k as i32; BLOCK]);
+        }
+    }
+
+    #[test]
+    fn tiles_refuse_what_they_cannot_run() {
+        let mut ops = Model::default();
+        let xu = vec![1u8; 8 * 128];
+        let w = vec![1i8; 2 * 128 * BLOCK];
+        let never = |_: usize, _: usize, _: usize, _: usize, _: &mut [[i32; BLOCK]]| {
+            panic!("nothing may be emitted")
+        };
+        // k_pad not a multiple of 64, short activations, short weights, empty ranges.
+        assert!(!tiles(&mut ops, &xu, 8, 96, &w, 0, 2, never));
+        assert!(!tiles(&mut ops, &xu, 9, 128, &w, 0, 2, never));
+        assert!(!tiles(&mut ops, &xu, 8, 128, &w, 0, 3, never));
+        assert!(!tiles(&mut ops, &xu, 8, 128, &w, 2, 2, never));
+        assert!(!tiles(&mut ops, &xu, 0, 128, &w, 0, 2, never));
+    }
+
+    /// The model with one instruction wrong, as a miscompiled or misassembled kernel would be.
+    struct Faulty {
+        model: Model,
+        fault: usize,
+    }
+
+    impl TileOps for Faulty {
+        fn zero(&mut self) {
+            self.model.zero()
+        }
+        fn load_a(&mut self, i: usize, x: &[u8], at: usize, stride: usize) {
+            // Fault 0: the row stride ignored (rows read back to back).
+            let stride = if self.fault == 0 { KSTEP } else { stride };
+            self.model.load_a(i, x, at, stride)
+        }
+        fn load_b(&mut self, j: usize, w: &[i8], at: usize) {
+            self.model.load_b(j, w, at)
+        }
+        fn dot(&mut self, i: usize, j: usize) {
+            if self.fault == 1 {
+                // Fault 1: A read as signed bytes (tdpbsud's operand roles swapped).
+                for row in &mut self.model.a[i] {
+                    for v in row.iter_mut() {
+                        *v = (*v as i8).unsigned_abs();
+                    }
+                }
+            }
+            // Fault 2: the second A tile paired with the wrong accumulator.
+            let i2 = if self.fault == 2 { 1 - i } else { i };
+            self.model.dot(i2.min(1), j)
+        }
+        fn store(
+            &mut self,
+            i: usize,
+            j: usize,
+            out: &mut [[i32; BLOCK]],
+            at: usize,
+            stride: usize,
+        ) {
+            // Fault 3: the last block's tile stored over the first.
+            let at = if self.fault == 3 { 0 } else { at };
+            self.model.store(i, j, out, at, stride)
+        }
+    }
+
+    #[test]
+    fn self_test_passes_the_model_and_catches_faults() {
+        assert!(self_test(&mut Model::default()));
+        for fault in 0..4 {
+            let mut ops = Faulty {
+                model: Model::default(),
+                fault,
+            };
+            assert!(!self_test(&mut ops), "fault {fault} not caught");
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn tile_config_is_palette_one_with_full_tiles() {
+        let cfg = hw::Config::all_full();
+        let b = cfg.bytes();
+        assert_eq!((b[0], b[1]), (1, 0));
+        for t in 0..8 {
+            assert_eq!(u16::from_le_bytes([b[16 + 2 * t], b[17 + 2 * t]]), 64);
+            assert_eq!(b[48 + t], 16);
+        }
+        assert!(b[2..16].iter().all(|&v| v == 0) && b[32..48].iter().all(|&v| v == 0));
+        assert!(b[56..].iter().all(|&v| v == 0));
+        assert_eq!(b.as_ptr() as usize % 64, 0);
+    }
+
+    /// Where the CPU has no AMX (or Linux refuses tile state) the answer is a clean `false`,
+    /// and the dispatch says so; where it has AMX, the dispatch picks it only after the
+    /// hardware self-test in `usable` passed.
+    #[test]
+    fn usable_agrees_with_the_dispatch() {
+        let amx = usable();
+        let capped = std::env::var("MOEQ_CPU_ISA").is_ok_and(|c| !c.is_empty() && c != "amx_int8");
+        assert_eq!(super::super::kernels::isa().amx(), amx && !capped);
+        #[cfg(target_arch = "x86_64")]
+        if !hw_cpuid_amx() {
+            assert!(!amx);
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn hw_cpuid_amx() -> bool {
+        use std::arch::x86_64::__cpuid_count;
+        __cpuid_count(0, 0).eax >= 7 && __cpuid_count(7, 0).edx & (1 << 25) != 0
+    }
+}
