@@ -81,8 +81,9 @@ def cpu_features() -> list[str]:
 
 def cpu_kernel() -> str:
     """The CPU kernel family in use: ``"amx_int8"``, ``"avx512_vnni"``, ``"avx512"``,
-    ``"avx2"``, ``"neon"`` or ``"scalar"`` (the best this CPU runs, capped by the
-    ``MOEQ_CPU_ISA`` environment variable, read once per process). ``"amx_int8"``: AVX-512 VNNI,
+    ``"avx_vnni"`` (AVX2 with the 256-bit ``vpdpbusd``), ``"avx2"``, ``"neon"`` or
+    ``"scalar"`` (the best this CPU runs, capped by the ``MOEQ_CPU_ISA`` environment variable,
+    read once per process). ``"amx_int8"``: AVX-512 VNNI,
     with AMX tiles for int8 GEMMs of 5 rows or more; it is chosen only when Linux grants tile
     state and the tiles pass a self-test against the scalar GEMM."""
     return _core.cpu_kernel()

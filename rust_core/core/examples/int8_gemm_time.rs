@@ -1,5 +1,5 @@
 //! Times the packed int8 GEMM and the int8 linear layer on a Qwen3-MoE expert shape:
-//! `cargo run --release --example int8_gemm_time`.
+//! `cargo run --release --example int8_gemm_time` (`MOEQ_CPU_ISA` picks the kernel family).
 use std::time::Instant;
 
 use moeq_core::cpu::linear::Linear;
@@ -10,6 +10,8 @@ fn main() {
     let q: Vec<i8> = (0..n * k).map(|i| ((i * 7919) % 255) as i8).collect();
     let packed = PackedI8::pack(&q, n, k);
     let lin = Linear::int8(n, k, q, vec![1e-3; n], None);
+    let isa = moeq_core::cpu::kernels::isa();
+    println!("kernel family: {}", moeq_core::cpu::kernels::isa_name(isa));
     for m in [1usize, 4, 6, 64, 256] {
         let xu: Vec<u8> = (0..m * packed.k_pad).map(|i| (i % 251) as u8).collect();
         let reps = (512 / m).max(8);

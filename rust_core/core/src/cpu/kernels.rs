@@ -8,6 +8,9 @@ pub enum Isa {
     Scalar,
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    /// AVX2 with AVX-VNNI (the 256-bit, VEX-encoded `vpdpbusd`) for the int8 tile.
+    #[cfg(target_arch = "x86_64")]
+    AvxVnni,
     #[cfg(target_arch = "x86_64")]
     Avx512,
     /// AVX-512 VNNI: `vpdpbusd` on (x + 128) as u8 times w as i8, minus 128 * sum(w).
@@ -23,8 +26,8 @@ pub enum Isa {
 }
 
 /// The kernel family every CPU kernel dispatches to: the best this CPU runs, capped by the
-/// environment variable `MOEQ_CPU_ISA` (`scalar`, `avx2`, `avx512`, `avx512_vnni`, `amx_int8`,
-/// `neon`) so that each path can be tested and compared on one machine. A cap above the CPU's
+/// environment variable `MOEQ_CPU_ISA` (`scalar`, `avx2`, `avx_vnni`, `avx512`, `avx512_vnni`,
+/// `amx_int8`, `neon`) so that each path can be tested and compared on one machine. A cap above the CPU's
 /// support is ignored.
 pub fn isa() -> Isa {
     static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
@@ -35,6 +38,8 @@ pub fn isa() -> Isa {
             "scalar" => Isa::Scalar,
             #[cfg(target_arch = "x86_64")]
             "avx2" if detected != Isa::Scalar => Isa::Avx2,
+            #[cfg(target_arch = "x86_64")]
+            "avx_vnni" if detected != Isa::Scalar && avx_vnni_detected() => Isa::AvxVnni,
             #[cfg(target_arch = "x86_64")]
             "avx512" if detected.avx512() => Isa::Avx512,
             #[cfg(target_arch = "x86_64")]
@@ -57,6 +62,9 @@ fn detect() -> Isa {
             return Isa::Avx512;
         }
         if std::arch::is_x86_feature_detected!("avx2") {
+            if avx_vnni_detected() {
+                return Isa::AvxVnni;
+            }
             return Isa::Avx2;
         }
     }
@@ -66,6 +74,11 @@ fn detect() -> Isa {
     }
     #[allow(unreachable_code)]
     Isa::Scalar
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx_vnni_detected() -> bool {
+    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("avxvnni")
 }
 
 impl Isa {
@@ -113,6 +126,17 @@ impl Isa {
             false
         }
     }
+    /// The AVX-VNNI (256-bit) int8 tile applies.
+    pub fn avx_vnni(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            self == Isa::AvxVnni
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
     /// The AVX2 int8 tile applies (no VNNI).
     pub fn avx2_int8(self) -> bool {
         #[cfg(target_arch = "x86_64")]
@@ -153,6 +177,8 @@ pub fn isa_name(isa: Isa) -> &'static str {
         Isa::Scalar => "scalar",
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => "avx2",
+        #[cfg(target_arch = "x86_64")]
+        Isa::AvxVnni => "avx_vnni",
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => "avx512",
         #[cfg(target_arch = "x86_64")]

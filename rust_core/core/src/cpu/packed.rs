@@ -302,6 +302,7 @@ impl PackedI8 {
             }
         }
         let (use_vnni, use_avx2, use_neon) = (isa().vnni(), isa().avx2_int8(), isa().neon());
+        let use_avx_vnni = isa().avx_vnni();
         let mut acc = [[0i32; BLOCK]; TILE_ROWS * TILE_BLOCKS];
         #[cfg(target_arch = "x86_64")]
         let passes = m.div_ceil(TILE_ROWS);
@@ -314,8 +315,8 @@ impl PackedI8 {
                 let mr = (m - r).min(TILE_ROWS);
                 let x = &xu[r * self.k_pad..(r + mr) * self.k_pad];
                 let tile = &mut acc[..mr * nb];
-                if !use_vnni {
-                    // The VNNI kernel stores whole tiles; the others add into them.
+                if !use_vnni && !use_avx_vnni {
+                    // The VNNI kernels store whole tiles; the others add into them.
                     tile.fill([0; BLOCK]);
                 }
                 if use_vnni {
@@ -342,6 +343,13 @@ impl PackedI8 {
                         // required (prefetch addresses need not be valid).
                         unsafe { x86::tile(x, mr, self.k_pad, w, nb, tile, pf) };
                     }
+                } else if use_avx_vnni {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: `isa()` detected AVX2 and AVX-VNNI; the slices are sized as for
+                    // the AVX-512 VNNI tile.
+                    unsafe {
+                        x86::tile_avx_vnni(x, mr, self.k_pad, w, nb, tile)
+                    };
                 } else if use_avx2 {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: `isa()` detected AVX2; the slices are sized as for the VNNI tile.
@@ -571,6 +579,101 @@ mod x86 {
                     }
                 }
                 r += rows;
+            }
+        }
+    }
+
+    /// The AVX-VNNI tile (AVX2 CPUs with the VEX-encoded `vpdpbusd`, such as Intel's client
+    /// cores since Alder Lake): a block's 64-byte quad is two 256-bit operands (features 0-7
+    /// and 8-15), and up to 6 rows of one block run at a time (12 accumulators, 2 weight
+    /// registers and a broadcast: 15 of the 16 registers). Stores whole tiles.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2 and AVX-VNNI; `xu.len() >= mr * k_pad`, `k_pad % 4 == 0`,
+    /// `w.len() >= nb * k_pad * 16`, `out.len() >= mr * nb`.
+    #[target_feature(enable = "avx2,avxvnni")]
+    pub unsafe fn tile_avx_vnni(
+        xu: &[u8],
+        mr: usize,
+        k_pad: usize,
+        w: &[i8],
+        nb: usize,
+        out: &mut [[i32; BLOCK]],
+    ) {
+        for b in 0..nb {
+            let mut r = 0;
+            while r < mr {
+                let rows = (mr - r).min(6);
+                let at = Rows { r, b, nb };
+                // SAFETY: rows r..r + rows lie in `xu`, block b in `w`, and their outputs
+                // in `out` (caller's contract, r + rows <= mr, b < nb).
+                unsafe {
+                    match rows {
+                        1 => rows_avx_vnni::<1>(xu, k_pad, w, out, at),
+                        2 => rows_avx_vnni::<2>(xu, k_pad, w, out, at),
+                        3 => rows_avx_vnni::<3>(xu, k_pad, w, out, at),
+                        4 => rows_avx_vnni::<4>(xu, k_pad, w, out, at),
+                        5 => rows_avx_vnni::<5>(xu, k_pad, w, out, at),
+                        _ => rows_avx_vnni::<6>(xu, k_pad, w, out, at),
+                    }
+                }
+                r += rows;
+            }
+        }
+    }
+
+    /// Which rows and block [`rows_avx_vnni`] computes: rows `r..r + MR` of block `b`, whose
+    /// outputs go to `out[row * nb + b]`.
+    #[derive(Clone, Copy)]
+    struct Rows {
+        r: usize,
+        b: usize,
+        nb: usize,
+    }
+
+    /// `MR` rows of one block, full depth, with 256-bit `vpdpbusd`.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2 and AVX-VNNI; rows `at.r..at.r + MR` of `xu` (`k_pad` bytes
+    /// each, `k_pad % 4 == 0`), block `at.b` of `w` and entries `row * at.nb + at.b` of `out`
+    /// for those rows are in bounds.
+    #[target_feature(enable = "avx2,avxvnni")]
+    #[inline]
+    unsafe fn rows_avx_vnni<const MR: usize>(
+        xu: &[u8],
+        k_pad: usize,
+        w: &[i8],
+        out: &mut [[i32; BLOCK]],
+        at: Rows,
+    ) {
+        let mut acc = [[_mm256_setzero_si256(); 2]; MR];
+        let wp = w.as_ptr().wrapping_add(at.b * k_pad * BLOCK);
+        let xp = xu.as_ptr().wrapping_add(at.r * k_pad);
+        for quad in 0..k_pad / 4 {
+            // SAFETY: quad < k_pad / 4, so both 32-byte halves of this quad's 64 bytes lie in
+            // block `at.b` of `w` (caller's contract).
+            let (w0, w1) = unsafe {
+                (
+                    _mm256_loadu_si256(wp.add(quad * 64).cast()),
+                    _mm256_loadu_si256(wp.add(quad * 64 + 32).cast()),
+                )
+            };
+            for (r, lanes) in acc.iter_mut().enumerate() {
+                // SAFETY: r < MR and 4 * quad + 4 <= k_pad: the 4 bytes lie in row at.r + r
+                // of `xu`; read_unaligned has no alignment requirement.
+                let a = unsafe {
+                    _mm256_set1_epi32(xp.add(r * k_pad + 4 * quad).cast::<i32>().read_unaligned())
+                };
+                lanes[0] = _mm256_dpbusd_avx_epi32(lanes[0], a, w0);
+                lanes[1] = _mm256_dpbusd_avx_epi32(lanes[1], a, w1);
+            }
+        }
+        for (r, lanes) in acc.iter().enumerate() {
+            let o = &mut out[(at.r + r) * at.nb + at.b];
+            // SAFETY: `o` is 16 i32 = 64 bytes: two unaligned 256-bit stores.
+            unsafe {
+                _mm256_storeu_si256(o.as_mut_ptr().cast(), lanes[0]);
+                _mm256_storeu_si256(o.as_mut_ptr().add(8).cast(), lanes[1]);
             }
         }
     }
@@ -891,6 +994,43 @@ mod tests {
         let mut got = vec![[0i32; BLOCK]; 1];
         // SAFETY: AVX2 detected above; one row, one block of 4096 inputs.
         unsafe { x86::tile_avx2(&x, 1, 4096, &w, 1, &mut got) };
+        assert_eq!(got[0], [255 * -128 * 4096; BLOCK]);
+    }
+
+    /// The AVX-VNNI tile (the kernel of AVX2 CPUs with AVX-VNNI) equals the scalar tile
+    /// exactly: every row count up to two passes of 6, up to 4 blocks, the largest products.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx_vnni_tile_equals_scalar_tile() {
+        if !std::arch::is_x86_feature_detected!("avxvnni") {
+            // Tile-level check impossible here; the Python test of every kernel family then
+            // runs without this one (cpu_kernel() never reports it on such a CPU).
+            assert_ne!(
+                crate::cpu::kernels::isa_name(crate::cpu::kernels::isa()),
+                "avx_vnni"
+            );
+            return;
+        }
+        let mut next = xorshift(0x51_7cc1_b727_220a_u64);
+        for mr in 1..=13 {
+            for (nb, k) in [(1, 4), (2, 64), (3, 2048), (4, 12)] {
+                let k_pad = k;
+                let x: Vec<u8> = (0..mr * k_pad).map(|_| next() as u8).collect();
+                let mut w: Vec<i8> = (0..nb * k_pad * BLOCK).map(|_| next() as i8).collect();
+                w[0] = -128;
+                let mut want = vec![[0i32; BLOCK]; mr * nb];
+                tile_scalar(&x, mr, k_pad, &w, nb, &mut want);
+                let mut got = vec![[7i32; BLOCK]; mr * nb];
+                // SAFETY: AVX-VNNI (and so AVX2) detected above; slices sized as required.
+                unsafe { x86::tile_avx_vnni(&x, mr, k_pad, &w, nb, &mut got) };
+                assert_eq!(got, want, "mr={mr} nb={nb} k={k}");
+            }
+        }
+        let x = vec![255u8; 4096];
+        let w = vec![-128i8; 4096 * BLOCK];
+        let mut got = vec![[0i32; BLOCK]; 1];
+        // SAFETY: AVX-VNNI detected above; one row, one block of 4096 inputs.
+        unsafe { x86::tile_avx_vnni(&x, 1, 4096, &w, 1, &mut got) };
         assert_eq!(got[0], [255 * -128 * 4096; BLOCK]);
     }
 
