@@ -572,6 +572,21 @@ for scheme, a13, a2 in [("w8a8_dynamic", None, None),
         x = torch.randn(t, h, generator=g)
         logits = torch.randn(t, e, generator=g)
         outs.append(layer(x, logits).numpy().ravel())
+# Weight-only layers (fp32 activations: the fp32 tiles of every family sum in one order).
+hq, iq = 128, 64
+q13 = torch.randint(-(2**31), 2**31 - 1, (e, 2 * iq, hq // 8), dtype=torch.int32, generator=g)
+q2 = torch.randint(-(2**31), 2**31 - 1, (e, hq, iq // 8), dtype=torch.int32, generator=g)
+weight_only = [
+    (MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a16", top_k=k), h),
+    (MoELayer.from_tensors(q13, q2, torch.rand(e, 2 * iq, hq // 32, generator=g) * 1e-2,
+                           torch.rand(e, hq, iq // 32, generator=g) * 1e-2, scheme="w4a16",
+                           group_size=32, top_k=k), hq),
+]
+for layer, width in weight_only:
+    for t in (1, 2, 5, 97):
+        x = torch.randn(t, width, generator=g)
+        logits = torch.randn(t, e, generator=g)
+        outs.append(layer(x, logits).numpy().ravel())
 np.save(sys.argv[1], np.concatenate(outs))
 print(mq.oracle.cpu_threads())
 print(mq.oracle.cpu_kernel())
@@ -596,8 +611,10 @@ def run_int8_script(out: Path, **env: str) -> tuple[np.ndarray, int, str]:
 
 
 def test_every_cpu_kernel_gives_identical_int8_results(tmp_path: Path) -> None:
-    """W8A8 outputs are bit-identical whichever kernel family runs (integer accumulators equal,
-    same epilogue), in decode (panel-parallel) and prefill (expert-parallel) shapes."""
+    """W8A8 (dynamic and static), W8A16 and W4A16 outputs with fp32 activations are
+    bit-identical whichever kernel family runs (integer accumulators equal, same epilogue; the
+    fp32 tiles in one summation order), in decode (panel-parallel) and prefill
+    (expert-parallel) shapes."""
     results = {}
     for cap in ("scalar", "avx2", "avx_vnni", "avx512", "avx512_vnni", "amx_int8"):
         got, _, used = run_int8_script(tmp_path / f"{cap}.npy", MOEQ_CPU_ISA=cap)

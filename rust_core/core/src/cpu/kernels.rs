@@ -126,6 +126,17 @@ impl Isa {
             false
         }
     }
+    /// The AVX2 + FMA fp32 kernels apply (AVX2 CPUs without AVX-512).
+    pub fn avx2_fma(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            matches!(self, Isa::Avx2 | Isa::AvxVnni) && std::arch::is_x86_feature_detected!("fma")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
     /// The AVX-VNNI (256-bit) int8 tile applies.
     pub fn avx_vnni(self) -> bool {
         #[cfg(target_arch = "x86_64")]

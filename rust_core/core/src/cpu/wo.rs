@@ -267,7 +267,7 @@ impl BlockedWo {
             return;
         }
         let sums = self.zp.as_ref().map(|_| self.group_sums(x, m));
-        let (simd, neon) = (isa().avx512(), isa().neon());
+        let (simd, avx2, neon) = (isa().avx512(), isa().avx2_fma(), isa().neon());
         let g = self.groups();
         let len = self.codes.block_len(self.k);
         for b in first_block..end {
@@ -295,6 +295,9 @@ impl BlockedWo {
                     unsafe {
                         x86::tile(&tile, xs, ss, mr, &mut out)
                     };
+                } else if avx2 {
+                    #[cfg(target_arch = "x86_64")]
+                    avx2::tile(&tile, xs, ss, mr, &mut out);
                 } else if neon {
                     #[cfg(target_arch = "aarch64")]
                     neon::tile(&tile, xs, ss, mr, &mut out);
@@ -635,6 +638,185 @@ mod x86 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{unroll, Codes, Tile, BLOCK, TILE_ROWS};
+    use std::arch::x86_64::*;
+
+    /// Two registers: the 16 features of one block.
+    type Lanes = [__m256; 2];
+
+    /// The AVX2 + FMA weight-only tile, for AVX2 CPUs without AVX-512 (which otherwise ran
+    /// the scalar tile, ~40x slower): the operations of [`super::tile_scalar`] in the same
+    /// order (fused multiply-adds per column into `unroll(mr)` partial sums, the same pairwise
+    /// combination and group epilogue), so the results are identical. Rows go in passes of
+    /// up to four, as in the NEON tile (each row's operations do not depend on the others).
+    pub fn tile(
+        t: &Tile<'_>,
+        x: &[f32],
+        sums: Option<&[f32]>,
+        mr: usize,
+        out: &mut [[f32; BLOCK]; TILE_ROWS],
+    ) {
+        let groups = t.group_starts.len().max(1);
+        let need = match t.storage {
+            Codes::I8(_) => t.k * BLOCK,
+            Codes::U4(_) => t.k.div_ceil(2) * BLOCK,
+        };
+        let fits = t.codes.len() >= need
+            && x.len() >= mr * t.k
+            && t.scale.len() >= groups * BLOCK
+            && t.zp.is_none_or(|z| z.len() >= groups * BLOCK)
+            && sums.is_none_or(|s| s.len() >= mr * groups)
+            && mr <= TILE_ROWS;
+        if !fits || !detected() {
+            // The callers' slices always fit and they dispatch here only with AVX2 and FMA;
+            // a future caller's mistake shows here in debug builds instead of as zeros.
+            debug_assert!(
+                false,
+                "AVX2 weight-only tile: operand sizes or CPU do not fit"
+            );
+            return;
+        }
+        let u = unroll(mr);
+        let mut r0 = 0;
+        while r0 < mr {
+            let rows = (mr - r0).min(4);
+            let xs = &x[r0 * t.k..];
+            let ss = sums.map(|s| &s[r0 * groups..]);
+            let dst = &mut out[r0..r0 + rows];
+            // SAFETY: AVX2 and FMA detected (checked above); the sizes `pass` reads were
+            // checked above (codes, scales, zero points, `rows` rows of x and of the sums).
+            unsafe {
+                match (rows, u) {
+                    (1, 4) => pass::<1, 4>(t, xs, ss, dst),
+                    (2, 2) => pass::<2, 2>(t, xs, ss, dst),
+                    (1, _) => pass::<1, 1>(t, xs, ss, dst),
+                    (2, _) => pass::<2, 1>(t, xs, ss, dst),
+                    (3, _) => pass::<3, 1>(t, xs, ss, dst),
+                    _ => pass::<4, 1>(t, xs, ss, dst),
+                }
+            }
+            r0 += rows;
+        }
+    }
+
+    /// The CPU runs this tile (AVX2 and FMA).
+    pub fn detected() -> bool {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+
+    /// Column `c`'s 16 stored values as floats (4-bit: the nibble of byte row `c / 2`).
+    ///
+    /// # Safety
+    /// AVX2; `c < t.k` and `t.codes` holds the whole block (`k * 16` bytes, `ceil(k / 2) * 16`
+    /// for 4-bit storage).
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn column(t: &Tile<'_>, c: usize) -> Lanes {
+        match t.storage {
+            Codes::I8(_) => {
+                // SAFETY: the caller's contract: the 16 bytes of column c lie inside the block.
+                let v = unsafe { _mm_loadu_si128(t.codes.as_ptr().add(c * BLOCK).cast()) };
+                [
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)),
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(v))),
+                ]
+            }
+            Codes::U4(_) => {
+                // SAFETY: the caller's contract: byte row c / 2 lies inside the block.
+                let v = unsafe { _mm_loadu_si128(t.codes.as_ptr().add((c / 2) * BLOCK).cast()) };
+                let v = if c.is_multiple_of(2) {
+                    v
+                } else {
+                    _mm_srli_epi16::<4>(v)
+                };
+                let nib = _mm_and_si128(v, _mm_set1_epi8(15));
+                [
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib)),
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(nib))),
+                ]
+            }
+        }
+    }
+
+    /// `R` rows of the tile with `U` partial sums per group.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; as checked in [`tile`]: `t.codes` holds the whole block, `t.scale` (and
+    /// `t.zp`) `groups * 16` values, `x` `R` rows of `t.k`, `sums` `R * groups` values, `out`
+    /// `R` rows.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn pass<const R: usize, const U: usize>(
+        t: &Tile<'_>,
+        x: &[f32],
+        sums: Option<&[f32]>,
+        out: &mut [[f32; BLOCK]],
+    ) {
+        let groups = t.group_starts.len().max(1);
+        let zero = _mm256_setzero_ps();
+        let mut total = [[zero; 2]; R];
+        for g in 0..groups {
+            let (a, e) = t.bounds(g);
+            let e = e.min(t.k);
+            let full = a + (e.saturating_sub(a) / U) * U;
+            let mut parts = [[[zero; 2]; U]; R];
+            // Column c goes to partial sum (c - a) % U below `full`, to partial 0 after it.
+            for c in a..e {
+                let slot = if c < full { (c - a) % U } else { 0 };
+                // SAFETY: c < e <= k; the caller's contract covers the block.
+                let w = unsafe { column(t, c) };
+                for (r, p) in parts.iter_mut().enumerate() {
+                    let xv = _mm256_set1_ps(x[r * t.k + c]);
+                    for (acc, wq) in p[slot].iter_mut().zip(w) {
+                        *acc = _mm256_fmadd_ps(wq, xv, *acc);
+                    }
+                }
+            }
+            // SAFETY: the caller's contract: scale (and zp) hold groups * 16 values, g < groups.
+            let sc = unsafe { load16(t.scale.as_ptr().add(g * BLOCK)) };
+            let z = t.zp.map(|z| {
+                // SAFETY: as above.
+                unsafe { load16(z.as_ptr().add(g * BLOCK)) }
+            });
+            for (r, (p, tot)) in parts.iter().zip(total.iter_mut()).enumerate() {
+                for q in 0..2 {
+                    let mut acc = match U {
+                        4 => _mm256_add_ps(
+                            _mm256_add_ps(p[0][q], p[1][q]),
+                            _mm256_add_ps(p[2][q], p[3][q]),
+                        ),
+                        2 => _mm256_add_ps(p[0][q], p[1][q]),
+                        _ => p[0][q],
+                    };
+                    if let (Some(z), Some(s)) = (z, sums) {
+                        // acc - z * Σx, fused: the scalar `(-z).mul_add(Σx, acc)`.
+                        acc = _mm256_fnmadd_ps(z[q], _mm256_set1_ps(s[r * groups + g]), acc);
+                    }
+                    tot[q] = _mm256_fmadd_ps(acc, sc[q], tot[q]);
+                }
+            }
+        }
+        for (o, tot) in out.iter_mut().zip(total) {
+            for (q, v) in tot.iter().enumerate() {
+                // SAFETY: each output row holds 16 f32; q * 8 + 8 <= 16.
+                unsafe { _mm256_storeu_ps(o.as_mut_ptr().add(q * 8), *v) };
+            }
+        }
+    }
+
+    /// Sixteen floats at `p`.
+    ///
+    /// # Safety
+    /// AVX; `p` points at 16 readable f32.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn load16(p: *const f32) -> Lanes {
+        // SAFETY: the caller's contract.
+        unsafe { [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))] }
+    }
+}
+
 #[cfg(target_arch = "aarch64")]
 mod neon {
     use super::{unroll, Codes, Tile, BLOCK, TILE_ROWS};
@@ -848,6 +1030,51 @@ mod tests {
         let (w, q) = sample(37, 64, 4, true);
         for j in 0..37 {
             assert_eq!(w.row(j).0, q[j * 64..(j + 1) * 64].to_vec());
+        }
+    }
+
+    /// The AVX2 tile (AVX2 CPUs without AVX-512) equals the scalar tile bit for bit: 8- and
+    /// 4-bit codes, with and without zero points, one to eight rows (every unroll and pass).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_tile_equals_scalar() {
+        if !avx2::detected() {
+            assert!(!isa().avx2_fma());
+            return;
+        }
+        for (n, k, groups, asym) in [(37, 64, 4, true), (20, 70, 2, true), (33, 66, 3, false)] {
+            for bits in [8, 4] {
+                let (w, _) = sample_bits(n, k, groups, asym, bits);
+                for m in 1..=TILE_ROWS {
+                    let x: Vec<f32> = (0..m * k)
+                        .map(|i| ((i * 37) % 101) as f32 / 11.0 - 4.0)
+                        .collect();
+                    let sums = w.zp.is_some().then(|| w.group_sums(&x, m));
+                    let g = w.groups();
+                    let len = w.codes.block_len(k);
+                    for b in 0..w.blocks() {
+                        let t = Tile {
+                            storage: &w.codes,
+                            codes: &w.codes.bytes()[b * len..(b + 1) * len],
+                            scale: &w.scale[b * g * BLOCK..(b + 1) * g * BLOCK],
+                            zp: w
+                                .zp
+                                .as_ref()
+                                .map(|z| &z[b * g * BLOCK..(b + 1) * g * BLOCK]),
+                            k,
+                            group_starts: w.group_starts(),
+                        };
+                        let mut want = [[0f32; BLOCK]; TILE_ROWS];
+                        tile_scalar(&t, &x, sums.as_deref(), m, &mut want);
+                        let mut got = [[f32::NAN; BLOCK]; TILE_ROWS];
+                        avx2::tile(&t, &x, sums.as_deref(), m, &mut got);
+                        for r in 0..m {
+                            let bits = |v: &[f32; BLOCK]| v.map(f32::to_bits);
+                            assert_eq!(bits(&got[r]), bits(&want[r]), "n={n} k={k} m={m} r={r}");
+                        }
+                    }
+                }
+            }
         }
     }
 
