@@ -208,6 +208,11 @@ pub fn amax(x: &[f32]) -> f32 {
         // SAFETY: AVX-512F detected by `isa()`.
         return unsafe { x86::amax_avx512(x) };
     }
+    #[cfg(target_arch = "x86_64")]
+    if isa().avx2_fma() {
+        // SAFETY: AVX2 detected by `isa()`.
+        return unsafe { x86::amax_avx2(x) };
+    }
     x.iter().fold(0f32, |m, v| m.max(v.abs()))
 }
 
@@ -226,6 +231,12 @@ pub fn quantize_u8(x: &[f32], s: f32, out: &mut [u8]) {
     if isa().avx512() {
         // SAFETY: AVX-512F and BW detected by `isa()`; both slices cut to the same length.
         unsafe { x86::quantize_u8_avx512(x, s, out) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa().avx2_fma() {
+        // SAFETY: AVX2 detected by `isa()`; both slices cut to the same length.
+        unsafe { x86::quantize_u8_avx2(x, s, out) };
         return;
     }
     quantize_u8_scalar(x, s, out);
@@ -305,6 +316,12 @@ pub fn silu_mul(gate: Option<&[f32]>, up: &mut [f32]) {
             unsafe { x86::silu_mul_avx512(Some(&g[..n]), up) };
             return;
         }
+        #[cfg(target_arch = "x86_64")]
+        if isa().avx2_fma() {
+            // SAFETY: AVX2 detected by `isa()`; both slices have n values.
+            unsafe { x86::silu_mul_avx2(Some(&g[..n]), up) };
+            return;
+        }
         for (u, &a) in up.iter_mut().zip(g) {
             *u *= silu_ref(a);
         }
@@ -314,6 +331,12 @@ pub fn silu_mul(gate: Option<&[f32]>, up: &mut [f32]) {
     if isa().avx512() {
         // SAFETY: AVX-512F detected by `isa()`.
         unsafe { x86::silu_mul_avx512(None, up) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa().avx2_fma() {
+        // SAFETY: AVX2 detected by `isa()`.
+        unsafe { x86::silu_mul_avx2(None, up) };
         return;
     }
     for u in up.iter_mut() {
@@ -331,6 +354,12 @@ pub fn add_scaled(dst: &mut [f32], src: &[f32], w: f32, first: bool) {
     if isa().avx512() {
         // SAFETY: AVX-512F detected by `isa()`; both slices have n values.
         unsafe { x86::add_scaled_avx512(dst, src, w, first) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa().avx2_fma() {
+        // SAFETY: AVX2 detected by `isa()`; both slices have n values.
+        unsafe { x86::add_scaled_avx2(dst, src, w, first) };
         return;
     }
     add_scaled_scalar(dst, src, w, first);
@@ -615,6 +644,168 @@ mod x86 {
         }
         super::quantize_u8_scalar(&x[i..], s, &mut out[i..]);
     }
+
+    /// [`super::exp_act`] on 8 lanes, operation for operation (as [`exp_act_avx512`]).
+    #[target_feature(enable = "avx2")]
+    fn exp_act_avx2(x: __m256) -> __m256 {
+        // MAXPS/MINPS return their second operand when either is NaN: NaN passes through.
+        let x = _mm256_max_ps(_mm256_set1_ps(super::EXP_LO), x);
+        let x = _mm256_min_ps(_mm256_set1_ps(super::EXP_HI), x);
+        let round = _mm256_set1_ps(super::ROUND);
+        let t = _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E));
+        let n = _mm256_sub_ps(_mm256_add_ps(t, round), round);
+        let r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(super::LN2_HI)));
+        let r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(super::LN2_LO)));
+        let mut p = _mm256_set1_ps(super::EXP_POLY[0]);
+        for &c in &super::EXP_POLY[1..] {
+            p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
+        }
+        let y = _mm256_add_ps(
+            _mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r),
+            _mm256_set1_ps(1.0),
+        );
+        // n is integer-valued, so the conversion's rounding mode does not matter.
+        let e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+        _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32::<23>(e)))
+    }
+
+    /// `silu(a) * u` on 8 lanes, as [`super::silu_ref`]; `u` absent means `silu(a)`.
+    #[target_feature(enable = "avx2")]
+    fn silu_avx2(a: __m256, u: Option<__m256>) -> __m256 {
+        let neg = _mm256_sub_ps(_mm256_setzero_ps(), a);
+        let s = _mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0), exp_act_avx2(neg)));
+        // Below -88, `a * 0` (see silu_ref); NaN compares false and keeps the quotient.
+        let tiny = _mm256_cmp_ps::<_CMP_LT_OQ>(a, _mm256_set1_ps(-super::EXP_HI));
+        let s = _mm256_blendv_ps(s, _mm256_mul_ps(a, _mm256_setzero_ps()), tiny);
+        match u {
+            Some(u) => _mm256_mul_ps(u, s),
+            None => s,
+        }
+    }
+
+    /// [`super::silu_mul`]'s loop on 8 lanes.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `gate`, when given, is as long as `up`.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn silu_mul_avx2(gate: Option<&[f32]>, up: &mut [f32]) {
+        let n = up.len();
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: i + 8 <= n = up.len() (= gate.len()): the loads and the store are in
+            // bounds.
+            unsafe {
+                let p = up.as_mut_ptr().add(i);
+                let v = match gate {
+                    Some(g) => {
+                        silu_avx2(_mm256_loadu_ps(g.as_ptr().add(i)), Some(_mm256_loadu_ps(p)))
+                    }
+                    None => silu_avx2(_mm256_loadu_ps(p), None),
+                };
+                _mm256_storeu_ps(p, v);
+            }
+            i += 8;
+        }
+        match gate {
+            Some(g) => {
+                for (u, &a) in up[i..].iter_mut().zip(&g[i..]) {
+                    *u *= super::silu_ref(a);
+                }
+            }
+            None => {
+                for u in &mut up[i..] {
+                    *u = super::silu_ref(*u);
+                }
+            }
+        }
+    }
+
+    /// [`super::add_scaled`]'s loop on 8 lanes.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `src` is at least as long as `dst`.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn add_scaled_avx2(dst: &mut [f32], src: &[f32], w: f32, first: bool) {
+        let n = dst.len();
+        let vw = _mm256_set1_ps(w);
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: i + 8 <= n <= src.len(): the loads and the store are in bounds.
+            unsafe {
+                let p = dst.as_mut_ptr().add(i);
+                let base = if first {
+                    _mm256_setzero_ps()
+                } else {
+                    _mm256_loadu_ps(p)
+                };
+                let v = _mm256_mul_ps(vw, _mm256_loadu_ps(src.as_ptr().add(i)));
+                _mm256_storeu_ps(p, _mm256_add_ps(base, v));
+            }
+            i += 8;
+        }
+        super::add_scaled_scalar(&mut dst[i..], &src[i..], w, first);
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn amax_avx2(x: &[f32]) -> f32 {
+        let sign = _mm256_set1_ps(-0.0);
+        let mut m = _mm256_setzero_ps();
+        let mut i = 0;
+        while i + 8 <= x.len() {
+            // SAFETY: i + 8 <= x.len(): the 32-byte load is in bounds.
+            let v = unsafe { _mm256_loadu_ps(x.as_ptr().add(i)) };
+            // MAXPS returns its second operand when either is NaN, so NaN lanes keep `m`.
+            m = _mm256_max_ps(_mm256_andnot_ps(sign, v), m);
+            i += 8;
+        }
+        let mut lanes = [0f32; 8];
+        // SAFETY: `lanes` is 32 bytes, one unaligned store.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), m) };
+        let mut best = lanes.iter().fold(0f32, |a, &v| a.max(v));
+        for &v in &x[i..] {
+            best = best.max(v.abs());
+        }
+        best
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2; `x.len() == out.len()`; `s > 0`.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn quantize_u8_avx2(x: &[f32], s: f32, out: &mut [u8]) {
+        let vs = _mm256_set1_ps(s);
+        let (lo, hi) = (_mm256_set1_ps(-128.0), _mm256_set1_ps(127.0));
+        let bias = _mm256_set1_epi32(128);
+        // Eight values to i32 codes + 128 (0..=255), as quantize_u8_avx512 computes them.
+        let codes = |v: __m256| {
+            let q = _mm256_div_ps(v, vs);
+            let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(q, q);
+            // Clamping first keeps the conversion in range; clamp and round commute here
+            // because the bounds are integers.
+            let q = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
+            let q = _mm256_blendv_ps(q, _mm256_setzero_ps(), nan);
+            // Round to nearest even explicitly, then convert the integral value exactly.
+            let q = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(q);
+            _mm256_add_epi32(_mm256_cvttps_epi32(q), bias)
+        };
+        let mut i = 0;
+        while i + 16 <= x.len() {
+            // SAFETY: i + 16 <= x.len() == out.len(): two 32-byte loads and a 16-byte store
+            // in bounds.
+            unsafe {
+                let a = codes(_mm256_loadu_ps(x.as_ptr().add(i)));
+                let b = codes(_mm256_loadu_ps(x.as_ptr().add(i + 8)));
+                // packus works per 128-bit lane: [a0-3 b0-3 | a4-7 b4-7]; put a before b.
+                let w = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(a, b));
+                let bytes =
+                    _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256::<1>(w));
+                _mm_storeu_si128(out.as_mut_ptr().add(i).cast(), bytes);
+            }
+            i += 16;
+        }
+        super::quantize_u8_scalar(&x[i..], s, &mut out[i..]);
+    }
 }
 
 #[cfg(test)]
@@ -651,6 +842,68 @@ mod tests {
                     // 0 + w * -0 is +0: what summing into a zeroed buffer gives.
                     assert_eq!(a[1].to_bits(), 0);
                 }
+            }
+        }
+    }
+
+    /// The AVX2 forms (AVX2 CPUs without AVX-512) of the activation helpers equal their
+    /// scalar references bit for bit: quantisation (ties, NaN, infinities, extreme scales),
+    /// `max |x|`, SiLU (tails, NaN, below -88) and the scaled sum (-0, NaN, `first`).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_helpers_equal_scalar() {
+        if !std::arch::is_x86_feature_detected!("avx2") {
+            assert!(!isa().avx2_fma());
+            return;
+        }
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        let mut x: Vec<f32> = (0..1003)
+            .map(|i| ((i * 7919) % 4001) as f32 / 20.0 - 100.0)
+            .collect();
+        x[3] = f32::NAN;
+        x[4] = f32::INFINITY;
+        x[5] = f32::NEG_INFINITY;
+        x[6] = -1e30;
+        x[7] = -0.0;
+        x[40] = 0.5;
+        x[41] = 1.5;
+        x[42] = -2.5;
+        x[43] = -88.5;
+        for n in [0usize, 7, 8, 15, 16, 17, 1003] {
+            let x = &x[..n];
+            for s in [1.0f32, 0.37, 1e-30, 1e30] {
+                let mut want = vec![0u8; n];
+                quantize_u8_scalar(x, s, &mut want);
+                let mut got = vec![7u8; n];
+                // SAFETY: AVX2 detected above; equal lengths; s > 0.
+                unsafe { x86::quantize_u8_avx2(x, s, &mut got) };
+                assert_eq!(got, want, "n={n} s={s}");
+            }
+            let reference = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+            // SAFETY: AVX2 detected above.
+            assert_eq!(unsafe { x86::amax_avx2(x) }.to_bits(), reference.to_bits());
+            let u0: Vec<f32> = (0..n)
+                .map(|i| ((i * 13) % 17) as f32 * 0.25 - 2.0)
+                .collect();
+            let mut want = u0.clone();
+            for (w, &a) in want.iter_mut().zip(x) {
+                *w *= silu_ref(a);
+            }
+            let mut got = u0.clone();
+            // SAFETY: AVX2 detected above; equal lengths.
+            unsafe { x86::silu_mul_avx2(Some(x), &mut got) };
+            assert_eq!(bits(&got), bits(&want), "silu_mul n={n}");
+            let mut got = x.to_vec();
+            // SAFETY: AVX2 detected above.
+            unsafe { x86::silu_mul_avx2(None, &mut got) };
+            let want: Vec<f32> = x.iter().map(|&a| silu_ref(a)).collect();
+            assert_eq!(bits(&got), bits(&want), "silu n={n}");
+            for first in [false, true] {
+                let (mut a, mut b) = (u0.clone(), u0.clone());
+                // SAFETY: AVX2 detected above; equal lengths.
+                unsafe { x86::add_scaled_avx2(&mut a, x, 0.3719, first) };
+                add_scaled_scalar(&mut b, x, 0.3719, first);
+                assert_eq!(bits(&a), bits(&b), "add_scaled n={n} first={first}");
             }
         }
     }
