@@ -9,7 +9,8 @@ processes (the kernel family is chosen once per process) it runs one W8A8 layer 
 ``MOEQ_CPU_ISA=scalar``, ``avx512_vnni`` and unset (AMX where usable), checks that all three
 give the same bits (decode and prefill shapes), that the unset run reports ``amx_int8`` when the
 CPU has it, and times a Qwen3-30B-A3B-shaped layer (H2048 I768 E128 k8) at T=256 and T=1024
-with VNNI and with AMX. Exit status 0 when every check passes or the CPU has no AMX.
+with VNNI and with AMX. Exit status 0 when every check passes, the CPU has no AMX, or the OS
+refuses tile state (then the VNNI fallback is checked and the AMX check is reported skipped).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ print(mq.oracle.cpu_kernel(), mq.oracle.cpu_threads(), "; ".join(times))
 """
 
 
-def run(out: Path, isa: str | None, timed: bool) -> tuple[np.ndarray, str]:
+def run(out: Path, isa: str | None, timed: bool) -> tuple[np.ndarray, str, str]:
     env = dict(os.environ)
     env.pop("MOEQ_CPU_ISA", None)
     if isa is not None:
@@ -75,7 +76,7 @@ def run(out: Path, isa: str | None, timed: bool) -> tuple[np.ndarray, str]:
         raise SystemExit(f"amx_check: the run with MOEQ_CPU_ISA={isa} failed")
     if ran.stderr.strip():
         print(ran.stderr.strip())
-    return np.load(out), ran.stdout.strip().splitlines()[-1]
+    return np.load(out), ran.stdout.strip().splitlines()[-1], ran.stderr
 
 
 def main() -> int:
@@ -87,20 +88,27 @@ def main() -> int:
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
         results = {}
+        stderr = ""
         for isa in ("scalar", "avx512_vnni", None):
             timed = isa != "scalar"
-            got, line = run(Path(tmp) / f"{isa}.npy", isa, timed)
+            got, line, err = run(Path(tmp) / f"{isa}.npy", isa, timed)
             print(f"amx_check: MOEQ_CPU_ISA={isa}: {line}")
             results[isa] = (got, line.split()[0])
+            stderr += err
     ref = results["scalar"][0]
     for isa in ("avx512_vnni", None):
         same = np.array_equal(results[isa][0], ref)
         failed |= not same
         print(f"amx_check: {'PASS' if same else 'FAIL'} {isa} equals scalar bit for bit")
     used = results[None][1]
-    ok = used == "amx_int8"
-    failed |= not ok
-    print(f"amx_check: {'PASS' if ok else 'FAIL'} default kernel is amx_int8 (got {used})")
+    if used != "amx_int8" and "refused tile state" in stderr:
+        # The designed fallback (Linux older than 5.16, or tile state withheld): not a defect
+        # of ours, but nothing of the AMX path ran.
+        print("amx_check: SKIP the OS refused AMX tile state; the VNNI fallback ran (above)")
+    else:
+        ok = used == "amx_int8"
+        failed |= not ok
+        print(f"amx_check: {'PASS' if ok else 'FAIL'} default kernel is amx_int8 (got {used})")
     return 1 if failed else 0
 
 

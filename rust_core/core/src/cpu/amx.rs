@@ -7,37 +7,86 @@
 //! reads the very bytes the VNNI kernels read, and the compensation (`- 128 * Σ w`) and the
 //! epilogue stay as they are. Activations (`xu`, u8 rows of `k_pad` bytes) are the A tiles.
 //!
-//! [`tiles`] is written against [`TileOps`], the five tile instructions it uses. Two
-//! implementations: the hardware, and [`Model`], an exact software model of those instructions
-//! (Intel SDM semantics of `tdpbusd`) that also checks every byte a tile load reads lies inside
-//! its slice. The tests run [`tiles`] on the model against the scalar reference on any CPU. On a
-//! CPU with AMX, [`usable`] runs it once on the hardware against the scalar reference before the
-//! dispatch picks it, and keeps AMX off if the two disagree.
+//! Work goes in passes ([`Pass`]): up to 2 row tiles x 2 blocks (32 rows x 32 features) over
+//! the whole reduction. On the hardware a pass is one `asm!` block that configures the tiles,
+//! runs its loop, stores its accumulators and releases the tiles, so no tile state lives
+//! between blocks of assembly or across any call the compiler makes. [`run_pass`] is that
+//! block's program written out in Rust over [`Instructions`], and [`Model`], an exact software
+//! model of the five instructions (Intel SDM semantics of `tdpbusd`) that also checks every
+//! byte a tile load reads lies inside its slice, runs it. The tests run [`tiles`] on the model
+//! against the scalar reference on any CPU. On a CPU with AMX, [`usable`] runs it once on the
+//! hardware against the scalar reference before the dispatch picks it, and keeps AMX off if the
+//! two disagree.
 //!
 //! Tile state needs the kernel's permission (`arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)`,
-//! Linux 5.16 and later); when it is refused, or the CPU's tile palette is smaller than the one
-//! used here, the int8 GEMM stays on AVX-512 VNNI.
+//! Linux 5.16 and later); when it is refused, on other systems, or when the CPU's tile palette
+//! is smaller than the one used here, the int8 GEMM stays on AVX-512 VNNI.
 
 use super::packed::{reference_accumulators, Accumulator, BLOCK};
 
 /// Rows of an A or C tile (activation rows per row tile).
 pub const TILE_ROWS: usize = 16;
-/// Input bytes per A tile row: one tile step of the reduction.
+/// Input bytes per A tile row: one step of the reduction.
 pub const KSTEP: usize = 64;
+/// Bytes of one B tile: 16 quads of a block.
+const B_TILE: usize = KSTEP * BLOCK;
 /// Row tiles per pass (two C tiles per block): 32 activation rows.
 const ROW_TILES: usize = 2;
 /// Blocks per pass (one B tile each): 32 features.
 const BLOCKS: usize = 2;
-/// Entries of the accumulator buffer [`tiles`] hands to `done`: every row of every C tile.
+/// Entries of a pass's accumulator buffer: every row of its four C tiles. Row `r` of C `(i,
+/// j)` is entry `32 i + r nb + j` (`nb` the pass's blocks), so row tile `i`'s rows and blocks
+/// are `(row, block)`-ordered from entry `32 i`, as `done` takes them.
 pub const ACC_ENTRIES: usize = ROW_TILES * TILE_ROWS * BLOCKS;
 /// From this many activation rows the int8 GEMM uses AMX: below it a 16-row tile is mostly
 /// padding and the layer is bound by reading its weights anyway (SGLang's CPU kernels switch
 /// to AMX above 4 rows too).
 pub const MIN_ROWS: usize = 5;
 
-/// The tile instructions [`tiles`] uses. Tiles: C `(i, j)` is accumulator `2 * i + j`
-/// (`tmm0..tmm3`), A `i` is `tmm4 + i`, B `j` is `tmm6 + j`; every tile is 16 rows of 64 bytes.
+/// The accumulators of one pass.
+pub type PassOut = [[i32; BLOCK]; ACC_ENTRIES];
+
+/// One pass: `rts` row tiles x `nb` blocks over `steps` steps of 64 inputs. Step `s` loads A
+/// tile `i` (16 rows, row stride `sa`) from `a[i].0[a[i].1 + 64 s..]` and B tile `j` (16 rows
+/// of 64 bytes) from `b[j].0[b[j].1 + 1024 s..]`, then adds A `i` x B `j` into C `(i, j)`.
+#[derive(Clone, Copy, Debug)]
+pub struct Pass<'a> {
+    pub a: [(&'a [u8], usize); ROW_TILES],
+    pub sa: usize,
+    pub b: [(&'a [i8], usize); BLOCKS],
+    pub rts: usize,
+    pub nb: usize,
+    pub steps: usize,
+}
+
+impl Pass<'_> {
+    /// Every tile the pass loads lies inside its slice, and its shape is one the hardware
+    /// block has (1-2 row tiles, 1-2 blocks, at least one step).
+    pub fn fits(&self) -> bool {
+        let last = |at: usize, step: usize| (self.steps - 1).checked_mul(step)?.checked_add(at);
+        (1..=ROW_TILES).contains(&self.rts)
+            && (1..=BLOCKS).contains(&self.nb)
+            && self.steps >= 1
+            && self.a[..self.rts]
+                .iter()
+                .all(|&(x, at)| last(at, KSTEP).is_some_and(|at| tile_fits(x.len(), at, self.sa)))
+            && self.b[..self.nb]
+                .iter()
+                .all(|&(w, at)| last(at, B_TILE).is_some_and(|at| tile_fits(w.len(), at, KSTEP)))
+    }
+}
+
+/// What runs a [`Pass`]: the hardware ([`Hw`]) or the model ([`Model`]).
 pub trait TileOps {
+    /// Runs `p` (which [`Pass::fits`]) and stores its accumulators into `out` (see
+    /// [`ACC_ENTRIES`] for where each row lands).
+    fn pass(&mut self, p: &Pass<'_>, out: &mut PassOut);
+}
+
+/// The five tile instructions a pass uses, one by one. Tiles: C `(i, j)` is accumulator
+/// `2 i + j` (`tmm0..tmm3`), A `i` is `tmm4 + i`, B `j` is `tmm6 + j`; every tile is 16 rows of
+/// 64 bytes.
+pub trait Instructions {
     /// `tilezero` on the four C tiles.
     fn zero(&mut self);
     /// `tileloadd` A tile `i`: row `r` from `x[at + r * stride..][..64]`.
@@ -50,7 +99,33 @@ pub trait TileOps {
     fn store(&mut self, i: usize, j: usize, out: &mut [[i32; BLOCK]], at: usize, stride: usize);
 }
 
-/// Whether `[t..t + 15 * stride + 64)` lies inside a slice of `len` bytes.
+/// A pass as the hardware's `asm!` block runs it (see `hw::pass`), instruction for
+/// instruction: zero, then per step the loads of every A, then of every B, then the products
+/// in `(i, j)` order, the addresses moving on 64 (A) and 1024 (B) bytes per step; then the
+/// stores.
+pub fn run_pass<I: Instructions>(ins: &mut I, p: &Pass<'_>, out: &mut PassOut) {
+    ins.zero();
+    for s in 0..p.steps {
+        for (i, &(x, at)) in p.a.iter().enumerate().take(p.rts) {
+            ins.load_a(i, x, at + s * KSTEP, p.sa);
+        }
+        for (j, &(w, at)) in p.b.iter().enumerate().take(p.nb) {
+            ins.load_b(j, w, at + s * B_TILE);
+        }
+        for i in 0..p.rts {
+            for j in 0..p.nb {
+                ins.dot(i, j);
+            }
+        }
+    }
+    for i in 0..p.rts {
+        for j in 0..p.nb {
+            ins.store(i, j, out, i * TILE_ROWS * BLOCKS + j, p.nb);
+        }
+    }
+}
+
+/// Whether `[at..at + 15 * stride + 64)` lies inside a slice of `len` bytes.
 fn tile_fits(len: usize, at: usize, stride: usize) -> bool {
     (TILE_ROWS - 1)
         .checked_mul(stride)
@@ -86,7 +161,6 @@ pub fn tiles<T: TileOps>(
     {
         return false;
     }
-    let steps = k_pad / KSTEP;
     // The last row tile when it has fewer than 16 rows, zero-padded: a tile load reads 16.
     let full = m / TILE_ROWS * TILE_ROWS;
     let tail: Vec<u8> = if full < m {
@@ -96,46 +170,35 @@ pub fn tiles<T: TileOps>(
     } else {
         Vec::new()
     };
-    let mut acc = [[0i32; BLOCK]; ACC_ENTRIES];
+    // Row tile `r`'s source: xu itself, or the padded copy of the last rows.
+    let src = |r: usize| -> (&[u8], usize) {
+        if r < full {
+            (xu, r * k_pad)
+        } else {
+            (&tail, 0)
+        }
+    };
+    let mut acc: PassOut = [[0; BLOCK]; ACC_ENTRIES];
     let mut b = first;
     while b < end {
         let nb = (end - b).min(BLOCKS);
         let mut r0 = 0;
         while r0 < m {
             let rts = (m - r0).div_ceil(TILE_ROWS).min(ROW_TILES);
-            // Each row tile's source: xu itself, or the padded copy of the last rows.
-            let src = |i: usize| -> (&[u8], usize) {
-                let r = r0 + i * TILE_ROWS;
-                if r < full {
-                    (xu, r * k_pad)
-                } else {
-                    (&tail, 0)
-                }
+            let second = if rts > 1 { r0 + TILE_ROWS } else { r0 };
+            let pass = Pass {
+                a: [src(r0), src(second)],
+                sa: k_pad,
+                b: [(w, b * block_len), (w, (b + nb - 1) * block_len)],
+                rts,
+                nb,
+                steps: k_pad / KSTEP,
             };
-            ops.zero();
-            for s in 0..steps {
-                for i in 0..rts {
-                    let (x, at) = src(i);
-                    ops.load_a(i, x, at + s * KSTEP, k_pad);
-                }
-                for j in 0..nb {
-                    ops.load_b(j, w, (b + j) * block_len + s * KSTEP * BLOCK);
-                }
-                for i in 0..rts {
-                    for j in 0..nb {
-                        ops.dot(i, j);
-                    }
-                }
-            }
+            ops.pass(&pass, &mut acc);
             for i in 0..rts {
                 let rows = (m - r0 - i * TILE_ROWS).min(TILE_ROWS);
-                let part = &mut acc[i * TILE_ROWS * BLOCKS..(i + 1) * TILE_ROWS * BLOCKS];
-                for j in 0..nb {
-                    // Row r of C (i, j) lands at part[r * nb + j]: the (row, block) order
-                    // `done` takes.
-                    ops.store(i, j, part, j, nb);
-                }
-                done(r0 + i * TILE_ROWS, rows, b, nb, &mut part[..rows * nb]);
+                let part = &mut acc[i * TILE_ROWS * BLOCKS..][..rows * nb];
+                done(r0 + i * TILE_ROWS, rows, b, nb, part);
             }
             r0 += rts * TILE_ROWS;
         }
@@ -207,7 +270,7 @@ impl Default for Model {
     }
 }
 
-impl TileOps for Model {
+impl Instructions for Model {
     fn zero(&mut self) {
         self.c = [[[0; BLOCK]; TILE_ROWS]; 4];
     }
@@ -245,20 +308,27 @@ impl TileOps for Model {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
+impl TileOps for Model {
+    fn pass(&mut self, p: &Pass<'_>, out: &mut PassOut) {
+        assert!(p.fits(), "pass out of bounds: {p:?}");
+        run_pass(self, p, out);
+    }
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 pub use hw::{usable, Hw};
 
-#[cfg(not(target_arch = "x86_64"))]
-/// AMX is x86 only.
+/// AMX tiles are used on x86-64 Linux only (the permission request is Linux's).
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
 pub fn usable() -> bool {
     false
 }
 
-#[cfg(target_arch = "x86_64")]
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 mod hw {
     use std::arch::asm;
 
-    use super::{self_test, TileOps, BLOCK, KSTEP, TILE_ROWS};
+    use super::{self_test, Pass, PassOut, TileOps, KSTEP, TILE_ROWS};
 
     /// `arch_prctl` requests (Linux `asm/prctl.h`) and the tile-data state component.
     const ARCH_GET_XCOMP_PERM: libc::c_long = 0x1022;
@@ -285,131 +355,145 @@ mod hw {
         }
     }
 
-    /// The CPU's AMX tiles, configured for [`tiles`] while this value lives (`ldtilecfg` on
-    /// creation, `tilerelease` on drop; tile state is per thread, so it never leaves its
-    /// thread).
-    pub struct Hw {
-        _not_send: std::marker::PhantomData<*const ()>,
-    }
+    /// The CPU's AMX tiles. Each pass is one self-contained `asm!` block (configure, compute,
+    /// store, release), so nothing of the tile state outlives it.
+    #[derive(Debug)]
+    pub struct Hw(());
 
     impl Hw {
-        /// Configures the calling thread's tiles.
-        ///
         /// # Safety
-        /// [`usable`] returned true in this process (the CPU has AMX-INT8 with palette 1 of at
-        /// least 8 tiles of 16 rows x 64 bytes, and the OS granted tile state).
+        /// [`usable`] returned true in this process (the CPU has AMX-INT8 with palette 1 of
+        /// at least 8 tiles of 16 rows x 64 bytes, and the OS granted tile state).
         pub unsafe fn new() -> Hw {
-            let cfg = Config::all_full();
-            // SAFETY: AMX is present and permitted (caller's contract); the operand is a valid
-            // palette-1 configuration within the limits `usable` checked, 64 readable bytes.
-            unsafe {
-                asm!("ldtilecfg [{c}]", c = in(reg) cfg.bytes().as_ptr(),
-                     options(nostack, readonly, preserves_flags))
-            };
-            Hw {
-                _not_send: std::marker::PhantomData,
-            }
+            Hw(())
         }
     }
 
-    impl Drop for Hw {
-        fn drop(&mut self) {
-            // SAFETY: an `Hw` exists only where AMX is usable (see `Hw::new`).
-            unsafe { asm!("tilerelease", options(nostack, nomem, preserves_flags)) };
-        }
-    }
-
-    /// `tileloadd` into the named tile register from `p` with row stride `s`.
-    macro_rules! load {
-        ($reg:literal, $p:expr, $s:expr) => {
-            asm!(concat!("tileloadd ", $reg, ", [{p} + {s}*1]"), p = in(reg) $p, s = in(reg) $s,
-                 options(nostack, readonly, preserves_flags))
-        };
-    }
-
-    /// `tilestored` of the named tile register to `p` with row stride `s`.
-    macro_rules! store {
-        ($reg:literal, $p:expr, $s:expr) => {
-            asm!(concat!("tilestored [{p} + {s}*1], ", $reg), p = in(reg) $p, s = in(reg) $s,
-                 options(nostack, preserves_flags))
+    /// One pass's `asm!` block: `ldtilecfg`, zeroed accumulators, a loop of `steps` steps
+    /// (the listed loads and products, then the four source addresses move on), the listed
+    /// stores, `tilerelease`. Stores: C `(i, j)` row `r` at `c + 64 (32 i + j) + r * cs`. The
+    /// tile registers are declared clobbered; flags are changed by the loop.
+    macro_rules! pass_asm {
+        ($p:expr, $cfg:expr, $out:expr, $cs:expr,
+         [$($load:literal),*], [$($dot:literal),*], [$($store:literal),*]) => {
+            asm!(
+                "ldtilecfg [{cfg}]",
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                "2:",
+                $($load,)*
+                $($dot,)*
+                "add {a0}, 64",
+                "add {a1}, 64",
+                "add {b0}, 1024",
+                "add {b1}, 1024",
+                "dec {steps}",
+                "jnz 2b",
+                $($store,)*
+                "tilerelease",
+                cfg = in(reg) $cfg,
+                a0 = inout(reg) $p.a[0].0.as_ptr().wrapping_add($p.a[0].1) => _,
+                a1 = inout(reg) $p.a[1].0.as_ptr().wrapping_add($p.a[1].1) => _,
+                sa = in(reg) $p.sa,
+                b0 = inout(reg) $p.b[0].0.as_ptr().wrapping_add($p.b[0].1) => _,
+                b1 = inout(reg) $p.b[1].0.as_ptr().wrapping_add($p.b[1].1) => _,
+                sb = in(reg) KSTEP,
+                steps = inout(reg) $p.steps => _,
+                c = in(reg) $out,
+                cs = in(reg) $cs,
+                out("tmm0") _, out("tmm1") _, out("tmm2") _, out("tmm3") _,
+                out("tmm4") _, out("tmm5") _, out("tmm6") _, out("tmm7") _,
+                options(nostack),
+            )
         };
     }
 
     impl TileOps for Hw {
-        #[inline(always)]
-        fn zero(&mut self) {
-            // SAFETY: tiles configured by `Hw::new`; no memory access.
+        fn pass(&mut self, p: &Pass<'_>, out: &mut PassOut) {
+            // Checked here, not assumed: the loads below read exactly the tiles `fits` checks.
+            assert!(p.fits(), "AMX pass out of bounds");
+            let cfg = Config::all_full();
+            let c = out.as_mut_ptr();
+            // Row stride of a C tile's stores, in bytes: `nb` entries of 64 bytes.
+            let cs = p.nb * std::mem::size_of::<[i32; super::BLOCK]>();
+            // SAFETY: an `Hw` exists only where AMX is usable (`Hw::new`'s contract). The
+            // loads read the tiles `p.fits()` found inside their slices (A: 16 rows of 64 bytes
+            // at stride `sa` from a[i] + 64 s; B: 16 x 64 contiguous bytes from b[j] + 1024 s;
+            // s < steps). The stores write C (i, j) row r at entry 32 i + j + r nb of `out`:
+            // at most 32 + 1 + 15 * 2 = 63 < 64 entries. Registers a1/b1 equal a0/b0 when
+            // unused and are never dereferenced then. `steps >= 1` (fits), so the loop ends.
             unsafe {
-                asm!(
-                    "tilezero tmm0",
-                    "tilezero tmm1",
-                    "tilezero tmm2",
-                    "tilezero tmm3",
-                    options(nostack, nomem, preserves_flags)
-                )
-            };
-        }
-        #[inline(always)]
-        fn load_a(&mut self, i: usize, x: &[u8], at: usize, stride: usize) {
-            debug_assert!(super::tile_fits(x.len(), at, stride));
-            let p = x.as_ptr().wrapping_add(at);
-            // SAFETY: `tiles` loads only 16 rows of 64 bytes that lie inside `x` (checked
-            // there once per call: xu holds m rows of `stride` bytes, the last partial row tile
-            // comes from a 16-row copy; the model's bounds assertions test it).
-            unsafe {
-                match i {
-                    0 => load!("tmm4", p, stride),
-                    _ => load!("tmm5", p, stride),
-                }
-            }
-        }
-        #[inline(always)]
-        fn load_b(&mut self, j: usize, w: &[i8], at: usize) {
-            debug_assert!(super::tile_fits(w.len(), at, KSTEP));
-            let p = w.as_ptr().wrapping_add(at);
-            // SAFETY: `tiles` loads B tiles only inside blocks `first..end`, which its entry
-            // check found inside `w`.
-            unsafe {
-                match j {
-                    0 => load!("tmm6", p, KSTEP),
-                    _ => load!("tmm7", p, KSTEP),
-                }
-            }
-        }
-        #[inline(always)]
-        fn dot(&mut self, i: usize, j: usize) {
-            // SAFETY: tiles configured by `Hw::new`; register-only.
-            unsafe {
-                match (i, j) {
-                    (0, 0) => asm!("tdpbusd tmm0, tmm4, tmm6", options(nostack, nomem)),
-                    (0, _) => asm!("tdpbusd tmm1, tmm4, tmm7", options(nostack, nomem)),
-                    (_, 0) => asm!("tdpbusd tmm2, tmm5, tmm6", options(nostack, nomem)),
-                    _ => asm!("tdpbusd tmm3, tmm5, tmm7", options(nostack, nomem)),
-                }
-            }
-        }
-        #[inline(always)]
-        fn store(
-            &mut self,
-            i: usize,
-            j: usize,
-            out: &mut [[i32; BLOCK]],
-            at: usize,
-            stride: usize,
-        ) {
-            // Rows land `stride` entries of 64 bytes apart, the last at `at + 15 * stride`.
-            if (TILE_ROWS - 1) * stride + at >= out.len() {
-                return;
-            }
-            let p = out.as_mut_ptr().wrapping_add(at);
-            let s = stride * std::mem::size_of::<[i32; BLOCK]>();
-            // SAFETY: checked just above: all 16 rows of 64 bytes lie inside `out`.
-            unsafe {
-                match (i, j) {
-                    (0, 0) => store!("tmm0", p, s),
-                    (0, _) => store!("tmm1", p, s),
-                    (_, 0) => store!("tmm2", p, s),
-                    _ => store!("tmm3", p, s),
+                match (p.rts, p.nb) {
+                    (1, 1) => pass_asm!(
+                        p,
+                        cfg.bytes().as_ptr(),
+                        c,
+                        cs,
+                        [
+                            "tileloadd tmm4, [{a0} + {sa}*1]",
+                            "tileloadd tmm6, [{b0} + {sb}*1]"
+                        ],
+                        ["tdpbusd tmm0, tmm4, tmm6"],
+                        ["tilestored [{c} + {cs}*1], tmm0"]
+                    ),
+                    (1, _) => pass_asm!(
+                        p,
+                        cfg.bytes().as_ptr(),
+                        c,
+                        cs,
+                        [
+                            "tileloadd tmm4, [{a0} + {sa}*1]",
+                            "tileloadd tmm6, [{b0} + {sb}*1]",
+                            "tileloadd tmm7, [{b1} + {sb}*1]"
+                        ],
+                        ["tdpbusd tmm0, tmm4, tmm6", "tdpbusd tmm1, tmm4, tmm7"],
+                        [
+                            "tilestored [{c} + {cs}*1], tmm0",
+                            "tilestored [{c} + {cs}*1 + 64], tmm1"
+                        ]
+                    ),
+                    (_, 1) => pass_asm!(
+                        p,
+                        cfg.bytes().as_ptr(),
+                        c,
+                        cs,
+                        [
+                            "tileloadd tmm4, [{a0} + {sa}*1]",
+                            "tileloadd tmm5, [{a1} + {sa}*1]",
+                            "tileloadd tmm6, [{b0} + {sb}*1]"
+                        ],
+                        ["tdpbusd tmm0, tmm4, tmm6", "tdpbusd tmm2, tmm5, tmm6"],
+                        [
+                            "tilestored [{c} + {cs}*1], tmm0",
+                            "tilestored [{c} + {cs}*1 + 2048], tmm2"
+                        ]
+                    ),
+                    _ => pass_asm!(
+                        p,
+                        cfg.bytes().as_ptr(),
+                        c,
+                        cs,
+                        [
+                            "tileloadd tmm4, [{a0} + {sa}*1]",
+                            "tileloadd tmm5, [{a1} + {sa}*1]",
+                            "tileloadd tmm6, [{b0} + {sb}*1]",
+                            "tileloadd tmm7, [{b1} + {sb}*1]"
+                        ],
+                        [
+                            "tdpbusd tmm0, tmm4, tmm6",
+                            "tdpbusd tmm1, tmm4, tmm7",
+                            "tdpbusd tmm2, tmm5, tmm6",
+                            "tdpbusd tmm3, tmm5, tmm7"
+                        ],
+                        [
+                            "tilestored [{c} + {cs}*1], tmm0",
+                            "tilestored [{c} + {cs}*1 + 64], tmm1",
+                            "tilestored [{c} + {cs}*1 + 2048], tmm2",
+                            "tilestored [{c} + {cs}*1 + 2112], tmm3"
+                        ]
+                    ),
                 }
             }
         }
@@ -468,11 +552,18 @@ mod hw {
     }
 
     /// Whether the int8 GEMM may use AMX in this process: the CPU has the tiles, Linux granted
-    /// tile state, and [`tiles`] on the hardware equals the scalar reference on a problem with
-    /// two row tiles and a padded one, a block pair and a single block, and three steps. Asked
-    /// once (by [`super::super::kernels::isa`]).
+    /// tile state, and [`super::tiles`] on the hardware equals the scalar reference
+    /// ([`self_test`]). Asked once (by [`super::super::kernels::isa`]); a refusal or a failed
+    /// self-test is said on stderr.
     pub fn usable() -> bool {
-        if !cpu_has_tiles() || !request_permission() {
+        if !cpu_has_tiles() {
+            return false;
+        }
+        if !request_permission() {
+            eprintln!(
+                "moeq_rs: the CPU has AMX but Linux refused tile state (arch_prctl); \
+                 using AVX-512 VNNI"
+            );
             return false;
         }
         // SAFETY: the CPU has the tiles and the OS granted their state (just checked).
@@ -576,6 +667,12 @@ mod tests {
     }
 
     impl TileOps for Faulty {
+        fn pass(&mut self, p: &Pass<'_>, out: &mut PassOut) {
+            run_pass(self, p, out)
+        }
+    }
+
+    impl Instructions for Faulty {
         fn zero(&mut self) {
             self.model.zero()
         }
@@ -626,7 +723,7 @@ mod tests {
         }
     }
 
-    #[cfg(target_arch = "x86_64")]
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
     #[test]
     fn tile_config_is_palette_one_with_full_tiles() {
         let cfg = hw::Config::all_full();

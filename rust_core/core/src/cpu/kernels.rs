@@ -39,7 +39,14 @@ pub fn isa() -> Isa {
             #[cfg(target_arch = "x86_64")]
             "avx2" if detected != Isa::Scalar => Isa::Avx2,
             #[cfg(target_arch = "x86_64")]
-            "avx_vnni" if detected != Isa::Scalar && avx_vnni_detected() => Isa::AvxVnni,
+            // Never above the CPU's best: AVX-512 CPUs without AVX-VNNI get the AVX2 tile.
+            "avx_vnni" if detected != Isa::Scalar => {
+                if avx_vnni_detected() {
+                    Isa::AvxVnni
+                } else {
+                    Isa::Avx2
+                }
+            }
             #[cfg(target_arch = "x86_64")]
             "avx512" if detected.avx512() => Isa::Avx512,
             #[cfg(target_arch = "x86_64")]

@@ -284,7 +284,7 @@ impl PackedI8 {
             return;
         }
         #[cfg(test)]
-        if AMX_MODEL.with(std::cell::Cell::get)
+        if AMX_MODEL.with(std::cell::Cell::get) > 0
             && m >= super::amx::MIN_ROWS
             && super::amx::tiles(
                 &mut super::amx::Model::default(),
@@ -297,9 +297,10 @@ impl PackedI8 {
                 &mut done,
             )
         {
+            AMX_MODEL.with(|c| c.set(c.get() + 1));
             return;
         }
-        #[cfg(target_arch = "x86_64")]
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
         if isa().amx() && m >= super::amx::MIN_ROWS && self.k_pad.is_multiple_of(super::amx::KSTEP)
         {
             // SAFETY: `isa()` reports AMX only after `amx::usable()` found the tiles, the OS
@@ -406,10 +407,11 @@ pub fn finish_scalar(
 
 #[cfg(test)]
 thread_local! {
-    /// Tests only: this thread's int8 GEMMs take the AMX path on the instruction model
-    /// ([`super::amx::Model`]) where the hardware path would apply, so that the path's
-    /// hand-off to the epilogue is tested on CPUs without AMX.
-    static AMX_MODEL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Tests only: when nonzero, this thread's int8 GEMMs take the AMX path on the
+    /// instruction model ([`super::amx::Model`]) where the hardware path would apply (so that
+    /// the path's hand-off to the epilogue is tested on CPUs without AMX), and count up by one
+    /// per GEMM that took it.
+    static AMX_MODEL: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
 }
 
 /// One (row, block) of raw accumulators: `(row, block, lanes)`.
@@ -1195,7 +1197,7 @@ mod tests {
             let sx: Vec<f32> = (0..m).map(|r| 1e-2 + r as f32 * 1e-3).collect();
             let scale: Vec<f32> = (0..n).map(|j| 1e-3 * (1 + j % 7) as f32).collect();
             let run = |model: bool| {
-                AMX_MODEL.with(|c| c.set(model));
+                AMX_MODEL.with(|c| c.set(u32::from(model)));
                 let mut out = vec![f32::NAN; m * nblocks * BLOCK];
                 let mut hits = 0;
                 p.gemm_scaled(&xu, m, &sx, &scale, first, nblocks, |r, b, lanes| {
@@ -1203,11 +1205,17 @@ mod tests {
                     out[at..at + BLOCK].copy_from_slice(lanes);
                     hits += 1;
                 });
-                AMX_MODEL.with(|c| c.set(false));
-                (out, hits)
+                // 2 when the model ran (1 set here, plus its count), else what was set.
+                let took = AMX_MODEL.with(|c| c.replace(0));
+                (out, hits, took)
             };
-            let (want, want_hits) = run(false);
-            let (got, got_hits) = run(true);
+            let (want, want_hits, _) = run(false);
+            let (got, got_hits, took) = run(true);
+            assert_eq!(
+                took == 2,
+                m >= super::super::amx::MIN_ROWS,
+                "m={m}: model path taken?"
+            );
             assert_eq!(want_hits, m * nblocks);
             assert_eq!(got_hits, want_hits, "m={m} n={n} k={k}");
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();

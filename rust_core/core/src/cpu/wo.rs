@@ -1042,36 +1042,56 @@ mod tests {
             assert!(!isa().avx2_fma());
             return;
         }
+        // Uneven group bounds too (as act-order layers have after sorting): even starts (4-bit
+        // storage) and an odd one (int8 storage).
+        let uneven = |bits: u32, starts: Vec<usize>| {
+            let (n, k, g) = (21, 64, starts.len());
+            let span = 1i64 << bits;
+            let q: Vec<i8> = (0..n * k)
+                .map(|i| ((i as i64 * 7919) % span - span / 2) as i8)
+                .collect();
+            let scale: Vec<f32> = (0..n * g).map(|i| 1e-3 * (1 + i % 5) as f32).collect();
+            let zp: Vec<i8> = (0..n * g).map(|i| (i % 7) as i8 - 3).collect();
+            (BlockedWo::new(n, k, &q, &scale, Some(&zp), starts), n, k)
+        };
+        let mut layers = Vec::new();
         for (n, k, groups, asym) in [(37, 64, 4, true), (20, 70, 2, true), (33, 66, 3, false)] {
             for bits in [8, 4] {
-                let (w, _) = sample_bits(n, k, groups, asym, bits);
-                for m in 1..=TILE_ROWS {
-                    let x: Vec<f32> = (0..m * k)
-                        .map(|i| ((i * 37) % 101) as f32 / 11.0 - 4.0)
-                        .collect();
-                    let sums = w.zp.is_some().then(|| w.group_sums(&x, m));
-                    let g = w.groups();
-                    let len = w.codes.block_len(k);
-                    for b in 0..w.blocks() {
-                        let t = Tile {
-                            storage: &w.codes,
-                            codes: &w.codes.bytes()[b * len..(b + 1) * len],
-                            scale: &w.scale[b * g * BLOCK..(b + 1) * g * BLOCK],
-                            zp: w
-                                .zp
-                                .as_ref()
-                                .map(|z| &z[b * g * BLOCK..(b + 1) * g * BLOCK]),
-                            k,
-                            group_starts: w.group_starts(),
-                        };
-                        let mut want = [[0f32; BLOCK]; TILE_ROWS];
-                        tile_scalar(&t, &x, sums.as_deref(), m, &mut want);
-                        let mut got = [[f32::NAN; BLOCK]; TILE_ROWS];
-                        avx2::tile(&t, &x, sums.as_deref(), m, &mut got);
-                        for r in 0..m {
-                            let bits = |v: &[f32; BLOCK]| v.map(f32::to_bits);
-                            assert_eq!(bits(&got[r]), bits(&want[r]), "n={n} k={k} m={m} r={r}");
-                        }
+                layers.push((sample_bits(n, k, groups, asym, bits).0, n, k));
+            }
+        }
+        for bits in [8, 4] {
+            layers.push(uneven(bits, vec![0, 6, 40]));
+            layers.push(uneven(bits, vec![0, 7, 40]));
+        }
+        assert!(layers.iter().any(|(w, ..)| matches!(w.codes, Codes::U4(_))));
+        for (w, n, k) in layers {
+            for m in 1..=TILE_ROWS {
+                let x: Vec<f32> = (0..m * k)
+                    .map(|i| ((i * 37) % 101) as f32 / 11.0 - 4.0)
+                    .collect();
+                let sums = w.zp.is_some().then(|| w.group_sums(&x, m));
+                let g = w.groups();
+                let len = w.codes.block_len(k);
+                for b in 0..w.blocks() {
+                    let t = Tile {
+                        storage: &w.codes,
+                        codes: &w.codes.bytes()[b * len..(b + 1) * len],
+                        scale: &w.scale[b * g * BLOCK..(b + 1) * g * BLOCK],
+                        zp: w
+                            .zp
+                            .as_ref()
+                            .map(|z| &z[b * g * BLOCK..(b + 1) * g * BLOCK]),
+                        k,
+                        group_starts: w.group_starts(),
+                    };
+                    let mut want = [[0f32; BLOCK]; TILE_ROWS];
+                    tile_scalar(&t, &x, sums.as_deref(), m, &mut want);
+                    let mut got = [[f32::NAN; BLOCK]; TILE_ROWS];
+                    avx2::tile(&t, &x, sums.as_deref(), m, &mut got);
+                    for r in 0..m {
+                        let bits = |v: &[f32; BLOCK]| v.map(f32::to_bits);
+                        assert_eq!(bits(&got[r]), bits(&want[r]), "n={n} k={k} m={m} r={r}");
                     }
                 }
             }
