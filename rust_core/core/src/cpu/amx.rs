@@ -152,12 +152,13 @@ pub fn tiles<T: TileOps>(
     mut done: impl FnMut(usize, usize, usize, usize, &mut [[i32; BLOCK]]),
 ) -> bool {
     let block_len = k_pad * BLOCK;
+    let short = |len: usize, a: usize, b: usize| a.checked_mul(b).is_none_or(|need| len < need);
     if k_pad == 0
         || !k_pad.is_multiple_of(KSTEP)
         || first >= end
         || m == 0
-        || xu.len() < m * k_pad
-        || w.len() < end * block_len
+        || short(xu.len(), m, k_pad)
+        || short(w.len(), end, block_len)
     {
         return false;
     }
