@@ -30,12 +30,14 @@ import sys, time, numpy as np, torch
 import moeq_rs as mq
 torch.manual_seed(0)
 g = torch.Generator().manual_seed(1)
+def w8a8(e, h, i, k, s):
+    return mq.MoELayer.from_tensors(
+        torch.randint(-127, 128, (e, 2 * i, h), dtype=torch.int8, generator=g),
+        torch.randint(-127, 128, (e, h, i), dtype=torch.int8, generator=g),
+        torch.rand(e, 2 * i, 1, generator=g) * s, torch.rand(e, h, 1, generator=g) * s,
+        scheme="w8a8_dynamic", top_k=k)
 e, h, i, k = 12, 320, 192, 4
-layer = mq.MoELayer.from_tensors(
-    torch.randint(-127, 128, (e, 2 * i, h), dtype=torch.int8, generator=g),
-    torch.randint(-127, 128, (e, h, i), dtype=torch.int8, generator=g),
-    torch.rand(e, 2 * i, 1, generator=g) * 1e-2, torch.rand(e, h, 1, generator=g) * 1e-2,
-    scheme="w8a8_dynamic", top_k=k)
+layer = w8a8(e, h, i, k, 1e-2)
 outs = []
 for t in (1, 5, 37, 300):
     x = torch.randn(t, h, generator=g)
@@ -45,11 +47,7 @@ np.save(sys.argv[1], np.concatenate(outs))
 times = []
 if len(sys.argv) > 2:
     e, h, i, k = 128, 2048, 768, 8
-    big = mq.MoELayer.from_tensors(
-        torch.randint(-127, 128, (e, 2 * i, h), dtype=torch.int8, generator=g),
-        torch.randint(-127, 128, (e, h, i), dtype=torch.int8, generator=g),
-        torch.rand(e, 2 * i, 1, generator=g) * 1e-3, torch.rand(e, h, 1, generator=g) * 1e-3,
-        scheme="w8a8_dynamic", top_k=k)
+    big = w8a8(e, h, i, k, 1e-3)
     for t in (256, 1024):
         x = torch.randn(t, h, dtype=torch.bfloat16, generator=g)
         big(x, torch.randn(t, e, generator=g))

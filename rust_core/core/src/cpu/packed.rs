@@ -1026,6 +1026,38 @@ mod tests {
         assert_eq!(seen, m * n);
     }
 
+    /// An x86 int8 tile kernel with the scalar tile's signature.
+    #[cfg(target_arch = "x86_64")]
+    type TileFn = unsafe fn(&[u8], usize, usize, &[i8], usize, &mut [[i32; BLOCK]]);
+
+    /// `tile` equals the scalar tile exactly for `rows` (each with 1-4 blocks of several
+    /// depths) and the largest products over 4096 inputs.
+    #[cfg(target_arch = "x86_64")]
+    fn tile_equals_scalar(tile: TileFn, rows: std::ops::RangeInclusive<usize>, seed: u64) {
+        let mut next = xorshift(seed);
+        for mr in rows {
+            for (nb, k) in [(1, 4), (2, 64), (3, 2048), (4, 12)] {
+                let k_pad = k;
+                let x: Vec<u8> = (0..mr * k_pad).map(|_| next() as u8).collect();
+                let mut w: Vec<i8> = (0..nb * k_pad * BLOCK).map(|_| next() as i8).collect();
+                w[0] = -128;
+                let mut want = vec![[0i32; BLOCK]; mr * nb];
+                tile_scalar(&x, mr, k_pad, &w, nb, &mut want);
+                // Both x86 tiles store every entry (the scalar tile adds into zeros).
+                let mut got = vec![[7i32; BLOCK]; mr * nb];
+                // SAFETY: the caller checked the CPU runs `tile`; slices sized as required.
+                unsafe { tile(&x, mr, k_pad, &w, nb, &mut got) };
+                assert_eq!(got, want, "mr={mr} nb={nb} k={k}");
+            }
+        }
+        let x = vec![255u8; 4096];
+        let w = vec![-128i8; 4096 * BLOCK];
+        let mut got = vec![[0i32; BLOCK]; 1];
+        // SAFETY: as above; one row, one block of 4096 inputs.
+        unsafe { tile(&x, 1, 4096, &w, 1, &mut got) };
+        assert_eq!(got[0], [255 * -128 * 4096; BLOCK]);
+    }
+
     /// The AVX2 tile (the kernel of CPUs without VNNI) equals the scalar tile exactly.
     #[cfg(target_arch = "x86_64")]
     #[test]
@@ -1033,31 +1065,7 @@ mod tests {
         if !std::arch::is_x86_feature_detected!("avx2") {
             return;
         }
-        let mut next = xorshift(0x9e37_79b9_u64);
-        for (mr, nb, k) in [
-            (1, 1, 4),
-            (2, 3, 64),
-            (3, 4, 2048),
-            (6, 2, 12),
-            (5, 4, 4096),
-        ] {
-            let k_pad = k;
-            let x: Vec<u8> = (0..mr * k_pad).map(|_| next() as u8).collect();
-            let mut w: Vec<i8> = (0..nb * k_pad * BLOCK).map(|_| next() as i8).collect();
-            w[0] = -128;
-            let mut want = vec![[0i32; BLOCK]; mr * nb];
-            tile_scalar(&x, mr, k_pad, &w, nb, &mut want);
-            let mut got = vec![[7i32; BLOCK]; mr * nb];
-            // SAFETY: AVX2 detected above; slices sized as the kernel requires.
-            unsafe { x86::tile_avx2(&x, mr, k_pad, &w, nb, &mut got) };
-            assert_eq!(got, want, "mr={mr} nb={nb} k={k}");
-        }
-        let x = vec![255u8; 4096];
-        let w = vec![-128i8; 4096 * BLOCK];
-        let mut got = vec![[0i32; BLOCK]; 1];
-        // SAFETY: AVX2 detected above; one row, one block of 4096 inputs.
-        unsafe { x86::tile_avx2(&x, 1, 4096, &w, 1, &mut got) };
-        assert_eq!(got[0], [255 * -128 * 4096; BLOCK]);
+        tile_equals_scalar(x86::tile_avx2, 1..=6, 0x9e37_79b9_u64);
     }
 
     /// The AVX-VNNI tile (the kernel of AVX2 CPUs with AVX-VNNI) equals the scalar tile
@@ -1074,27 +1082,7 @@ mod tests {
             );
             return;
         }
-        let mut next = xorshift(0x51_7cc1_b727_220a_u64);
-        for mr in 1..=13 {
-            for (nb, k) in [(1, 4), (2, 64), (3, 2048), (4, 12)] {
-                let k_pad = k;
-                let x: Vec<u8> = (0..mr * k_pad).map(|_| next() as u8).collect();
-                let mut w: Vec<i8> = (0..nb * k_pad * BLOCK).map(|_| next() as i8).collect();
-                w[0] = -128;
-                let mut want = vec![[0i32; BLOCK]; mr * nb];
-                tile_scalar(&x, mr, k_pad, &w, nb, &mut want);
-                let mut got = vec![[7i32; BLOCK]; mr * nb];
-                // SAFETY: AVX-VNNI (and so AVX2) detected above; slices sized as required.
-                unsafe { x86::tile_avx_vnni(&x, mr, k_pad, &w, nb, &mut got) };
-                assert_eq!(got, want, "mr={mr} nb={nb} k={k}");
-            }
-        }
-        let x = vec![255u8; 4096];
-        let w = vec![-128i8; 4096 * BLOCK];
-        let mut got = vec![[0i32; BLOCK]; 1];
-        // SAFETY: AVX-VNNI detected above; one row, one block of 4096 inputs.
-        unsafe { x86::tile_avx_vnni(&x, 1, 4096, &w, 1, &mut got) };
-        assert_eq!(got[0], [255 * -128 * 4096; BLOCK]);
+        tile_equals_scalar(x86::tile_avx_vnni, 1..=13, 0x51_7cc1_b727_220a_u64);
     }
 
     /// The NEON tile equals the scalar tile exactly (aarch64; run under qemu by
