@@ -638,19 +638,147 @@ mod x86 {
     }
 }
 
+/// The weight-only tile of the CPUs whose registers hold less than a block (AVX2: two
+/// registers of 8 lanes; NEON: four of 4), written once: [`tile_scalar`]'s operations in its
+/// order (fused multiply-adds per column into `unroll(mr)` partial sums, the same pairwise
+/// combination and group epilogue), so the results are identical. Each architecture supplies
+/// the register operations ([`Lanes`]) and runs [`pass`] inside a function compiled for its
+/// features, where the operations inline. Rows go in passes of up to four (each row's
+/// operations do not depend on the others), which keeps the partial sums in registers.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+mod lanes {
+    use super::{unroll, Codes, Tile, BLOCK, TILE_ROWS};
+
+    /// The 16 features of a block, in registers.
+    pub trait Lanes: Copy {
+        /// All zeros.
+        fn zero() -> Self;
+        /// Column `c`'s 16 stored values as floats (4-bit: the nibble of byte row `c / 2`).
+        ///
+        /// # Safety
+        /// The CPU has the architecture's features; `c < t.k` and `t.codes` holds the whole
+        /// block (`k * 16` bytes, `ceil(k / 2) * 16` for 4-bit storage).
+        unsafe fn column(t: &Tile<'_>, c: usize) -> Self;
+        /// Sixteen floats at `p`.
+        ///
+        /// # Safety
+        /// As [`Lanes::column`]; `p` points at 16 readable f32.
+        unsafe fn load(p: *const f32) -> Self;
+        /// `acc + w * x`, fused (the scalar `w.mul_add(x, acc)`).
+        fn fma(acc: Self, w: Self, x: f32) -> Self;
+        /// `tot + a * s`, fused (the scalar `a.mul_add(s, tot)`).
+        fn fma_lanes(tot: Self, a: Self, s: Self) -> Self;
+        /// `acc - z * v`, fused (the scalar `(-z).mul_add(v, acc)`).
+        fn fnma(acc: Self, z: Self, v: f32) -> Self;
+        /// `a + b`.
+        fn add(a: Self, b: Self) -> Self;
+        /// Stores the 16 lanes.
+        fn store(self, out: &mut [f32; BLOCK]);
+    }
+
+    /// The sizes a pass reads fit: codes, scales, zero points, `mr` rows of `x` and of the
+    /// sums, at most [`TILE_ROWS`] rows.
+    pub fn fits(t: &Tile<'_>, x: &[f32], sums: Option<&[f32]>, mr: usize) -> bool {
+        let groups = t.group_starts.len().max(1);
+        let need = match t.storage {
+            Codes::I8(_) => t.k * BLOCK,
+            Codes::U4(_) => t.k.div_ceil(2) * BLOCK,
+        };
+        t.codes.len() >= need
+            && x.len() >= mr * t.k
+            && t.scale.len() >= groups * BLOCK
+            && t.zp.is_none_or(|z| z.len() >= groups * BLOCK)
+            && sums.is_none_or(|s| s.len() >= mr * groups)
+            && mr <= TILE_ROWS
+    }
+
+    /// Rows `0..mr` in passes of up to four: `run(rows, unroll, x, sums, out)` for each, with
+    /// `x`, `sums` and `out` starting at the pass's first row. `unroll` is `unroll(mr)`, the
+    /// whole tile's.
+    pub fn passes(
+        t: &Tile<'_>,
+        x: &[f32],
+        sums: Option<&[f32]>,
+        mr: usize,
+        out: &mut [[f32; BLOCK]; TILE_ROWS],
+        mut run: impl FnMut(usize, usize, &[f32], Option<&[f32]>, &mut [[f32; BLOCK]]),
+    ) {
+        let groups = t.group_starts.len().max(1);
+        let u = unroll(mr);
+        let mut r0 = 0;
+        while r0 < mr {
+            let rows = (mr - r0).min(4);
+            run(
+                rows,
+                u,
+                &x[r0 * t.k..],
+                sums.map(|s| &s[r0 * groups..]),
+                &mut out[r0..r0 + rows],
+            );
+            r0 += rows;
+        }
+    }
+
+    /// `R` rows of the tile with `U` partial sums per group.
+    ///
+    /// # Safety
+    /// The CPU has the features `L`'s operations need, and the caller is compiled with them
+    /// (so that they inline); [`fits`] holds for `R` rows; `out` has `R` rows.
+    #[inline(always)]
+    pub unsafe fn pass<L: Lanes, const R: usize, const U: usize>(
+        t: &Tile<'_>,
+        x: &[f32],
+        sums: Option<&[f32]>,
+        out: &mut [[f32; BLOCK]],
+    ) {
+        let groups = t.group_starts.len().max(1);
+        let mut total = [L::zero(); R];
+        for g in 0..groups {
+            let (a, e) = t.bounds(g);
+            let e = e.min(t.k);
+            let full = a + (e.saturating_sub(a) / U) * U;
+            let mut parts = [[L::zero(); U]; R];
+            // Column c goes to partial sum (c - a) % U below `full`, to partial 0 after it.
+            for c in a..e {
+                let slot = if c < full { (c - a) % U } else { 0 };
+                // SAFETY: c < e <= k; the caller's contract covers the block.
+                let w = unsafe { L::column(t, c) };
+                for (r, p) in parts.iter_mut().enumerate() {
+                    p[slot] = L::fma(p[slot], w, x[r * t.k + c]);
+                }
+            }
+            // SAFETY: the caller's contract: scale (and zp) hold groups * 16 values, g < groups.
+            let sc = unsafe { L::load(t.scale.as_ptr().add(g * BLOCK)) };
+            let z = t.zp.map(|z| {
+                // SAFETY: as above.
+                unsafe { L::load(z.as_ptr().add(g * BLOCK)) }
+            });
+            for (r, (p, tot)) in parts.iter().zip(total.iter_mut()).enumerate() {
+                let mut acc = match U {
+                    4 => L::add(L::add(p[0], p[1]), L::add(p[2], p[3])),
+                    2 => L::add(p[0], p[1]),
+                    _ => p[0],
+                };
+                if let (Some(z), Some(s)) = (z, sums) {
+                    acc = L::fnma(acc, z, s[r * groups + g]);
+                }
+                *tot = L::fma_lanes(*tot, acc, sc);
+            }
+        }
+        for (o, tot) in out.iter_mut().zip(total) {
+            tot.store(o);
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{unroll, Codes, Tile, BLOCK, TILE_ROWS};
+    use super::lanes::{self, Lanes};
+    use super::{Codes, Tile, BLOCK, TILE_ROWS};
     use std::arch::x86_64::*;
 
-    /// Two registers: the 16 features of one block.
-    type Lanes = [__m256; 2];
-
-    /// The AVX2 + FMA weight-only tile, for AVX2 CPUs without AVX-512 (which otherwise ran
-    /// the scalar tile, ~40x slower): the operations of [`super::tile_scalar`] in the same
-    /// order (fused multiply-adds per column into `unroll(mr)` partial sums, the same pairwise
-    /// combination and group epilogue), so the results are identical. Rows go in passes of
-    /// up to four, as in the NEON tile (each row's operations do not depend on the others).
+    /// The AVX2 + FMA weight-only tile ([`lanes`]), for AVX2 CPUs without AVX-512 (which
+    /// otherwise ran the scalar tile, ~40x slower).
     pub fn tile(
         t: &Tile<'_>,
         x: &[f32],
@@ -658,18 +786,7 @@ mod avx2 {
         mr: usize,
         out: &mut [[f32; BLOCK]; TILE_ROWS],
     ) {
-        let groups = t.group_starts.len().max(1);
-        let need = match t.storage {
-            Codes::I8(_) => t.k * BLOCK,
-            Codes::U4(_) => t.k.div_ceil(2) * BLOCK,
-        };
-        let fits = t.codes.len() >= need
-            && x.len() >= mr * t.k
-            && t.scale.len() >= groups * BLOCK
-            && t.zp.is_none_or(|z| z.len() >= groups * BLOCK)
-            && sums.is_none_or(|s| s.len() >= mr * groups)
-            && mr <= TILE_ROWS;
-        if !fits || !detected() {
+        if !lanes::fits(t, x, sums, mr) || !detected() {
             // The callers' slices always fit and they dispatch here only with AVX2 and FMA;
             // a future caller's mistake shows here in debug builds instead of as zeros.
             debug_assert!(
@@ -678,15 +795,9 @@ mod avx2 {
             );
             return;
         }
-        let u = unroll(mr);
-        let mut r0 = 0;
-        while r0 < mr {
-            let rows = (mr - r0).min(4);
-            let xs = &x[r0 * t.k..];
-            let ss = sums.map(|s| &s[r0 * groups..]);
-            let dst = &mut out[r0..r0 + rows];
-            // SAFETY: AVX2 and FMA detected (checked above); the sizes `pass` reads were
-            // checked above (codes, scales, zero points, `rows` rows of x and of the sums).
+        lanes::passes(t, x, sums, mr, out, |rows, u, xs, ss, dst| {
+            // SAFETY: AVX2 and FMA detected (checked above); `fits` held for all `mr` rows,
+            // so for this pass's rows too.
             unsafe {
                 match (rows, u) {
                     (1, 4) => pass::<1, 4>(t, xs, ss, dst),
@@ -697,8 +808,7 @@ mod avx2 {
                     _ => pass::<4, 1>(t, xs, ss, dst),
                 }
             }
-            r0 += rows;
-        }
+        });
     }
 
     /// The CPU runs this tile (AVX2 and FMA).
@@ -706,46 +816,10 @@ mod avx2 {
         std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
     }
 
-    /// Column `c`'s 16 stored values as floats (4-bit: the nibble of byte row `c / 2`).
+    /// [`lanes::pass`] compiled for AVX2 and FMA.
     ///
     /// # Safety
-    /// AVX2; `c < t.k` and `t.codes` holds the whole block (`k * 16` bytes, `ceil(k / 2) * 16`
-    /// for 4-bit storage).
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    unsafe fn column(t: &Tile<'_>, c: usize) -> Lanes {
-        match t.storage {
-            Codes::I8(_) => {
-                // SAFETY: the caller's contract: the 16 bytes of column c lie inside the block.
-                let v = unsafe { _mm_loadu_si128(t.codes.as_ptr().add(c * BLOCK).cast()) };
-                [
-                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)),
-                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(v))),
-                ]
-            }
-            Codes::U4(_) => {
-                // SAFETY: the caller's contract: byte row c / 2 lies inside the block.
-                let v = unsafe { _mm_loadu_si128(t.codes.as_ptr().add((c / 2) * BLOCK).cast()) };
-                let v = if c.is_multiple_of(2) {
-                    v
-                } else {
-                    _mm_srli_epi16::<4>(v)
-                };
-                let nib = _mm_and_si128(v, _mm_set1_epi8(15));
-                [
-                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib)),
-                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(nib))),
-                ]
-            }
-        }
-    }
-
-    /// `R` rows of the tile with `U` partial sums per group.
-    ///
-    /// # Safety
-    /// AVX2 and FMA; as checked in [`tile`]: `t.codes` holds the whole block, `t.scale` (and
-    /// `t.zp`) `groups * 16` values, `x` `R` rows of `t.k`, `sums` `R * groups` values, `out`
-    /// `R` rows.
+    /// The CPU has AVX2 and FMA; as [`lanes::pass`].
     #[target_feature(enable = "avx2,fma")]
     unsafe fn pass<const R: usize, const U: usize>(
         t: &Tile<'_>,
@@ -753,83 +827,112 @@ mod avx2 {
         sums: Option<&[f32]>,
         out: &mut [[f32; BLOCK]],
     ) {
-        let groups = t.group_starts.len().max(1);
-        let zero = _mm256_setzero_ps();
-        let mut total = [[zero; 2]; R];
-        for g in 0..groups {
-            let (a, e) = t.bounds(g);
-            let e = e.min(t.k);
-            let full = a + (e.saturating_sub(a) / U) * U;
-            let mut parts = [[[zero; 2]; U]; R];
-            // Column c goes to partial sum (c - a) % U below `full`, to partial 0 after it.
-            for c in a..e {
-                let slot = if c < full { (c - a) % U } else { 0 };
-                // SAFETY: c < e <= k; the caller's contract covers the block.
-                let w = unsafe { column(t, c) };
-                for (r, p) in parts.iter_mut().enumerate() {
-                    let xv = _mm256_set1_ps(x[r * t.k + c]);
-                    for (acc, wq) in p[slot].iter_mut().zip(w) {
-                        *acc = _mm256_fmadd_ps(wq, xv, *acc);
-                    }
-                }
-            }
-            // SAFETY: the caller's contract: scale (and zp) hold groups * 16 values, g < groups.
-            let sc = unsafe { load16(t.scale.as_ptr().add(g * BLOCK)) };
-            let z = t.zp.map(|z| {
-                // SAFETY: as above.
-                unsafe { load16(z.as_ptr().add(g * BLOCK)) }
-            });
-            for (r, (p, tot)) in parts.iter().zip(total.iter_mut()).enumerate() {
-                for q in 0..2 {
-                    let mut acc = match U {
-                        4 => _mm256_add_ps(
-                            _mm256_add_ps(p[0][q], p[1][q]),
-                            _mm256_add_ps(p[2][q], p[3][q]),
-                        ),
-                        2 => _mm256_add_ps(p[0][q], p[1][q]),
-                        _ => p[0][q],
-                    };
-                    if let (Some(z), Some(s)) = (z, sums) {
-                        // acc - z * Σx, fused: the scalar `(-z).mul_add(Σx, acc)`.
-                        acc = _mm256_fnmadd_ps(z[q], _mm256_set1_ps(s[r * groups + g]), acc);
-                    }
-                    tot[q] = _mm256_fmadd_ps(acc, sc[q], tot[q]);
-                }
-            }
-        }
-        for (o, tot) in out.iter_mut().zip(total) {
-            for (q, v) in tot.iter().enumerate() {
-                // SAFETY: each output row holds 16 f32; q * 8 + 8 <= 16.
-                unsafe { _mm256_storeu_ps(o.as_mut_ptr().add(q * 8), *v) };
-            }
-        }
+        // SAFETY: the caller's contract is `lanes::pass`'s, and this function has the
+        // features `Avx2`'s operations use.
+        unsafe { lanes::pass::<Avx2, R, U>(t, x, sums, out) }
     }
 
-    /// Sixteen floats at `p`.
-    ///
-    /// # Safety
-    /// AVX; `p` points at 16 readable f32.
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    unsafe fn load16(p: *const f32) -> Lanes {
-        // SAFETY: the caller's contract.
-        unsafe { [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))] }
+    /// Two registers: the 16 features of one block.
+    #[derive(Clone, Copy)]
+    struct Avx2([__m256; 2]);
+
+    // SAFETY (for every intrinsic call below): these operations run only inside `pass`, which
+    // is compiled for AVX2 and FMA and called where the CPU has them.
+    impl Lanes for Avx2 {
+        #[inline(always)]
+        fn zero() -> Self {
+            // SAFETY: see the impl's note (AVX).
+            Avx2(unsafe { [_mm256_setzero_ps(); 2] })
+        }
+        #[inline(always)]
+        unsafe fn column(t: &Tile<'_>, c: usize) -> Self {
+            // SAFETY: the caller's contract: the 16 bytes of column c (4-bit: byte row c / 2)
+            // lie inside the block; AVX2 as in the impl's note.
+            unsafe {
+                match t.storage {
+                    Codes::I8(_) => {
+                        let v = _mm_loadu_si128(t.codes.as_ptr().add(c * BLOCK).cast());
+                        Avx2([
+                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)),
+                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(v))),
+                        ])
+                    }
+                    Codes::U4(_) => {
+                        let v = _mm_loadu_si128(t.codes.as_ptr().add((c / 2) * BLOCK).cast());
+                        let v = if c.is_multiple_of(2) {
+                            v
+                        } else {
+                            _mm_srli_epi16::<4>(v)
+                        };
+                        let nib = _mm_and_si128(v, _mm_set1_epi8(15));
+                        Avx2([
+                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib)),
+                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(nib))),
+                        ])
+                    }
+                }
+            }
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            // SAFETY: the caller's contract: 16 readable f32 at p.
+            unsafe { Avx2([_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))]) }
+        }
+        #[inline(always)]
+        fn fma(acc: Self, w: Self, x: f32) -> Self {
+            // SAFETY: see the impl's note (AVX, FMA).
+            unsafe {
+                let xv = _mm256_set1_ps(x);
+                Avx2([
+                    _mm256_fmadd_ps(w.0[0], xv, acc.0[0]),
+                    _mm256_fmadd_ps(w.0[1], xv, acc.0[1]),
+                ])
+            }
+        }
+        #[inline(always)]
+        fn fma_lanes(tot: Self, a: Self, s: Self) -> Self {
+            // SAFETY: see the impl's note (FMA).
+            unsafe {
+                Avx2([
+                    _mm256_fmadd_ps(a.0[0], s.0[0], tot.0[0]),
+                    _mm256_fmadd_ps(a.0[1], s.0[1], tot.0[1]),
+                ])
+            }
+        }
+        #[inline(always)]
+        fn fnma(acc: Self, z: Self, v: f32) -> Self {
+            // SAFETY: see the impl's note (AVX, FMA).
+            unsafe {
+                let vv = _mm256_set1_ps(v);
+                Avx2([
+                    _mm256_fnmadd_ps(z.0[0], vv, acc.0[0]),
+                    _mm256_fnmadd_ps(z.0[1], vv, acc.0[1]),
+                ])
+            }
+        }
+        #[inline(always)]
+        fn add(a: Self, b: Self) -> Self {
+            // SAFETY: see the impl's note (AVX).
+            unsafe { Avx2([_mm256_add_ps(a.0[0], b.0[0]), _mm256_add_ps(a.0[1], b.0[1])]) }
+        }
+        #[inline(always)]
+        fn store(self, out: &mut [f32; BLOCK]) {
+            // SAFETY: `out` holds 16 f32: two unaligned 256-bit stores; AVX as in the note.
+            unsafe {
+                _mm256_storeu_ps(out.as_mut_ptr(), self.0[0]);
+                _mm256_storeu_ps(out.as_mut_ptr().add(8), self.0[1]);
+            }
+        }
     }
 }
 
 #[cfg(target_arch = "aarch64")]
 mod neon {
-    use super::{unroll, Codes, Tile, BLOCK, TILE_ROWS};
+    use super::lanes::{self, Lanes};
+    use super::{Codes, Tile, BLOCK, TILE_ROWS};
     use std::arch::aarch64::*;
 
-    /// Four registers: the 16 features of one block.
-    type Lanes = [float32x4_t; 4];
-
-    /// The NEON weight-only tile: the operations of [`super::tile_scalar`] in the same order
-    /// (fused multiply-adds per column into `unroll(mr)` partial sums, the same pairwise
-    /// combination and group epilogue), so the results are identical. Rows go in passes of up
-    /// to four (each row's operations do not depend on the others), which keeps the partial
-    /// sums in NEON's 32 registers. Checked under qemu (`make check-aarch64`).
+    /// The NEON weight-only tile ([`lanes`]). Checked under qemu (`make check-aarch64`).
     pub fn tile(
         t: &Tile<'_>,
         x: &[f32],
@@ -837,31 +940,15 @@ mod neon {
         mr: usize,
         out: &mut [[f32; BLOCK]; TILE_ROWS],
     ) {
-        let groups = t.group_starts.len().max(1);
-        let need = match t.storage {
-            Codes::I8(_) => t.k * BLOCK,
-            Codes::U4(_) => t.k.div_ceil(2) * BLOCK,
-        };
-        if t.codes.len() < need
-            || x.len() < mr * t.k
-            || t.scale.len() < groups * BLOCK
-            || t.zp.is_some_and(|z| z.len() < groups * BLOCK)
-            || sums.is_some_and(|s| s.len() < mr * groups)
-        {
+        if !lanes::fits(t, x, sums, mr) {
             // The callers' slices always fit (as for the x86 tile's contract); a future
             // caller's mistake shows here in debug builds instead of as zeros.
             debug_assert!(false, "NEON weight-only tile: operand sizes do not fit");
             return;
         }
-        let u = unroll(mr);
-        let mut r0 = 0;
-        while r0 < mr {
-            let rows = (mr - r0).min(4);
-            let xs = &x[r0 * t.k..];
-            let ss = sums.map(|s| &s[r0 * groups..]);
-            let dst = &mut out[r0..r0 + rows];
-            // SAFETY: NEON is part of the aarch64 baseline; the sizes `pass` reads were checked
-            // above (codes, scales, zero points, `rows` rows of x and of the sums).
+        lanes::passes(t, x, sums, mr, out, |rows, u, xs, ss, dst| {
+            // SAFETY: NEON is part of the aarch64 baseline; `fits` held for all `mr` rows, so
+            // for this pass's rows too.
             unsafe {
                 match (rows, u) {
                     (1, 4) => pass::<1, 4>(t, xs, ss, dst),
@@ -872,72 +959,13 @@ mod neon {
                     _ => pass::<4, 1>(t, xs, ss, dst),
                 }
             }
-            r0 += rows;
-        }
+        });
     }
 
-    /// Sixteen int8 values (as two int16x8 halves) to floats.
-    #[target_feature(enable = "neon")]
-    fn widen16(lo: int16x8_t, hi: int16x8_t) -> Lanes {
-        [
-            vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))),
-            vcvtq_f32_s32(vmovl_s16(vget_high_s16(lo))),
-            vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))),
-            vcvtq_f32_s32(vmovl_s16(vget_high_s16(hi))),
-        ]
-    }
-
-    /// Column `c`'s 16 stored values as floats (4-bit: the nibble of byte row `c / 2`).
+    /// [`lanes::pass`] compiled for NEON.
     ///
     /// # Safety
-    /// `c < t.k` and `t.codes` holds the whole block (`k * 16` bytes, `ceil(k / 2) * 16` for
-    /// 4-bit storage).
-    #[target_feature(enable = "neon")]
-    #[inline]
-    unsafe fn column(t: &Tile<'_>, c: usize) -> Lanes {
-        match t.storage {
-            Codes::I8(_) => {
-                // SAFETY: the caller's contract: the 16 bytes of column c lie inside the block.
-                let v = unsafe { vld1q_s8(t.codes.as_ptr().add(c * BLOCK).cast()) };
-                widen16(vmovl_s8(vget_low_s8(v)), vmovl_s8(vget_high_s8(v)))
-            }
-            Codes::U4(_) => {
-                // SAFETY: the caller's contract: byte row c / 2 lies inside the block.
-                let v = unsafe { vld1q_u8(t.codes.as_ptr().add((c / 2) * BLOCK)) };
-                let nib = if c.is_multiple_of(2) {
-                    vandq_u8(v, vdupq_n_u8(15))
-                } else {
-                    vshrq_n_u8::<4>(v)
-                };
-                let s = vreinterpretq_s8_u8(nib);
-                widen16(vmovl_s8(vget_low_s8(s)), vmovl_s8(vget_high_s8(s)))
-            }
-        }
-    }
-
-    /// Sixteen floats at `p`.
-    ///
-    /// # Safety
-    /// `p` points at 16 readable f32.
-    #[target_feature(enable = "neon")]
-    #[inline]
-    unsafe fn load16(p: *const f32) -> Lanes {
-        // SAFETY: the caller's contract.
-        unsafe {
-            [
-                vld1q_f32(p),
-                vld1q_f32(p.add(4)),
-                vld1q_f32(p.add(8)),
-                vld1q_f32(p.add(12)),
-            ]
-        }
-    }
-
-    /// `R` rows of the tile with `U` partial sums per group.
-    ///
-    /// # Safety
-    /// As checked in [`tile`]: `t.codes` holds the whole block, `t.scale` (and `t.zp`)
-    /// `groups * 16` values, `x` `R` rows of `t.k`, `sums` `R * groups` values, `out` `R` rows.
+    /// As [`lanes::pass`] (NEON is always present on aarch64).
     #[target_feature(enable = "neon")]
     unsafe fn pass<const R: usize, const U: usize>(
         t: &Tile<'_>,
@@ -945,51 +973,108 @@ mod neon {
         sums: Option<&[f32]>,
         out: &mut [[f32; BLOCK]],
     ) {
-        let groups = t.group_starts.len().max(1);
-        let zero = vdupq_n_f32(0.0);
-        let mut total = [[zero; 4]; R];
-        for g in 0..groups {
-            let (a, e) = t.bounds(g);
-            let e = e.min(t.k);
-            let full = a + (e.saturating_sub(a) / U) * U;
-            let mut parts = [[[zero; 4]; U]; R];
-            // Column c goes to partial sum (c - a) % U below `full`, to partial 0 after it.
-            for c in a..e {
-                let slot = if c < full { (c - a) % U } else { 0 };
-                // SAFETY: c < e <= k; the caller's contract covers the block.
-                let w = unsafe { column(t, c) };
-                for (r, p) in parts.iter_mut().enumerate() {
-                    let xv = vdupq_n_f32(x[r * t.k + c]);
-                    for (acc, wq) in p[slot].iter_mut().zip(w) {
-                        *acc = vfmaq_f32(*acc, wq, xv);
+        // SAFETY: the caller's contract is `lanes::pass`'s.
+        unsafe { lanes::pass::<Neon, R, U>(t, x, sums, out) }
+    }
+
+    /// Four registers: the 16 features of one block.
+    #[derive(Clone, Copy)]
+    struct Neon([float32x4_t; 4]);
+
+    /// Sixteen int8 values (as two int16x8 halves) to floats.
+    #[inline(always)]
+    fn widen16(lo: int16x8_t, hi: int16x8_t) -> Neon {
+        // SAFETY: NEON is part of the aarch64 baseline.
+        unsafe {
+            Neon([
+                vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))),
+                vcvtq_f32_s32(vmovl_s16(vget_high_s16(lo))),
+                vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))),
+                vcvtq_f32_s32(vmovl_s16(vget_high_s16(hi))),
+            ])
+        }
+    }
+
+    // SAFETY (for every intrinsic call below): NEON is part of the aarch64 baseline.
+    impl Lanes for Neon {
+        #[inline(always)]
+        fn zero() -> Self {
+            // SAFETY: see the impl's note.
+            Neon(unsafe { [vdupq_n_f32(0.0); 4] })
+        }
+        #[inline(always)]
+        unsafe fn column(t: &Tile<'_>, c: usize) -> Self {
+            match t.storage {
+                Codes::I8(_) => {
+                    // SAFETY: the caller's contract: the 16 bytes of column c lie inside the
+                    // block.
+                    unsafe {
+                        let v = vld1q_s8(t.codes.as_ptr().add(c * BLOCK).cast());
+                        widen16(vmovl_s8(vget_low_s8(v)), vmovl_s8(vget_high_s8(v)))
                     }
                 }
-            }
-            // SAFETY: the caller's contract: scale (and zp) hold groups * 16 values, g < groups.
-            let sc = unsafe { load16(t.scale.as_ptr().add(g * BLOCK)) };
-            let z = t.zp.map(|z| {
-                // SAFETY: as above.
-                unsafe { load16(z.as_ptr().add(g * BLOCK)) }
-            });
-            for (r, (p, tot)) in parts.iter().zip(total.iter_mut()).enumerate() {
-                for q in 0..4 {
-                    let mut acc = match U {
-                        4 => vaddq_f32(vaddq_f32(p[0][q], p[1][q]), vaddq_f32(p[2][q], p[3][q])),
-                        2 => vaddq_f32(p[0][q], p[1][q]),
-                        _ => p[0][q],
-                    };
-                    if let (Some(z), Some(s)) = (z, sums) {
-                        // acc - z * Σx, fused: the scalar `(-z).mul_add(Σx, acc)`.
-                        acc = vfmsq_f32(acc, z[q], vdupq_n_f32(s[r * groups + g]));
+                Codes::U4(_) => {
+                    // SAFETY: the caller's contract: byte row c / 2 lies inside the block.
+                    unsafe {
+                        let v = vld1q_u8(t.codes.as_ptr().add((c / 2) * BLOCK));
+                        let nib = if c.is_multiple_of(2) {
+                            vandq_u8(v, vdupq_n_u8(15))
+                        } else {
+                            vshrq_n_u8::<4>(v)
+                        };
+                        let s = vreinterpretq_s8_u8(nib);
+                        widen16(vmovl_s8(vget_low_s8(s)), vmovl_s8(vget_high_s8(s)))
                     }
-                    tot[q] = vfmaq_f32(tot[q], acc, sc[q]);
                 }
             }
         }
-        for (o, tot) in out.iter_mut().zip(total) {
-            for (q, v) in tot.iter().enumerate() {
-                // SAFETY: each output row holds 16 f32; q * 4 + 4 <= 16.
-                unsafe { vst1q_f32(o.as_mut_ptr().add(q * 4), *v) };
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            // SAFETY: the caller's contract: 16 readable f32 at p.
+            unsafe {
+                Neon([
+                    vld1q_f32(p),
+                    vld1q_f32(p.add(4)),
+                    vld1q_f32(p.add(8)),
+                    vld1q_f32(p.add(12)),
+                ])
+            }
+        }
+        #[inline(always)]
+        fn fma(acc: Self, w: Self, x: f32) -> Self {
+            // SAFETY: see the impl's note.
+            unsafe {
+                let xv = vdupq_n_f32(x);
+                Neon(std::array::from_fn(|q| vfmaq_f32(acc.0[q], w.0[q], xv)))
+            }
+        }
+        #[inline(always)]
+        fn fma_lanes(tot: Self, a: Self, s: Self) -> Self {
+            // SAFETY: see the impl's note.
+            Neon(std::array::from_fn(|q| unsafe {
+                vfmaq_f32(tot.0[q], a.0[q], s.0[q])
+            }))
+        }
+        #[inline(always)]
+        fn fnma(acc: Self, z: Self, v: f32) -> Self {
+            // SAFETY: see the impl's note.
+            unsafe {
+                let vv = vdupq_n_f32(v);
+                Neon(std::array::from_fn(|q| vfmsq_f32(acc.0[q], z.0[q], vv)))
+            }
+        }
+        #[inline(always)]
+        fn add(a: Self, b: Self) -> Self {
+            // SAFETY: see the impl's note.
+            Neon(std::array::from_fn(|q| unsafe {
+                vaddq_f32(a.0[q], b.0[q])
+            }))
+        }
+        #[inline(always)]
+        fn store(self, out: &mut [f32; BLOCK]) {
+            for (q, v) in self.0.iter().enumerate() {
+                // SAFETY: `out` holds 16 f32; q * 4 + 4 <= 16.
+                unsafe { vst1q_f32(out.as_mut_ptr().add(q * 4), *v) };
             }
         }
     }
