@@ -56,6 +56,10 @@ def forward_from(cpu_dir: Path, ckpt: mq.Checkpoint) -> float:
     """Runs every MoE layer loaded from the CPU layout against the source's fp64 reference;
     returns the worst relative L2 error."""
     print("\n== CPU forward (layers loaded from the CPU layout) against the fp64 reference")
+    print(
+        f"kernels: {mq.oracle.cpu_kernel()}, bf16 dot products "
+        f"{'on' if mq.oracle.cpu_bf16_dot() else 'off'}, {mq.oracle.cpu_threads()} threads"
+    )
     torch.manual_seed(0)
     worst = 0.0
     for layer in ckpt.moe_layers():
