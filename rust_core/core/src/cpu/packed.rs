@@ -40,6 +40,8 @@ const MIN_PF_PASSES: usize = 4;
 /// 0.93-0.99 -> 0.84-0.91 ms (8 pairs), T=16 median 11.9-12.8 -> 10.8-11.9 ms (6 pairs,
 /// each pair faster), DeepSeek-V2-Lite T=16 13.4-14.1 -> 12.9-13.4 ms.
 const STREAM_ROWS: usize = 2;
+// `x86::rows_streaming` handles one or two rows.
+const _: () = assert!(STREAM_ROWS >= 1 && STREAM_ROWS <= 2);
 
 /// `[n, k]` int8 weights in the VNNI block layout, with per-feature code sums.
 #[derive(Clone, Debug)]
@@ -819,6 +821,10 @@ mod x86 {
         nb: usize,
         out: &mut [[i32; BLOCK]],
     ) {
+        debug_assert!(
+            matches!(mr, 1 | 2),
+            "rows_streaming takes 1 or 2 rows, got {mr}"
+        );
         // SAFETY: the caller's contract, with mr rows (1 or 2).
         unsafe {
             if mr >= 2 {
@@ -1137,7 +1143,8 @@ mod tests {
     fn tile_equals_scalar(tile: TileFn, rows: std::ops::RangeInclusive<usize>, seed: u64) {
         let mut next = xorshift(seed);
         for mr in rows {
-            for (nb, k) in [(1, 4), (2, 64), (3, 2048), (4, 12)] {
+            // k = 68: 17 quads, a main loop of fours and a tail.
+            for (nb, k) in [(1, 4), (2, 64), (3, 2048), (4, 12), (2, 68)] {
                 let k_pad = k;
                 let x: Vec<u8> = (0..mr * k_pad).map(|_| next() as u8).collect();
                 let mut w: Vec<i8> = (0..nb * k_pad * BLOCK).map(|_| next() as i8).collect();

@@ -652,7 +652,11 @@ mod lanes {
     /// The 16 features of a block, in registers.
     pub trait Lanes: Copy {
         /// All zeros.
-        fn zero() -> Self;
+        ///
+        /// # Safety (this and every method below)
+        /// The CPU has the architecture's features (the methods are meant to inline into a
+        /// function compiled for them).
+        unsafe fn zero() -> Self;
         /// Column `c`'s 16 stored values as floats (4-bit: the nibble of byte row `c / 2`).
         ///
         /// # Safety
@@ -665,15 +669,15 @@ mod lanes {
         /// As [`Lanes::column`]; `p` points at 16 readable f32.
         unsafe fn load(p: *const f32) -> Self;
         /// `acc + w * x`, fused (the scalar `w.mul_add(x, acc)`).
-        fn fma(acc: Self, w: Self, x: f32) -> Self;
+        unsafe fn fma(acc: Self, w: Self, x: f32) -> Self;
         /// `tot + a * s`, fused (the scalar `a.mul_add(s, tot)`).
-        fn fma_lanes(tot: Self, a: Self, s: Self) -> Self;
+        unsafe fn fma_lanes(tot: Self, a: Self, s: Self) -> Self;
         /// `acc - z * v`, fused (the scalar `(-z).mul_add(v, acc)`).
-        fn fnma(acc: Self, z: Self, v: f32) -> Self;
+        unsafe fn fnma(acc: Self, z: Self, v: f32) -> Self;
         /// `a + b`.
-        fn add(a: Self, b: Self) -> Self;
+        unsafe fn add(a: Self, b: Self) -> Self;
         /// Stores the 16 lanes.
-        fn store(self, out: &mut [f32; BLOCK]);
+        unsafe fn store(self, out: &mut [f32; BLOCK]);
     }
 
     /// The sizes a pass reads fit: codes, scales, zero points, `mr` rows of `x` and of the
@@ -731,20 +735,26 @@ mod lanes {
         sums: Option<&[f32]>,
         out: &mut [[f32; BLOCK]],
     ) {
+        // SAFETY (every `L::` call below): the CPU has `L`'s features and this body is
+        // compiled with them (the caller's contract); the pointer and column arguments are
+        // in bounds as each comment says.
         let groups = t.group_starts.len().max(1);
-        let mut total = [L::zero(); R];
+        // SAFETY: see the note above.
+        let mut total = [unsafe { L::zero() }; R];
         for g in 0..groups {
             let (a, e) = t.bounds(g);
             let e = e.min(t.k);
             let full = a + (e.saturating_sub(a) / U) * U;
-            let mut parts = [[L::zero(); U]; R];
+            // SAFETY: see the note above.
+            let mut parts = [[unsafe { L::zero() }; U]; R];
             // Column c goes to partial sum (c - a) % U below `full`, to partial 0 after it.
             for c in a..e {
                 let slot = if c < full { (c - a) % U } else { 0 };
                 // SAFETY: c < e <= k; the caller's contract covers the block.
                 let w = unsafe { L::column(t, c) };
                 for (r, p) in parts.iter_mut().enumerate() {
-                    p[slot] = L::fma(p[slot], w, x[r * t.k + c]);
+                    // SAFETY: see the note above.
+                    p[slot] = unsafe { L::fma(p[slot], w, x[r * t.k + c]) };
                 }
             }
             // SAFETY: the caller's contract: scale (and zp) hold groups * 16 values, g < groups.
@@ -754,19 +764,23 @@ mod lanes {
                 unsafe { L::load(z.as_ptr().add(g * BLOCK)) }
             });
             for (r, (p, tot)) in parts.iter().zip(total.iter_mut()).enumerate() {
-                let mut acc = match U {
-                    4 => L::add(L::add(p[0], p[1]), L::add(p[2], p[3])),
-                    2 => L::add(p[0], p[1]),
-                    _ => p[0],
-                };
-                if let (Some(z), Some(s)) = (z, sums) {
-                    acc = L::fnma(acc, z, s[r * groups + g]);
+                // SAFETY: see the note above.
+                unsafe {
+                    let mut acc = match U {
+                        4 => L::add(L::add(p[0], p[1]), L::add(p[2], p[3])),
+                        2 => L::add(p[0], p[1]),
+                        _ => p[0],
+                    };
+                    if let (Some(z), Some(s)) = (z, sums) {
+                        acc = L::fnma(acc, z, s[r * groups + g]);
+                    }
+                    *tot = L::fma_lanes(*tot, acc, sc);
                 }
-                *tot = L::fma_lanes(*tot, acc, sc);
             }
         }
         for (o, tot) in out.iter_mut().zip(total) {
-            tot.store(o);
+            // SAFETY: see the note above.
+            unsafe { tot.store(o) };
         }
     }
 }
@@ -840,7 +854,7 @@ mod avx2 {
     // is compiled for AVX2 and FMA and called where the CPU has them.
     impl Lanes for Avx2 {
         #[inline(always)]
-        fn zero() -> Self {
+        unsafe fn zero() -> Self {
             // SAFETY: see the impl's note (AVX).
             Avx2(unsafe { [_mm256_setzero_ps(); 2] })
         }
@@ -879,7 +893,7 @@ mod avx2 {
             unsafe { Avx2([_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))]) }
         }
         #[inline(always)]
-        fn fma(acc: Self, w: Self, x: f32) -> Self {
+        unsafe fn fma(acc: Self, w: Self, x: f32) -> Self {
             // SAFETY: see the impl's note (AVX, FMA).
             unsafe {
                 let xv = _mm256_set1_ps(x);
@@ -890,7 +904,7 @@ mod avx2 {
             }
         }
         #[inline(always)]
-        fn fma_lanes(tot: Self, a: Self, s: Self) -> Self {
+        unsafe fn fma_lanes(tot: Self, a: Self, s: Self) -> Self {
             // SAFETY: see the impl's note (FMA).
             unsafe {
                 Avx2([
@@ -900,7 +914,7 @@ mod avx2 {
             }
         }
         #[inline(always)]
-        fn fnma(acc: Self, z: Self, v: f32) -> Self {
+        unsafe fn fnma(acc: Self, z: Self, v: f32) -> Self {
             // SAFETY: see the impl's note (AVX, FMA).
             unsafe {
                 let vv = _mm256_set1_ps(v);
@@ -911,12 +925,12 @@ mod avx2 {
             }
         }
         #[inline(always)]
-        fn add(a: Self, b: Self) -> Self {
+        unsafe fn add(a: Self, b: Self) -> Self {
             // SAFETY: see the impl's note (AVX).
             unsafe { Avx2([_mm256_add_ps(a.0[0], b.0[0]), _mm256_add_ps(a.0[1], b.0[1])]) }
         }
         #[inline(always)]
-        fn store(self, out: &mut [f32; BLOCK]) {
+        unsafe fn store(self, out: &mut [f32; BLOCK]) {
             // SAFETY: `out` holds 16 f32: two unaligned 256-bit stores; AVX as in the note.
             unsafe {
                 _mm256_storeu_ps(out.as_mut_ptr(), self.0[0]);
@@ -998,7 +1012,7 @@ mod neon {
     // SAFETY (for every intrinsic call below): NEON is part of the aarch64 baseline.
     impl Lanes for Neon {
         #[inline(always)]
-        fn zero() -> Self {
+        unsafe fn zero() -> Self {
             // SAFETY: see the impl's note.
             Neon(unsafe { [vdupq_n_f32(0.0); 4] })
         }
@@ -1041,7 +1055,7 @@ mod neon {
             }
         }
         #[inline(always)]
-        fn fma(acc: Self, w: Self, x: f32) -> Self {
+        unsafe fn fma(acc: Self, w: Self, x: f32) -> Self {
             // SAFETY: see the impl's note.
             unsafe {
                 let xv = vdupq_n_f32(x);
@@ -1049,14 +1063,14 @@ mod neon {
             }
         }
         #[inline(always)]
-        fn fma_lanes(tot: Self, a: Self, s: Self) -> Self {
+        unsafe fn fma_lanes(tot: Self, a: Self, s: Self) -> Self {
             // SAFETY: see the impl's note.
             Neon(std::array::from_fn(|q| unsafe {
                 vfmaq_f32(tot.0[q], a.0[q], s.0[q])
             }))
         }
         #[inline(always)]
-        fn fnma(acc: Self, z: Self, v: f32) -> Self {
+        unsafe fn fnma(acc: Self, z: Self, v: f32) -> Self {
             // SAFETY: see the impl's note.
             unsafe {
                 let vv = vdupq_n_f32(v);
@@ -1064,14 +1078,14 @@ mod neon {
             }
         }
         #[inline(always)]
-        fn add(a: Self, b: Self) -> Self {
+        unsafe fn add(a: Self, b: Self) -> Self {
             // SAFETY: see the impl's note.
             Neon(std::array::from_fn(|q| unsafe {
                 vaddq_f32(a.0[q], b.0[q])
             }))
         }
         #[inline(always)]
-        fn store(self, out: &mut [f32; BLOCK]) {
+        unsafe fn store(self, out: &mut [f32; BLOCK]) {
             for (q, v) in self.0.iter().enumerate() {
                 // SAFETY: `out` holds 16 f32; q * 4 + 4 <= 16.
                 unsafe { vst1q_f32(out.as_mut_ptr().add(q * 4), *v) };
