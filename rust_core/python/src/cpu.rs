@@ -7,7 +7,7 @@ use moeq_core::cpu::CpuMoe;
 use numpy::{IntoPyArray, PyReadonlyArray1, PyReadonlyArrayDyn};
 use pyo3::prelude::*;
 
-use crate::repack::slice as contiguous;
+use crate::repack::{layout_error, slice as contiguous};
 use crate::{to_py, Checkpoint};
 
 #[pyclass(frozen, module = "moeq_rs._core")]
@@ -63,15 +63,10 @@ impl CpuMoeLayer {
             "w8a16" => RawScheme::W8a16,
             "w4a16" => RawScheme::W4a16,
             other => {
-                return Err(to_py(
+                return Err(layout_error(
                     py,
-                    moeq_core::error::LayoutError {
-                        subject: "scheme".into(),
-                        reason: format!(
-                            "'{other}' is not one of w8a8_dynamic, w8a8_static, w8a16, w4a16"
-                        ),
-                    }
-                    .into(),
+                    "scheme",
+                    format!("'{other}' is not one of w8a8_dynamic, w8a8_static, w8a16, w4a16"),
                 ))
             }
         };
@@ -171,13 +166,10 @@ impl CpuMoeLayer {
             .enumerate()
             .find(|(_, &v)| v < 0 || v > u32::MAX as i64)
         {
-            return Err(to_py(
+            return Err(layout_error(
                 py,
-                moeq_core::error::LayoutError {
-                    subject: "topk_ids".into(),
-                    reason: format!("entry {i} is {v}, not an expert index"),
-                }
-                .into(),
+                "topk_ids",
+                format!("entry {i} is {v}, not an expert index"),
             ));
         }
         let routed = Routed {
@@ -211,13 +203,10 @@ fn rows<'py, T: numpy::Element>(
     numpy::ndarray::Array2::from_shape_vec((tokens, h), out)
         .map(|a| a.into_pyarray(py).into_any())
         .map_err(|_| {
-            to_py(
+            layout_error(
                 py,
-                moeq_core::error::LayoutError {
-                    subject: "output".into(),
-                    reason: format!("{len} values are not [{tokens}, {h}]"),
-                }
-                .into(),
+                "output",
+                format!("{len} values are not [{tokens}, {h}]"),
             )
         })
 }
@@ -234,13 +223,10 @@ impl<'py> Hidden<'py> {
         if let Ok(values) = ob.cast::<numpy::PyArrayDyn<f32>>() {
             return Ok(Hidden::F32(values.try_readonly()?));
         }
-        Err(to_py(
+        Err(layout_error(
             py,
-            moeq_core::error::LayoutError {
-                subject: "hidden_states".into(),
-                reason: "expected a numpy array of float32 values or of bf16 bits (int16)".into(),
-            }
-            .into(),
+            "hidden_states",
+            "expected a numpy array of float32 values or of bf16 bits (int16)",
         ))
     }
 
@@ -305,14 +291,7 @@ fn raw_weights<'a>(
     match (i8s, u32s) {
         (Some(a), _) => Ok(RawWeights::Int8(contiguous(py, a, name)?)),
         (None, Some(a)) => Ok(RawWeights::Int4Packed(contiguous(py, a, name)?)),
-        (None, None) => Err(to_py(
-            py,
-            moeq_core::error::LayoutError {
-                subject: name.into(),
-                reason: "missing".into(),
-            }
-            .into(),
-        )),
+        (None, None) => Err(layout_error(py, name, "missing")),
     }
 }
 

@@ -12,6 +12,17 @@ fn layout(py: Python<'_>, e: moeq_core::error::LayoutError) -> PyErr {
     to_py(py, e.into())
 }
 
+/// A `LayoutError` (a `moeq_rs.LayoutError` in Python) about `subject`.
+pub(crate) fn layout_error(py: Python<'_>, subject: &str, reason: impl Into<String>) -> PyErr {
+    layout(
+        py,
+        moeq_core::error::LayoutError {
+            subject: subject.to_string(),
+            reason: reason.into(),
+        },
+    )
+}
+
 /// The data of a C-contiguous (row-major) numpy array of any number of dimensions, or a
 /// `LayoutError` naming the argument. Fortran order is refused: read in memory order, a
 /// transposed array would give silently wrong values.
@@ -21,15 +32,7 @@ pub(crate) fn slice<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
     name: &str,
 ) -> PyResult<&'a [T]> {
     use numpy::PyUntypedArrayMethods;
-    let refuse = || {
-        layout(
-            py,
-            moeq_core::error::LayoutError {
-                subject: name.to_string(),
-                reason: "must be a contiguous (row-major) array".into(),
-            },
-        )
-    };
+    let refuse = || layout_error(py, name, "must be a contiguous (row-major) array");
     if !a.is_c_contiguous() {
         return Err(refuse());
     }

@@ -165,7 +165,8 @@ pub fn tiles<T: TileOps>(
     // The last row tile when it has fewer than 16 rows, zero-padded: a tile load reads 16.
     let full = m / TILE_ROWS * TILE_ROWS;
     let tail: Vec<u8> = if full < m {
-        let mut t = vec![0u8; TILE_ROWS * k_pad];
+        // A spare buffer of this thread: one per GEMM call would be an allocation per panel.
+        let mut t = super::spare::take(TILE_ROWS * k_pad, 0u8);
         t[..(m - full) * k_pad].copy_from_slice(&xu[full * k_pad..m * k_pad]);
         t
     } else {
@@ -205,6 +206,7 @@ pub fn tiles<T: TileOps>(
         }
         b += nb;
     }
+    super::spare::give(tail);
     true
 }
 

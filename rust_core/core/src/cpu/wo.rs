@@ -678,11 +678,22 @@ mod lanes {
         unsafe fn add(a: Self, b: Self) -> Self;
         /// Stores the 16 lanes.
         unsafe fn store(self, out: &mut [f32; BLOCK]);
+        /// [`pass`] for `Self` in a function compiled for the architecture's features (where
+        /// the operations above inline).
+        ///
+        /// # Safety
+        /// As [`pass`], the CPU having the features.
+        unsafe fn pass_compiled<const R: usize, const U: usize>(
+            t: &Tile<'_>,
+            x: &[f32],
+            sums: Option<&[f32]>,
+            out: &mut [[f32; BLOCK]],
+        );
     }
 
     /// The sizes a pass reads fit: codes, scales, zero points, `mr` rows of `x` and of the
     /// sums, at most [`TILE_ROWS`] rows.
-    pub fn fits(t: &Tile<'_>, x: &[f32], sums: Option<&[f32]>, mr: usize) -> bool {
+    fn fits(t: &Tile<'_>, x: &[f32], sums: Option<&[f32]>, mr: usize) -> bool {
         let groups = t.group_starts.len().max(1);
         let need = match t.storage {
             Codes::I8(_) => t.k * BLOCK,
@@ -696,31 +707,45 @@ mod lanes {
             && mr <= TILE_ROWS
     }
 
-    /// Rows `0..mr` in passes of up to four: `run(rows, unroll, x, sums, out)` for each, with
-    /// `x`, `sums` and `out` starting at the pass's first row. `unroll` is `unroll(mr)`, the
-    /// whole tile's.
-    pub fn passes(
+    /// Rows `0..mr` in passes of up to four, each with `unroll(mr)` (the whole tile's)
+    /// partial sums, through [`Lanes::pass_compiled`]. Returns `false`, having done nothing,
+    /// when the operand sizes do not fit ([`fits`]).
+    ///
+    /// # Safety
+    /// The CPU has `L`'s features.
+    pub unsafe fn tile<L: Lanes>(
         t: &Tile<'_>,
         x: &[f32],
         sums: Option<&[f32]>,
         mr: usize,
         out: &mut [[f32; BLOCK]; TILE_ROWS],
-        mut run: impl FnMut(usize, usize, &[f32], Option<&[f32]>, &mut [[f32; BLOCK]]),
-    ) {
+    ) -> bool {
+        if !fits(t, x, sums, mr) {
+            return false;
+        }
         let groups = t.group_starts.len().max(1);
         let u = unroll(mr);
         let mut r0 = 0;
         while r0 < mr {
             let rows = (mr - r0).min(4);
-            run(
-                rows,
-                u,
-                &x[r0 * t.k..],
-                sums.map(|s| &s[r0 * groups..]),
-                &mut out[r0..r0 + rows],
-            );
+            let xs = &x[r0 * t.k..];
+            let ss = sums.map(|s| &s[r0 * groups..]);
+            let dst = &mut out[r0..r0 + rows];
+            // SAFETY: the CPU has `L`'s features (the caller's contract); `fits` held for all
+            // `mr` rows, so for this pass's `rows` rows from r0 too.
+            unsafe {
+                match (rows, u) {
+                    (1, 4) => L::pass_compiled::<1, 4>(t, xs, ss, dst),
+                    (2, 2) => L::pass_compiled::<2, 2>(t, xs, ss, dst),
+                    (1, _) => L::pass_compiled::<1, 1>(t, xs, ss, dst),
+                    (2, _) => L::pass_compiled::<2, 1>(t, xs, ss, dst),
+                    (3, _) => L::pass_compiled::<3, 1>(t, xs, ss, dst),
+                    _ => L::pass_compiled::<4, 1>(t, xs, ss, dst),
+                }
+            }
             r0 += rows;
         }
+        true
     }
 
     /// `R` rows of the tile with `U` partial sums per group.
@@ -800,29 +825,14 @@ mod avx2 {
         mr: usize,
         out: &mut [[f32; BLOCK]; TILE_ROWS],
     ) {
-        if !lanes::fits(t, x, sums, mr) || !detected() {
-            // The callers' slices always fit and they dispatch here only with AVX2 and FMA;
-            // a future caller's mistake shows here in debug builds instead of as zeros.
-            debug_assert!(
-                false,
-                "AVX2 weight-only tile: operand sizes or CPU do not fit"
-            );
-            return;
-        }
-        lanes::passes(t, x, sums, mr, out, |rows, u, xs, ss, dst| {
-            // SAFETY: AVX2 and FMA detected (checked above); `fits` held for all `mr` rows,
-            // so for this pass's rows too.
-            unsafe {
-                match (rows, u) {
-                    (1, 4) => pass::<1, 4>(t, xs, ss, dst),
-                    (2, 2) => pass::<2, 2>(t, xs, ss, dst),
-                    (1, _) => pass::<1, 1>(t, xs, ss, dst),
-                    (2, _) => pass::<2, 1>(t, xs, ss, dst),
-                    (3, _) => pass::<3, 1>(t, xs, ss, dst),
-                    _ => pass::<4, 1>(t, xs, ss, dst),
-                }
-            }
-        });
+        // SAFETY: AVX2 and FMA detected just before (`detected`).
+        let ran = detected() && unsafe { lanes::tile::<Avx2>(t, x, sums, mr, out) };
+        // The callers' slices always fit and they dispatch here only with AVX2 and FMA; a
+        // future caller's mistake shows here in debug builds instead of as zeros.
+        debug_assert!(
+            ran,
+            "AVX2 weight-only tile: operand sizes or CPU do not fit"
+        );
     }
 
     /// The CPU runs this tile (AVX2 and FMA).
@@ -929,6 +939,15 @@ mod avx2 {
             // SAFETY: see the impl's note (AVX).
             unsafe { Avx2([_mm256_add_ps(a.0[0], b.0[0]), _mm256_add_ps(a.0[1], b.0[1])]) }
         }
+        unsafe fn pass_compiled<const R: usize, const U: usize>(
+            t: &Tile<'_>,
+            x: &[f32],
+            sums: Option<&[f32]>,
+            out: &mut [[f32; BLOCK]],
+        ) {
+            // SAFETY: the caller's contract is `pass`'s.
+            unsafe { pass::<R, U>(t, x, sums, out) }
+        }
         #[inline(always)]
         unsafe fn store(self, out: &mut [f32; BLOCK]) {
             // SAFETY: `out` holds 16 f32: two unaligned 256-bit stores; AVX as in the note.
@@ -954,26 +973,11 @@ mod neon {
         mr: usize,
         out: &mut [[f32; BLOCK]; TILE_ROWS],
     ) {
-        if !lanes::fits(t, x, sums, mr) {
-            // The callers' slices always fit (as for the x86 tile's contract); a future
-            // caller's mistake shows here in debug builds instead of as zeros.
-            debug_assert!(false, "NEON weight-only tile: operand sizes do not fit");
-            return;
-        }
-        lanes::passes(t, x, sums, mr, out, |rows, u, xs, ss, dst| {
-            // SAFETY: NEON is part of the aarch64 baseline; `fits` held for all `mr` rows, so
-            // for this pass's rows too.
-            unsafe {
-                match (rows, u) {
-                    (1, 4) => pass::<1, 4>(t, xs, ss, dst),
-                    (2, 2) => pass::<2, 2>(t, xs, ss, dst),
-                    (1, _) => pass::<1, 1>(t, xs, ss, dst),
-                    (2, _) => pass::<2, 1>(t, xs, ss, dst),
-                    (3, _) => pass::<3, 1>(t, xs, ss, dst),
-                    _ => pass::<4, 1>(t, xs, ss, dst),
-                }
-            }
-        });
+        // SAFETY: NEON is part of the aarch64 baseline.
+        let ran = unsafe { lanes::tile::<Neon>(t, x, sums, mr, out) };
+        // The callers' slices always fit (as for the x86 tile's contract); a future caller's
+        // mistake shows here in debug builds instead of as zeros.
+        debug_assert!(ran, "NEON weight-only tile: operand sizes do not fit");
     }
 
     /// [`lanes::pass`] compiled for NEON.
@@ -1083,6 +1087,15 @@ mod neon {
             Neon(std::array::from_fn(|q| unsafe {
                 vaddq_f32(a.0[q], b.0[q])
             }))
+        }
+        unsafe fn pass_compiled<const R: usize, const U: usize>(
+            t: &Tile<'_>,
+            x: &[f32],
+            sums: Option<&[f32]>,
+            out: &mut [[f32; BLOCK]],
+        ) {
+            // SAFETY: the caller's contract is `pass`'s.
+            unsafe { pass::<R, U>(t, x, sums, out) }
         }
         #[inline(always)]
         unsafe fn store(self, out: &mut [f32; BLOCK]) {
