@@ -11,7 +11,7 @@ BASE_DEPS := "numpy>=1.24" "torch>=2.4" "safetensors>=0.4" "maturin>=1.9.4,<2" "
 TEST_DEPS := "compressed-tensors==0.20.1" "transformers==5.24.0" "ruff>=0.6"
 DEMO_MODEL := examples/tiny-moe-int4-int8
 
-.PHONY: demo test build venv rust-checks py-checks fuzz bench bench-vllm clean check-aarch64
+.PHONY: demo test build venv rust-checks py-checks fuzz bench bench-vllm clean check-aarch64 check-amx-emulated
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,10 @@ check-aarch64:
 	CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
 	CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu" \
 	cargo test --release --target aarch64-unknown-linux-gnu -p moeq-core --locked
+
+# Our AMX tiles on an emulated Sapphire Rapids (Bochs + Linux; ~5 minutes, downloads from Debian).
+check-amx-emulated:
+	scripts/amx_emulated.sh
 
 # Fuzz the header and config parsers (needs cargo-fuzz; FUZZ_SECONDS per target).
 FUZZ_SECONDS ?= 60
