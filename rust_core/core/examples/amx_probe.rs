@@ -243,7 +243,7 @@ fn main() {
         }
     }
     let mut families = Vec::new();
-    for cap in [Some("avx2"), Some("avx512_vnni"), None] {
+    for cap in [Some("avx2"), Some("avx_vnni"), Some("avx512_vnni"), None] {
         let Some(out) = run(cap) else {
             ok = false;
             continue;

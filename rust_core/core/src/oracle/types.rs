@@ -85,23 +85,8 @@ impl CpuFeatures {
         }
     }
 
-    /// The kernel family the CPU backend would dispatch to, best first.
-    pub fn best_int8_kernel(&self) -> &'static str {
-        if self.amx_int8 {
-            "amx_int8"
-        } else if self.avx512_vnni {
-            "avx512_vnni"
-        } else if self.avx_vnni {
-            "avx_vnni"
-        } else if self.avx2 {
-            "avx2"
-        } else if self.neon {
-            "neon"
-        } else {
-            "scalar"
-        }
-    }
-
+    /// The int8 SIMD features present. What the CPU forward dispatches to also depends on
+    /// `MOEQ_CPU_ISA` and, for AMX, on the OS granting tile state: `cpu::kernels::isa()`.
     pub fn names(&self) -> Vec<&'static str> {
         [
             (self.avx2, "avx2"),
