@@ -327,6 +327,20 @@ pub fn usable() -> bool {
     false
 }
 
+/// Int8 GEMM calls (one per expert panel and thread) that ran on the hardware tiles in this
+/// process so far: lets a check such as `examples/amx_probe` tell that AMX really ran, not a
+/// fallback. Counted per call, not per pass, so that threads do not contend on it.
+pub fn hardware_calls() -> u64 {
+    HARDWARE_CALLS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Counts one [`hardware_calls`].
+pub(crate) fn count_hardware_call() {
+    HARDWARE_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
+static HARDWARE_CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 mod hw {
     use std::arch::asm;

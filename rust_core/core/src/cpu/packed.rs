@@ -316,6 +316,7 @@ impl PackedI8 {
             let mut hw = unsafe { super::amx::Hw::new() };
             let w = &data[..end * block_len];
             if super::amx::tiles(&mut hw, xu, m, self.k_pad, w, first_block, end, &mut done) {
+                super::amx::count_hardware_call();
                 return;
             }
         }
