@@ -334,7 +334,8 @@ pub fn hardware_calls() -> u64 {
     HARDWARE_CALLS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-/// Counts one [`hardware_calls`].
+/// Counts one [`hardware_calls`] (the hardware path exists on x86-64 Linux only).
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 pub(crate) fn count_hardware_call() {
     HARDWARE_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
 }
