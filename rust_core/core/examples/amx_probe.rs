@@ -142,18 +142,6 @@ impl Problem {
     }
 }
 
-fn fingerprint(lanes: &[Lanes]) -> u64 {
-    let mut h = Fnv::new();
-    for (r, b, acc) in lanes {
-        h.word(*r as u32);
-        h.word(*b as u32);
-        for &v in acc {
-            h.word(v as u32);
-        }
-    }
-    h.0
-}
-
 /// Prints one `gemm`/`moe` fingerprint line per case (compared across families), `amx` lines
 /// (GEMM calls on the AMX tiles per case; differ by family) and, when asked, a `stress` line.
 fn child() -> Result<(), String> {
@@ -195,7 +183,7 @@ fn child() -> Result<(), String> {
                 println!(
                     "gemm {case} tiles={} wrong={wrong} fnv={:016x}",
                     got.len(),
-                    fingerprint(&got)
+                    digest(got.iter().copied())
                 );
                 println!("amx {case} eligible={} amx_calls={calls}", p.amx_eligible());
             }
@@ -257,8 +245,8 @@ fn moe_layer(rng: &mut Rng) -> Result<(), String> {
     Ok(())
 }
 
-/// An order-independent digest of a GEMM's (row, block, lanes), cheap enough that the stress
-/// spends most of its instructions inside AMX passes.
+/// An order-independent digest of a GEMM's (row, block, lanes): the fingerprint the families
+/// compare, and cheap enough that the stress spends most of its instructions inside AMX passes.
 fn digest(lanes: impl IntoIterator<Item = Lanes>) -> u64 {
     lanes.into_iter().fold(0u64, |h, (r, b, acc)| {
         let v = acc.iter().fold(((r as u64) << 32) | b as u64, |v, &x| {

@@ -357,14 +357,21 @@ mod hw {
     #[repr(C, align(64))]
     pub(super) struct Config([u8; 64]);
 
+    /// The one configuration every pass loads, built once at compile time.
+    pub(super) static ALL_FULL: Config = Config::all_full();
+
     impl Config {
-        pub(super) fn all_full() -> Config {
+        const fn all_full() -> Config {
             let mut c = [0u8; 64];
             c[0] = 1; // palette 1
-            for t in 0..8 {
+            let colsb = (KSTEP as u16).to_le_bytes();
+            let mut t = 0;
+            while t < 8 {
                 // colsb of tile t: a little-endian u16 at byte 16 + 2t; its rows at byte 48 + t.
-                c[16 + 2 * t..18 + 2 * t].copy_from_slice(&(KSTEP as u16).to_le_bytes());
+                c[16 + 2 * t] = colsb[0];
+                c[17 + 2 * t] = colsb[1];
                 c[48 + t] = TILE_ROWS as u8;
+                t += 1;
             }
             Config(c)
         }
@@ -432,7 +439,7 @@ mod hw {
         fn pass(&mut self, p: &Pass<'_>, out: &mut PassOut) {
             // Checked here, not assumed: the loads below read exactly the tiles `fits` checks.
             assert!(p.fits(), "AMX pass out of bounds");
-            let cfg = Config::all_full();
+            let cfg = &ALL_FULL;
             let c = out.as_mut_ptr();
             // Row stride of a C tile's stores, in bytes: `nb` entries of 64 bytes.
             let cs = p.nb * std::mem::size_of::<[i32; super::BLOCK]>();
@@ -518,7 +525,7 @@ mod hw {
     }
 
     /// CPUID leaf 7: AMX-TILE (EDX bit 24) and AMX-INT8 (bit 25); leaf 0x1D palette 1 and
-    /// leaf 0x1E TMUL limits at least what [`Config::all_full`] asks for.
+    /// leaf 0x1E TMUL limits at least what [`ALL_FULL`] asks for.
     fn cpu_has_tiles() -> bool {
         use std::arch::x86_64::__cpuid_count;
         if __cpuid_count(0, 0).eax < 0x1e {
@@ -744,8 +751,7 @@ mod tests {
     #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
     #[test]
     fn tile_config_is_palette_one_with_full_tiles() {
-        let cfg = hw::Config::all_full();
-        let b = cfg.bytes();
+        let b = hw::ALL_FULL.bytes();
         assert_eq!((b[0], b[1]), (1, 0));
         for t in 0..8 {
             assert_eq!(u16::from_le_bytes([b[16 + 2 * t], b[17 + 2 * t]]), 64);
