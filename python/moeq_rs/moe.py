@@ -98,6 +98,11 @@ class MoELayer(torch.nn.Module):
     def __init__(self, core: _core.CpuMoeLayer) -> None:
         super().__init__()
         self._core = core
+        # Plain ints: the native getters cost microseconds each per decode step once a cache
+        # flush (or the rest of a model) has evicted them.
+        self._hidden_size = core.hidden_size
+        self._num_experts = core.num_experts
+        self._top_k = core.top_k
         self._handle = _register(self)
 
     @classmethod
@@ -120,15 +125,15 @@ class MoELayer(torch.nn.Module):
 
     @property
     def hidden_size(self) -> int:
-        return self._core.hidden_size
+        return self._hidden_size
 
     @property
     def num_experts(self) -> int:
-        return self._core.num_experts
+        return self._num_experts
 
     @property
     def top_k(self) -> int:
-        return self._core.top_k
+        return self._top_k
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """Routed experts (routing per the model config, routed scaling) plus shared experts."""
@@ -159,13 +164,13 @@ class MoELayer(torch.nn.Module):
         x = _check(hidden_states, "hidden_states", 2, True)
         logits = _check(router_logits, "router_logits", 2, True)
         t, h = x.shape
-        if h != self.hidden_size:
+        if h != self._hidden_size:
             raise LayoutError(
-                f"hidden_states: expected [T, {self.hidden_size}], got {list(x.shape)}"
+                f"hidden_states: expected [T, {self._hidden_size}], got {list(x.shape)}"
             )
-        if tuple(logits.shape) != (t, self.num_experts):
+        if logits.shape != (t, self._num_experts):
             raise LayoutError(
-                f"router_logits: expected [{t}, {self.num_experts}], got {list(logits.shape)}"
+                f"router_logits: expected [{t}, {self._num_experts}], got {list(logits.shape)}"
             )
         # bf16 input: weight-only layers may use bf16 dot products (moeq_rs.oracle.cpu_bf16_dot).
         out = self._core.forward(_hidden(x), t, _f32(logits))
@@ -179,9 +184,9 @@ class MoELayer(torch.nn.Module):
         w = _check(topk_weights, "topk_weights", 2, True)
         ids = _check(topk_ids, "topk_ids", 2, False)
         t, h = x.shape
-        if h != self.hidden_size:
+        if h != self._hidden_size:
             raise LayoutError(
-                f"hidden_states: expected [T, {self.hidden_size}], got {list(x.shape)}"
+                f"hidden_states: expected [T, {self._hidden_size}], got {list(x.shape)}"
             )
         if w.shape != ids.shape or w.shape[0] != t:
             raise LayoutError(

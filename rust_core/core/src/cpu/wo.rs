@@ -663,6 +663,23 @@ mod lanes {
         /// The CPU has the architecture's features; `c < t.k` and `t.codes` holds the whole
         /// block (`k * 16` bytes, `ceil(k / 2) * 16` for 4-bit storage).
         unsafe fn column(t: &Tile<'_>, c: usize) -> Self;
+        /// Columns `c` and `c + 1` of 4-bit storage: the two nibbles of byte row `c / 2`,
+        /// decoded together (the default decodes each).
+        ///
+        /// # Safety
+        /// As [`Lanes::column`] for both columns; `c` is even.
+        #[inline(always)]
+        unsafe fn column_pair(t: &Tile<'_>, c: usize) -> (Self, Self) {
+            // SAFETY: the caller's contract covers both columns.
+            unsafe { (Self::column(t, c), Self::column(t, c + 1)) }
+        }
+        /// Asks for the cache line at `p` ahead of its use (nothing, by default).
+        ///
+        /// # Safety
+        /// The CPU has the architecture's features; `p` may be any address (a prefetch never
+        /// faults).
+        #[inline(always)]
+        unsafe fn prefetch(_p: *const u8) {}
         /// Sixteen floats at `p`.
         ///
         /// # Safety
@@ -760,26 +777,114 @@ mod lanes {
         sums: Option<&[f32]>,
         out: &mut [[f32; BLOCK]],
     ) {
+        // SAFETY: the caller's contract, passed on.
+        unsafe {
+            match t.storage {
+                Codes::I8(_) => pass_of::<L, R, U, false>(t, x, sums, out),
+                Codes::U4(_) => pass_of::<L, R, U, true>(t, x, sums, out),
+            }
+        }
+    }
+
+    /// How far ahead (bytes) a pass prefetches its weight stream.
+    const PF_DIST: usize = 4096;
+
+    /// [`pass`] for one storage: `NIBBLES` for 4-bit codes, whose columns go in pairs (the two
+    /// nibbles of a byte row, decoded together; groups start at even columns, see
+    /// [`Codes::U4`]). Whole 64-byte lines of a block go with their partial sums known at
+    /// compile time, so they stay in registers; what is left of a group goes column by column.
+    /// Column `c` goes to partial sum `(c - a) % U` below `full`, to partial 0 after it, in
+    /// both, as in [`super::tile_scalar`].
+    ///
+    /// # Safety
+    /// As [`pass`]; `NIBBLES` matches `t.storage`.
+    #[inline(always)]
+    unsafe fn pass_of<L: Lanes, const R: usize, const U: usize, const NIBBLES: bool>(
+        t: &Tile<'_>,
+        x: &[f32],
+        sums: Option<&[f32]>,
+        out: &mut [[f32; BLOCK]],
+    ) {
         // SAFETY (every `L::` call below): the CPU has `L`'s features and this body is
         // compiled with them (the caller's contract); the pointer and column arguments are
         // in bounds as each comment says.
         let groups = t.group_starts.len().max(1);
+        let k = t.k;
+        let xp = x.as_ptr();
+        let cp = t.codes.as_ptr();
+        let block_len = t.codes.len();
+        // Columns per 64-byte line of the block.
+        let line = if NIBBLES { 8 } else { 4 };
+        let byte_row = |c: usize| if NIBBLES { c / 2 } else { c };
+        // Row r's activation at column c.
+        // SAFETY: callers pass r < R and c < k; `fits` gave x.len() >= R * k.
+        let xv = |r: usize, c: usize| unsafe { *xp.add(r * k + c) };
         // SAFETY: see the note above.
         let mut total = [unsafe { L::zero() }; R];
         for g in 0..groups {
             let (a, e) = t.bounds(g);
-            let e = e.min(t.k);
+            let e = e.min(k);
             let full = a + (e.saturating_sub(a) / U) * U;
             // SAFETY: see the note above.
             let mut parts = [[unsafe { L::zero() }; U]; R];
-            // Column c goes to partial sum (c - a) % U below `full`, to partial 0 after it.
-            for c in a..e {
-                let slot = if c < full { (c - a) % U } else { 0 };
-                // SAFETY: c < e <= k; the caller's contract covers the block.
-                let w = unsafe { L::column(t, c) };
-                for (r, p) in parts.iter_mut().enumerate() {
-                    // SAFETY: see the note above.
-                    p[slot] = unsafe { L::fma(p[slot], w, x[r * t.k + c]) };
+            let mut c = a;
+            // Whole lines below `full`: c - a is a multiple of `line`, hence of U, so column
+            // c + o goes to partial o % U.
+            while c + line <= full {
+                let at = byte_row(c) * BLOCK;
+                // SAFETY: a prefetch never faults; the addresses are formed with wrapping_add.
+                unsafe {
+                    L::prefetch(cp.wrapping_add(at + PF_DIST));
+                    L::prefetch(cp.wrapping_add(at + block_len));
+                }
+                if NIBBLES {
+                    for o in (0..8).step_by(2) {
+                        // SAFETY: c + o + 1 < full <= k, c + o even (a is even): byte row
+                        // (c + o) / 2 lies inside the block.
+                        let (w0, w1) = unsafe { L::column_pair(t, c + o) };
+                        for (r, p) in parts.iter_mut().enumerate() {
+                            // SAFETY: see the note above; r < R, c + o + 1 < k.
+                            unsafe {
+                                p[o % U] = L::fma(p[o % U], w0, xv(r, c + o));
+                                p[(o + 1) % U] = L::fma(p[(o + 1) % U], w1, xv(r, c + o + 1));
+                            }
+                        }
+                    }
+                } else {
+                    for o in 0..4 {
+                        // SAFETY: c + o < full <= k: column c + o lies inside the block.
+                        let w = unsafe { L::column(t, c + o) };
+                        for (r, p) in parts.iter_mut().enumerate() {
+                            // SAFETY: see the note above; r < R, c + o < k.
+                            unsafe { p[o % U] = L::fma(p[o % U], w, xv(r, c + o)) };
+                        }
+                    }
+                }
+                c += line;
+            }
+            let slot = |c: usize| if c < full { (c - a) % U } else { 0 };
+            while c < e {
+                if NIBBLES && c.is_multiple_of(2) && c + 1 < e {
+                    // SAFETY: c + 1 < e <= k, c even: byte row c / 2 lies inside the block.
+                    let (w0, w1) = unsafe { L::column_pair(t, c) };
+                    let (s0, s1) = (slot(c), slot(c + 1));
+                    for (r, p) in parts.iter_mut().enumerate() {
+                        // SAFETY: see the note above; r < R, c + 1 < k.
+                        unsafe {
+                            p[s0] = L::fma(p[s0], w0, xv(r, c));
+                            p[s1] = L::fma(p[s1], w1, xv(r, c + 1));
+                        }
+                    }
+                    c += 2;
+                } else {
+                    // SAFETY: c < e <= k; the caller's contract covers the block.
+                    let w = unsafe { L::column(t, c) };
+                    let s = slot(c);
+                    for (r, p) in parts.iter_mut().enumerate() {
+                        // SAFETY: see the note above; r < R, c < k.
+                        unsafe { p[s] = L::fma(p[s], w, xv(r, c)) };
+                    }
+                    c += 1;
                 }
             }
             // SAFETY: the caller's contract: scale (and zp) hold groups * 16 values, g < groups.
@@ -860,6 +965,43 @@ mod avx2 {
     #[derive(Clone, Copy)]
     struct Avx2([__m256; 2]);
 
+    /// The 16 bytes at `p` zero-extended to two registers of eight 32-bit lanes (the widening
+    /// loads straight from memory, so the upper half needs no shuffle).
+    ///
+    /// # Safety
+    /// AVX2; 16 readable bytes at `p`.
+    #[inline(always)]
+    unsafe fn bytes_u32(p: *const u8) -> (__m256i, __m256i) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            (
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast())),
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(8).cast())),
+            )
+        }
+    }
+
+    /// The low nibble of each zero-extended byte, as floats.
+    ///
+    /// # Safety
+    /// AVX2.
+    #[inline(always)]
+    unsafe fn nibble_lo(v: __m256i) -> __m256 {
+        // SAFETY: the caller's contract (AVX2).
+        unsafe { _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15))) }
+    }
+
+    /// The high nibble of each zero-extended byte, as floats (the lanes hold 0..=255, so a
+    /// shift alone isolates it).
+    ///
+    /// # Safety
+    /// AVX2.
+    #[inline(always)]
+    unsafe fn nibble_hi(v: __m256i) -> __m256 {
+        // SAFETY: the caller's contract (AVX2).
+        unsafe { _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v)) }
+    }
+
     // SAFETY (for every intrinsic call below): these operations run only inside `pass`, which
     // is compiled for AVX2 and FMA and called where the CPU has them.
     impl Lanes for Avx2 {
@@ -875,27 +1017,44 @@ mod avx2 {
             unsafe {
                 match t.storage {
                     Codes::I8(_) => {
-                        let v = _mm_loadu_si128(t.codes.as_ptr().add(c * BLOCK).cast());
+                        // Two 8-byte halves, each widened straight from memory (no shuffle to
+                        // reach the upper half).
+                        let p = t.codes.as_ptr().add(c * BLOCK);
                         Avx2([
-                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)),
-                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(v))),
+                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast()))),
+                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                                p.add(8).cast(),
+                            ))),
                         ])
                     }
                     Codes::U4(_) => {
-                        let v = _mm_loadu_si128(t.codes.as_ptr().add((c / 2) * BLOCK).cast());
-                        let v = if c.is_multiple_of(2) {
-                            v
+                        let (lo, hi) = bytes_u32(t.codes.as_ptr().add((c / 2) * BLOCK));
+                        Avx2(if c.is_multiple_of(2) {
+                            [nibble_lo(lo), nibble_lo(hi)]
                         } else {
-                            _mm_srli_epi16::<4>(v)
-                        };
-                        let nib = _mm_and_si128(v, _mm_set1_epi8(15));
-                        Avx2([
-                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib)),
-                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(nib))),
-                        ])
+                            [nibble_hi(lo), nibble_hi(hi)]
+                        })
                     }
                 }
             }
+        }
+        #[inline(always)]
+        unsafe fn column_pair(t: &Tile<'_>, c: usize) -> (Self, Self) {
+            // SAFETY: the caller's contract: byte row c / 2 (16 bytes) lies inside the block;
+            // AVX2 as in the impl's note.
+            unsafe {
+                let (lo, hi) = bytes_u32(t.codes.as_ptr().add((c / 2) * BLOCK));
+                (
+                    Avx2([nibble_lo(lo), nibble_lo(hi)]),
+                    Avx2([nibble_hi(lo), nibble_hi(hi)]),
+                )
+            }
+        }
+        #[inline(always)]
+        unsafe fn prefetch(p: *const u8) {
+            // SAFETY: a prefetch never faults, whatever the address; SSE is in the x86-64
+            // baseline.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
         }
         #[inline(always)]
         unsafe fn load(p: *const f32) -> Self {
