@@ -137,6 +137,30 @@ def test_forward_topk_matches_emulation(
     assert err <= limit, f"{name} layer {layer} {dtype}: relative L2 error {err:.2e} > {limit}"
 
 
+@pytest.mark.parametrize("name,layer,mode", CASES)
+def test_non_finite_inputs_come_out_where_the_emulation_has_them(
+    fixture_path: Callable[[str], Path], name: str, layer: int, mode: str
+) -> None:
+    """A NaN in a token makes its whole output NaN, as in the fp64 emulation, on every path
+    (W8A8 too: NaN must not quantise to a finite code and vanish). An infinity is non-finite
+    where the emulation says so (a dynamic scale: ``inf / inf``) and clamps to 127 under a
+    static one. The other tokens are untouched."""
+    ckpt = mq.open(fixture_path(name))
+    moe = mq.MoELayer.from_checkpoint(ckpt, layer)
+    x = torch.randn(6, moe.hidden_size)
+    x[1, 3] = float("nan")
+    x[4, 0] = float("inf")
+    w, ids = random_routing(6, moe.num_experts, moe.top_k)
+    got = moe.forward_topk(x, w, ids)
+    want = Emulation(ckpt, layer, mode == "w8a8").topk(x, w, ids)
+    assert got[1].isnan().all() and want[1].isnan().all()
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want)), name
+    clean = [0, 2, 3, 5] + ([4] if bool(torch.isfinite(want[4]).all()) else [])
+    assert len(clean) == (5 if name == "qwen3_w8a8_static" else 4)
+    limit = 1e-2 if name == "qwen3_w8a8_static" else 2e-3 if mode == "w8a8" else 1e-5
+    assert rel_l2(got[clean], want[clean]) <= limit
+
+
 def balanced_routing(tokens: int, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-2 routing that gives every expert the same number of rows (tokens * 2 / experts)."""
     t = torch.arange(tokens)

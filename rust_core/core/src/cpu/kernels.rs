@@ -223,37 +223,46 @@ pub fn amax(x: &[f32]) -> f32 {
     x.iter().fold(0f32, |m, v| m.max(v.abs()))
 }
 
+/// Whether `x` holds a NaN. One branch-free pass (an OR of the lanes' `x != x`, which the
+/// compiler vectorises), not an early exit: rows are short and almost never hold one.
+pub fn any_nan(x: &[f32]) -> bool {
+    x.iter().fold(false, |seen, v| seen | v.is_nan())
+}
+
 /// `out[i] = (clamp(rne(x[i] / s), -128, 127) as i8) ^ 0x80`: int8 quantisation written as the
 /// u8 operand of the VNNI kernels; NaN gives 0 and `s` not > 0 gives all zeros (u8 128), as in
-/// [`super::linear::quantize_row_static`].
-pub fn quantize_u8(x: &[f32], s: f32, out: &mut [u8]) {
+/// [`super::linear::quantize_row_static`]. Returns whether `x` holds a NaN (found in the same
+/// pass, so that callers need not read the row again).
+pub fn quantize_u8(x: &[f32], s: f32, out: &mut [u8]) -> bool {
     let n = x.len().min(out.len());
     let (x, out) = (&x[..n], &mut out[..n]);
     // Not `s <= 0.0`: a NaN scale quantises to zeros too.
     if s.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
         out.fill(128);
-        return;
+        return any_nan(x);
     }
     #[cfg(target_arch = "x86_64")]
     if isa().avx512() {
         // SAFETY: AVX-512F and BW detected by `isa()`; both slices cut to the same length.
-        unsafe { x86::quantize_u8_avx512(x, s, out) };
-        return;
+        return unsafe { x86::quantize_u8_avx512(x, s, out) };
     }
     #[cfg(target_arch = "x86_64")]
     if isa().avx2_fma() {
         // SAFETY: AVX2 detected by `isa()`; both slices cut to the same length.
-        unsafe { x86::quantize_u8_avx2(x, s, out) };
-        return;
+        return unsafe { x86::quantize_u8_avx2(x, s, out) };
     }
-    quantize_u8_scalar(x, s, out);
+    quantize_u8_scalar(x, s, out)
 }
 
-/// The scalar form of [`quantize_u8`] (for `s > 0`).
-pub fn quantize_u8_scalar(x: &[f32], s: f32, out: &mut [u8]) {
+/// The scalar form of [`quantize_u8`] (for `s > 0`: `x / s` is NaN exactly where `x` is).
+pub fn quantize_u8_scalar(x: &[f32], s: f32, out: &mut [u8]) -> bool {
+    let mut nan = false;
     for (o, &v) in out.iter_mut().zip(x) {
-        *o = ((v / s).round_ties_even().clamp(-128.0, 127.0) as i8 as u8) ^ 0x80;
+        let q = v / s;
+        nan |= q.is_nan();
+        *o = (q.round_ties_even().clamp(-128.0, 127.0) as i8 as u8) ^ 0x80;
     }
+    nan
 }
 
 /// `exp(x)` for the activation: Cody-Waite reduction `x = n ln2 + r` (`n` rounded to nearest
@@ -626,10 +635,11 @@ mod x86 {
     /// # Safety
     /// The CPU must support AVX-512F and BW; `x.len() == out.len()`; `s > 0`.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub unsafe fn quantize_u8_avx512(x: &[f32], s: f32, out: &mut [u8]) {
+    pub unsafe fn quantize_u8_avx512(x: &[f32], s: f32, out: &mut [u8]) -> bool {
         let vs = _mm512_set1_ps(s);
         let (lo, hi) = (_mm512_set1_ps(-128.0), _mm512_set1_ps(127.0));
         let bias = _mm512_set1_epi32(128);
+        let mut nans: __mmask16 = 0;
         let mut i = 0;
         while i + 16 <= x.len() {
             // SAFETY: i + 16 <= x.len() == out.len(): the 64-byte load and 16-byte store are in
@@ -637,6 +647,7 @@ mod x86 {
             unsafe {
                 let q = _mm512_div_ps(_mm512_loadu_ps(x.as_ptr().add(i)), vs);
                 let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(q, q);
+                nans |= nan;
                 // Clamping first keeps the conversion in range; clamp and round commute here
                 // because the bounds are integers.
                 let q = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
@@ -649,7 +660,7 @@ mod x86 {
             }
             i += 16;
         }
-        super::quantize_u8_scalar(&x[i..], s, &mut out[i..]);
+        super::quantize_u8_scalar(&x[i..], s, &mut out[i..]) | (nans != 0)
     }
 
     /// [`super::exp_act`] on 8 lanes, operation for operation (as [`exp_act_avx512`]).
@@ -780,14 +791,17 @@ mod x86 {
     /// # Safety
     /// The CPU must support AVX2; `x.len() == out.len()`; `s > 0`.
     #[target_feature(enable = "avx2")]
-    pub unsafe fn quantize_u8_avx2(x: &[f32], s: f32, out: &mut [u8]) {
+    pub unsafe fn quantize_u8_avx2(x: &[f32], s: f32, out: &mut [u8]) -> bool {
         let vs = _mm256_set1_ps(s);
         let (lo, hi) = (_mm256_set1_ps(-128.0), _mm256_set1_ps(127.0));
         let bias = _mm256_set1_epi32(128);
+        // All ones in the lanes where a NaN was seen.
+        let mut nans = _mm256_setzero_ps();
         // Eight values to i32 codes + 128 (0..=255), as quantize_u8_avx512 computes them.
-        let codes = |v: __m256| {
+        let mut codes = |v: __m256| {
             let q = _mm256_div_ps(v, vs);
             let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(q, q);
+            nans = _mm256_or_ps(nans, nan);
             // Clamping first keeps the conversion in range; clamp and round commute here
             // because the bounds are integers.
             let q = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
@@ -811,7 +825,7 @@ mod x86 {
             }
             i += 16;
         }
-        super::quantize_u8_scalar(&x[i..], s, &mut out[i..]);
+        super::quantize_u8_scalar(&x[i..], s, &mut out[i..]) | (_mm256_movemask_ps(nans) != 0)
     }
 }
 
@@ -930,9 +944,32 @@ mod tests {
             let mut want = vec![0i8; x.len()];
             super::super::linear::quantize_row_static(&x, s, &mut want);
             let mut got = vec![0u8; x.len()];
-            quantize_u8(&x, s, &mut got);
+            assert!(
+                quantize_u8(&x, s, &mut got),
+                "s = {s}: the NaN at 5 was not reported"
+            );
             let want: Vec<u8> = want.iter().map(|&v| (v as u8) ^ 0x80).collect();
             assert_eq!(got, want, "s = {s}");
+        }
+        // The NaN report: none, one in a 16-value chunk or one in the tail, every path.
+        let clean: Vec<f32> = x
+            .iter()
+            .map(|v| if v.is_nan() { 1.0 } else { *v })
+            .collect();
+        for at in [None, Some(0), Some(37), Some(992), Some(1000), Some(1002)] {
+            let mut y = clean.clone();
+            if let Some(i) = at {
+                y[i] = f32::NAN;
+            }
+            for s in [0.37f32, 0.0] {
+                let mut got = vec![0u8; y.len()];
+                assert_eq!(quantize_u8(&y, s, &mut got), at.is_some(), "{at:?} s = {s}");
+                assert_eq!(
+                    quantize_u8_scalar(&y, 0.37, &mut got),
+                    at.is_some(),
+                    "scalar {at:?}"
+                );
+            }
         }
         let reference = x.iter().fold(0f32, |m, v| m.max(v.abs()));
         assert_eq!(amax(&x).to_bits(), reference.to_bits());

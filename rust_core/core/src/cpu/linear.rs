@@ -110,19 +110,20 @@ impl Prepared<'_> {
 
 /// One row of an int8 layer's input as the u8 operand of the kernels, with its scale: the
 /// static `input_scale`, or dynamic per token (`max|x| / 127`).
+///
+/// A row holding NaN (or, with a dynamic scale, an infinity: `max|x|` is then infinite and
+/// `inf / s` NaN) has NaN products in DESIGN.md's arithmetic, so every output of the row is
+/// NaN there. The codes cannot carry that (NaN quantises to 0), so the returned scale does: NaN,
+/// which the epilogue multiplies into every output of the row. Without it a NaN from an earlier
+/// layer would come out as finite numbers, only on the W8A8 path.
 fn quantize_row_u8(xr: &[f32], input_scale: Option<f32>, dst: &mut [u8]) -> f32 {
     let s = input_scale.unwrap_or_else(|| kernels::amax(xr) / 127.0);
-    kernels::quantize_u8(xr, s, dst);
-    s
-}
-
-/// Dynamic per-token int8 quantisation: `s = max|x| / 127`, `q = clamp(rne(x / s))`; a zero row
-/// gives `q = 0` (and `s = 0`).
-pub fn quantize_row_dynamic(x: &[f32], q: &mut [i8]) -> f32 {
-    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let s = amax / 127.0;
-    quantize_row_static(x, s, q);
-    s
+    let nan = kernels::quantize_u8(xr, s, dst);
+    if s.is_finite() && !nan {
+        s
+    } else {
+        f32::NAN
+    }
 }
 
 /// `q = clamp(rne(x / s), -128, 127)`; `s == 0` gives zeros.
@@ -428,4 +429,41 @@ pub fn transpose(yt: &[f32], n: usize, m: usize) -> Vec<f32> {
         }
     }
     y
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A row's scale carries NaN where DESIGN.md's arithmetic gives the row NaN products: a
+    /// NaN anywhere, or an infinity under a dynamic scale (`inf / inf`); under a static scale an
+    /// infinity clamps to 127 there and here.
+    #[test]
+    fn rows_with_nan_products_get_a_nan_scale() {
+        let row = |v: [f32; 4], s: Option<f32>| {
+            let mut codes = [0u8; 4];
+            let scale = quantize_row_u8(&v, s, &mut codes);
+            (scale, codes)
+        };
+        let (nan, inf) = (f32::NAN, f32::INFINITY);
+        assert_eq!(row([1.0, -2.0, 0.5, 0.0], None).0, 2.0 / 127.0);
+        assert_eq!(row([0.0; 4], None), (0.0, [128; 4]));
+        assert!(row([1.0, nan, 0.5, 0.0], None).0.is_nan());
+        assert!(row([1.0, inf, 0.5, 0.0], None).0.is_nan());
+        assert!(row([1.0, -inf, 0.5, 0.0], None).0.is_nan());
+        assert!(row([1.0, nan, 0.5, 0.0], Some(0.1)).0.is_nan());
+        assert_eq!(
+            row([1.0, inf, 0.5, -inf], Some(0.1)),
+            (0.1, [138, 255, 133, 0])
+        );
+        for len in [1usize, 7, 16, 33, 100] {
+            for at in 0..len {
+                let mut v = vec![0.25f32; len];
+                v[at] = nan;
+                assert!(kernels::any_nan(&v), "len {len} at {at}");
+                v[at] = inf;
+                assert!(!kernels::any_nan(&v));
+            }
+        }
+    }
 }
