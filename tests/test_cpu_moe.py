@@ -285,6 +285,48 @@ def test_bf16_dot_products_can_be_switched_off() -> None:
     assert ran.stdout.strip() == "False"
 
 
+_PEAK_SCRIPT = """
+import json, moeq_rs as mq
+print(json.dumps([mq.oracle.cpu_kernel(), mq.oracle.cpu_bf16_dot()]
+                 + [mq.oracle.cpu_dot_peak(k, 1) for k in ("int8", "bf16", "f32")]))
+"""
+
+
+@pytest.mark.parametrize("cap", ["", "scalar", "avx2", "avx512_vnni"])
+def test_dot_peak_probes_the_instruction_the_dispatch_uses(cap: str) -> None:
+    """cpu_dot_peak names the instruction of the kernel family in use (``MOEQ_CPU_ISA`` caps
+    both), measures a rate no core could exceed, and has no probe for the scalar path."""
+    import os
+    import subprocess
+    import sys
+
+    ran = subprocess.run(
+        [sys.executable, "-c", _PEAK_SCRIPT],
+        env=dict(os.environ, MOEQ_CPU_ISA=cap),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    kernel, bf16, *peaks = json.loads(ran.stdout)
+    int8, bf16_peak, f32 = peaks
+    want_int8 = {
+        "avx512_vnni": "vpdpbusd zmm",
+        "avx_vnni": "vpdpbusd ymm (AVX-VNNI)",
+        "avx2": "vpmaddwd + vpaddd ymm",
+        "avx512": "vpmaddwd + vpaddd ymm",
+    }.get(kernel)
+    assert (int8 and int8[0]) == want_int8, (kernel, int8)
+    assert (bf16_peak is not None) == bf16
+    if kernel in ("scalar", "neon"):
+        assert peaks == [None, None, None]
+    for name_rate, per_issue in ((int8, 64), (bf16_peak, 32), (f32, 16)):
+        if name_rate is not None:
+            # One thread: at most 4 issues per cycle at 6 GHz of the widest form.
+            assert 0.5 < name_rate[1] < per_issue * 4 * 6, name_rate
+    with pytest.raises(ValueError, match="kind"):
+        mq.oracle.cpu_dot_peak("int4")  # type: ignore[arg-type]
+
+
 def test_dynamic_w8a8_is_measurably_w8a8(fixture_path: Callable[[str], Path]) -> None:
     ckpt = mq.open(fixture_path("qwen3_w8a8_dynamic"))
     moe = mq.MoELayer.from_checkpoint(ckpt, 0)

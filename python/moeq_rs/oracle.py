@@ -21,6 +21,7 @@ __all__ = [
     "Plan",
     "check_moe_marlin_supports_layer",
     "cpu_bf16_dot",
+    "cpu_dot_peak",
     "cpu_features",
     "cpu_kernel",
     "cpu_threads",
@@ -97,6 +98,20 @@ def cpu_bf16_dot() -> bool:
     accumulation. ``MOEQ_CPU_BF16=0`` (or ``MOEQ_CPU_ISA`` below ``avx512``) keeps every
     input in fp32 compute."""
     return _core.cpu_bf16_dot()
+
+
+def cpu_dot_peak(
+    kind: Literal["int8", "bf16", "f32"], threads: int | None = None
+) -> tuple[str, float] | None:
+    """This machine's compute limit for the CPU kernels' products, measured now (~0.1 s):
+    ``(instruction, GMAC/s)`` of the instruction the dispatch uses for ``kind`` (``"int8"``:
+    W8A8; ``"bf16"``: weight-only layers with bf16 inputs where :func:`cpu_bf16_dot`;
+    ``"f32"``: weight-only layers otherwise), issued back to back from registers on
+    ``threads`` threads (default :func:`cpu_threads`). ``None`` where there is no probe: the
+    scalar and NEON paths, and AMX tiles. ``bench/moe_cpu.py`` divides a layer's rate by it."""
+    if kind not in ("int8", "bf16", "f32"):
+        raise ValueError(f'kind: {kind!r} is not one of "int8", "bf16", "f32"')
+    return _core.cpu_dot_peak(kind, threads)
 
 
 def cpu_threads() -> int:

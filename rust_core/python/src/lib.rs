@@ -460,6 +460,32 @@ fn cpu_bf16_dot() -> bool {
     moeq_core::cpu::kernels::bf16_dot()
 }
 
+/// The compute limit of the CPU kernels' products (`kind`: `"int8"`, `"bf16"` or `"f32"`):
+/// the instruction and its multiply-adds per second (GMAC/s) on `threads` threads (default:
+/// the forward's), measured now with the GIL released; `None` where there is no probe for it
+/// (scalar, NEON, AMX tiles).
+#[pyfunction]
+#[pyo3(signature = (kind, threads = None))]
+fn cpu_dot_peak(
+    py: Python<'_>,
+    kind: &str,
+    threads: Option<usize>,
+) -> PyResult<Option<(&'static str, f64)>> {
+    use moeq_core::cpu::peak::{measure, Dot};
+    let dot = match kind {
+        "int8" => Dot::Int8,
+        "bf16" => Dot::Bf16,
+        "f32" => Dot::F32,
+        other => {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "kind: {other:?} is not one of \"int8\", \"bf16\", \"f32\""
+            )))
+        }
+    };
+    let threads = threads.unwrap_or_else(moeq_core::cpu::num_threads);
+    Ok(py.detach(|| measure(dot, threads)))
+}
+
 /// Threads of the CPU forward's pool (`MOEQ_NUM_THREADS` sets it).
 #[pyfunction]
 fn cpu_threads() -> usize {
@@ -572,6 +598,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_features, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_bf16_dot, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_dot_peak, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_threads, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_adopt_calling_thread, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_driver_available, m)?)?;

@@ -8,6 +8,7 @@ pub mod linear;
 pub mod load;
 pub mod moe;
 pub mod packed;
+pub mod peak;
 pub mod routing;
 pub mod spare;
 pub mod wo;

@@ -1,0 +1,261 @@
+//! The machine's compute limit for the products the dispatched kernels issue: multiply-adds per
+//! second of that instruction on `threads` threads, each running independent accumulators on
+//! operands held in registers (no memory traffic). Benchmarks divide a layer's rate by it
+//! ("% of peak"): the compute-side counterpart of the read-bandwidth bound, measured in the
+//! same run rather than taken from a datasheet (clocks under load differ per machine).
+
+use std::time::Instant;
+
+#[cfg(target_arch = "x86_64")]
+use super::kernels::{bf16_dot, isa};
+
+/// The kind of product a layer's kernels compute.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dot {
+    /// int8 x int8 into int32 (W8A8).
+    Int8,
+    /// bf16 pairs into fp32 (weight-only layers with bf16 inputs, where [`bf16_dot`]).
+    Bf16,
+    /// fp32 fused multiply-add (weight-only layers otherwise).
+    F32,
+}
+
+/// Independent accumulators per thread: enough chains to cover any of these instructions'
+/// latency (4-6 cycles) at two issues per cycle.
+const CHAINS: usize = 12;
+
+/// The instruction the kernels use for `dot` under the current dispatch (`isa()`, capped by
+/// `MOEQ_CPU_ISA`, and `bf16_dot()`) and the multiply-adds one issue performs; `None` where
+/// this probe has no loop for it: the scalar and NEON paths, and AMX tiles (`None` rather
+/// than the AVX-512 VNNI rate, which would understate an AMX machine's limit several times).
+pub fn instruction(dot: Dot) -> Option<(&'static str, usize)> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let isa = isa();
+        match dot {
+            Dot::Int8 if isa.amx() => None,
+            Dot::Int8 if isa.vnni() => Some(("vpdpbusd zmm", 64)),
+            Dot::Int8 if isa.avx_vnni() => Some(("vpdpbusd ymm (AVX-VNNI)", 32)),
+            Dot::Int8 if isa.avx2_int8() => Some(("vpmaddwd + vpaddd ymm", 16)),
+            Dot::Bf16 if bf16_dot() => Some(("vdpbf16ps zmm", 32)),
+            Dot::F32 if isa.avx512() => Some(("vfmadd zmm", 16)),
+            Dot::F32 if isa.avx2_fma() => Some(("vfmadd ymm", 8)),
+            _ => None,
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = dot;
+        None
+    }
+}
+
+/// GMAC/s of [`instruction`]`(dot)` on `threads` threads at once, with the instruction's
+/// name: the best run of ~10 ms, once three runs in a row have not beaten it by 2% (at most
+/// 30 runs, after a ~30 ms warm-up); `None` where [`instruction`] is.
+pub fn measure(dot: Dot, threads: usize) -> Option<(&'static str, f64)> {
+    let (name, macs) = instruction(dot)?;
+    let threads = threads.max(1);
+    // Issues per thread and run: ~10 ms at 2 issues per cycle and 2 GHz.
+    let rounds = 40_000_000 / CHAINS;
+    // Runs in the first ~0.1 s of a Python process came out at half the rate of the later
+    // ones on this machine's VM (the other CPU still busy after the imports): hence a warm-up
+    // and runs until the best settles, not a fixed few.
+    let all = |rounds: usize| {
+        let t0 = Instant::now();
+        std::thread::scope(|s| {
+            for _ in 0..threads {
+                s.spawn(|| std::hint::black_box(run(dot, rounds)));
+            }
+        });
+        t0.elapsed().as_secs_f64()
+    };
+    all(3 * rounds);
+    let total = (threads * rounds * CHAINS * macs) as f64;
+    let (mut best, mut since) = (0f64, 0);
+    for _ in 0..30 {
+        let rate = total / all(rounds) / 1e9;
+        since = if rate > best * 1.02 { 0 } else { since + 1 };
+        best = best.max(rate);
+        if since == 3 {
+            break;
+        }
+    }
+    Some((name, best))
+}
+
+/// `rounds` rounds of [`CHAINS`] issues of `dot`'s instruction; the folded accumulators (so
+/// that nothing is optimised away).
+fn run(dot: Dot, rounds: usize) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let isa = isa();
+        // SAFETY: each arm runs only where the dispatch found its instruction's features on
+        // this CPU (the tests the kernels themselves dispatch on).
+        unsafe {
+            match dot {
+                Dot::Int8 if isa.vnni() => return x86::vnni512(rounds),
+                Dot::Int8 if isa.avx_vnni() => return x86::vnni256(rounds),
+                Dot::Int8 if isa.avx2_int8() => return x86::madd256(rounds),
+                Dot::Bf16 if bf16_dot() => return x86::bf16_512(rounds),
+                Dot::F32 if isa.avx512() => return x86::fma512(rounds),
+                Dot::F32 if isa.avx2_fma() => return x86::fma256(rounds),
+                _ => {}
+            }
+        }
+    }
+    let _ = (dot, rounds);
+    0.0
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::CHAINS;
+    use std::arch::x86_64::*;
+
+    // Operands come through `black_box` so that the compiler cannot fold the chains into
+    // closed forms; the accumulators stay in registers (12 of 16 or 32).
+
+    /// # Safety
+    /// AVX-512F, BW and VNNI.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub unsafe fn vnni512(rounds: usize) -> f64 {
+        let a = std::hint::black_box(_mm512_set1_epi8(1));
+        let b = std::hint::black_box(_mm512_set1_epi8(-1));
+        let mut acc = [_mm512_setzero_si512(); CHAINS];
+        for _ in 0..rounds {
+            for v in acc.iter_mut() {
+                *v = _mm512_dpbusd_epi32(*v, a, b);
+            }
+        }
+        let s = acc
+            .iter()
+            .fold(_mm512_setzero_si512(), |s, &v| _mm512_add_epi32(s, v));
+        f64::from(_mm512_reduce_add_epi32(s))
+    }
+
+    /// # Safety
+    /// AVX2 and AVX-VNNI.
+    #[target_feature(enable = "avx2,avxvnni")]
+    pub unsafe fn vnni256(rounds: usize) -> f64 {
+        let a = std::hint::black_box(_mm256_set1_epi8(1));
+        let b = std::hint::black_box(_mm256_set1_epi8(-1));
+        let mut acc = [_mm256_setzero_si256(); CHAINS];
+        for _ in 0..rounds {
+            for v in acc.iter_mut() {
+                *v = _mm256_dpbusd_avx_epi32(*v, a, b);
+            }
+        }
+        let s = acc
+            .iter()
+            .fold(_mm256_setzero_si256(), |s, &v| _mm256_add_epi32(s, v));
+        f64::from(_mm256_extract_epi32::<0>(s))
+    }
+
+    /// The AVX2 int8 tile's step: widened codes times an activation pair, `madd` then `add`.
+    ///
+    /// # Safety
+    /// AVX2.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn madd256(rounds: usize) -> f64 {
+        let a = std::hint::black_box(_mm256_set1_epi16(3));
+        let b = std::hint::black_box(_mm256_set1_epi16(-2));
+        let mut acc = [_mm256_setzero_si256(); CHAINS];
+        for _ in 0..rounds {
+            for v in acc.iter_mut() {
+                *v = _mm256_add_epi32(*v, _mm256_madd_epi16(a, b));
+            }
+        }
+        let s = acc
+            .iter()
+            .fold(_mm256_setzero_si256(), |s, &v| _mm256_add_epi32(s, v));
+        f64::from(_mm256_extract_epi32::<0>(s))
+    }
+
+    /// # Safety
+    /// AVX-512F and AVX512-BF16.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub unsafe fn bf16_512(rounds: usize) -> f64 {
+        // bf16 1.0 in every half.
+        let one = std::hint::black_box(_mm512_set1_epi16(0x3f80));
+        // SAFETY: __m512i and __m512bh are both 64 bytes of plain bits.
+        let a = unsafe { std::mem::transmute::<__m512i, __m512bh>(one) };
+        let b = a;
+        let mut acc = [_mm512_setzero_ps(); CHAINS];
+        for _ in 0..rounds {
+            for v in acc.iter_mut() {
+                *v = _mm512_dpbf16_ps(*v, a, b);
+            }
+        }
+        let s = acc
+            .iter()
+            .fold(_mm512_setzero_ps(), |s, &v| _mm512_add_ps(s, v));
+        f64::from(_mm512_reduce_add_ps(s))
+    }
+
+    /// # Safety
+    /// AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn fma512(rounds: usize) -> f64 {
+        let a = std::hint::black_box(_mm512_set1_ps(0.5));
+        let b = std::hint::black_box(_mm512_set1_ps(0.25));
+        let mut acc = [_mm512_setzero_ps(); CHAINS];
+        for _ in 0..rounds {
+            for v in acc.iter_mut() {
+                *v = _mm512_fmadd_ps(*v, a, b);
+            }
+        }
+        let s = acc
+            .iter()
+            .fold(_mm512_setzero_ps(), |s, &v| _mm512_add_ps(s, v));
+        f64::from(_mm512_reduce_add_ps(s))
+    }
+
+    /// # Safety
+    /// AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn fma256(rounds: usize) -> f64 {
+        let a = std::hint::black_box(_mm256_set1_ps(0.5));
+        let b = std::hint::black_box(_mm256_set1_ps(0.25));
+        let mut acc = [_mm256_setzero_ps(); CHAINS];
+        for _ in 0..rounds {
+            for v in acc.iter_mut() {
+                *v = _mm256_fmadd_ps(*v, a, b);
+            }
+        }
+        let s = acc
+            .iter()
+            .fold(_mm256_setzero_ps(), |s, &v| _mm256_add_ps(s, v));
+        let mut lanes = [0f32; 8];
+        // SAFETY: `lanes` holds 8 f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), s) };
+        f64::from(lanes[0])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each kind this CPU has gives a positive rate, and the loops compute what they say
+    /// (one round of int8 `1 * -1` over 4 bytes per lane is -4 per lane).
+    #[test]
+    fn peaks_are_measured_where_the_dispatch_has_the_instruction() {
+        for dot in [Dot::Int8, Dot::Bf16, Dot::F32] {
+            match (instruction(dot), measure(dot, 2)) {
+                (Some((name, macs)), Some((same, rate))) => {
+                    assert_eq!(name, same);
+                    assert!(macs >= 8 && rate > 0.0, "{name}: {rate}");
+                }
+                (None, None) => {}
+                other => panic!("{dot:?}: {other:?}"),
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        if isa().vnni() {
+            // SAFETY: AVX-512 VNNI (the dispatch found it).
+            let v = unsafe { x86::vnni512(1) };
+            assert_eq!(v, (CHAINS * 16) as f64 * -4.0);
+        }
+    }
+}
