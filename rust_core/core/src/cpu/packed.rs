@@ -564,48 +564,76 @@ mod x86 {
         nb: usize,
         out: &mut [[i32; BLOCK]],
     ) {
-        let block_len = k_pad * BLOCK;
+        // The inputs zero-extended to words once per call (every block reads them again), so
+        // that each quad's broadcast is one load, with no widening in the inner loop.
+        let xw: Vec<u16> = xu[..mr * k_pad].iter().map(|&v| u16::from(v)).collect();
         for b in 0..nb {
             let mut r = 0;
             while r < mr {
-                let rows = (mr - r).min(2);
-                let mut acc = [[_mm256_setzero_si256(); 4]; 2];
-                for quad in 0..k_pad / 4 {
-                    let mut wq = [_mm256_setzero_si256(); 4];
-                    for (c, v) in wq.iter_mut().enumerate() {
-                        // SAFETY: b < nb and quad < k_pad / 4: the 16 bytes at this offset
-                        // lie inside block b of `w`.
-                        *v = unsafe {
-                            _mm256_cvtepi8_epi16(_mm_loadu_si128(
-                                w.as_ptr().add(b * block_len + quad * 64 + c * 16).cast(),
-                            ))
-                        };
-                    }
-                    for (rr, a) in acc.iter_mut().enumerate().take(rows) {
-                        let at = (r + rr) * k_pad + 4 * quad;
-                        let x = &xu[at..at + 4];
-                        let pattern = u64::from(x[0])
-                            | u64::from(x[1]) << 16
-                            | u64::from(x[2]) << 32
-                            | u64::from(x[3]) << 48;
-                        let vx = _mm256_set1_epi64x(pattern as i64);
-                        for (c, lanes) in a.iter_mut().enumerate() {
-                            *lanes = _mm256_add_epi32(*lanes, _mm256_madd_epi16(wq[c], vx));
-                        }
+                let at = Rows { r, b, nb };
+                // SAFETY: rows r..r + 1 or r + 2 (<= mr) lie in `xw`, block b in `w`, and their
+                // outputs in `out` (the caller's contract, b < nb).
+                unsafe {
+                    if mr - r >= 2 {
+                        rows_avx2::<2>(&xw, k_pad, w, out, at);
+                    } else {
+                        rows_avx2::<1>(&xw, k_pad, w, out, at);
                     }
                 }
-                for (rr, a) in acc.iter().enumerate().take(rows) {
-                    let o = &mut out[(r + rr) * nb + b];
-                    for (c, lanes) in a.iter().enumerate() {
-                        let mut pairs = [0i32; 8];
-                        // SAFETY: `pairs` is 32 bytes, one unaligned 256-bit store.
-                        unsafe { _mm256_storeu_si256(pairs.as_mut_ptr().cast(), *lanes) };
-                        for f in 0..4 {
-                            o[c * 4 + f] = pairs[2 * f] + pairs[2 * f + 1];
-                        }
-                    }
+                r += 2;
+            }
+        }
+    }
+
+    /// `MR` (1 or 2) rows of one block, full depth, for [`tile_avx2`]: the row count fixed at
+    /// compile time, so both rows' products interleave with no test per quad.
+    ///
+    /// # Safety
+    /// AVX2; rows `at.r..at.r + MR` lie in `xw` (`k_pad` words each), block `at.b` in `w`
+    /// (`k_pad * 16` codes), and `out[row * at.nb + at.b]` for those rows in `out`.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn rows_avx2<const MR: usize>(
+        xw: &[u16],
+        k_pad: usize,
+        w: &[i8],
+        out: &mut [[i32; BLOCK]],
+        at: Rows,
+    ) {
+        let Rows { r, b, nb } = at;
+        let wp = w.as_ptr().wrapping_add(b * k_pad * BLOCK);
+        let xp = xw.as_ptr().wrapping_add(r * k_pad);
+        let mut acc = [[_mm256_setzero_si256(); 4]; MR];
+        for quad in 0..k_pad / 4 {
+            let mut wq = [_mm256_setzero_si256(); 4];
+            for (c, v) in wq.iter_mut().enumerate() {
+                // SAFETY: quad < k_pad / 4: the 16 bytes at this offset lie inside block b of
+                // `w` (the contract).
+                *v = unsafe {
+                    _mm256_cvtepi8_epi16(_mm_loadu_si128(wp.add(quad * 64 + c * 16).cast()))
+                };
+            }
+            for (rr, a) in acc.iter_mut().enumerate() {
+                // The row's 4 inputs as words, repeated over the register: one broadcast
+                // load (assembling the pattern in scalar registers took ~12 instructions).
+                // SAFETY: rr < MR and 4 * quad + 4 <= k_pad: the 8 bytes lie inside row
+                // r + rr of `xw` (the contract).
+                let x4 = unsafe { xp.add(rr * k_pad + 4 * quad).cast::<i64>().read_unaligned() };
+                let vx = _mm256_set1_epi64x(x4);
+                for (c, lanes) in a.iter_mut().enumerate() {
+                    *lanes = _mm256_add_epi32(*lanes, _mm256_madd_epi16(wq[c], vx));
                 }
-                r += rows;
+            }
+        }
+        for (rr, a) in acc.iter().enumerate() {
+            let o = &mut out[(r + rr) * nb + b];
+            for (c, lanes) in a.iter().enumerate() {
+                let mut pairs = [0i32; 8];
+                // SAFETY: `pairs` is 32 bytes, one unaligned 256-bit store.
+                unsafe { _mm256_storeu_si256(pairs.as_mut_ptr().cast(), *lanes) };
+                for f in 0..4 {
+                    o[c * 4 + f] = pairs[2 * f] + pairs[2 * f + 1];
+                }
             }
         }
     }
