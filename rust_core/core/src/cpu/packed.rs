@@ -677,8 +677,8 @@ mod x86 {
         }
     }
 
-    /// Which rows and block [`rows_avx_vnni`] computes: rows `r..r + MR` of block `b`, whose
-    /// outputs go to `out[row * nb + b]`.
+    /// Which rows and block [`rows_avx_vnni`] or [`rows_avx2`] computes: rows `r..r + MR` of
+    /// block `b`, whose outputs go to `out[row * nb + b]`.
     #[derive(Clone, Copy)]
     struct Rows {
         r: usize,
