@@ -502,7 +502,7 @@ impl Weights<'_> {
     }
 }
 
-/// Up to [`TILE_BLOCKS`] blocks with their scales and zero points.
+/// Up to `TILE_BLOCKS` blocks with their scales and zero points.
 #[derive(Clone, Copy)]
 pub struct Tile<'a> {
     w: Weights<'a>,
@@ -521,7 +521,7 @@ pub struct Tile<'a> {
 
 /// Partial sums per (row, block, group): the pairs of a group are dealt round-robin to
 /// `unroll` accumulators so that at least eight `vdpbf16ps` chains are in flight (their
-/// latency would otherwise bound few-row tiles), then combined pairwise ([`combine`]).
+/// latency would otherwise bound few-row tiles), then combined pairwise (`combine`).
 pub const fn unroll(mr: usize, nb: usize) -> usize {
     match mr * nb {
         1 => 8,
