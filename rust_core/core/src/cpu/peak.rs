@@ -153,17 +153,25 @@ mod x86 {
     }
 
     /// The AVX2 int8 tile's step: widened codes times an activation pair, `madd` then `add`.
+    /// Unlike the fused instructions, `madd(a, b)` does not read the accumulator, so with
+    /// loop-invariant operands the compiler would compute it once: each chain has its own `b`
+    /// and `a` passes through `black_box` every round.
     ///
     /// # Safety
     /// AVX2.
     #[target_feature(enable = "avx2")]
     pub unsafe fn madd256(rounds: usize) -> f64 {
-        let a = std::hint::black_box(_mm256_set1_epi16(3));
-        let b = std::hint::black_box(_mm256_set1_epi16(-2));
-        let mut acc = [_mm256_setzero_si256(); CHAINS];
-        for _ in 0..rounds {
-            for v in acc.iter_mut() {
-                *v = _mm256_add_epi32(*v, _mm256_madd_epi16(a, b));
+        const N: usize = CHAINS / 2;
+        let a = _mm256_set1_epi16(3);
+        let b: [__m256i; N] = std::array::from_fn(|i| _mm256_set1_epi16(-(i as i16) - 1));
+        let mut acc = [_mm256_setzero_si256(); N];
+        // Twice the rounds of N chains: the same issues as the other loops' CHAINS. Each
+        // round reads `a` afresh (a load, independent of the other rounds; passing the value
+        // from round to round through `black_box` chained them and halved the rate).
+        for _ in 0..2 * rounds {
+            let a = std::hint::black_box(a);
+            for (v, b) in acc.iter_mut().zip(&b) {
+                *v = _mm256_add_epi32(*v, _mm256_madd_epi16(a, *b));
             }
         }
         let s = acc
@@ -250,6 +258,14 @@ mod tests {
                 (None, None) => {}
                 other => panic!("{dot:?}: {other:?}"),
             }
+        }
+        #[cfg(target_arch = "x86_64")]
+        if isa().avx2_int8() || isa().vnni() {
+            // SAFETY: AVX2 (every x86 family above scalar has it).
+            let v = unsafe { x86::madd256(1) };
+            // Two rounds; chain i adds 2 * 3 * -(i + 1) per lane pair, over 8 lanes.
+            let want: i32 = (0..CHAINS as i32 / 2).map(|i| 2 * 2 * 3 * -(i + 1)).sum();
+            assert_eq!(v, f64::from(want));
         }
         #[cfg(target_arch = "x86_64")]
         if isa().vnni() {
