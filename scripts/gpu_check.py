@@ -179,19 +179,19 @@ def layer_checks(dev: torch.device) -> None:
                 torch.cuda.synchronize()
                 err = rel(got.float(), want)
                 check(f"layer {name} {dtype}", err <= 1e-2, f"rel L2 {err:.2e} (<= 1e-2)")
-            # A NaN in token 5: its whole output NaN on both paths (W8A8: the scale carries
-            # it, the codes cannot), every other token finite.
-            x[5, 7] = float("nan")
-            got = gpu(x.to(dev), logits.to(dev)).float().cpu()
-            want = cpu(x.float(), logits)
+            # A NaN in token 5 (of a copy): its whole output NaN on both paths (W8A8: the
+            # scale carries it, the codes cannot), every other token finite.
+            xn = x.clone()
+            xn[5, 7] = float("nan")
+            got_n = gpu(xn.to(dev), logits.to(dev)).float().cpu()
+            want_n = cpu(xn.float(), logits)
             keep = torch.arange(33) != 5
             check(
                 f"layer {name} NaN token",
-                bool(got[5].isnan().all() and want[5].isnan().all())
-                and bool(torch.isfinite(got[keep]).all()),
-                f"NaN outputs in token 5: {int(got[5].isnan().sum())} of {got.shape[1]}",
+                bool(got_n[5].isnan().all() and want_n[5].isnan().all())
+                and bool(torch.isfinite(got_n[keep]).all()),
+                f"NaN outputs in token 5: {int(got_n[5].isnan().sum())} of {got_n.shape[1]}",
             )
-            x[5, 7] = 0.0
             w, ids = torch.rand(33, 2), torch.randint(0, cpu.num_experts, (33, 2))
             got = gpu.forward_topk(x.to(dev), w.to(dev), ids.to(dev))
             torch.cuda.synchronize()

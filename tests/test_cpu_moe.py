@@ -141,10 +141,10 @@ def test_forward_topk_matches_emulation(
 def test_non_finite_inputs_come_out_where_the_emulation_has_them(
     fixture_path: Callable[[str], Path], name: str, layer: int, mode: str
 ) -> None:
-    """A NaN in a token makes its whole output NaN, as in the fp64 emulation, on every path
-    (W8A8 too: NaN must not quantise to a finite code and vanish). An infinity is non-finite
-    where the emulation says so (a dynamic scale: ``inf / inf``) and clamps to 127 under a
-    static one. The other tokens are untouched."""
+    """A NaN in a token makes its whole output NaN, as in the fp64 emulation, for every
+    scheme with fp32 inputs (W8A8 too: NaN must not quantise to a finite code and vanish).
+    An infinity is non-finite where the emulation says so (a dynamic scale: ``inf / inf``)
+    and clamps to 127 under a static one. The other tokens are untouched."""
     ckpt = mq.open(fixture_path(name))
     moe = mq.MoELayer.from_checkpoint(ckpt, layer)
     x = torch.randn(6, moe.hidden_size)
@@ -292,7 +292,7 @@ print(json.dumps([mq.oracle.cpu_kernel(), mq.oracle.cpu_bf16_dot()]
 """
 
 
-@pytest.mark.parametrize("cap", ["", "scalar", "avx2", "avx512_vnni"])
+@pytest.mark.parametrize("cap", ["", "scalar", "avx2", "avx_vnni", "avx512", "avx512_vnni"])
 def test_dot_peak_probes_the_instruction_the_dispatch_uses(cap: str) -> None:
     """cpu_dot_peak names the instruction of the kernel family in use (``MOEQ_CPU_ISA`` caps
     both), measures a rate no core could exceed, and has no probe for the scalar path."""
@@ -319,12 +319,25 @@ def test_dot_peak_probes_the_instruction_the_dispatch_uses(cap: str) -> None:
     assert (bf16_peak is not None) == bf16
     if kernel in ("scalar", "neon"):
         assert peaks == [None, None, None]
-    for name_rate, per_issue in ((int8, 64), (bf16_peak, 32), (f32, 16)):
+    per_issue = {
+        "vpdpbusd zmm": 64,
+        "vpdpbusd ymm (AVX-VNNI)": 32,
+        "vpmaddwd + vpaddd ymm": 16,
+        "vdpbf16ps zmm": 32,
+        "vfmadd zmm": 16,
+        "vfmadd ymm": 8,
+    }
+    for name_rate in (int8, bf16_peak, f32):
         if name_rate is not None:
-            # One thread: at most 4 issues per cycle at 6 GHz of the widest form.
-            assert 0.5 < name_rate[1] < per_issue * 4 * 6, name_rate
+            # One thread: at most 4 issues per cycle at 5 GHz of the instruction measured (a
+            # loop whose multiplies the compiler hoisted out reported ~3x that).
+            name, rate = name_rate
+            assert 0.5 < rate < per_issue[name] * 4 * 5, name_rate
     with pytest.raises(ValueError, match="kind"):
         mq.oracle.cpu_dot_peak("int4")  # type: ignore[arg-type]
+    for bad in (0, -1, 10**6):
+        with pytest.raises(ValueError, match="threads"):
+            mq.oracle.cpu_dot_peak("f32", bad)
 
 
 def test_dynamic_w8a8_is_measurably_w8a8(fixture_path: Callable[[str], Path]) -> None:

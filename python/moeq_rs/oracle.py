@@ -111,6 +111,9 @@ def cpu_dot_peak(
     scalar and NEON paths, and AMX tiles. ``bench/moe_cpu.py`` divides a layer's rate by it."""
     if kind not in ("int8", "bf16", "f32"):
         raise ValueError(f'kind: {kind!r} is not one of "int8", "bf16", "f32"')
+    most = 4 * (os.cpu_count() or 1)
+    if threads is not None and not (isinstance(threads, int) and 1 <= threads <= most):
+        raise ValueError(f"threads: {threads!r} is not a thread count from 1 to {most}")
     return _core.cpu_dot_peak(kind, threads)
 
 

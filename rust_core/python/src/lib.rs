@@ -482,7 +482,13 @@ fn cpu_dot_peak(
             )))
         }
     };
+    let most = 4 * std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = threads.unwrap_or_else(moeq_core::cpu::num_threads);
+    if !(1..=most).contains(&threads) {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "threads: {threads} is not a thread count from 1 to {most}"
+        )));
+    }
     Ok(py.detach(|| measure(dot, threads)))
 }
 

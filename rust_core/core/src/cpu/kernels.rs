@@ -231,8 +231,9 @@ pub fn any_nan(x: &[f32]) -> bool {
 
 /// `out[i] = (clamp(rne(x[i] / s), -128, 127) as i8) ^ 0x80`: int8 quantisation written as the
 /// u8 operand of the VNNI kernels; NaN gives 0 and `s` not > 0 gives all zeros (u8 128), as in
-/// [`super::linear::quantize_row_static`]. Returns whether `x` holds a NaN (found in the same
-/// pass, so that callers need not read the row again).
+/// [`super::linear::quantize_row_static`]. Returns whether `x / s` was NaN anywhere (found in
+/// the same pass, so that callers need not read the row again): for a finite `s > 0`, whether
+/// `x` holds a NaN; for `s` not > 0, whether `x` holds a NaN (the codes are all 128 then).
 pub fn quantize_u8(x: &[f32], s: f32, out: &mut [u8]) -> bool {
     let n = x.len().min(out.len());
     let (x, out) = (&x[..n], &mut out[..n]);
@@ -254,7 +255,8 @@ pub fn quantize_u8(x: &[f32], s: f32, out: &mut [u8]) -> bool {
     quantize_u8_scalar(x, s, out)
 }
 
-/// The scalar form of [`quantize_u8`] (for `s > 0`: `x / s` is NaN exactly where `x` is).
+/// The scalar form of [`quantize_u8`] (for `s > 0`); returns whether `x / s` was NaN anywhere
+/// (where `x` is NaN, and for `s = inf` also where `x` is infinite).
 pub fn quantize_u8_scalar(x: &[f32], s: f32, out: &mut [u8]) -> bool {
     let mut nan = false;
     for (o, &v) in out.iter_mut().zip(x) {
@@ -894,11 +896,14 @@ mod tests {
             let x = &x[..n];
             for s in [1.0f32, 0.37, 1e-30, 1e30] {
                 let mut want = vec![0u8; n];
-                quantize_u8_scalar(x, s, &mut want);
+                let want_nan = quantize_u8_scalar(x, s, &mut want);
                 let mut got = vec![7u8; n];
                 // SAFETY: AVX2 detected above; equal lengths; s > 0.
-                unsafe { x86::quantize_u8_avx2(x, s, &mut got) };
+                let got_nan = unsafe { x86::quantize_u8_avx2(x, s, &mut got) };
                 assert_eq!(got, want, "n={n} s={s}");
+                // The NaN at 3 is in the scalar tail below 16 values, in the first vector
+                // from 16.
+                assert_eq!((got_nan, want_nan), (n > 3, n > 3), "n={n} s={s}");
             }
             let reference = x.iter().fold(0f32, |m, v| m.max(v.abs()));
             // SAFETY: AVX2 detected above.
@@ -961,15 +966,15 @@ mod tests {
             if let Some(i) = at {
                 y[i] = f32::NAN;
             }
+            let mut got = vec![0u8; y.len()];
             for s in [0.37f32, 0.0] {
-                let mut got = vec![0u8; y.len()];
                 assert_eq!(quantize_u8(&y, s, &mut got), at.is_some(), "{at:?} s = {s}");
-                assert_eq!(
-                    quantize_u8_scalar(&y, 0.37, &mut got),
-                    at.is_some(),
-                    "scalar {at:?}"
-                );
             }
+            assert_eq!(
+                quantize_u8_scalar(&y, 0.37, &mut got),
+                at.is_some(),
+                "scalar {at:?}"
+            );
         }
         let reference = x.iter().fold(0f32, |m, v| m.max(v.abs()));
         assert_eq!(amax(&x).to_bits(), reference.to_bits());

@@ -325,6 +325,12 @@ impl PackedI8 {
         let mut acc = [[0i32; BLOCK]; TILE_ROWS * TILE_BLOCKS];
         #[cfg(target_arch = "x86_64")]
         let passes = m.div_ceil(TILE_ROWS);
+        #[cfg(target_arch = "x86_64")]
+        let xw = if use_avx2 {
+            x86::widen_words(&xu[..m * self.k_pad])
+        } else {
+            Vec::new()
+        };
         let mut b = first_block;
         while b < end {
             let nb = (end - b).min(TILE_BLOCKS);
@@ -378,9 +384,11 @@ impl PackedI8 {
                     };
                 } else if use_avx2 {
                     #[cfg(target_arch = "x86_64")]
-                    // SAFETY: `isa()` detected AVX2; the slices are sized as for the VNNI tile.
+                    // SAFETY: `isa()` detected AVX2; `xw` holds rows r..r + mr of `xu` as
+                    // words, the other slices are sized as for the VNNI tile.
                     unsafe {
-                        x86::tile_avx2(x, mr, self.k_pad, w, nb, tile)
+                        let rows = &xw[r * self.k_pad..(r + mr) * self.k_pad];
+                        x86::tile_avx2_words(rows, mr, self.k_pad, w, nb, tile)
                     };
                 } else if use_neon {
                     #[cfg(target_arch = "aarch64")]
@@ -550,11 +558,14 @@ mod x86 {
     /// The AVX2 tile (CPUs without VNNI): codes widened to int16 and multiplied with `madd`,
     /// which cannot saturate (|u8 x i8| * 2 < 2^31), so the sums equal the scalar reference.
     /// Each 64-byte quad of a block is four registers of 4 features x 4 inputs; `madd` leaves
-    /// two partial sums per feature, added at the end.
+    /// two partial sums per feature, added at the end. (The GEMM widens its inputs once per
+    /// call and runs [`tile_avx2_words`]; this form, with the other tiles' signature, is the
+    /// tests'.)
     ///
     /// # Safety
     /// The CPU supports AVX2; `xu.len() >= mr * k_pad`, `k_pad % 4 == 0`,
     /// `w.len() >= nb * k_pad * 16`, `out.len() >= mr * nb`.
+    #[cfg(test)]
     #[target_feature(enable = "avx2")]
     pub unsafe fn tile_avx2(
         xu: &[u8],
@@ -564,9 +575,31 @@ mod x86 {
         nb: usize,
         out: &mut [[i32; BLOCK]],
     ) {
-        // The inputs zero-extended to words once per call (every block reads them again), so
-        // that each quad's broadcast is one load, with no widening in the inner loop.
-        let xw: Vec<u16> = xu[..mr * k_pad].iter().map(|&v| u16::from(v)).collect();
+        let xw = widen_words(&xu[..mr * k_pad]);
+        // SAFETY: the caller's contract, with `xw` the same rows as words.
+        unsafe { tile_avx2_words(&xw, mr, k_pad, w, nb, out) }
+    }
+
+    /// The inputs zero-extended to words, as [`tile_avx2_words`] takes them: once per GEMM
+    /// (every block reads them again), so that each quad's broadcast is one load, with no
+    /// widening in the inner loop.
+    pub fn widen_words(xu: &[u8]) -> Vec<u16> {
+        xu.iter().map(|&v| u16::from(v)).collect()
+    }
+
+    /// [`tile_avx2`] on inputs already widened by [`widen_words`].
+    ///
+    /// # Safety
+    /// As [`tile_avx2`], with `xw.len() >= mr * k_pad`.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn tile_avx2_words(
+        xw: &[u16],
+        mr: usize,
+        k_pad: usize,
+        w: &[i8],
+        nb: usize,
+        out: &mut [[i32; BLOCK]],
+    ) {
         for b in 0..nb {
             let mut r = 0;
             while r < mr {
@@ -575,9 +608,9 @@ mod x86 {
                 // outputs in `out` (the caller's contract, b < nb).
                 unsafe {
                     if mr - r >= 2 {
-                        rows_avx2::<2>(&xw, k_pad, w, out, at);
+                        rows_avx2::<2>(xw, k_pad, w, out, at);
                     } else {
-                        rows_avx2::<1>(&xw, k_pad, w, out, at);
+                        rows_avx2::<1>(xw, k_pad, w, out, at);
                     }
                 }
                 r += 2;

@@ -817,8 +817,13 @@ mod lanes {
         let line = if NIBBLES { 8 } else { 4 };
         let byte_row = |c: usize| if NIBBLES { c / 2 } else { c };
         // Row r's activation at column c.
-        // SAFETY: callers pass r < R and c < k; `fits` gave x.len() >= R * k.
-        let xv = |r: usize, c: usize| unsafe { *xp.add(r * k + c) };
+        let xv = |r: usize, c: usize| {
+            debug_assert!(r < R && c < k);
+            // SAFETY: callers pass r < R and c < k; `fits` gave x.len() >= R * k.
+            unsafe { *xp.add(r * k + c) }
+        };
+        // Whole lines hold whole runs of U columns (U is 1, 2 or 4).
+        debug_assert!(line % U == 0);
         // SAFETY: see the note above.
         let mut total = [unsafe { L::zero() }; R];
         for g in 0..groups {
