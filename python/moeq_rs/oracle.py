@@ -109,8 +109,8 @@ def cpu_dot_peak(
     ``"f32"``: weight-only layers otherwise), issued back to back from registers on
     ``threads`` threads (default :func:`cpu_threads`). ``None`` where there is no probe: the
     scalar and NEON paths, and AMX tiles. ``bench/moe_cpu.py`` divides a layer's rate by it."""
-    if kind not in ("int8", "bf16", "f32"):
-        raise ValueError(f'kind: {kind!r} is not one of "int8", "bf16", "f32"')
+    # `kind` is checked natively (ValueError); negative or non-int counts here, before pyo3's
+    # conversion would raise OverflowError or TypeError.
     most = 4 * (os.cpu_count() or 1)
     if threads is not None and not (isinstance(threads, int) and 1 <= threads <= most):
         raise ValueError(f"threads: {threads!r} is not a thread count from 1 to {most}")

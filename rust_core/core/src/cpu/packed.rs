@@ -327,7 +327,7 @@ impl PackedI8 {
         let passes = m.div_ceil(TILE_ROWS);
         #[cfg(target_arch = "x86_64")]
         let xw = if use_avx2 {
-            x86::widen_words(&xu[..m * self.k_pad])
+            widen_words(&xu[..m * self.k_pad])
         } else {
             Vec::new()
         };
@@ -401,7 +401,19 @@ impl PackedI8 {
             }
             b += nb;
         }
+        #[cfg(target_arch = "x86_64")]
+        super::spare::give(xw);
     }
+}
+
+/// The inputs zero-extended to words, as `x86::tile_avx2_words` takes them: once per GEMM
+/// (every block reads them again), so that each quad's broadcast is one load, with no
+/// widening in the inner loop. In a spare buffer of this thread (give it back).
+#[cfg(target_arch = "x86_64")]
+fn widen_words(xu: &[u8]) -> Vec<u16> {
+    let mut xw = super::spare::take_empty(xu.len());
+    xw.extend(xu.iter().map(|&v| u16::from(v)));
+    xw
 }
 
 /// The scalar reference of the W8A8 epilogue for a tile of `sx.len()` rows and
@@ -575,19 +587,12 @@ mod x86 {
         nb: usize,
         out: &mut [[i32; BLOCK]],
     ) {
-        let xw = widen_words(&xu[..mr * k_pad]);
+        let xw = super::widen_words(&xu[..mr * k_pad]);
         // SAFETY: the caller's contract, with `xw` the same rows as words.
         unsafe { tile_avx2_words(&xw, mr, k_pad, w, nb, out) }
     }
 
-    /// The inputs zero-extended to words, as [`tile_avx2_words`] takes them: once per GEMM
-    /// (every block reads them again), so that each quad's broadcast is one load, with no
-    /// widening in the inner loop.
-    pub fn widen_words(xu: &[u8]) -> Vec<u16> {
-        xu.iter().map(|&v| u16::from(v)).collect()
-    }
-
-    /// [`tile_avx2`] on inputs already widened by [`widen_words`].
+    /// [`tile_avx2`] on inputs already widened by [`super::widen_words`].
     ///
     /// # Safety
     /// As [`tile_avx2`], with `xw.len() >= mr * k_pad`.

@@ -117,43 +117,53 @@ mod x86 {
     use super::CHAINS;
     use std::arch::x86_64::*;
 
-    // Operands come through `black_box` so that the compiler cannot fold the chains into
-    // closed forms; the accumulators stay in registers (12 of 16 or 32).
+    /// The body of a probe for an instruction that reads its accumulator (`op(acc, a, b)`, the operands a pair `ops`):
+    /// [`CHAINS`] accumulators (in registers: 12 of 16 or 32) each updated `rounds` times,
+    /// then summed with `add` and one lane returned by `lane`. The operands come through
+    /// `black_box`, so the compiler cannot fold the chains into closed forms. Expanded inside
+    /// each probe, so that the intrinsics compile with that probe's target features.
+    macro_rules! chains {
+        ($rounds:expr, $zero:expr, $ops:expr, $op:path, $add:path, $lane:expr) => {{
+            let (a, b) = std::hint::black_box($ops);
+            let mut acc = [$zero; CHAINS];
+            for _ in 0..$rounds {
+                for v in acc.iter_mut() {
+                    *v = $op(*v, a, b);
+                }
+            }
+            $lane(acc.iter().fold($zero, |s, &v| $add(s, v)))
+        }};
+    }
 
     /// # Safety
     /// AVX-512F, BW and VNNI.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub unsafe fn vnni512(rounds: usize) -> f64 {
-        let a = std::hint::black_box(_mm512_set1_epi8(1));
-        let b = std::hint::black_box(_mm512_set1_epi8(-1));
-        let mut acc = [_mm512_setzero_si512(); CHAINS];
-        for _ in 0..rounds {
-            for v in acc.iter_mut() {
-                *v = _mm512_dpbusd_epi32(*v, a, b);
-            }
-        }
-        let s = acc
-            .iter()
-            .fold(_mm512_setzero_si512(), |s, &v| _mm512_add_epi32(s, v));
-        f64::from(_mm512_reduce_add_epi32(s))
+        let ops = (_mm512_set1_epi8(1), _mm512_set1_epi8(-1));
+        chains!(
+            rounds,
+            _mm512_setzero_si512(),
+            ops,
+            _mm512_dpbusd_epi32,
+            _mm512_add_epi32,
+            |s| { f64::from(_mm512_reduce_add_epi32(s)) }
+        )
     }
 
     /// # Safety
     /// AVX2 and AVX-VNNI.
     #[target_feature(enable = "avx2,avxvnni")]
     pub unsafe fn vnni256(rounds: usize) -> f64 {
-        let a = std::hint::black_box(_mm256_set1_epi8(1));
-        let b = std::hint::black_box(_mm256_set1_epi8(-1));
-        let mut acc = [_mm256_setzero_si256(); CHAINS];
-        for _ in 0..rounds {
-            for v in acc.iter_mut() {
-                *v = _mm256_dpbusd_avx_epi32(*v, a, b);
-            }
-        }
-        let s = acc
-            .iter()
-            .fold(_mm256_setzero_si256(), |s, &v| _mm256_add_epi32(s, v));
-        f64::from(_mm256_extract_epi32::<0>(s))
+        let ops = (_mm256_set1_epi8(1), _mm256_set1_epi8(-1));
+        let zero = _mm256_setzero_si256();
+        chains!(
+            rounds,
+            zero,
+            ops,
+            _mm256_dpbusd_avx_epi32,
+            _mm256_add_epi32,
+            |s| { f64::from(_mm256_extract_epi32::<0>(s)) }
+        )
     }
 
     /// The AVX2 int8 tile's step: widened codes times an activation pair, `madd` then `add`.
@@ -188,60 +198,46 @@ mod x86 {
     /// AVX-512F and AVX512-BF16.
     #[target_feature(enable = "avx512f,avx512bf16")]
     pub unsafe fn bf16_512(rounds: usize) -> f64 {
-        // bf16 1.0 in every half.
-        let one = std::hint::black_box(_mm512_set1_epi16(0x3f80));
-        // SAFETY: __m512i and __m512bh are both 64 bytes of plain bits.
-        let a = unsafe { std::mem::transmute::<__m512i, __m512bh>(one) };
-        let b = a;
-        let mut acc = [_mm512_setzero_ps(); CHAINS];
-        for _ in 0..rounds {
-            for v in acc.iter_mut() {
-                *v = _mm512_dpbf16_ps(*v, a, b);
-            }
-        }
-        let s = acc
-            .iter()
-            .fold(_mm512_setzero_ps(), |s, &v| _mm512_add_ps(s, v));
-        f64::from(_mm512_reduce_add_ps(s))
+        // SAFETY: __m512i and __m512bh are both 64 bytes of plain bits (bf16 1.0 in each half).
+        let one = unsafe { std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi16(0x3f80)) };
+        chains!(
+            rounds,
+            _mm512_setzero_ps(),
+            (one, one),
+            _mm512_dpbf16_ps,
+            _mm512_add_ps,
+            |s| { f64::from(_mm512_reduce_add_ps(s)) }
+        )
     }
 
     /// # Safety
     /// AVX-512F.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn fma512(rounds: usize) -> f64 {
-        let a = std::hint::black_box(_mm512_set1_ps(0.5));
-        let b = std::hint::black_box(_mm512_set1_ps(0.25));
-        let mut acc = [_mm512_setzero_ps(); CHAINS];
-        for _ in 0..rounds {
-            for v in acc.iter_mut() {
-                *v = _mm512_fmadd_ps(*v, a, b);
-            }
-        }
-        let s = acc
-            .iter()
-            .fold(_mm512_setzero_ps(), |s, &v| _mm512_add_ps(s, v));
-        f64::from(_mm512_reduce_add_ps(s))
+        let ops = (_mm512_set1_ps(0.5), _mm512_set1_ps(0.25));
+        chains!(
+            rounds,
+            _mm512_setzero_ps(),
+            ops,
+            _mm512_fmadd_ps,
+            _mm512_add_ps,
+            |s| { f64::from(_mm512_reduce_add_ps(s)) }
+        )
     }
 
     /// # Safety
     /// AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn fma256(rounds: usize) -> f64 {
-        let a = std::hint::black_box(_mm256_set1_ps(0.5));
-        let b = std::hint::black_box(_mm256_set1_ps(0.25));
-        let mut acc = [_mm256_setzero_ps(); CHAINS];
-        for _ in 0..rounds {
-            for v in acc.iter_mut() {
-                *v = _mm256_fmadd_ps(*v, a, b);
-            }
-        }
-        let s = acc
-            .iter()
-            .fold(_mm256_setzero_ps(), |s, &v| _mm256_add_ps(s, v));
-        let mut lanes = [0f32; 8];
-        // SAFETY: `lanes` holds 8 f32.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), s) };
-        f64::from(lanes[0])
+        let ops = (_mm256_set1_ps(0.5), _mm256_set1_ps(0.25));
+        chains!(
+            rounds,
+            _mm256_setzero_ps(),
+            ops,
+            _mm256_fmadd_ps,
+            _mm256_add_ps,
+            |s| { f64::from(_mm256_cvtss_f32(s)) }
+        )
     }
 }
 

@@ -950,22 +950,6 @@ mod avx2 {
         std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
     }
 
-    /// [`lanes::pass`] compiled for AVX2 and FMA.
-    ///
-    /// # Safety
-    /// The CPU has AVX2 and FMA; as [`lanes::pass`].
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn pass<const R: usize, const U: usize>(
-        t: &Tile<'_>,
-        x: &[f32],
-        sums: Option<&[f32]>,
-        out: &mut [[f32; BLOCK]],
-    ) {
-        // SAFETY: the caller's contract is `lanes::pass`'s, and this function has the
-        // features `Avx2`'s operations use.
-        unsafe { lanes::pass::<Avx2, R, U>(t, x, sums, out) }
-    }
-
     /// Two registers: the 16 features of one block.
     #[derive(Clone, Copy)]
     struct Avx2([__m256; 2]);
@@ -1103,14 +1087,16 @@ mod avx2 {
             // SAFETY: see the impl's note (AVX).
             unsafe { Avx2([_mm256_add_ps(a.0[0], b.0[0]), _mm256_add_ps(a.0[1], b.0[1])]) }
         }
+        #[target_feature(enable = "avx2,fma")]
         unsafe fn pass_compiled<const R: usize, const U: usize>(
             t: &Tile<'_>,
             x: &[f32],
             sums: Option<&[f32]>,
             out: &mut [[f32; BLOCK]],
         ) {
-            // SAFETY: the caller's contract is `pass`'s.
-            unsafe { pass::<R, U>(t, x, sums, out) }
+            // SAFETY: the caller's contract is `lanes::pass`'s, and this function has the
+            // features `Avx2`'s operations use.
+            unsafe { lanes::pass::<Self, R, U>(t, x, sums, out) }
         }
         #[inline(always)]
         unsafe fn store(self, out: &mut [f32; BLOCK]) {
@@ -1142,21 +1128,6 @@ mod neon {
         // The callers' slices always fit (as for the x86 tile's contract); a future caller's
         // mistake shows here in debug builds instead of as zeros.
         debug_assert!(ran, "NEON weight-only tile: operand sizes do not fit");
-    }
-
-    /// [`lanes::pass`] compiled for NEON.
-    ///
-    /// # Safety
-    /// As [`lanes::pass`] (NEON is always present on aarch64).
-    #[target_feature(enable = "neon")]
-    unsafe fn pass<const R: usize, const U: usize>(
-        t: &Tile<'_>,
-        x: &[f32],
-        sums: Option<&[f32]>,
-        out: &mut [[f32; BLOCK]],
-    ) {
-        // SAFETY: the caller's contract is `lanes::pass`'s.
-        unsafe { lanes::pass::<Neon, R, U>(t, x, sums, out) }
     }
 
     /// Four registers: the 16 features of one block.
@@ -1252,14 +1223,15 @@ mod neon {
                 vaddq_f32(a.0[q], b.0[q])
             }))
         }
+        #[target_feature(enable = "neon")]
         unsafe fn pass_compiled<const R: usize, const U: usize>(
             t: &Tile<'_>,
             x: &[f32],
             sums: Option<&[f32]>,
             out: &mut [[f32; BLOCK]],
         ) {
-            // SAFETY: the caller's contract is `pass`'s.
-            unsafe { pass::<R, U>(t, x, sums, out) }
+            // SAFETY: the caller's contract is `lanes::pass`'s (NEON is always present).
+            unsafe { lanes::pass::<Self, R, U>(t, x, sums, out) }
         }
         #[inline(always)]
         unsafe fn store(self, out: &mut [f32; BLOCK]) {
