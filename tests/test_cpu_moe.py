@@ -768,3 +768,75 @@ def test_forward_from_other_threads_equals_the_owner_thread() -> None:
         )
         assert ran.returncode == 0, ran.stderr
         assert ran.stdout.split() == ["ok", "15"]
+
+
+def test_parking_torch_openmp_threads_changes_no_result() -> None:
+    """A forward parks the calling thread's idle OpenMP threads (torch's) while it runs, so
+    they do not spin on the CPUs its workers need; on or off, every output is the same."""
+    from moeq_rs import _core
+
+    g = torch.Generator().manual_seed(5)
+    e, h, i, k = 12, 96, 64, 4
+    layer = mq.MoELayer.from_tensors(
+        torch.randint(-128, 128, (e, 2 * i, h), dtype=torch.int8, generator=g),
+        torch.randint(-128, 128, (e, h, i), dtype=torch.int8, generator=g),
+        torch.rand(e, 2 * i, 1, generator=g) * 1e-2,
+        torch.rand(e, h, 1, generator=g) * 1e-2,
+        scheme="w8a8_dynamic",
+        top_k=k,
+    )
+    inputs = [(torch.randn(t, h, generator=g), torch.randn(t, e, generator=g)) for t in (1, 9, 70)]
+    ids = torch.randint(0, e, (5, k), generator=g)
+    weights = torch.rand(5, k, generator=g)
+    torch_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        outputs = {}
+        for on in (True, False):
+            # A one-thread pool has nothing to park.
+            assert _core.cpu_park_openmp(on) is (on and mq.oracle.cpu_threads() > 1)
+            outputs[on] = [layer(x, lg) for x, lg in inputs]
+            outputs[on].append(layer.forward_topk(inputs[1][0][:5], weights, ids))
+        for a, b in zip(outputs[True], outputs[False], strict=True):
+            assert torch.isfinite(a).all() and a.abs().max() > 0
+            assert torch.equal(a, b)
+        _core.cpu_park_openmp(True)
+        torch.set_num_threads(1)
+        assert _core.cpu_park_openmp() is False, "a team of one has nothing to park"
+    finally:
+        torch.set_num_threads(torch_threads)
+        _core.cpu_park_openmp(True)
+
+
+def test_parking_can_be_switched_off_from_the_environment() -> None:
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, moeq_rs\n"
+        "from moeq_rs import _core\n"
+        "torch.set_num_threads(2)\n"
+        "print(_core.cpu_park_openmp())\n"
+    )
+    got = {}
+    for value in ("0", "1"):
+        ran = subprocess.run(
+            [sys.executable, "-c", script],
+            env=dict(os.environ, MOEQ_PARK_OPENMP=value, MOEQ_NUM_THREADS="2"),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert ran.returncode == 0, ran.stderr
+        got[value] = ran.stdout.split()[-1]
+    assert got == {"0": "False", "1": "True"}
+    ran = subprocess.run(
+        [sys.executable, "-c", script],
+        env=dict(os.environ, MOEQ_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split()[-1] == "False", "a one-thread pool parks nothing"

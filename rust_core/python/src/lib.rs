@@ -505,6 +505,19 @@ fn cpu_adopt_calling_thread() -> bool {
     moeq_core::cpu::adopt_calling_thread()
 }
 
+/// Turns on or off (`on`; `None` leaves it) the CPU forward's parking of the calling
+/// thread's idle OpenMP threads (see `moeq_core::cpu::omp`); returns whether a forward called
+/// now from this thread would park them (never with a one-thread pool: nothing to gain).
+/// `MOEQ_PARK_OPENMP=0` turns it off at start-up.
+#[pyfunction]
+#[pyo3(signature = (on=None))]
+fn cpu_park_openmp(on: Option<bool>) -> bool {
+    if let Some(on) = on {
+        moeq_core::cpu::omp::set_parking(on);
+    }
+    moeq_core::cpu::omp::would_park() && cpu_threads() > 1
+}
+
 /// Whether a CUDA driver with a device is present (never raises, never panics).
 #[pyfunction]
 fn cuda_driver_available() -> bool {
@@ -607,6 +620,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_dot_peak, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_threads, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_adopt_calling_thread, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_park_openmp, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_driver_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_compile_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_nvrtc_version, m)?)?;

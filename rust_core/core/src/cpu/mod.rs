@@ -7,6 +7,7 @@ pub mod kernels;
 pub mod linear;
 pub mod load;
 pub mod moe;
+pub mod omp;
 pub mod packed;
 pub mod peak;
 pub mod routing;
@@ -52,9 +53,15 @@ pub fn adopt_calling_thread() -> bool {
             .build()
             .ok();
         adopted = built.is_some();
+        IS_ADOPTED.set(adopted);
         built
     });
     adopted
+}
+
+thread_local! {
+    /// Whether this thread is the one [`adopt_calling_thread`] adopted.
+    static IS_ADOPTED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// A xorshift64 stream: varied test inputs without a dependency.
@@ -79,15 +86,27 @@ pub fn num_threads() -> usize {
 
 /// Runs `f` with `MOEQ_NUM_THREADS` threads: on the calling thread and the rest of its pool
 /// when it was adopted (see [`adopt_calling_thread`]), else on [`pool`].
+///
+/// When that is more than one thread and the caller is not one of our workers, `f` runs while
+/// the calling thread's idle OpenMP threads sleep ([`omp::parked`]), so that our other workers
+/// find their CPUs free. With one thread there is nothing to gain and waking the sleepers at
+/// the end costs ~0.1 ms, so it is not done; our workers never start an OpenMP team.
 pub fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     if let Some(Some(p)) = OWNER.get() {
         if p.current_thread_index().is_some() {
             // This thread is a member: rayon's parallel iterators in `f` use its pool.
-            return f();
+            return if IS_ADOPTED.get() && p.current_num_threads() > 1 {
+                omp::parked(f)
+            } else {
+                f()
+            };
         }
     }
     match pool() {
-        Some(p) => p.install(f),
+        Some(p) if rayon::current_thread_index().is_some() || p.current_num_threads() == 1 => {
+            p.install(f)
+        }
+        Some(p) => omp::parked(|| p.install(f)),
         None => f(),
     }
 }
