@@ -32,6 +32,7 @@ and print our speedup over it.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -184,6 +185,8 @@ def main() -> None:
     torch.set_num_threads(2)
     from moeq_rs import _core
 
+    parking = os.environ.get("MOEQ_PARK_OPENMP", "1").strip() != "0"
+
     bw = read_bandwidth()
     vllm = load_vllm_cpu() if args.scheme == "w8a8_dynamic" else None
     # The bench's inputs are bf16: weight-only layers take bf16 dot products where the CPU
@@ -202,7 +205,7 @@ def main() -> None:
         )
         + f"torch {torch.__version__} bf16 eager, {torch.get_num_threads()} threads; "
         f"vLLM CPU kernels: {vllm or 'not installed (or not W8A8)'}; flush with {args.flush}; "
-        f"parking torch's OpenMP threads: {_core.cpu_park_openmp()}"
+        f"parking torch's OpenMP threads: {'off' if not parking else 'on'}"
     )
     print(
         f"{'shape':9} {'T':>5} {'moeq ms':>9} {'torch ms':>9} {'speedup':>8} "
@@ -263,7 +266,7 @@ def main() -> None:
                     t0 = time.perf_counter()
                     layer(x, logits)
                     d = time.perf_counter() - t0
-                    _core.cpu_park_openmp(True)
+                    _core.cpu_park_openmp(parking)
                     unparked.append(d)
                     park_gain.append(d / a)
             mo = statistics.median(ours)

@@ -770,8 +770,13 @@ def test_forward_from_other_threads_equals_the_owner_thread() -> None:
         assert ran.stdout.split() == ["ok", "15"]
 
 
+def _torch_uses_libgomp() -> bool:
+    with open("/proc/self/maps") as maps:
+        return any("libgomp" in line for line in maps)
+
+
 def test_parking_torch_openmp_threads_changes_no_result() -> None:
-    """A forward parks the calling thread's idle OpenMP threads (torch's) while it runs, so
+    """A forward on the main thread parks its idle OpenMP threads (torch's) while it runs, so
     they do not spin on the CPUs its workers need; on or off, every output is the same."""
     from moeq_rs import _core
 
@@ -786,15 +791,17 @@ def test_parking_torch_openmp_threads_changes_no_result() -> None:
         top_k=k,
     )
     inputs = [(torch.randn(t, h, generator=g), torch.randn(t, e, generator=g)) for t in (1, 9, 70)]
+    inputs.append((torch.randn(300, h, generator=g).bfloat16(), torch.randn(300, e, generator=g)))
     ids = torch.randint(0, e, (5, k), generator=g)
     weights = torch.rand(5, k, generator=g)
     torch_threads = torch.get_num_threads()
+    can_park = _torch_uses_libgomp() and mq.oracle.cpu_threads() > 1
     try:
         torch.set_num_threads(2)
+        layer(*inputs[0])  # the main thread's first forward adopts it
         outputs = {}
         for on in (True, False):
-            # A one-thread pool has nothing to park.
-            assert _core.cpu_park_openmp(on) is (on and mq.oracle.cpu_threads() > 1)
+            assert _core.cpu_park_openmp(on) is (on and can_park)
             outputs[on] = [layer(x, lg) for x, lg in inputs]
             outputs[on].append(layer.forward_topk(inputs[1][0][:5], weights, ids))
         for a, b in zip(outputs[True], outputs[False], strict=True):
@@ -808,35 +815,101 @@ def test_parking_torch_openmp_threads_changes_no_result() -> None:
         _core.cpu_park_openmp(True)
 
 
-def test_parking_can_be_switched_off_from_the_environment() -> None:
+_PARKING_SCRIPT = r"""
+import os, threading, time, torch
+import moeq_rs as mq
+from moeq_rs import _core
+torch.set_num_threads(2)
+g = torch.Generator().manual_seed(3)
+e, h, i, k = 16, 1024, 512, 4
+layer = mq.MoELayer.from_tensors(
+    torch.randint(-128, 128, (e, 2 * i, h), dtype=torch.int8, generator=g),
+    torch.randint(-128, 128, (e, h, i), dtype=torch.int8, generator=g),
+    torch.rand(e, 2 * i, 1, generator=g) * 1e-2, torch.rand(e, h, 1, generator=g) * 1e-2,
+    scheme="w8a8_dynamic", top_k=k)
+x, logits = torch.randn(256, h, generator=g), torch.randn(256, e, generator=g)
+layer(x, logits)  # adopts the main thread
+other = []
+t = threading.Thread(target=lambda: other.append(_core.cpu_park_openmp()))
+t.start()
+t.join()
+print("main", _core.cpu_park_openmp(), "other", other[0])
+if os.environ.get("SAMPLE"):
+    main_tid = threading.get_native_id()
+
+    def openmp_running(me):
+        # Threads other than the main one, this one and ours (moeq-cpu-*) that are on a CPU.
+        n = 0
+        for tid in os.listdir("/proc/self/task"):
+            if int(tid) in (main_tid, me):
+                continue
+            try:
+                comm = open(f"/proc/self/task/{tid}/comm").read()
+                state = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            n += not comm.startswith("moeq-cpu") and state == "R"
+        return n
+
+    def share_running(on):
+        _core.cpu_park_openmp(on)
+        torch.ones(1 << 22).sum()  # torch's team runs, then spins (OMP_WAIT_POLICY=active)
+        seen, stop = [], threading.Event()
+
+        def watch():
+            me = threading.get_native_id()
+            while not stop.is_set():
+                seen.append(openmp_running(me) > 0)
+                time.sleep(0.0005)
+
+        w = threading.Thread(target=watch)
+        w.start()
+        start = time.perf_counter()
+        while time.perf_counter() - start < 0.4:
+            layer(x, logits)
+        stop.set()
+        w.join()
+        return sum(seen) / max(len(seen), 1)
+
+    print("parked", share_running(True), "unparked", share_running(False))
+"""
+
+
+def _run_parking_script(**env: str) -> list[str]:
     import os
     import subprocess
     import sys
 
-    script = (
-        "import torch, moeq_rs\n"
-        "from moeq_rs import _core\n"
-        "torch.set_num_threads(2)\n"
-        "print(_core.cpu_park_openmp())\n"
-    )
-    got = {}
-    for value in ("0", "1"):
-        ran = subprocess.run(
-            [sys.executable, "-c", script],
-            env=dict(os.environ, MOEQ_PARK_OPENMP=value, MOEQ_NUM_THREADS="2"),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert ran.returncode == 0, ran.stderr
-        got[value] = ran.stdout.split()[-1]
-    assert got == {"0": "False", "1": "True"}
+    # GOMP_SPINCOUNT would override OMP_WAIT_POLICY.
+    base = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
     ran = subprocess.run(
-        [sys.executable, "-c", script],
-        env=dict(os.environ, MOEQ_NUM_THREADS="1"),
+        [sys.executable, "-c", _PARKING_SCRIPT],
+        env=dict(base, **env),
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert ran.returncode == 0, ran.stderr
-    assert ran.stdout.split()[-1] == "False", "a one-thread pool parks nothing"
+    return ran.stdout.split()
+
+
+def test_parking_puts_torch_openmp_threads_to_sleep_during_a_forward() -> None:
+    """With torch's idle threads set to spin forever, a thread of its team is seen on a CPU in
+    most samples taken while forwards run unparked, and in few while they run parked (the
+    samples also fall between forwards, when the team is released). Only the main thread
+    parks: another thread may have no OpenMP team, which a region would create."""
+    if not _torch_uses_libgomp():
+        assert _run_parking_script(MOEQ_NUM_THREADS="2")[:4] == ["main", "False", "other", "False"]
+        return
+    out = _run_parking_script(MOEQ_NUM_THREADS="2", OMP_WAIT_POLICY="active", SAMPLE="1")
+    assert out[:4] == ["main", "True", "other", "False"]
+    parked, unparked = float(out[5]), float(out[7])
+    assert unparked > 0.6, out
+    assert parked < 0.35, out
+
+
+def test_parking_can_be_switched_off_and_needs_two_threads() -> None:
+    expected = "True" if _torch_uses_libgomp() else "False"
+    assert _run_parking_script(MOEQ_NUM_THREADS="2")[:2] == ["main", expected]
+    assert _run_parking_script(MOEQ_NUM_THREADS="2", MOEQ_PARK_OPENMP="0")[:2] == ["main", "False"]
+    assert _run_parking_script(MOEQ_NUM_THREADS="1")[:2] == ["main", "False"]

@@ -255,15 +255,18 @@ impl<'py> Hidden<'py> {
                 let bits = contiguous(py, a, "hidden_states")?;
                 let out = py
                     .detach(|| {
-                        // Both f32 buffers go back to this thread's spares for the next call.
-                        let x = bf16_bits_to_f32(bits);
-                        let out = f(&x, compute(true)).map(|o| {
-                            let bits = f32_to_bf16_bits(&o);
-                            give(o);
-                            bits
-                        });
-                        give(x);
-                        out
+                        // One parked region for the conversions and the forward, not three.
+                        moeq_core::cpu::with_openmp_parked(|| {
+                            // Both f32 buffers go back to this thread's spares for the next call.
+                            let x = bf16_bits_to_f32(bits);
+                            let out = f(&x, compute(true)).map(|o| {
+                                let bits = f32_to_bf16_bits(&o);
+                                give(o);
+                                bits
+                            });
+                            give(x);
+                            out
+                        })
                     })
                     .map_err(|e| to_py(py, e))?;
                 rows(py, out, tokens, h)

@@ -507,15 +507,15 @@ fn cpu_adopt_calling_thread() -> bool {
 
 /// Turns on or off (`on`; `None` leaves it) the CPU forward's parking of the calling
 /// thread's idle OpenMP threads (see `moeq_core::cpu::omp`); returns whether a forward called
-/// now from this thread would park them (never with a one-thread pool: nothing to gain).
-/// `MOEQ_PARK_OPENMP=0` turns it off at start-up.
+/// now from this thread would park them: only on the main thread once its first forward has
+/// adopted it, with more than one thread. `MOEQ_PARK_OPENMP=0` turns it off.
 #[pyfunction]
 #[pyo3(signature = (on=None))]
 fn cpu_park_openmp(on: Option<bool>) -> bool {
     if let Some(on) = on {
         moeq_core::cpu::omp::set_parking(on);
     }
-    moeq_core::cpu::omp::would_park() && cpu_threads() > 1
+    moeq_core::cpu::parks_openmp_here()
 }
 
 /// Whether a CUDA driver with a device is present (never raises, never panics).
@@ -611,6 +611,8 @@ fn cuda_nvrtc_version(
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // A child forked after this import must not use the parent's OpenMP team.
+    moeq_core::cpu::omp::note_process();
     m.add_function(wrap_pyfunction!(wna16_scale_kind, m)?)?;
     m.add_function(wrap_pyfunction!(int8_moe_quant_kind, m)?)?;
     m.add_function(wrap_pyfunction!(marlin_support_reason, m)?)?;

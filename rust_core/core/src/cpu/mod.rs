@@ -53,6 +53,7 @@ pub fn adopt_calling_thread() -> bool {
             .build()
             .ok();
         adopted = built.is_some();
+        // The initialiser runs on the calling thread: this marks the adopted one.
         IS_ADOPTED.set(adopted);
         built
     });
@@ -84,29 +85,42 @@ pub fn num_threads() -> usize {
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
+/// Whether the forward's calls on this thread park its idle OpenMP threads ([`omp::parked`]):
+/// only on the adopted thread (Python's main thread, where torch's operators run), with more
+/// than one thread in its pool (with one there is nothing to gain, and waking the sleepers at
+/// the end costs tens of microseconds). Other threads may have no OpenMP team yet, and a
+/// first parallel region would create one.
+fn parks_here() -> bool {
+    IS_ADOPTED.get() && matches!(OWNER.get(), Some(Some(p)) if p.current_num_threads() > 1)
+}
+
+/// Whether a forward called now on this thread would park its idle OpenMP threads.
+pub fn parks_openmp_here() -> bool {
+    parks_here() && omp::would_park()
+}
+
+/// Runs `f` with this thread's idle OpenMP threads parked where [`parks_openmp_here`], else
+/// as it is: for callers that make several forward calls in a row (one region for all).
+pub fn with_openmp_parked<R>(f: impl FnOnce() -> R) -> R {
+    if parks_here() {
+        omp::parked(f)
+    } else {
+        f()
+    }
+}
+
 /// Runs `f` with `MOEQ_NUM_THREADS` threads: on the calling thread and the rest of its pool
-/// when it was adopted (see [`adopt_calling_thread`]), else on [`pool`].
-///
-/// When that is more than one thread and the caller is not one of our workers, `f` runs while
-/// the calling thread's idle OpenMP threads sleep ([`omp::parked`]), so that our other workers
-/// find their CPUs free. With one thread there is nothing to gain and waking the sleepers at
-/// the end costs ~0.1 ms, so it is not done; our workers never start an OpenMP team.
+/// when it was adopted (see [`adopt_calling_thread`]), with its idle OpenMP threads parked
+/// ([`with_openmp_parked`]); else on [`pool`].
 pub fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     if let Some(Some(p)) = OWNER.get() {
         if p.current_thread_index().is_some() {
             // This thread is a member: rayon's parallel iterators in `f` use its pool.
-            return if IS_ADOPTED.get() && p.current_num_threads() > 1 {
-                omp::parked(f)
-            } else {
-                f()
-            };
+            return with_openmp_parked(f);
         }
     }
     match pool() {
-        Some(p) if rayon::current_thread_index().is_some() || p.current_num_threads() == 1 => {
-            p.install(f)
-        }
-        Some(p) => omp::parked(|| p.install(f)),
+        Some(p) => p.install(f),
         None => f(),
     }
 }
