@@ -834,6 +834,13 @@ t = threading.Thread(target=lambda: other.append(_core.cpu_park_openmp()))
 t.start()
 t.join()
 print("main", _core.cpu_park_openmp(), "other", other[0])
+# A forward right after a torch operator parks (the team spins) unless the team sleeps at
+# once (OMP_WAIT_POLICY=passive): count the parked ones of ten.
+before = _core.cpu_parked_regions()
+for _ in range(10):
+    torch.ones(1 << 22).sum()
+    layer(x, logits)
+print("parked_after_torch", _core.cpu_parked_regions() - before)
 if os.environ.get("SAMPLE"):
     main_tid = threading.get_native_id()
 
@@ -902,10 +909,21 @@ def test_parking_puts_torch_openmp_threads_to_sleep_during_a_forward() -> None:
         assert _run_parking_script(MOEQ_NUM_THREADS="2")[:4] == ["main", "False", "other", "False"]
         return
     out = _run_parking_script(MOEQ_NUM_THREADS="2", OMP_WAIT_POLICY="active", SAMPLE="1")
-    assert out[:4] == ["main", "True", "other", "False"]
-    parked, unparked = float(out[5]), float(out[7])
+    assert out[:6] == ["main", "True", "other", "False", "parked_after_torch", "10"]
+    parked, unparked = float(out[7]), float(out[9])
     assert unparked > 0.6, out
     assert parked < 0.35, out
+
+
+def test_a_sleeping_openmp_team_is_not_woken_to_be_parked() -> None:
+    """With torch's idle threads sleeping at once, a forward after a torch operator finds its
+    team asleep (their CPU clocks stand still) and runs without a region: at most the first
+    forward, which learns the team's threads, parks."""
+    if not _torch_uses_libgomp():
+        return
+    out = _run_parking_script(MOEQ_NUM_THREADS="2", OMP_WAIT_POLICY="passive")
+    assert out[:5] == ["main", "True", "other", "False", "parked_after_torch"]
+    assert int(out[5]) <= 1, out
 
 
 def test_parking_can_be_switched_off_and_needs_two_threads() -> None:

@@ -518,6 +518,12 @@ fn cpu_park_openmp(on: Option<bool>) -> bool {
     moeq_core::cpu::parks_openmp_here()
 }
 
+/// How many CPU forwards have run with the OpenMP team parked in this process.
+#[pyfunction]
+fn cpu_parked_regions() -> u64 {
+    moeq_core::cpu::omp::parked_regions()
+}
+
 /// Whether a CUDA driver with a device is present (never raises, never panics).
 #[pyfunction]
 fn cuda_driver_available() -> bool {
@@ -623,6 +629,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_threads, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_adopt_calling_thread, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_park_openmp, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_parked_regions, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_driver_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_compile_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_nvrtc_version, m)?)?;

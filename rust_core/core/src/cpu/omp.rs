@@ -12,6 +12,11 @@
 //! end, where the caller wakes the sleepers and waits for them at the team's barrier (tens of
 //! microseconds, more when their CPUs have gone idle).
 //!
+//! A team that has gone to sleep (no torch operator in the last few milliseconds) takes no
+//! CPU, and waking it only to park it cost ~50 us at decode, so a team whose threads are
+//! known (from an earlier region) is parked only when one of them is seen using CPU time:
+//! their CPU clocks are read twice, 3 us apart.
+//!
 //! Only GNU OpenMP (libgomp, which torch's PyPI wheels ship) is recognised, only a copy the
 //! process has loaded already (looked up once, at the first forward that could park), and
 //! never in a process forked after this module was first used or noted the process
@@ -60,14 +65,22 @@ pub fn would_park() -> bool {
 }
 
 /// Runs `f` on the calling thread while the other threads of its OpenMP team, if the process
-/// has a GNU OpenMP runtime, sleep (see the module's doc). Runs `f` as it is where that does
-/// not apply ([`would_park`]). A panic in `f` resumes here, after the region has ended.
+/// has a GNU OpenMP runtime and they are spinning, sleep (see the module's doc). Runs `f` as
+/// it is where that does not apply ([`would_park`]) or the team sleeps already. A panic in
+/// `f` resumes here, after the region has ended.
 pub fn parked<F: FnOnce() -> R, R>(f: F) -> R {
     imp::parked(f)
 }
 
+/// How many forwards have run parked in this process.
+pub fn parked_regions() -> u64 {
+    imp::REGIONS.load(Ordering::Relaxed)
+}
+
 #[cfg(not(target_os = "linux"))]
 mod imp {
+    pub(super) static REGIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
     pub(super) fn team() -> Option<()> {
         None
     }
@@ -81,8 +94,55 @@ mod imp {
 mod imp {
     use std::cell::UnsafeCell;
     use std::ffi::{c_int, c_uint, c_void, CStr, CString};
-    use std::sync::atomic::{AtomicU32, Ordering};
-    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
+    use std::sync::{Mutex, OnceLock};
+
+    pub(super) static REGIONS: AtomicU64 = AtomicU64::new(0);
+
+    /// How many of a team's other threads are remembered and watched.
+    const WATCHED: usize = 4;
+
+    /// Thread ids of the parked team's other threads, from the last parked region.
+    static TEAM: Mutex<Vec<libc::pid_t>> = Mutex::new(Vec::new());
+
+    /// The CPU time used so far by thread `tid` of this process (Linux's per-thread
+    /// scheduler clock, as `pthread_getcpuclockid` makes it), or `None` if it is gone.
+    fn cpu_time(tid: libc::pid_t) -> Option<std::time::Duration> {
+        // MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED): per-thread (4) scheduler clock (2).
+        let clock = ((!(tid as u32)) << 3 | 6) as libc::clockid_t;
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `ts` is a writable timespec; for a thread that has exited, or is not in
+        // this process, the call fails with EINVAL and writes nothing.
+        let got = unsafe { libc::clock_gettime(clock, &mut ts) };
+        (got == 0).then(|| std::time::Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32))
+    }
+
+    /// Whether the team's remembered threads are using CPU time (spinning): `None` when none
+    /// are remembered, or one has exited (the team is learnt again by parking it).
+    fn team_is_spinning() -> Option<bool> {
+        let tids = TEAM.lock().ok()?.clone();
+        if tids.is_empty() {
+            return None;
+        }
+        let before: Option<Vec<_>> = tids.iter().map(|&t| cpu_time(t)).collect();
+        let start = std::time::Instant::now();
+        while start.elapsed() < std::time::Duration::from_micros(3) {
+            std::hint::spin_loop();
+        }
+        let after: Option<Vec<_>> = tids.iter().map(|&t| cpu_time(t)).collect();
+        match (before, after) {
+            (Some(b), Some(a)) => Some(b.iter().zip(&a).any(|(b, a)| a > b)),
+            _ => {
+                if let Ok(mut team) = TEAM.lock() {
+                    team.clear();
+                }
+                None
+            }
+        }
+    }
 
     type Body = unsafe extern "C" fn(*mut c_void);
     type Query = unsafe extern "C" fn() -> c_int;
@@ -172,6 +232,8 @@ mod imp {
         result: UnsafeCell<Option<std::thread::Result<R>>>,
         done: AtomicU32,
         thread_num: Query,
+        /// The thread ids of threads 1..=WATCHED, as they enter (0 for none).
+        tids: [AtomicI32; WATCHED],
     }
 
     /// The region's body: thread 0 runs the work, the others sleep on `done`.
@@ -180,7 +242,8 @@ mod imp {
         // until GOMP_parallel returns, after every thread of the region has left this body.
         let region = unsafe { &*(data as *const Region<F, R>) };
         // SAFETY: an OpenMP API call on a thread of the region.
-        if unsafe { (region.thread_num)() } == 0 {
+        let me = unsafe { (region.thread_num)() };
+        if me == 0 {
             // SAFETY: only thread 0 touches `work` and `result`; `parked` reads `result` after
             // GOMP_parallel has returned.
             let (work, result) = unsafe { (&mut *region.work.get(), &mut *region.result.get()) };
@@ -190,6 +253,10 @@ mod imp {
             region.done.store(1, Ordering::Release);
             futex(&region.done, libc::FUTEX_WAKE, i32::MAX as u32);
         } else {
+            if let Some(slot) = region.tids.get(me as usize - 1) {
+                // SAFETY: gettid has no arguments and cannot fail.
+                slot.store(unsafe { libc::gettid() }, Ordering::Relaxed);
+            }
             while region.done.load(Ordering::Acquire) == 0 {
                 // Sleeps only while `done` is still 0, so a wake that came first is not missed.
                 futex(&region.done, libc::FUTEX_WAIT, 0);
@@ -217,11 +284,16 @@ mod imp {
         let Some((rt, threads)) = team() else {
             return f();
         };
+        if team_is_spinning() == Some(false) {
+            // Asleep already: nothing to park, and waking it would cost.
+            return f();
+        }
         let region = Region {
             work: UnsafeCell::new(Some(f)),
             result: UnsafeCell::new(None),
             done: AtomicU32::new(0),
             thread_num: rt.thread_num,
+            tids: Default::default(),
         };
         // SAFETY: `body::<F, R>` reads `data` as the `Region<F, R>` it is, and GOMP_parallel
         // returns only after all the region's threads have finished `body`.
@@ -233,6 +305,16 @@ mod imp {
                 0,
             )
         };
+        REGIONS.fetch_add(1, Ordering::Relaxed);
+        let tids: Vec<libc::pid_t> = region
+            .tids
+            .iter()
+            .map(|t| t.load(Ordering::Relaxed))
+            .filter(|&t| t > 0)
+            .collect();
+        if let Ok(mut team) = TEAM.lock() {
+            *team = tids;
+        }
         match region.result.into_inner() {
             Some(Ok(r)) => r,
             Some(Err(panic)) => std::panic::resume_unwind(panic),
