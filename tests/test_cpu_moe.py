@@ -799,11 +799,19 @@ def test_parking_torch_openmp_threads_changes_no_result() -> None:
     try:
         torch.set_num_threads(2)
         layer(*inputs[0])  # the main thread's first forward adopts it
-        outputs = {}
+        outputs: dict[bool, list[torch.Tensor]] = {}
+        spin = torch.ones(1 << 20)
         for on in (True, False):
             assert _core.cpu_park_openmp(on) is (on and can_park)
-            outputs[on] = [layer(x, lg) for x, lg in inputs]
+            before = _core.cpu_parked_regions()
+            outputs[on] = []
+            for x, lg in inputs:
+                spin.sum()  # torch's team runs, then spins: a forward now parks it
+                outputs[on].append(layer(x, lg))
+            spin.sum()
             outputs[on].append(layer.forward_topk(inputs[1][0][:5], weights, ids))
+            parked = _core.cpu_parked_regions() - before
+            assert parked > 0 if on and can_park else parked == 0
         for a, b in zip(outputs[True], outputs[False], strict=True):
             assert torch.isfinite(a).all() and a.abs().max() > 0
             assert torch.equal(a, b)
@@ -917,8 +925,8 @@ def test_parking_puts_torch_openmp_threads_to_sleep_during_a_forward() -> None:
 
 def test_a_sleeping_openmp_team_is_not_woken_to_be_parked() -> None:
     """With torch's idle threads sleeping at once, a forward after a torch operator finds its
-    team asleep (their CPU clocks stand still) and runs without a region: at most the first
-    forward, which learns the team's threads, parks."""
+    team asleep (their CPU clocks stand still, none is runnable) and runs without a region
+    (the team's threads were learnt by the script's first forward)."""
     if not _torch_uses_libgomp():
         return
     out = _run_parking_script(MOEQ_NUM_THREADS="2", OMP_WAIT_POLICY="passive")
@@ -931,3 +939,47 @@ def test_parking_can_be_switched_off_and_needs_two_threads() -> None:
     assert _run_parking_script(MOEQ_NUM_THREADS="2")[:2] == ["main", expected]
     assert _run_parking_script(MOEQ_NUM_THREADS="2", MOEQ_PARK_OPENMP="0")[:2] == ["main", "False"]
     assert _run_parking_script(MOEQ_NUM_THREADS="1")[:2] == ["main", "False"]
+
+
+_FORK_SCRIPT = r"""
+import os, torch
+import moeq_rs as mq
+from moeq_rs import _core
+torch.set_num_threads(2)
+g = torch.Generator().manual_seed(1)
+e, h, i, k = 8, 64, 32, 2
+layer = mq.MoELayer.from_tensors(
+    torch.randint(-128, 128, (e, 2 * i, h), dtype=torch.int8, generator=g),
+    torch.randint(-128, 128, (e, h, i), dtype=torch.int8, generator=g),
+    torch.rand(e, 2 * i, 1, generator=g) * 1e-2, torch.rand(e, h, 1, generator=g) * 1e-2,
+    scheme="w8a8_dynamic", top_k=k)
+x, lg = torch.randn(3, h, generator=g), torch.randn(3, e, generator=g)
+torch.ones(1 << 22).sum()  # the parent's OpenMP team now exists; no forward before the fork
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:
+    out = layer(x, lg)
+    os.write(write, f"{bool(torch.isfinite(out).all())} {_core.cpu_park_openmp()}".encode())
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print(os.read(read, 100).decode(), status)
+"""
+
+
+def test_a_forked_child_never_parks_its_inherited_openmp_team() -> None:
+    """A child forked after torch ran a parallel operator inherits libgomp's record of the
+    parent's team but not its threads: a parallel region there would wait forever. Its forward
+    runs unparked and returns."""
+    import os
+    import subprocess
+    import sys
+
+    ran = subprocess.run(
+        [sys.executable, "-c", _FORK_SCRIPT],
+        env=dict(os.environ, MOEQ_NUM_THREADS="2"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split() == ["True", "False", "0"]

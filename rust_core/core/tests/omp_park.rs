@@ -106,10 +106,15 @@ fn a_forward_parks_the_idle_openmp_team_and_gives_back_its_result() {
 
     // A panic in the work comes out of `parked` after the region has ended (the team is
     // released: the next region runs).
+    // The team spins (OMP_WAIT_POLICY=active), so both run in a parked region.
+    let regions = omp::parked_regions();
     let caught = std::panic::catch_unwind(|| omp::parked(|| panic!("from the work")));
     let message = caught.expect_err("the panic comes back");
     assert_eq!(message.downcast_ref::<&str>(), Some(&"from the work"));
     assert_eq!(omp::parked(|| 7), 7);
+    if spins {
+        assert_eq!(omp::parked_regions(), regions + 2, "both ran parked");
+    }
 
     omp::set_parking(false);
     assert!(!omp::would_park());

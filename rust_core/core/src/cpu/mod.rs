@@ -61,6 +61,8 @@ pub fn adopt_calling_thread() -> bool {
 }
 
 thread_local! {
+    /// Whether this thread is inside [`with_openmp_parked`], which has decided about parking.
+    static OPENMP_DECIDED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     /// Whether this thread is the one [`adopt_calling_thread`] adopted.
     static IS_ADOPTED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
@@ -100,13 +102,22 @@ pub fn parks_openmp_here() -> bool {
 }
 
 /// Runs `f` with this thread's idle OpenMP threads parked where [`parks_openmp_here`], else
-/// as it is: for callers that make several forward calls in a row (one region for all).
+/// as it is: for callers that make several forward calls in a row (one decision and one
+/// region for all; the calls inside run as they are).
 pub fn with_openmp_parked<R>(f: impl FnOnce() -> R) -> R {
-    if parks_here() {
-        omp::parked(f)
-    } else {
-        f()
+    if !parks_here() || OPENMP_DECIDED.get() {
+        return f();
     }
+    OPENMP_DECIDED.set(true);
+    // Reset on the way out, panic or not.
+    struct Decided;
+    impl Drop for Decided {
+        fn drop(&mut self) {
+            OPENMP_DECIDED.set(false);
+        }
+    }
+    let _decided = Decided;
+    omp::parked(f)
 }
 
 /// Runs `f` with `MOEQ_NUM_THREADS` threads: on the calling thread and the rest of its pool

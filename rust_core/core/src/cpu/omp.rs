@@ -12,15 +12,16 @@
 //! end, where the caller wakes the sleepers and waits for them at the team's barrier (tens of
 //! microseconds, more when their CPUs have gone idle).
 //!
-//! A team that has gone to sleep (no torch operator in the last few milliseconds) takes no
-//! CPU, and waking it only to park it cost ~50 us at decode, so a team whose threads are
-//! known (from an earlier region) is parked only when one of them is seen using CPU time:
-//! their CPU clocks are read twice, 3 us apart.
+//! A team that has gone to sleep (no parallel region in the last few milliseconds) takes no
+//! CPU, and waking it only to park it cost ~50 us at decode, so a team whose threads are known
+//! (up to four of them, from an earlier region) is parked only when one of them is spinning:
+//! its CPU clock moves across a 3 us window, or it is waiting for a CPU. A region of ours
+//! leaves the team spinning as any other does, so forwards back to back park each time.
 //!
 //! Only GNU OpenMP (libgomp, which torch's PyPI wheels ship) is recognised, only a copy the
 //! process has loaded already (looked up once, at the first forward that could park), and
-//! never in a process forked after this module was first used or noted the process
-//! ([`note_process`]): a forked child inherits the parent's team record but not its threads.
+//! never in a process forked after this library was loaded: a forked child inherits the
+//! parent's team record but not its threads, and a region there would wait for them forever.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::OnceLock;
@@ -39,27 +40,36 @@ pub fn set_parking(on: bool) {
     parking().store(on, Ordering::Relaxed);
 }
 
-/// The process this module first saw (0 before then).
+/// The process this library was loaded into (0 before then).
 static PROCESS: AtomicU32 = AtomicU32::new(0);
 
-/// Notes the current process as the one whose OpenMP runtime may be used. Called when the
-/// Python extension is imported, so that a child forked later (after its parent ran torch,
-/// before its first forward) never parks: its inherited runtime state names threads that it
-/// does not have, and a parallel region there would wait for them forever.
+/// Notes the current process as the one whose OpenMP runtime may be used, if none is noted
+/// yet. Runs when the library is loaded (and the Python extension calls it at import too), so
+/// that a child forked later never parks.
 pub fn note_process() {
     let _ = PROCESS.compare_exchange(0, std::process::id(), Ordering::Relaxed, Ordering::Relaxed);
 }
 
+#[cfg(target_os = "linux")]
+extern "C" fn note_process_at_load() {
+    note_process();
+}
+
+/// Runs [`note_process`] when the library is loaded, before any code of the process can fork.
+#[cfg(target_os = "linux")]
+#[used]
+#[link_section = ".init_array"]
+static NOTE_PROCESS_AT_LOAD: extern "C" fn() = note_process_at_load;
+
 #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
 fn same_process() -> bool {
-    note_process();
     PROCESS.load(Ordering::Relaxed) == std::process::id()
 }
 
-/// Whether a forward called now on this thread would park its OpenMP threads, given that our
-/// side would (see `cpu::in_pool`): parking is on, this is the process first seen, an OpenMP
-/// runtime is loaded, this thread is not inside a parallel region and its team has more than
-/// one thread.
+/// Whether a forward called now on this thread may park its OpenMP threads, given that our
+/// side would (see `cpu::in_pool`): parking is on, this is the process the library was loaded
+/// into, an OpenMP runtime is loaded, this thread is not inside a parallel region and its team
+/// has more than one thread. It then parks them if they are spinning (see the module's doc).
 pub fn would_park() -> bool {
     imp::team().is_some()
 }
@@ -95,15 +105,24 @@ mod imp {
     use std::cell::UnsafeCell;
     use std::ffi::{c_int, c_uint, c_void, CStr, CString};
     use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
-    use std::sync::{Mutex, OnceLock};
+    use std::sync::OnceLock;
 
     pub(super) static REGIONS: AtomicU64 = AtomicU64::new(0);
 
     /// How many of a team's other threads are remembered and watched.
     const WATCHED: usize = 4;
 
-    /// Thread ids of the parked team's other threads, from the last parked region.
-    static TEAM: Mutex<Vec<libc::pid_t>> = Mutex::new(Vec::new());
+    /// A remembered thread of the team: its id and its open `/proc/self/task/<tid>/stat`.
+    struct Watched {
+        tid: libc::pid_t,
+        stat: Option<std::fs::File>,
+    }
+
+    thread_local! {
+        /// The other threads of this thread's team (each OpenMP master thread has its own),
+        /// from its last parked region.
+        static TEAM: std::cell::RefCell<Vec<Watched>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
 
     /// The CPU time used so far by thread `tid` of this process (Linux's per-thread
     /// scheduler clock, as `pthread_getcpuclockid` makes it), or `None` if it is gone.
@@ -120,28 +139,68 @@ mod imp {
         (got == 0).then(|| std::time::Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32))
     }
 
-    /// Whether the team's remembered threads are using CPU time (spinning): `None` when none
-    /// are remembered, or one has exited (the team is learnt again by parking it).
+    /// Whether the thread is runnable ('R' in its stat line): a spinner waiting for a CPU uses
+    /// no CPU time while it waits, but will take a CPU back.
+    fn runnable(stat: &std::fs::File) -> bool {
+        use std::os::unix::fs::FileExt;
+        let mut line = [0u8; 512];
+        let Ok(n) = stat.read_at(&mut line, 0) else {
+            return false;
+        };
+        // "tid (comm) S ...": the state follows the last ')'.
+        let line = &line[..n];
+        line.iter()
+            .rposition(|&c| c == b')')
+            .and_then(|end| line.get(end + 2))
+            .is_some_and(|&state| state == b'R')
+    }
+
+    /// Whether the team's remembered threads are spinning: using CPU time across a 3 us
+    /// window, or else runnable. `None` when none are remembered, or one has exited (the team
+    /// is then learnt again by parking it).
     fn team_is_spinning() -> Option<bool> {
-        let tids = TEAM.lock().ok()?.clone();
-        if tids.is_empty() {
-            return None;
-        }
-        let before: Option<Vec<_>> = tids.iter().map(|&t| cpu_time(t)).collect();
-        let start = std::time::Instant::now();
-        while start.elapsed() < std::time::Duration::from_micros(3) {
-            std::hint::spin_loop();
-        }
-        let after: Option<Vec<_>> = tids.iter().map(|&t| cpu_time(t)).collect();
-        match (before, after) {
-            (Some(b), Some(a)) => Some(b.iter().zip(&a).any(|(b, a)| a > b)),
-            _ => {
-                if let Ok(mut team) = TEAM.lock() {
-                    team.clear();
-                }
-                None
+        TEAM.with_borrow_mut(|team| {
+            if team.is_empty() {
+                return None;
             }
-        }
+            let mut before = [std::time::Duration::ZERO; WATCHED];
+            for (b, w) in before.iter_mut().zip(team.iter()) {
+                match cpu_time(w.tid) {
+                    Some(t) => *b = t,
+                    None => {
+                        team.clear();
+                        return None;
+                    }
+                }
+            }
+            let start = std::time::Instant::now();
+            while start.elapsed() < std::time::Duration::from_micros(3) {
+                std::hint::spin_loop();
+            }
+            let used = team
+                .iter()
+                .zip(before)
+                .any(|(w, b)| cpu_time(w.tid).is_some_and(|a| a > b));
+            Some(used || team.iter().any(|w| w.stat.as_ref().is_some_and(runnable)))
+        })
+    }
+
+    /// Remembers the team's other threads (`tids`, 0 for none) unless they are the ones
+    /// remembered already.
+    fn remember(tids: &[libc::pid_t]) {
+        TEAM.with_borrow_mut(|team| {
+            let known: Vec<_> = team.iter().map(|w| w.tid).collect();
+            let seen: Vec<_> = tids.iter().copied().filter(|&t| t > 0).collect();
+            if known != seen {
+                *team = seen
+                    .into_iter()
+                    .map(|tid| Watched {
+                        tid,
+                        stat: std::fs::File::open(format!("/proc/self/task/{tid}/stat")).ok(),
+                    })
+                    .collect();
+            }
+        });
     }
 
     type Body = unsafe extern "C" fn(*mut c_void);
@@ -172,7 +231,8 @@ mod imp {
         RUNTIME.get_or_init(find_runtime).as_ref()
     }
 
-    /// The loaded libgomp's path: torch's copy (`.../torch/lib/libgomp*`) when there are
+    /// The loaded libgomp's path: torch's copy (`.../torch/lib/libgomp*`, or `torch.libs/` in
+    /// aarch64 wheels) when there are
     /// several, since torch's operators are what leave threads spinning; else the first.
     fn loaded_libgomp() -> Option<String> {
         let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
@@ -189,7 +249,9 @@ mod imp {
             })
             .collect();
         found.dedup();
-        let torch = found.iter().find(|p| p.contains("/torch/lib/"));
+        let torch = found
+            .iter()
+            .find(|p| p.contains("/torch/lib/") || p.contains("/torch.libs/"));
         torch.or(found.first()).map(|p| p.to_string())
     }
 
@@ -306,15 +368,7 @@ mod imp {
             )
         };
         REGIONS.fetch_add(1, Ordering::Relaxed);
-        let tids: Vec<libc::pid_t> = region
-            .tids
-            .iter()
-            .map(|t| t.load(Ordering::Relaxed))
-            .filter(|&t| t > 0)
-            .collect();
-        if let Ok(mut team) = TEAM.lock() {
-            *team = tids;
-        }
+        remember(&region.tids.each_ref().map(|t| t.load(Ordering::Relaxed)));
         match region.result.into_inner() {
             Some(Ok(r)) => r,
             Some(Err(panic)) => std::panic::resume_unwind(panic),
