@@ -17,12 +17,14 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
+# No pip cache: torch's CUDA wheels are ~4 GB, and a cached copy would need as much again on a
+# machine that installs them once.
 $(VENV)/.base-deps: | $(PY)
-	$(PY) -m pip install -q $(BASE_DEPS)
+	$(PY) -m pip install -q --no-cache-dir $(BASE_DEPS)
 	touch $@
 
 $(VENV)/.test-deps: $(VENV)/.base-deps
-	$(PY) -m pip install -q $(TEST_DEPS)
+	$(PY) -m pip install -q --no-cache-dir $(TEST_DEPS)
 	touch $@
 
 venv: $(VENV)/.base-deps
