@@ -823,18 +823,26 @@ def test_parking_torch_openmp_threads_changes_no_result() -> None:
         _core.cpu_park_openmp(True)
 
 
-_PARKING_SCRIPT = r"""
+def _layer_script(seed: int, e: int, h: int, i: int, k: int) -> str:
+    """The start of a subprocess script: torch on two threads and a W8A8 `layer`."""
+    return rf"""
 import os, threading, time, torch
 import moeq_rs as mq
 from moeq_rs import _core
 torch.set_num_threads(2)
-g = torch.Generator().manual_seed(3)
-e, h, i, k = 16, 1024, 512, 4
+g = torch.Generator().manual_seed({seed})
+e, h, i, k = {e}, {h}, {i}, {k}
 layer = mq.MoELayer.from_tensors(
     torch.randint(-128, 128, (e, 2 * i, h), dtype=torch.int8, generator=g),
     torch.randint(-128, 128, (e, h, i), dtype=torch.int8, generator=g),
     torch.rand(e, 2 * i, 1, generator=g) * 1e-2, torch.rand(e, h, 1, generator=g) * 1e-2,
     scheme="w8a8_dynamic", top_k=k)
+"""
+
+
+_PARKING_SCRIPT = (
+    _layer_script(3, 16, 1024, 512, 4)
+    + r"""
 x, logits = torch.randn(256, h, generator=g), torch.randn(256, e, generator=g)
 layer(x, logits)  # adopts the main thread
 other = []
@@ -847,6 +855,7 @@ print("main", _core.cpu_park_openmp(), "other", other[0])
 before = _core.cpu_parked_regions()
 for _ in range(10):
     torch.ones(1 << 22).sum()
+    time.sleep(float(os.environ.get("SETTLE_MS", "0")) / 1e3)
     layer(x, logits)
 print("parked_after_torch", _core.cpu_parked_regions() - before)
 if os.environ.get("SAMPLE"):
@@ -888,6 +897,7 @@ if os.environ.get("SAMPLE"):
 
     print("parked", share_running(True), "unparked", share_running(False))
 """
+)
 
 
 def _run_parking_script(**env: str) -> list[str]:
@@ -919,8 +929,11 @@ def test_parking_puts_torch_openmp_threads_to_sleep_during_a_forward() -> None:
     out = _run_parking_script(MOEQ_NUM_THREADS="2", OMP_WAIT_POLICY="active", SAMPLE="1")
     assert out[:6] == ["main", "True", "other", "False", "parked_after_torch", "10"]
     parked, unparked = float(out[7]), float(out[9])
-    assert unparked > 0.6, out
-    assert parked < 0.35, out
+    # Unparked, the spinner is always running or waiting to run. Parked, it is seen only
+    # between forwards and at a region's start and end (2-6% on a quiet machine, ~40% with
+    # a build running on both CPUs, when it waits long for a CPU to reach its futex).
+    assert unparked > 0.8, out
+    assert parked < unparked - 0.3, out
 
 
 def test_a_sleeping_openmp_team_is_not_woken_to_be_parked() -> None:
@@ -929,9 +942,11 @@ def test_a_sleeping_openmp_team_is_not_woken_to_be_parked() -> None:
     (the team's threads were learnt by the script's first forward)."""
     if not _torch_uses_libgomp():
         return
-    out = _run_parking_script(MOEQ_NUM_THREADS="2", OMP_WAIT_POLICY="passive")
+    # 20 ms for the team to reach its sleep even when the machine is busy (a thread still on
+    # its way there is runnable, and is rightly parked).
+    out = _run_parking_script(MOEQ_NUM_THREADS="2", OMP_WAIT_POLICY="passive", SETTLE_MS="20")
     assert out[:5] == ["main", "True", "other", "False", "parked_after_torch"]
-    assert int(out[5]) <= 1, out
+    assert int(out[5]) <= 2, out
 
 
 def test_parking_can_be_switched_off_and_needs_two_threads() -> None:
@@ -941,18 +956,9 @@ def test_parking_can_be_switched_off_and_needs_two_threads() -> None:
     assert _run_parking_script(MOEQ_NUM_THREADS="1")[:2] == ["main", "False"]
 
 
-_FORK_SCRIPT = r"""
-import os, torch
-import moeq_rs as mq
-from moeq_rs import _core
-torch.set_num_threads(2)
-g = torch.Generator().manual_seed(1)
-e, h, i, k = 8, 64, 32, 2
-layer = mq.MoELayer.from_tensors(
-    torch.randint(-128, 128, (e, 2 * i, h), dtype=torch.int8, generator=g),
-    torch.randint(-128, 128, (e, h, i), dtype=torch.int8, generator=g),
-    torch.rand(e, 2 * i, 1, generator=g) * 1e-2, torch.rand(e, h, 1, generator=g) * 1e-2,
-    scheme="w8a8_dynamic", top_k=k)
+_FORK_SCRIPT = (
+    _layer_script(1, 8, 64, 32, 2)
+    + r"""
 x, lg = torch.randn(3, h, generator=g), torch.randn(3, e, generator=g)
 torch.ones(1 << 22).sum()  # the parent's OpenMP team now exists; no forward before the fork
 read, write = os.pipe()
@@ -964,6 +970,7 @@ if pid == 0:
 _, status = os.waitpid(pid, 0)
 print(os.read(read, 100).decode(), status)
 """
+)
 
 
 def test_a_forked_child_never_parks_its_inherited_openmp_team() -> None:
