@@ -3,7 +3,8 @@
 Shapes: Qwen3-30B-A3B (H2048 I768 E128 k8), DeepSeek-V2-Lite (H2048 I1408 E64 k6), Mixtral
 (H4096 I14336 E8 k2); T in {1, 16, 128, 1024}. Weights cold: a 640 MB buffer is read before
 every call. Different routing each call. torch: softmax top-k, per-expert ``x @ W13^T``,
-SiLU*up, ``@ W2^T``, ``index_add_``. One untimed warm-up call each per size. Reports
+SiLU*up, ``@ W2^T``, ``index_add_``. One untimed warm-up call each per size; within a round
+the contenders run in an order that rotates from round to round. Reports
 per-call medians, the speedup over torch, the
 fraction of the streaming read bandwidth (a warm 512 MB sum) the touched experts' bytes imply,
 and the time torch takes just to read those bytes after the same flush ("cold read": the floor
@@ -35,6 +36,7 @@ import argparse
 import os
 import statistics
 import time
+from functools import partial
 
 import numpy as np
 import torch
@@ -55,6 +57,17 @@ def flush() -> None:
         torch.from_numpy(FLUSH).sum()
     else:
         FLUSH.sum()
+
+
+def unparked(layer, x: torch.Tensor, logits: torch.Tensor, parking: bool) -> None:  # type: ignore[no-untyped-def]
+    """``layer(x, logits)`` with the parking of torch's OpenMP threads switched off."""
+    from moeq_rs import _core
+
+    _core.cpu_park_openmp(False)
+    try:
+        layer(x, logits)
+    finally:
+        _core.cpu_park_openmp(parking)
 
 
 def read_bandwidth() -> float:
@@ -183,8 +196,6 @@ def main() -> None:
     global FLUSH_WITH_TORCH
     FLUSH_WITH_TORCH = args.flush == "torch"
     torch.set_num_threads(2)
-    from moeq_rs import _core
-
     parking = os.environ.get("MOEQ_PARK_OPENMP", "1").strip() != "0"
 
     bw = read_bandwidth()
@@ -223,7 +234,7 @@ def main() -> None:
         peer = vllm_layer(layer.int8_weights, k) if vllm else None
         for t in map(int, args.tokens.split(",")):
             ours, theirs, ratios, hits, floors, peers, vs_peer = [], [], [], [], [], [], []
-            unparked, park_gain = [], []
+            unparked_times, park_gain = [], []
             # One untimed call each first: the first call at a new size faults in its
             # buffers' pages (for us ~0.2 s at T=1024), which no steady state pays.
             x = torch.randn(t, h, dtype=torch.bfloat16)
@@ -232,7 +243,7 @@ def main() -> None:
             torch_moe(x, logits, tw13, tw2, k)
             if peer is not None:
                 peer(x, logits)
-            for _ in range(args.rounds):
+            for rnd in range(args.rounds):
                 x = torch.randn(t, h, dtype=torch.bfloat16)
                 logits = torch.randn(t, e)
                 touched = logits.softmax(-1).topk(k, -1).indices.unique().tolist()
@@ -242,33 +253,34 @@ def main() -> None:
                 for j in touched:
                     plain[j].sum()
                 floors.append(time.perf_counter() - t0)
-                flush()
-                t0 = time.perf_counter()
-                layer(x, logits)
-                a = time.perf_counter() - t0
-                flush()
-                t0 = time.perf_counter()
-                torch_moe(x, logits, tw13, tw2, k)
-                b = time.perf_counter() - t0
-                ours.append(a)
-                theirs.append(b)
-                ratios.append(b / a)
+                calls = [
+                    ("ours", partial(layer, x, logits)),
+                    ("torch", partial(torch_moe, x, logits, tw13, tw2, k)),
+                ]
                 if peer is not None:
-                    flush()
-                    t0 = time.perf_counter()
-                    peer(x, logits)
-                    c = time.perf_counter() - t0
-                    peers.append(c)
-                    vs_peer.append(c / a)
+                    calls.append(("vllm", partial(peer, x, logits)))
                 if args.compare_parking:
-                    _core.cpu_park_openmp(False)
+                    calls.append(("unparked", partial(unparked, layer, x, logits, parking)))
+                # Each round starts at a different call, so that no contender always follows
+                # the same one (the state a call leaves, its threads spinning or not, is the
+                # next one's start).
+                took = {}
+                for j in range(len(calls)):
+                    label, run = calls[(j + rnd) % len(calls)]
                     flush()
                     t0 = time.perf_counter()
-                    layer(x, logits)
-                    d = time.perf_counter() - t0
-                    _core.cpu_park_openmp(parking)
-                    unparked.append(d)
-                    park_gain.append(d / a)
+                    run()
+                    took[label] = time.perf_counter() - t0
+                a = took["ours"]
+                ours.append(a)
+                theirs.append(took["torch"])
+                ratios.append(took["torch"] / a)
+                if "vllm" in took:
+                    peers.append(took["vllm"])
+                    vs_peer.append(took["vllm"] / a)
+                if "unparked" in took:
+                    unparked_times.append(took["unparked"])
+                    park_gain.append(took["unparked"] / a)
             mo = statistics.median(ours)
             bound = statistics.median(hits) * per_expert / bw
             floor = statistics.median(floors)
@@ -286,8 +298,9 @@ def main() -> None:
                     else ""
                 )
                 + (
-                    f" {statistics.median(unparked) * 1e3:9.2f} {statistics.median(park_gain):6.2f}"
-                    if unparked
+                    f" {statistics.median(unparked_times) * 1e3:9.2f} "
+                    f"{statistics.median(park_gain):6.2f}"
+                    if unparked_times
                     else ""
                 )
             )
