@@ -61,13 +61,11 @@ def flush() -> None:
 
 def unparked(layer, x: torch.Tensor, logits: torch.Tensor, parking: bool) -> None:  # type: ignore[no-untyped-def]
     """``layer(x, logits)`` with the parking of torch's OpenMP threads switched off."""
-    from moeq_rs import _core
-
-    _core.cpu_park_openmp(False)
+    mq.oracle.cpu_park_openmp(False)
     try:
         layer(x, logits)
     finally:
-        _core.cpu_park_openmp(parking)
+        mq.oracle.cpu_park_openmp(parking)
 
 
 def read_bandwidth() -> float:

@@ -815,7 +815,9 @@ def test_parking_torch_openmp_threads_changes_no_result() -> None:
         for a, b in zip(outputs[True], outputs[False], strict=True):
             assert torch.isfinite(a).all() and a.abs().max() > 0
             assert torch.equal(a, b)
-        _core.cpu_park_openmp(True)
+        assert mq.oracle.cpu_park_openmp(True) is can_park  # the public form
+        with pytest.raises(TypeError, match="on"):
+            mq.oracle.cpu_park_openmp(1)  # type: ignore[arg-type]
         torch.set_num_threads(1)
         assert _core.cpu_park_openmp() is False, "a team of one has nothing to park"
     finally:

@@ -24,6 +24,7 @@ __all__ = [
     "cpu_dot_peak",
     "cpu_features",
     "cpu_kernel",
+    "cpu_park_openmp",
     "cpu_threads",
     "make_int8_moe_quant_config",
     "marlin_support_reason",
@@ -121,6 +122,18 @@ def cpu_threads() -> int:
     """Threads the CPU MoE forward runs on: ``MOEQ_NUM_THREADS`` (read once per process), else
     one per available CPU."""
     return _core.cpu_threads()
+
+
+def cpu_park_openmp(on: bool | None = None) -> bool:
+    """Whether a CPU MoE forward called now on this thread parks torch's idle OpenMP threads
+    while it runs. They spin for milliseconds after each torch operator, on the CPUs the
+    forward's workers need; parked, they sleep until the forward is done. ``on`` turns this on
+    or off for later forwards (``MOEQ_PARK_OPENMP=0`` starts with it off). It applies only on
+    the main thread once its first forward has run, with more than one thread, with torch's GNU
+    OpenMP runtime, and only to a team that is spinning: one that sleeps is left alone."""
+    if on is not None and not isinstance(on, bool):
+        raise TypeError(f"on: expected a bool or None, got {type(on).__name__}")
+    return _core.cpu_park_openmp(on)
 
 
 class Int8MoEQuantConfig:
