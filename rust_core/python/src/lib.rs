@@ -618,8 +618,6 @@ fn cuda_nvrtc_version(
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    // A child forked after this import must not use the parent's OpenMP team.
-    moeq_core::cpu::omp::note_process();
     m.add_function(wrap_pyfunction!(wna16_scale_kind, m)?)?;
     m.add_function(wrap_pyfunction!(int8_moe_quant_kind, m)?)?;
     m.add_function(wrap_pyfunction!(marlin_support_reason, m)?)?;

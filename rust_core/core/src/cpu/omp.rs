@@ -44,9 +44,9 @@ pub fn set_parking(on: bool) {
 static PROCESS: AtomicU32 = AtomicU32::new(0);
 
 /// Notes the current process as the one whose OpenMP runtime may be used, if none is noted
-/// yet. Runs when the library is loaded (and the Python extension calls it at import too), so
-/// that a child forked later never parks.
-pub fn note_process() {
+/// yet. Runs when the library is loaded, so that a child forked later never parks.
+#[cfg_attr(not(target_os = "linux"), allow(dead_code))]
+fn note_process() {
     let _ = PROCESS.compare_exchange(0, std::process::id(), Ordering::Relaxed, Ordering::Relaxed);
 }
 
@@ -189,11 +189,9 @@ mod imp {
     /// remembered already.
     fn remember(tids: &[libc::pid_t]) {
         TEAM.with_borrow_mut(|team| {
-            let known: Vec<_> = team.iter().map(|w| w.tid).collect();
-            let seen: Vec<_> = tids.iter().copied().filter(|&t| t > 0).collect();
-            if known != seen {
-                *team = seen
-                    .into_iter()
+            let seen = || tids.iter().copied().filter(|&t| t > 0);
+            if !team.iter().map(|w| w.tid).eq(seen()) {
+                *team = seen()
                     .map(|tid| Watched {
                         tid,
                         stat: std::fs::File::open(format!("/proc/self/task/{tid}/stat")).ok(),
@@ -293,7 +291,7 @@ mod imp {
         work: UnsafeCell<Option<F>>,
         result: UnsafeCell<Option<std::thread::Result<R>>>,
         done: AtomicU32,
-        thread_num: Query,
+        runtime: &'static Runtime,
         /// The thread ids of threads 1..=WATCHED, as they enter (0 for none).
         tids: [AtomicI32; WATCHED],
     }
@@ -304,7 +302,7 @@ mod imp {
         // until GOMP_parallel returns, after every thread of the region has left this body.
         let region = unsafe { &*(data as *const Region<F, R>) };
         // SAFETY: an OpenMP API call on a thread of the region.
-        let me = unsafe { (region.thread_num)() };
+        let me = unsafe { (region.runtime.thread_num)() };
         if me == 0 {
             // SAFETY: only thread 0 touches `work` and `result`; `parked` reads `result` after
             // GOMP_parallel has returned.
@@ -354,7 +352,7 @@ mod imp {
             work: UnsafeCell::new(Some(f)),
             result: UnsafeCell::new(None),
             done: AtomicU32::new(0),
-            thread_num: rt.thread_num,
+            runtime: rt,
             tids: Default::default(),
         };
         // SAFETY: `body::<F, R>` reads `data` as the `Region<F, R>` it is, and GOMP_parallel
