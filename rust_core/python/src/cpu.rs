@@ -1,12 +1,16 @@
 //! `moeq_rs._core.CpuMoeLayer`: the CPU MoE forward for the Python `MoELayer`.
 
+use std::borrow::Cow;
 use std::sync::Arc;
+
+use half::slice::HalfFloatSliceExt;
 
 use moeq_core::cpu::routing::Routed;
 use moeq_core::cpu::CpuMoe;
 use numpy::{IntoPyArray, PyReadonlyArray1, PyReadonlyArrayDyn};
 use pyo3::prelude::*;
 
+use crate::dlpack::{self, Out, Values};
 use crate::repack::{layout_error, slice as contiguous};
 use crate::{to_py, Checkpoint};
 
@@ -182,6 +186,178 @@ impl CpuMoeLayer {
         Hidden::of(py, hidden_states)?.run(py, bf16, tokens, h, |x, c| {
             moe.forward_topk(x, tokens, &routed, c)
         })
+    }
+
+    /// `forward` for plain torch tensors, read and made through DLPack's C exchange table (no
+    /// numpy, no Python-level conversions; see `dlpack`): `[T, H]` in the input's dtype, or
+    /// `None` when an argument is not a row-major 2-d CPU `torch.Tensor` of a float dtype and
+    /// the layer's shape, so that the caller takes its checked path (which names the argument).
+    fn forward_torch<'py>(
+        &self,
+        py: Python<'py>,
+        hidden_states: &Bound<'py, PyAny>,
+        router_logits: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let (Some(x), Some(l)) = (dlpack::view(hidden_states), dlpack::view(router_logits)) else {
+            return Ok(None);
+        };
+        let (h, e) = (self.moe.hidden, self.moe.experts.len());
+        if !x.elem.is_float()
+            || !l.elem.is_float()
+            || x.cols != h
+            || (l.rows, l.cols) != (x.rows, e)
+        {
+            return Ok(None);
+        }
+        let tokens = x.rows;
+        let moe = Arc::clone(&self.moe);
+        let logits = l.values();
+        run_torch(py, x.values(), tokens, h, move |x, c| {
+            let l = widen(logits);
+            let out = moe.forward(x, tokens, &l, c);
+            recycle(l);
+            out
+        })
+        .map(Some)
+    }
+
+    /// `forward_topk` for plain torch tensors, as `forward_torch`; `topk_ids` int32 or int64.
+    /// `None` also for an id outside `0..2^32`: the checked path names it.
+    fn forward_topk_torch<'py>(
+        &self,
+        py: Python<'py>,
+        hidden_states: &Bound<'py, PyAny>,
+        topk_weights: &Bound<'py, PyAny>,
+        topk_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let (Some(x), Some(w), Some(ids)) = (
+            dlpack::view(hidden_states),
+            dlpack::view(topk_weights),
+            dlpack::view(topk_ids),
+        ) else {
+            return Ok(None);
+        };
+        let h = self.moe.hidden;
+        if !x.elem.is_float()
+            || !w.elem.is_float()
+            || ids.elem.is_float()
+            || x.cols != h
+            || (w.rows, w.cols) != (x.rows, ids.cols)
+            || ids.rows != x.rows
+        {
+            return Ok(None);
+        }
+        let expert = |v: i64| u32::try_from(v).ok();
+        let ids: Option<Vec<u32>> = match ids.values() {
+            Values::I64(v) => v.iter().map(|&v| expert(v)).collect(),
+            Values::I32(v) => v.iter().map(|&v| expert(i64::from(v))).collect(),
+            _ => None,
+        };
+        let Some(ids) = ids else {
+            return Ok(None);
+        };
+        let routed = Routed {
+            top_k: w.cols,
+            ids,
+            weights: widen(w.values()).into_owned(),
+        };
+        let tokens = x.rows;
+        let moe = Arc::clone(&self.moe);
+        run_torch(py, x.values(), tokens, h, move |x, c| {
+            moe.forward_topk(x, tokens, &routed, c)
+        })
+        .map(Some)
+    }
+}
+
+/// Runs `f` on `x` widened to f32, without the GIL and in one parked region for the
+/// conversions and the forward, and returns its `[tokens, h]` output as a torch tensor of
+/// `x`'s dtype. bf16 input computes as for bf16 (see `compute`), other dtypes as f32.
+fn run_torch<'py>(
+    py: Python<'py>,
+    x: Values<'_>,
+    tokens: usize,
+    h: usize,
+    f: impl FnOnce(&[f32], moeq_core::cpu::linear::Compute) -> moeq_core::error::Result<Vec<f32>> + Send,
+) -> PyResult<Bound<'py, PyAny>> {
+    use moeq_core::cpu::kernels::f32_to_bf16_bits;
+    use moeq_core::cpu::spare::give;
+    let out = py
+        .detach(|| {
+            moeq_core::cpu::with_openmp_parked(|| {
+                let bf16 = matches!(x, Values::Bf16(_));
+                let wide = widen(x);
+                let y = f(&wide, compute(bf16));
+                recycle(wide);
+                y.map(|y| match x {
+                    Values::Bf16(_) => {
+                        let bits = f32_to_bf16_bits(&y);
+                        give(y);
+                        Narrowed::Bf16(bits)
+                    }
+                    Values::F16(_) => {
+                        let mut v = vec![half::f16::ZERO; y.len()];
+                        v.convert_from_f32_slice(&y);
+                        give(y);
+                        Narrowed::F16(v)
+                    }
+                    Values::F64(_) => {
+                        let v = y.iter().map(|&v| f64::from(v)).collect();
+                        give(y);
+                        Narrowed::F64(v)
+                    }
+                    _ => Narrowed::F32(y),
+                })
+            })
+        })
+        .map_err(|e| to_py(py, e))?;
+    match out {
+        Narrowed::F32(v) => dlpack::tensor(py, v, tokens, h, Out::F32),
+        Narrowed::Bf16(v) => dlpack::tensor(py, v, tokens, h, Out::Bf16),
+        Narrowed::F16(v) => dlpack::tensor(py, v, tokens, h, Out::F16),
+        Narrowed::F64(v) => dlpack::tensor(py, v, tokens, h, Out::F64),
+    }
+}
+
+/// The forward's f32 output in the input's dtype.
+enum Narrowed {
+    F32(Vec<f32>),
+    Bf16(Vec<i16>),
+    F16(Vec<half::f16>),
+    F64(Vec<f64>),
+}
+
+/// Float values as f32: borrowed when they are f32, else converted (exactly, or rounded to
+/// nearest even from f64, as torch's `.to(torch.float32)`) into a spare buffer. Integer values
+/// never reach here (callers check `Elem::is_float`); they give an empty slice.
+fn widen(v: Values<'_>) -> Cow<'_, [f32]> {
+    use moeq_core::cpu::kernels::bf16_bits_to_f32;
+    use moeq_core::cpu::spare::take;
+    match v {
+        Values::F32(v) => Cow::Borrowed(v),
+        Values::Bf16(v) => Cow::Owned(bf16_bits_to_f32(v)),
+        Values::F16(v) => {
+            let mut out = take(v.len(), 0f32);
+            for (o, &b) in out.iter_mut().zip(v) {
+                *o = half::f16::from_bits(b).to_f32();
+            }
+            Cow::Owned(out)
+        }
+        Values::F64(v) => {
+            let mut out = take(v.len(), 0f32);
+            for (o, &d) in out.iter_mut().zip(v) {
+                *o = d as f32;
+            }
+            Cow::Owned(out)
+        }
+        Values::I32(_) | Values::I64(_) => Cow::Borrowed(&[]),
+    }
+}
+
+/// A converted buffer back to this thread's spares for the next call.
+fn recycle(v: Cow<'_, [f32]>) {
+    if let Cow::Owned(v) = v {
+        moeq_core::cpu::spare::give(v);
     }
 }
 

@@ -12,6 +12,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict};
 
 mod cpu;
+mod dlpack;
 mod repack;
 
 /// Raises the `moeq_rs.errors` class matching the core error's kind.
@@ -629,6 +630,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_adopt_calling_thread, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_park_openmp, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_parked_regions, m)?)?;
+    m.add_function(wrap_pyfunction!(dlpack::cpu_use_torch_tensors, m)?)?;
+    m.add_function(wrap_pyfunction!(dlpack::_cpu_torch_outputs_alive, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_driver_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_compile_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_nvrtc_version, m)?)?;

@@ -1,0 +1,445 @@
+//! torch tensors in and out without numpy, through DLPack's C exchange API
+//! (`torch.Tensor.__dlpack_c_exchange_api__`, a table of C functions that torch publishes for
+//! libraries like this one).
+//!
+//! Why: at decode, every Python-level conversion costs 10-40 us once a cache flush (or the rest
+//! of a model) has evicted its code, and a checked numpy round trip cost ~0.1 ms of a ~1 ms
+//! layer. Through the table an argument is read with one C call and the output becomes a torch
+//! tensor with one more, the output owning our buffer (no copy).
+//!
+//! Only plain `torch.Tensor`s (the exact type the table was read from, as the protocol asks) on
+//! the CPU, row-major, of the dtypes the forward takes, are read here; [`view`] answers `None`
+//! for anything else and the caller takes its checked Python path, which names the argument in
+//! its error. torch builds without the table (before DLPack 1.2) always take that path.
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+use pyo3::prelude::*;
+use pyo3::types::PyType;
+
+use crate::repack::layout_error;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Version {
+    major: u32,
+    minor: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Device {
+    device_type: i32,
+    device_id: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+#[repr(C)]
+struct Tensor {
+    data: *mut c_void,
+    device: Device,
+    ndim: i32,
+    dtype: DataType,
+    shape: *mut i64,
+    strides: *mut i64,
+    byte_offset: u64,
+}
+
+#[repr(C)]
+struct ManagedTensor {
+    version: Version,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut ManagedTensor)>,
+    flags: u64,
+    dl_tensor: Tensor,
+}
+
+#[repr(C)]
+struct ApiHeader {
+    version: Version,
+    prev_api: *mut ApiHeader,
+}
+
+type SetError = unsafe extern "C" fn(*mut c_void, *const c_char, *const c_char);
+
+/// `DLPackExchangeAPI` of DLPack 1.x (fields in the header's order).
+#[repr(C)]
+struct ExchangeApi {
+    header: ApiHeader,
+    managed_tensor_allocator: Option<
+        unsafe extern "C" fn(
+            *mut Tensor,
+            *mut *mut ManagedTensor,
+            *mut c_void,
+            Option<SetError>,
+        ) -> c_int,
+    >,
+    managed_tensor_from_py_object_no_sync:
+        Option<unsafe extern "C" fn(*mut c_void, *mut *mut ManagedTensor) -> c_int>,
+    managed_tensor_to_py_object_no_sync:
+        Option<unsafe extern "C" fn(*mut ManagedTensor, *mut *mut c_void) -> c_int>,
+    dltensor_from_py_object_no_sync:
+        Option<unsafe extern "C" fn(*mut c_void, *mut Tensor) -> c_int>,
+    current_work_stream: Option<unsafe extern "C" fn(i32, i32, *mut *mut c_void) -> c_int>,
+}
+
+const CPU: i32 = 1;
+const CODE_INT: u8 = 0;
+const CODE_FLOAT: u8 = 2;
+const CODE_BFLOAT: u8 = 4;
+
+/// torch's table and the type it was read from.
+struct Torch {
+    /// `torch.Tensor`, held so that its address cannot be reused by another type.
+    tensor_type: Py<PyType>,
+    export: unsafe extern "C" fn(*mut c_void, *mut Tensor) -> c_int,
+    import: unsafe extern "C" fn(*mut ManagedTensor, *mut *mut c_void) -> c_int,
+}
+
+// SAFETY: the function pointers are plain C functions of torch's (valid for the life of the
+// process, the protocol's rule for the table), and `Py<PyType>` is itself Send + Sync.
+unsafe impl Send for Torch {}
+// SAFETY: as above; nothing in `Torch` is mutated after it is built.
+unsafe impl Sync for Torch {}
+
+static TORCH: OnceLock<Option<Torch>> = OnceLock::new();
+
+/// Reads the exchange table of `tensor_type` (`torch.Tensor`) once per process. Later calls
+/// are ignored. Answers whether the fast path is on: false when this torch publishes no table,
+/// a table of another major version, or one without the non-owning export.
+#[pyfunction]
+pub(crate) fn cpu_use_torch_tensors(tensor_type: &Bound<'_, PyType>) -> bool {
+    TORCH.get_or_init(|| read_table(tensor_type)).is_some()
+}
+
+fn read_table(tensor_type: &Bound<'_, PyType>) -> Option<Torch> {
+    let capsule = tensor_type.getattr("__dlpack_c_exchange_api__").ok()?;
+    const NAME: &CStr = c"dlpack_exchange_api";
+    // SAFETY: `capsule` is a live object; PyCapsule_GetPointer checks that it is a capsule of
+    // that name and answers NULL (with an error set, cleared below) otherwise.
+    let api = unsafe { pyo3::ffi::PyCapsule_GetPointer(capsule.as_ptr(), NAME.as_ptr()) };
+    if api.is_null() {
+        let _ = PyErr::take(tensor_type.py());
+        return None;
+    }
+    // SAFETY: a capsule of that name holds a `DLPackExchangeAPI*` that lives as long as the
+    // process (the protocol's rule). Only the header is read before its major version is known.
+    let api = unsafe { &*(api as *const ExchangeApi) };
+    if api.header.version.major != 1 {
+        return None;
+    }
+    Some(Torch {
+        tensor_type: tensor_type.clone().unbind(),
+        export: api.dltensor_from_py_object_no_sync?,
+        import: api.managed_tensor_to_py_object_no_sync?,
+    })
+}
+
+/// The element types the CPU forward reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Elem {
+    F32,
+    Bf16,
+    F16,
+    F64,
+    I32,
+    I64,
+}
+
+impl Elem {
+    fn of(t: DataType) -> Option<Elem> {
+        if t.lanes != 1 {
+            return None;
+        }
+        Some(match (t.code, t.bits) {
+            (CODE_FLOAT, 32) => Elem::F32,
+            (CODE_BFLOAT, 16) => Elem::Bf16,
+            (CODE_FLOAT, 16) => Elem::F16,
+            (CODE_FLOAT, 64) => Elem::F64,
+            (CODE_INT, 32) => Elem::I32,
+            (CODE_INT, 64) => Elem::I64,
+            _ => return None,
+        })
+    }
+
+    fn size(self) -> usize {
+        match self {
+            Elem::Bf16 | Elem::F16 => 2,
+            Elem::F32 | Elem::I32 => 4,
+            Elem::F64 | Elem::I64 => 8,
+        }
+    }
+
+    pub(crate) fn is_float(self) -> bool {
+        !matches!(self, Elem::I32 | Elem::I64)
+    }
+}
+
+/// A row-major `[rows, cols]` CPU tensor's data, borrowed from the Python object for the
+/// length of the call.
+pub(crate) struct View<'a> {
+    pub(crate) elem: Elem,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    data: *const u8,
+    _tensor: std::marker::PhantomData<&'a ()>,
+}
+
+/// The data of one view, typed.
+#[derive(Clone, Copy)]
+pub(crate) enum Values<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [i16]),
+    F16(&'a [u16]),
+    F64(&'a [f64]),
+    I32(&'a [i32]),
+    I64(&'a [i64]),
+}
+
+impl<'a> View<'a> {
+    pub(crate) fn values(&self) -> Values<'a> {
+        let len = self.rows * self.cols;
+        if len == 0 {
+            return match self.elem {
+                Elem::F32 => Values::F32(&[]),
+                Elem::Bf16 => Values::Bf16(&[]),
+                Elem::F16 => Values::F16(&[]),
+                Elem::F64 => Values::F64(&[]),
+                Elem::I32 => Values::I32(&[]),
+                Elem::I64 => Values::I64(&[]),
+            };
+        }
+        // SAFETY: `view` checked that `data` is non-null, aligned for `elem` and starts
+        // `rows * cols` contiguous elements of type `elem` in a CPU tensor; the caller's borrow
+        // of the Python object (lifetime 'a) keeps that tensor, and so its storage, alive.
+        // Callers must not resize an argument from another thread during the call: the same
+        // contract as any torch operator that runs without the GIL.
+        unsafe {
+            match self.elem {
+                Elem::F32 => Values::F32(std::slice::from_raw_parts(self.data.cast(), len)),
+                Elem::Bf16 => Values::Bf16(std::slice::from_raw_parts(self.data.cast(), len)),
+                Elem::F16 => Values::F16(std::slice::from_raw_parts(self.data.cast(), len)),
+                Elem::F64 => Values::F64(std::slice::from_raw_parts(self.data.cast(), len)),
+                Elem::I32 => Values::I32(std::slice::from_raw_parts(self.data.cast(), len)),
+                Elem::I64 => Values::I64(std::slice::from_raw_parts(self.data.cast(), len)),
+            }
+        }
+    }
+}
+
+/// `ob` as a 2-d row-major CPU tensor of a type the forward reads, or `None` (not a plain
+/// `torch.Tensor`, no exchange table, another device, dimension count, dtype or layout): the
+/// caller then takes its checked path, which raises the error that names the argument.
+pub(crate) fn view<'a>(ob: &'a Bound<'_, PyAny>) -> Option<View<'a>> {
+    let torch = TORCH.get()?.as_ref()?;
+    if !ob.get_type().is(torch.tensor_type.bind(ob.py())) {
+        return None;
+    }
+    // A negative view (`torch._neg_view`, the `.imag` of a conjugate view) keeps its values
+    // un-negated in memory with a flag that DLPack cannot carry (torch exports the raw memory):
+    // the checked path resolves it.
+    match ob.call_method0(pyo3::intern!(ob.py(), "is_neg")) {
+        Ok(neg) if !neg.is_truthy().unwrap_or(true) => {}
+        _ => return None,
+    }
+    let mut t = Tensor {
+        data: std::ptr::null_mut(),
+        device: Device {
+            device_type: 0,
+            device_id: 0,
+        },
+        ndim: 0,
+        dtype: DataType {
+            code: 0,
+            bits: 0,
+            lanes: 0,
+        },
+        shape: std::ptr::null_mut(),
+        strides: std::ptr::null_mut(),
+        byte_offset: 0,
+    };
+    // SAFETY: `ob` is a live object of exactly the type the table was read from (the protocol's
+    // precondition) and `t` is writable; the GIL is held. On failure torch sets a Python error,
+    // which is cleared: the checked path reports the argument's problem in its own words.
+    if unsafe { (torch.export)(ob.as_ptr().cast(), &mut t) } != 0 {
+        let _ = PyErr::take(ob.py());
+        return None;
+    }
+    if t.device.device_type != CPU || t.ndim != 2 || t.shape.is_null() {
+        return None;
+    }
+    let elem = Elem::of(t.dtype)?;
+    // SAFETY: torch filled `shape` (and `strides`, unless null: row-major) with `ndim` = 2
+    // entries owned by the tensor, alive while `ob` is.
+    let (shape, strides) = unsafe {
+        let shape = [*t.shape, *t.shape.add(1)];
+        let strides = if t.strides.is_null() {
+            None
+        } else {
+            Some([*t.strides, *t.strides.add(1)])
+        };
+        (shape, strides)
+    };
+    let rows = usize::try_from(shape[0]).ok()?;
+    let cols = usize::try_from(shape[1]).ok()?;
+    // Row-major, ignoring the stride of a dimension of size 1 (as torch's is_contiguous does).
+    if let Some([s0, s1]) = strides {
+        if (cols > 1 && s1 != 1) || (rows > 1 && s0 != shape[1]) {
+            return None;
+        }
+    }
+    let data = (t.data as *const u8).wrapping_add(usize::try_from(t.byte_offset).ok()?);
+    if rows * cols > 0 && (data.is_null() || !(data as usize).is_multiple_of(elem.size())) {
+        return None;
+    }
+    Some(View {
+        elem,
+        rows,
+        cols,
+        data,
+        _tensor: std::marker::PhantomData,
+    })
+}
+
+/// The dtype of an output tensor.
+#[derive(Clone, Copy)]
+pub(crate) enum Out {
+    F32,
+    /// bf16 values as their bits (`i16`).
+    Bf16,
+    /// f16 values (`half::f16`).
+    F16,
+    F64,
+}
+
+impl Out {
+    fn dtype(self) -> DataType {
+        let (code, bits) = match self {
+            Out::F32 => (CODE_FLOAT, 32),
+            Out::Bf16 => (CODE_BFLOAT, 16),
+            Out::F16 => (CODE_FLOAT, 16),
+            Out::F64 => (CODE_FLOAT, 64),
+        };
+        DataType {
+            code,
+            bits,
+            lanes: 1,
+        }
+    }
+}
+
+/// A `ManagedTensor` that owns the buffer it describes. `repr(C)` with the managed tensor
+/// first, so that the pointer torch hands back to the deleter is a pointer to the whole.
+#[repr(C)]
+struct Owned<T> {
+    managed: ManagedTensor,
+    shape: [i64; 2],
+    strides: [i64; 2],
+    values: Vec<T>,
+}
+
+/// Output buffers made by [`tensor`] that torch has not freed yet.
+static ALIVE: AtomicUsize = AtomicUsize::new(0);
+
+/// How many output tensors made through DLPack still hold their buffer (for tests: each is
+/// freed when torch frees its tensor).
+#[pyfunction]
+pub(crate) fn _cpu_torch_outputs_alive() -> usize {
+    ALIVE.load(Ordering::Relaxed)
+}
+
+unsafe extern "C" fn drop_owned<T>(managed: *mut ManagedTensor) {
+    if !managed.is_null() {
+        ALIVE.fetch_sub(1, Ordering::Relaxed);
+        // SAFETY: torch calls the deleter once, with the pointer `tensor` leaked from a
+        // `Box<Owned<T>>` (the managed tensor is its first field, repr(C)); nothing reads it
+        // afterwards. No Python API is touched, so any thread may run this.
+        drop(unsafe { Box::from_raw(managed.cast::<Owned<T>>()) });
+    }
+}
+
+/// `values` (`rows * cols` of them) as a `[rows, cols]` torch tensor of dtype `out` that owns
+/// them: no copy. `T` has `out`'s size (its bits are the values).
+pub(crate) fn tensor<T: Copy + Send + 'static>(
+    py: Python<'_>,
+    values: Vec<T>,
+    rows: usize,
+    cols: usize,
+    out: Out,
+) -> PyResult<Bound<'_, PyAny>> {
+    let Some(torch) = TORCH.get().and_then(Option::as_ref) else {
+        return Err(layout_error(
+            py,
+            "output",
+            "torch's DLPack table was not read",
+        ));
+    };
+    let dtype = out.dtype();
+    if std::mem::size_of::<T>() * 8 != usize::from(dtype.bits) {
+        return Err(layout_error(
+            py,
+            "output",
+            "element size does not match its dtype",
+        ));
+    }
+    if values.len() != rows * cols {
+        return Err(layout_error(
+            py,
+            "output",
+            format!("{} values are not [{rows}, {cols}]", values.len()),
+        ));
+    }
+    let dims = |n: usize| i64::try_from(n).map_err(|_| layout_error(py, "output", "too large"));
+    let (r, c) = (dims(rows)?, dims(cols)?);
+    let mut owned = Box::new(Owned {
+        managed: ManagedTensor {
+            version: Version { major: 1, minor: 0 },
+            manager_ctx: std::ptr::null_mut(),
+            deleter: Some(drop_owned::<T>),
+            flags: 0,
+            dl_tensor: Tensor {
+                data: std::ptr::null_mut(),
+                device: Device {
+                    device_type: CPU,
+                    device_id: 0,
+                },
+                ndim: 2,
+                dtype,
+                shape: std::ptr::null_mut(),
+                strides: std::ptr::null_mut(),
+                byte_offset: 0,
+            },
+        },
+        shape: [r, c],
+        strides: [c, 1],
+        values,
+    });
+    // The box's heap address is stable, so these pointers into it stay valid once leaked.
+    owned.managed.dl_tensor.data = owned.values.as_mut_ptr().cast();
+    owned.managed.dl_tensor.shape = owned.shape.as_mut_ptr();
+    owned.managed.dl_tensor.strides = owned.strides.as_mut_ptr();
+    let raw = Box::into_raw(owned);
+    ALIVE.fetch_add(1, Ordering::Relaxed);
+    let mut made: *mut c_void = std::ptr::null_mut();
+    // SAFETY: `raw` is a fully built owning managed tensor whose deleter frees it; the import
+    // takes ownership of it ("the ownership of the tensor is stolen") and, on success, stores a
+    // new reference in `out`. The GIL is held. Should torch refuse it (it never does for the
+    // dtypes of `Out`), it may not have freed it: the buffer leaks, it is never freed twice.
+    let rc = unsafe { (torch.import)(raw.cast(), &mut made) };
+    if rc != 0 || made.is_null() {
+        return Err(PyErr::take(py).unwrap_or_else(|| {
+            layout_error(py, "output", "torch did not accept the output tensor")
+        }));
+    }
+    // SAFETY: on success `made` is a new (owned) reference to the tensor object.
+    Ok(unsafe { Bound::from_owned_ptr(py, made.cast()) })
+}
