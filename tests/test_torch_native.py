@@ -86,6 +86,24 @@ def test_inputs_the_native_path_declines(fixture_path: Callable[[str], Path]) ->
         assert torch.equal(moe(other, logits), want)
     assert core.forward_torch(x, torch._neg_view(-logits)) is None
     assert torch.equal(moe(x, torch._neg_view(-logits)), want)
+    # The flag is asked of torch itself, not of whatever the instance says.
+    liar = torch._neg_view(-x)
+    liar.is_neg = lambda: False  # type: ignore[method-assign]
+    assert core.forward_torch(liar, logits) is None
+    assert torch.equal(moe(liar, logits), want)
+
+    # A __torch_function__ mode sees the checks (they run first) and cannot slip a resize in
+    # between an argument's export and the forward.
+    class Resizer(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.Tensor.is_neg and args[0] is victim_logits:
+                victim_x.resize_(0)  # the native path has not read victim_x yet
+            return func(*args, **(kwargs or {}))
+
+    victim_x, victim_logits = x.clone(), logits.clone()
+    with Resizer():
+        got = core.forward_torch(victim_x, victim_logits)
+    assert got is None and victim_x.shape == (0,), "declined: hidden_states is now 1-d"
     # Refused by the checked path, which names the argument.
     for bad_x, bad_logits, name in (
         (x.t().contiguous().t(), logits, "hidden_states"),  # column-major
@@ -110,6 +128,8 @@ def test_inputs_the_native_path_declines(fixture_path: Callable[[str], Path]) ->
         assert core.forward_topk_torch(x, w, bad_ids) is None
         with pytest.raises(mq.LayoutError, match="topk_ids|topk_weights"):
             moe.forward_topk(x, w, bad_ids)
+    with pytest.raises(mq.LayoutError, match="not an expert"):
+        moe.forward_topk(x, w, torch._neg_view(-(ids + e)))
     # An id past the last expert is read, and refused by the forward itself.
     with pytest.raises(mq.LayoutError, match=r"topk_ids\[0, 0\] = \d+ is not an expert"):
         core.forward_topk_torch(x, w, ids + e)

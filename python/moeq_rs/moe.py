@@ -72,7 +72,7 @@ def _adopt_main_thread() -> None:
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """``t`` with its values in memory: a negative view (``torch._neg_view``, the ``.imag`` of a
     conjugate view) keeps them un-negated there."""
-    return t.resolve_neg() if t.is_neg() else t
+    return t.resolve_neg() if torch.Tensor.is_neg(t) else t
 
 
 def _f32(t: torch.Tensor):  # type: ignore[no-untyped-def]

@@ -10,7 +10,7 @@ use moeq_core::cpu::CpuMoe;
 use numpy::{IntoPyArray, PyReadonlyArray1, PyReadonlyArrayDyn};
 use pyo3::prelude::*;
 
-use crate::dlpack::{self, Out, Values};
+use crate::dlpack::{self, Values};
 use crate::repack::{layout_error, slice as contiguous};
 use crate::{to_py, Checkpoint};
 
@@ -198,6 +198,10 @@ impl CpuMoeLayer {
         hidden_states: &Bound<'py, PyAny>,
         router_logits: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        // All checks that may run Python first, then the exports (which run none).
+        if !dlpack::plain(hidden_states) || !dlpack::plain(router_logits) {
+            return Ok(None);
+        }
         let (Some(x), Some(l)) = (dlpack::view(hidden_states), dlpack::view(router_logits)) else {
             return Ok(None);
         };
@@ -211,8 +215,11 @@ impl CpuMoeLayer {
         }
         let tokens = x.rows;
         let moe = Arc::clone(&self.moe);
-        let logits = l.values();
-        run_torch(py, x.values(), tokens, h, move |x, c| {
+        // SAFETY: no Python code runs from the exports above to the end of the forward, and
+        // callers may not resize or write an argument from another thread meanwhile (the
+        // contract of torch operators that release the GIL; see `View::values`).
+        let (x, logits) = unsafe { (x.values(), l.values()) };
+        run_torch(py, x, tokens, h, move |x, c| {
             let l = widen(logits);
             let out = moe.forward(x, tokens, &l, c);
             recycle(l);
@@ -230,6 +237,12 @@ impl CpuMoeLayer {
         topk_weights: &Bound<'py, PyAny>,
         topk_ids: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        if ![hidden_states, topk_weights, topk_ids]
+            .into_iter()
+            .all(dlpack::plain)
+        {
+            return Ok(None);
+        }
         let (Some(x), Some(w), Some(ids)) = (
             dlpack::view(hidden_states),
             dlpack::view(topk_weights),
@@ -247,8 +260,11 @@ impl CpuMoeLayer {
         {
             return Ok(None);
         }
+        let (tokens, k) = (x.rows, w.cols);
+        // SAFETY: as in `forward_torch`.
+        let (x, w, ids) = unsafe { (x.values(), w.values(), ids.values()) };
         let expert = |v: i64| u32::try_from(v).ok();
-        let ids: Option<Vec<u32>> = match ids.values() {
+        let ids: Option<Vec<u32>> = match ids {
             Values::I64(v) => v.iter().map(|&v| expert(v)).collect(),
             Values::I32(v) => v.iter().map(|&v| expert(i64::from(v))).collect(),
             _ => None,
@@ -257,13 +273,12 @@ impl CpuMoeLayer {
             return Ok(None);
         };
         let routed = Routed {
-            top_k: w.cols,
+            top_k: k,
             ids,
-            weights: widen(w.values()).into_owned(),
+            weights: widen(w).into_owned(),
         };
-        let tokens = x.rows;
         let moe = Arc::clone(&self.moe);
-        run_torch(py, x.values(), tokens, h, move |x, c| {
+        run_torch(py, x, tokens, h, move |x, c| {
             moe.forward_topk(x, tokens, &routed, c)
         })
         .map(Some)
@@ -312,10 +327,10 @@ fn run_torch<'py>(
         })
         .map_err(|e| to_py(py, e))?;
     match out {
-        Narrowed::F32(v) => dlpack::tensor(py, v, tokens, h, Out::F32),
-        Narrowed::Bf16(v) => dlpack::tensor(py, v, tokens, h, Out::Bf16),
-        Narrowed::F16(v) => dlpack::tensor(py, v, tokens, h, Out::F16),
-        Narrowed::F64(v) => dlpack::tensor(py, v, tokens, h, Out::F64),
+        Narrowed::F32(v) => dlpack::tensor(py, v, tokens, h),
+        Narrowed::Bf16(v) => dlpack::tensor(py, v, tokens, h),
+        Narrowed::F16(v) => dlpack::tensor(py, v, tokens, h),
+        Narrowed::F64(v) => dlpack::tensor(py, v, tokens, h),
     }
 }
 

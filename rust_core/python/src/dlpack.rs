@@ -101,15 +101,11 @@ const CODE_BFLOAT: u8 = 4;
 struct Torch {
     /// `torch.Tensor`, held so that its address cannot be reused by another type.
     tensor_type: Py<PyType>,
+    /// `torch.Tensor.is_neg`, unbound: an instance attribute of that name cannot stand in.
+    is_neg: Py<PyAny>,
     export: unsafe extern "C" fn(*mut c_void, *mut Tensor) -> c_int,
     import: unsafe extern "C" fn(*mut ManagedTensor, *mut *mut c_void) -> c_int,
 }
-
-// SAFETY: the function pointers are plain C functions of torch's (valid for the life of the
-// process, the protocol's rule for the table), and `Py<PyType>` is itself Send + Sync.
-unsafe impl Send for Torch {}
-// SAFETY: as above; nothing in `Torch` is mutated after it is built.
-unsafe impl Sync for Torch {}
 
 static TORCH: OnceLock<Option<Torch>> = OnceLock::new();
 
@@ -132,13 +128,16 @@ fn read_table(tensor_type: &Bound<'_, PyType>) -> Option<Torch> {
         return None;
     }
     // SAFETY: a capsule of that name holds a `DLPackExchangeAPI*` that lives as long as the
-    // process (the protocol's rule). Only the header is read before its major version is known.
-    let api = unsafe { &*(api as *const ExchangeApi) };
-    if api.header.version.major != 1 {
+    // process (the protocol's rule); every version of the table starts with this header.
+    let header = unsafe { &*(api as *const ApiHeader) };
+    if header.version.major != 1 {
         return None;
     }
+    // SAFETY: as above, and a major version 1 table has the layout of `ExchangeApi`.
+    let api = unsafe { &*(api as *const ExchangeApi) };
     Some(Torch {
         tensor_type: tensor_type.clone().unbind(),
+        is_neg: tensor_type.getattr("is_neg").ok()?.unbind(),
         export: api.dltensor_from_py_object_no_sync?,
         import: api.managed_tensor_to_py_object_no_sync?,
     })
@@ -206,7 +205,13 @@ pub(crate) enum Values<'a> {
 }
 
 impl<'a> View<'a> {
-    pub(crate) fn values(&self) -> Values<'a> {
+    /// The tensor's values, borrowed.
+    ///
+    /// # Safety
+    /// No thread may resize, `set_` or free the tensor's storage, or write to it, while the
+    /// slice is in use (the forward runs without the GIL): the contract of any torch operator
+    /// that releases the GIL. No Python code may run between [`view`] and the last use.
+    pub(crate) unsafe fn values(&self) -> Values<'a> {
         let len = self.rows * self.cols;
         if len == 0 {
             return match self.elem {
@@ -219,10 +224,9 @@ impl<'a> View<'a> {
             };
         }
         // SAFETY: `view` checked that `data` is non-null, aligned for `elem` and starts
-        // `rows * cols` contiguous elements of type `elem` in a CPU tensor; the caller's borrow
-        // of the Python object (lifetime 'a) keeps that tensor, and so its storage, alive.
-        // Callers must not resize an argument from another thread during the call: the same
-        // contract as any torch operator that runs without the GIL.
+        // `rows * cols` contiguous elements of type `elem` in a CPU tensor; the borrow of the
+        // Python object (lifetime 'a) keeps the tensor alive, and the caller's contract (see
+        // above) keeps its storage in place and unwritten while the slice is used.
         unsafe {
             match self.elem {
                 Elem::F32 => Values::F32(std::slice::from_raw_parts(self.data.cast(), len)),
@@ -236,20 +240,30 @@ impl<'a> View<'a> {
     }
 }
 
-/// `ob` as a 2-d row-major CPU tensor of a type the forward reads, or `None` (not a plain
-/// `torch.Tensor`, no exchange table, another device, dimension count, dtype or layout): the
-/// caller then takes its checked path, which raises the error that names the argument.
+/// Whether `ob` is a plain `torch.Tensor` whose memory holds its values. A negative view
+/// (`torch._neg_view`, the `.imag` of a conjugate view) keeps them un-negated with a flag that
+/// DLPack cannot carry (torch exports the raw memory): the checked path resolves it. This may
+/// run Python (a `__torch_function__` mode), so every argument is checked before any is
+/// exported: nothing runs between an export and the forward that could resize a tensor.
+pub(crate) fn plain(ob: &Bound<'_, PyAny>) -> bool {
+    let Some(torch) = TORCH.get().and_then(Option::as_ref) else {
+        return false;
+    };
+    let py = ob.py();
+    ob.get_type().is(torch.tensor_type.bind(py))
+        && matches!(
+            torch.is_neg.bind(py).call1((ob,)).map(|v| v.is_truthy()),
+            Ok(Ok(false))
+        )
+}
+
+/// `ob`, which [`plain`] accepted, as a 2-d row-major CPU tensor of a type the forward reads,
+/// or `None` (another device, dimension count, dtype or layout): the caller then takes its
+/// checked path, which raises the error that names the argument. Runs no Python code.
 pub(crate) fn view<'a>(ob: &'a Bound<'_, PyAny>) -> Option<View<'a>> {
     let torch = TORCH.get()?.as_ref()?;
     if !ob.get_type().is(torch.tensor_type.bind(ob.py())) {
         return None;
-    }
-    // A negative view (`torch._neg_view`, the `.imag` of a conjugate view) keeps its values
-    // un-negated in memory with a flag that DLPack cannot carry (torch exports the raw memory):
-    // the checked path resolves it.
-    match ob.call_method0(pyo3::intern!(ob.py(), "is_neg")) {
-        Ok(neg) if !neg.is_truthy().unwrap_or(true) => {}
-        _ => return None,
     }
     let mut t = Tensor {
         data: std::ptr::null_mut(),
@@ -310,31 +324,33 @@ pub(crate) fn view<'a>(ob: &'a Bound<'_, PyAny>) -> Option<View<'a>> {
     })
 }
 
-/// The dtype of an output tensor.
-#[derive(Clone, Copy)]
-pub(crate) enum Out {
-    F32,
-    /// bf16 values as their bits (`i16`).
-    Bf16,
-    /// f16 values (`half::f16`).
-    F16,
-    F64,
+/// The element types an output tensor is made of: f32, bf16 as its bits (`i16`), `half::f16`
+/// and f64. Sealed: torch may write any bits of the dtype into the buffer, which each of
+/// these accepts.
+pub(crate) trait Element: sealed::Sealed + Copy + Send + 'static {
+    const CODE: u8;
 }
 
-impl Out {
-    fn dtype(self) -> DataType {
-        let (code, bits) = match self {
-            Out::F32 => (CODE_FLOAT, 32),
-            Out::Bf16 => (CODE_BFLOAT, 16),
-            Out::F16 => (CODE_FLOAT, 16),
-            Out::F64 => (CODE_FLOAT, 64),
-        };
-        DataType {
-            code,
-            bits,
-            lanes: 1,
-        }
-    }
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for i16 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for f64 {}
+}
+
+impl Element for f32 {
+    const CODE: u8 = CODE_FLOAT;
+}
+/// bf16 values as their bits.
+impl Element for i16 {
+    const CODE: u8 = CODE_BFLOAT;
+}
+impl Element for half::f16 {
+    const CODE: u8 = CODE_FLOAT;
+}
+impl Element for f64 {
+    const CODE: u8 = CODE_FLOAT;
 }
 
 /// A `ManagedTensor` that owns the buffer it describes. `repr(C)` with the managed tensor
@@ -367,14 +383,12 @@ unsafe extern "C" fn drop_owned<T>(managed: *mut ManagedTensor) {
     }
 }
 
-/// `values` (`rows * cols` of them) as a `[rows, cols]` torch tensor of dtype `out` that owns
-/// them: no copy. `T` has `out`'s size (its bits are the values).
-pub(crate) fn tensor<T: Copy + Send + 'static>(
+/// `values` (`rows * cols` of them) as a `[rows, cols]` torch tensor that owns them: no copy.
+pub(crate) fn tensor<T: Element>(
     py: Python<'_>,
     values: Vec<T>,
     rows: usize,
     cols: usize,
-    out: Out,
 ) -> PyResult<Bound<'_, PyAny>> {
     let Some(torch) = TORCH.get().and_then(Option::as_ref) else {
         return Err(layout_error(
@@ -383,14 +397,11 @@ pub(crate) fn tensor<T: Copy + Send + 'static>(
             "torch's DLPack table was not read",
         ));
     };
-    let dtype = out.dtype();
-    if std::mem::size_of::<T>() * 8 != usize::from(dtype.bits) {
-        return Err(layout_error(
-            py,
-            "output",
-            "element size does not match its dtype",
-        ));
-    }
+    let dtype = DataType {
+        code: T::CODE,
+        bits: (std::mem::size_of::<T>() * 8) as u8,
+        lanes: 1,
+    };
     if values.len() != rows * cols {
         return Err(layout_error(
             py,
@@ -400,7 +411,7 @@ pub(crate) fn tensor<T: Copy + Send + 'static>(
     }
     let dims = |n: usize| i64::try_from(n).map_err(|_| layout_error(py, "output", "too large"));
     let (r, c) = (dims(rows)?, dims(cols)?);
-    let mut owned = Box::new(Owned {
+    let owned = Box::new(Owned {
         managed: ManagedTensor {
             version: Version { major: 1, minor: 0 },
             manager_ctx: std::ptr::null_mut(),
@@ -423,17 +434,20 @@ pub(crate) fn tensor<T: Copy + Send + 'static>(
         strides: [c, 1],
         values,
     });
-    // The box's heap address is stable, so these pointers into it stay valid once leaked.
-    owned.managed.dl_tensor.data = owned.values.as_mut_ptr().cast();
-    owned.managed.dl_tensor.shape = owned.shape.as_mut_ptr();
-    owned.managed.dl_tensor.strides = owned.strides.as_mut_ptr();
     let raw = Box::into_raw(owned);
+    // SAFETY: `raw` is the sole pointer to a live `Owned<T>` (just leaked); the pointers stored
+    // into it are derived from `raw` itself, so they stay valid until the deleter frees it.
+    unsafe {
+        (*raw).managed.dl_tensor.data = (*raw).values.as_mut_ptr().cast();
+        (*raw).managed.dl_tensor.shape = std::ptr::addr_of_mut!((*raw).shape).cast();
+        (*raw).managed.dl_tensor.strides = std::ptr::addr_of_mut!((*raw).strides).cast();
+    }
     ALIVE.fetch_add(1, Ordering::Relaxed);
     let mut made: *mut c_void = std::ptr::null_mut();
     // SAFETY: `raw` is a fully built owning managed tensor whose deleter frees it; the import
     // takes ownership of it ("the ownership of the tensor is stolen") and, on success, stores a
-    // new reference in `out`. The GIL is held. Should torch refuse it (it never does for the
-    // dtypes of `Out`), it may not have freed it: the buffer leaks, it is never freed twice.
+    // new reference in `made`. The GIL is held. Should torch refuse it (it never does for the
+    // dtypes of `Element`), it may not have freed it: the buffer leaks, it is never freed twice.
     let rc = unsafe { (torch.import)(raw.cast(), &mut made) };
     if rc != 0 || made.is_null() {
         return Err(PyErr::take(py).unwrap_or_else(|| {
