@@ -14,9 +14,9 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::OnceLock;
 
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
 
 use crate::repack::layout_error;
@@ -107,14 +107,18 @@ struct Torch {
     import: unsafe extern "C" fn(*mut ManagedTensor, *mut *mut c_void) -> c_int,
 }
 
-static TORCH: OnceLock<Option<Torch>> = OnceLock::new();
+/// Read once; a `PyOnceLock` so that a thread waiting on it while another reads the table
+/// (which calls Python) cannot deadlock on the GIL.
+static TORCH: PyOnceLock<Option<Torch>> = PyOnceLock::new();
 
 /// Reads the exchange table of `tensor_type` (`torch.Tensor`) once per process. Later calls
 /// are ignored. Answers whether the fast path is on: false when this torch publishes no table,
 /// a table of another major version, or one without the non-owning export.
 #[pyfunction]
 pub(crate) fn cpu_use_torch_tensors(tensor_type: &Bound<'_, PyType>) -> bool {
-    TORCH.get_or_init(|| read_table(tensor_type)).is_some()
+    TORCH
+        .get_or_init(tensor_type.py(), || read_table(tensor_type))
+        .is_some()
 }
 
 fn read_table(tensor_type: &Bound<'_, PyType>) -> Option<Torch> {
@@ -246,10 +250,10 @@ impl<'a> View<'a> {
 /// run Python (a `__torch_function__` mode), so every argument is checked before any is
 /// exported: nothing runs between an export and the forward that could resize a tensor.
 pub(crate) fn plain(ob: &Bound<'_, PyAny>) -> bool {
-    let Some(torch) = TORCH.get().and_then(Option::as_ref) else {
+    let py = ob.py();
+    let Some(torch) = TORCH.get(py).and_then(Option::as_ref) else {
         return false;
     };
-    let py = ob.py();
     ob.get_type().is(torch.tensor_type.bind(py))
         && matches!(
             torch.is_neg.bind(py).call1((ob,)).map(|v| v.is_truthy()),
@@ -261,7 +265,7 @@ pub(crate) fn plain(ob: &Bound<'_, PyAny>) -> bool {
 /// or `None` (another device, dimension count, dtype or layout): the caller then takes its
 /// checked path, which raises the error that names the argument. Runs no Python code.
 pub(crate) fn view<'a>(ob: &'a Bound<'_, PyAny>) -> Option<View<'a>> {
-    let torch = TORCH.get()?.as_ref()?;
+    let torch = TORCH.get(ob.py())?.as_ref()?;
     if !ob.get_type().is(torch.tensor_type.bind(ob.py())) {
         return None;
     }
@@ -390,7 +394,7 @@ pub(crate) fn tensor<T: Element>(
     rows: usize,
     cols: usize,
 ) -> PyResult<Bound<'_, PyAny>> {
-    let Some(torch) = TORCH.get().and_then(Option::as_ref) else {
+    let Some(torch) = TORCH.get(py).and_then(Option::as_ref) else {
         return Err(layout_error(
             py,
             "output",
