@@ -731,7 +731,7 @@ first = []
 early = threading.Thread(target=lambda: first.append(run()))  # a short-lived thread first
 early.start()
 early.join()
-main = run()  # the main thread joins the forward's threads here
+main = run()  # the main thread (which joined the forward's threads when it built the layer)
 assert all(np.array_equal(a, b) for a, b in zip(first[0], main))
 seen = {}
 def worker(name):
@@ -751,9 +751,9 @@ print("ok", len(seen["a"]) + len(seen["b"]) + len(again))
 
 
 def test_forward_from_other_threads_equals_the_owner_thread() -> None:
-    """The main thread becomes one of the forward's threads at its first forward; other
-    threads (a short-lived one before it, two running at the same time as it) use the shared
-    pool. Every call gives the same bits."""
+    """The main thread becomes one of the forward's threads when it builds the layer; other
+    threads (a short-lived one before its first forward, two running at the same time as it)
+    use the shared pool. Every call gives the same bits."""
     import os
     import subprocess
     import sys
@@ -768,6 +768,57 @@ def test_forward_from_other_threads_equals_the_owner_thread() -> None:
         )
         assert ran.returncode == 0, ran.stderr
         assert ran.stdout.split() == ["ok", "15"]
+
+
+_POOL_SCRIPT = r"""
+import os, sys, time, torch
+import moeq_rs as mq
+torch.set_num_threads(1)  # no OpenMP team: every new thread is ours
+def names():
+    time.sleep(0.3)  # a new thread names itself once it runs
+    tasks = os.listdir("/proc/self/task")
+    return sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in tasks)
+start = names()
+if sys.argv[1] == "checkpoint":
+    ckpt = mq.open(sys.argv[2])
+    layer = mq.MoELayer.from_checkpoint(ckpt, 1)
+else:
+    g = torch.Generator().manual_seed(2)
+    e, h, i = 6, 64, 32
+    layer = mq.MoELayer.from_tensors(
+        torch.randint(-128, 128, (e, 2 * i, h), dtype=torch.int8, generator=g),
+        torch.randint(-128, 128, (e, h, i), dtype=torch.int8, generator=g),
+        torch.rand(e, 2 * i, 1) * 1e-2, torch.rand(e, h, 1) * 1e-2, scheme="w8a8_dynamic", top_k=2)
+layer(torch.randn(5, layer.hidden_size), torch.randn(5, layer.num_experts))
+after = names()
+for n in start:
+    after.remove(n)
+print(" ".join(after))
+"""
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "tensors"])
+def test_opening_and_packing_run_on_the_forward_threads(
+    fixture_path: Callable[[str], Path], how: str
+) -> None:
+    """Opening a checkpoint, packing a layer and running it from the main thread start the
+    forward's MOEQ_NUM_THREADS - 1 workers and no other thread (no pool of their own that
+    would then idle)."""
+    import os
+    import subprocess
+    import sys
+
+    for threads in ("2", "3"):
+        ran = subprocess.run(
+            [sys.executable, "-c", _POOL_SCRIPT, how, str(fixture_path("qwen3_w8a8_dynamic"))],
+            env=dict(os.environ, MOEQ_NUM_THREADS=threads),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert ran.returncode == 0, ran.stderr
+        want = [f"moeq-cpu-main-{n}" for n in range(1, int(threads))]
+        assert ran.stdout.split() == want
 
 
 def _torch_uses_libgomp() -> bool:
@@ -798,7 +849,7 @@ def test_parking_torch_openmp_threads_changes_no_result() -> None:
     can_park = _torch_uses_libgomp() and mq.oracle.cpu_threads() > 1
     try:
         torch.set_num_threads(2)
-        layer(*inputs[0])  # the main thread's first forward adopts it
+        layer(*inputs[0])  # the main thread joined the forward's threads with from_tensors
         outputs: dict[bool, list[torch.Tensor]] = {}
         spin = torch.ones(1 << 20)
         for on in (True, False):

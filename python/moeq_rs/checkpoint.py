@@ -194,4 +194,7 @@ def open(path: str | os.PathLike[str]) -> Checkpoint:  # noqa: A001 - mirrors sa
 
     Raises a :class:`moeq_rs.MoeqError` subclass naming the file, tensor or key on bad input.
     """
+    from ._threads import adopt_main_thread
+
+    adopt_main_thread()  # the parallel parsing runs on the CPU forward's threads
     return Checkpoint(_core.Checkpoint.open(os.fspath(path)))

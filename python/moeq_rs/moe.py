@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import _core
+from ._threads import adopt_main_thread
 from .errors import LayoutError
 
 if TYPE_CHECKING:
@@ -60,13 +61,12 @@ _adopted = False
 
 
 def _adopt_main_thread() -> None:
-    """The first forward on the main thread makes it one of the CPU forward's threads, so its
-    calls start at once rather than waking a sleeping worker first (~0.1 ms). Only the main
-    thread: it lives as long as the process."""
+    """See :func:`moeq_rs._threads.adopt_main_thread`; ``_adopted`` spares the forward a call
+    once the main thread has joined."""
     global _adopted
-    if not _adopted and threading.current_thread() is threading.main_thread():
+    if threading.current_thread() is threading.main_thread():
+        adopt_main_thread()
         _adopted = True
-        _core.cpu_adopt_calling_thread()
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -136,6 +136,9 @@ class MoELayer(torch.nn.Module):
 
         if device != "cpu":
             raise CudaUnavailableError(_NOT_ON_CUDA_YET.format(device=device))
+        # Opening and packing run on the forward's threads (MOEQ_NUM_THREADS of them, the main
+        # thread among them), not on a pool of their own that would then idle.
+        _adopt_main_thread()
         ckpt = as_checkpoint(path_or_checkpoint)
         return cls(_core.CpuMoeLayer.from_checkpoint(ckpt._core, layer))
 
@@ -383,6 +386,7 @@ def _from_tensors(
 
 
 def _layer_from_tensors(cls, *args) -> MoELayer:  # type: ignore[no-untyped-def]
+    _adopt_main_thread()  # as in from_checkpoint
     return cls(_from_tensors(*args))
 
 

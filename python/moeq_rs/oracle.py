@@ -129,7 +129,8 @@ def cpu_park_openmp(on: bool | None = None) -> bool:
     while it runs. They spin for milliseconds after each torch operator, on the CPUs the
     forward's workers need; parked, they sleep until the forward is done. ``on`` turns this on
     or off for later forwards (``MOEQ_PARK_OPENMP=0`` starts with it off). It applies only on
-    the main thread once its first forward has run, with more than one thread, with torch's GNU
+    the main thread once it has joined the forward's threads (when it opened a checkpoint,
+    built a layer or ran a forward), with more than one thread, with torch's GNU
     OpenMP runtime, and only to a team that is spinning: one that sleeps is left alone."""
     if on is not None and not isinstance(on, bool):
         raise TypeError(f"on: expected a bool or None, got {type(on).__name__}")

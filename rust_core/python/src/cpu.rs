@@ -26,7 +26,8 @@ impl CpuMoeLayer {
     fn from_checkpoint(py: Python<'_>, ckpt: &Checkpoint, layer: usize) -> PyResult<CpuMoeLayer> {
         let model = Arc::clone(&ckpt.model);
         let moe = py
-            .detach(|| moeq_core::cpu::load::moe_layer(&model, layer))
+            // On the forward's threads (see `in_pool`), not rayon's global pool.
+            .detach(|| moeq_core::cpu::in_pool(|| moeq_core::cpu::load::moe_layer(&model, layer)))
             .map_err(|e| to_py(py, e))?;
         Ok(CpuMoeLayer { moe: Arc::new(moe) })
     }
@@ -94,17 +95,19 @@ impl CpuMoeLayer {
         };
         let moe = py
             .detach(|| {
-                from_raw(
-                    scheme,
-                    experts,
-                    hidden,
-                    intermediate,
-                    group_size,
-                    w13,
-                    w2,
-                    top_k,
-                    renormalize,
-                )
+                moeq_core::cpu::in_pool(|| {
+                    from_raw(
+                        scheme,
+                        experts,
+                        hidden,
+                        intermediate,
+                        group_size,
+                        w13,
+                        w2,
+                        top_k,
+                        renormalize,
+                    )
+                })
             })
             .map_err(|e| to_py(py, e))?;
         Ok(CpuMoeLayer { moe: Arc::new(moe) })

@@ -509,7 +509,7 @@ fn cpu_adopt_calling_thread() -> bool {
 /// Turns on or off (`on`; `None` leaves it) the CPU forward's parking of the calling
 /// thread's idle OpenMP threads (see `moeq_core::cpu::omp`); returns whether a forward called
 /// now from this thread may park them (it does if they are spinning): only on the main thread
-/// once its first forward has adopted it, with more than one thread. `MOEQ_PARK_OPENMP=0`
+/// once Python has adopted it (`moeq_rs._threads`), with more than one thread. `MOEQ_PARK_OPENMP=0`
 /// turns it off.
 #[pyfunction]
 #[pyo3(signature = (on=None))]
