@@ -1043,3 +1043,50 @@ def test_a_forked_child_never_parks_its_inherited_openmp_team() -> None:
     )
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.split() == ["True", "False", "0"]
+
+
+_FORK_AFTER_OPEN_SCRIPT = r"""
+import os, sys, time, torch
+import moeq_rs as mq
+ckpt = mq.open(sys.argv[1])  # the parent only opens a checkpoint, then forks
+pid = os.fork()
+if pid == 0:
+    try:
+        layer = mq.MoELayer.from_checkpoint(sys.argv[1], 1)
+        x = torch.randn(3, layer.hidden_size)
+        out = layer(x, torch.randn(3, layer.num_experts))
+        os._exit(0 if bool(torch.isfinite(out).all()) and out.abs().max() > 0 else 3)
+    except BaseException:
+        os._exit(4)
+for _ in range(600):
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        print("exit", os.waitstatus_to_exitcode(status))
+        break
+    time.sleep(0.1)
+else:
+    os.kill(pid, 9)
+    print("hung")
+"""
+
+
+def test_a_child_forked_after_opening_a_checkpoint_opens_packs_and_runs(
+    fixture_path: Callable[[str], Path],
+) -> None:
+    """A forked child inherits the parent's thread pools but none of their threads. Opening a
+    checkpoint once started rayon's global pool, and a child's parallel work then waited
+    forever for its missing workers. Now the main thread is one of the pool's threads from the
+    open on, so the child's work runs on it and returns."""
+    import os
+    import subprocess
+    import sys
+
+    ran = subprocess.run(
+        [sys.executable, "-c", _FORK_AFTER_OPEN_SCRIPT, str(fixture_path("qwen3_w8a8_dynamic"))],
+        env=dict(os.environ, MOEQ_NUM_THREADS="2"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split() == ["exit", "0"]
