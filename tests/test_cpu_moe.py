@@ -779,9 +779,14 @@ def names():
     tasks = os.listdir("/proc/self/task")
     return sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in tasks)
 start = names()
+layer = None
 if sys.argv[1] == "checkpoint":
     ckpt = mq.open(sys.argv[2])
     layer = mq.MoELayer.from_checkpoint(ckpt, 1)
+elif sys.argv[1] == "marlin":  # a Marlin repack of bare arrays, parallel in Rust
+    import numpy as np
+    q = np.arange(16 * 256, dtype=np.int64).astype(np.int32).reshape(16, 256)
+    assert mq.repack.gptq_marlin_repack(q, np.empty(0, np.int32), 128, 256, 4).size == q.size
 else:
     g = torch.Generator().manual_seed(2)
     e, h, i = 6, 64, 32
@@ -789,7 +794,8 @@ else:
         torch.randint(-128, 128, (e, 2 * i, h), dtype=torch.int8, generator=g),
         torch.randint(-128, 128, (e, h, i), dtype=torch.int8, generator=g),
         torch.rand(e, 2 * i, 1) * 1e-2, torch.rand(e, h, 1) * 1e-2, scheme="w8a8_dynamic", top_k=2)
-layer(torch.randn(5, layer.hidden_size), torch.randn(5, layer.num_experts))
+if layer is not None:
+    layer(torch.randn(5, layer.hidden_size), torch.randn(5, layer.num_experts))
 after = names()
 for n in start:
     after.remove(n)
@@ -797,13 +803,13 @@ print(" ".join(after))
 """
 
 
-@pytest.mark.parametrize("how", ["checkpoint", "tensors"])
+@pytest.mark.parametrize("how", ["checkpoint", "tensors", "marlin"])
 def test_opening_and_packing_run_on_the_forward_threads(
     fixture_path: Callable[[str], Path], how: str
 ) -> None:
-    """Opening a checkpoint, packing a layer and running it from the main thread start the
-    forward's MOEQ_NUM_THREADS - 1 workers and no other thread (no pool of their own that
-    would then idle)."""
+    """Opening a checkpoint, packing a layer and running it (or a Marlin repack) from the main
+    thread start the forward's MOEQ_NUM_THREADS - 1 workers and no other thread (no pool of
+    their own that would then idle)."""
     import os
     import subprocess
     import sys
