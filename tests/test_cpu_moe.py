@@ -771,13 +771,20 @@ def test_forward_from_other_threads_equals_the_owner_thread() -> None:
 
 
 _POOL_SCRIPT = r"""
-import os, sys, time, torch
+import collections, os, sys, time, torch
 import moeq_rs as mq
 torch.set_num_threads(1)  # no OpenMP team: every new thread is ours
 def names():
-    time.sleep(0.3)  # a new thread names itself once it runs
     tasks = os.listdir("/proc/self/task")
-    return sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in tasks)
+    return collections.Counter(open(f"/proc/self/task/{t}/comm").read().strip() for t in tasks)
+def new_threads():
+    # A new thread names itself once it runs: wait (up to 5 s) until every new one has.
+    for _ in range(50):
+        new = names() - start
+        if "python" not in new:
+            break
+        time.sleep(0.1)
+    return sorted(new.elements())
 start = names()
 layer = None
 if sys.argv[1] == "checkpoint":
@@ -796,10 +803,8 @@ else:
         torch.rand(e, 2 * i, 1) * 1e-2, torch.rand(e, h, 1) * 1e-2, scheme="w8a8_dynamic", top_k=2)
 if layer is not None:
     layer(torch.randn(5, layer.hidden_size), torch.randn(5, layer.num_experts))
-after = names()
-for n in start:
-    after.remove(n)
-print(" ".join(after))
+time.sleep(0.2)  # time for any other thread to appear
+print(" ".join(new_threads()))
 """
 
 
@@ -1054,10 +1059,16 @@ def test_a_forked_child_never_parks_its_inherited_openmp_team() -> None:
 _FORK_AFTER_OPEN_SCRIPT = r"""
 import os, sys, time, torch
 import moeq_rs as mq
-ckpt = mq.open(sys.argv[1])  # the parent only opens a checkpoint, then forks
+torch.set_num_threads(2)
+ckpt = mq.open(sys.argv[1])  # the parent opens a checkpoint (and builds a layer), then forks
+if sys.argv[2] == "build":
+    mq.MoELayer.from_checkpoint(ckpt, 0)
 pid = os.fork()
 if pid == 0:
     try:
+        # A parallel torch operator first: the parent's loading created no OpenMP team
+        # for the child to wait on.
+        torch.ones(1 << 22).sum()
         layer = mq.MoELayer.from_checkpoint(sys.argv[1], 1)
         x = torch.randn(3, layer.hidden_size)
         out = layer(x, torch.randn(3, layer.num_experts))
@@ -1076,19 +1087,27 @@ else:
 """
 
 
+@pytest.mark.parametrize("parent", ["open", "build"])
 def test_a_child_forked_after_opening_a_checkpoint_opens_packs_and_runs(
-    fixture_path: Callable[[str], Path],
+    fixture_path: Callable[[str], Path], parent: str
 ) -> None:
     """A forked child inherits the parent's thread pools but none of their threads. Opening a
     checkpoint once started rayon's global pool, and a child's parallel work then waited
     forever for its missing workers. Now the main thread is one of the pool's threads from the
-    open on, so the child's work runs on it and returns."""
+    open on, so the child's work runs on it (alone) and returns. Loading a layer opens no
+    OpenMP region, so a child's first parallel torch operator finds no team it lacks."""
     import os
     import subprocess
     import sys
 
     ran = subprocess.run(
-        [sys.executable, "-c", _FORK_AFTER_OPEN_SCRIPT, str(fixture_path("qwen3_w8a8_dynamic"))],
+        [
+            sys.executable,
+            "-c",
+            _FORK_AFTER_OPEN_SCRIPT,
+            str(fixture_path("qwen3_w8a8_dynamic")),
+            parent,
+        ],
         env=dict(os.environ, MOEQ_NUM_THREADS="2"),
         capture_output=True,
         text=True,

@@ -64,7 +64,7 @@ def _adopt_main_thread() -> None:
     """See :func:`moeq_rs._threads.adopt_main_thread`; ``_adopted`` spares the forward a call
     once the main thread has joined."""
     global _adopted
-    if threading.current_thread() is threading.main_thread():
+    if not _adopted and threading.current_thread() is threading.main_thread():
         adopt_main_thread()
         _adopted = True
 

@@ -26,8 +26,10 @@ impl CpuMoeLayer {
     fn from_checkpoint(py: Python<'_>, ckpt: &Checkpoint, layer: usize) -> PyResult<CpuMoeLayer> {
         let model = Arc::clone(&ckpt.model);
         let moe = py
-            // On the forward's threads (see `in_pool`), not rayon's global pool.
-            .detach(|| moeq_core::cpu::in_pool(|| moeq_core::cpu::load::moe_layer(&model, layer)))
+            // On the forward's threads (`on_threads`), not rayon's global pool.
+            .detach(|| {
+                moeq_core::cpu::on_threads(|| moeq_core::cpu::load::moe_layer(&model, layer))
+            })
             .map_err(|e| to_py(py, e))?;
         Ok(CpuMoeLayer { moe: Arc::new(moe) })
     }
@@ -95,7 +97,7 @@ impl CpuMoeLayer {
         };
         let moe = py
             .detach(|| {
-                moeq_core::cpu::in_pool(|| {
+                moeq_core::cpu::on_threads(|| {
                     from_raw(
                         scheme,
                         experts,

@@ -86,7 +86,10 @@ impl Checkpoint {
     /// every module's tensors against its scheme). The GIL is released meanwhile.
     #[staticmethod]
     fn open(py: Python<'_>, path: PathBuf) -> PyResult<Checkpoint> {
-        let model = py.detach(|| Model::open(&path)).map_err(|e| to_py(py, e))?;
+        // On the CPU forward's threads (`on_threads`), not on rayon's global pool.
+        let model = py
+            .detach(|| moeq_core::cpu::on_threads(|| Model::open(&path)))
+            .map_err(|e| to_py(py, e))?;
         Ok(Checkpoint {
             model: Arc::new(model),
         })
@@ -222,7 +225,9 @@ impl Checkpoint {
                     .into()
                 })
             };
-            moeq_core::repack::checkpoint::repack(&model, &out_dir, target, &opts, &mut cb)
+            moeq_core::cpu::on_threads(|| {
+                moeq_core::repack::checkpoint::repack(&model, &out_dir, target, &opts, &mut cb)
+            })
         });
         if let Some(e) = callback_error.lock().ok().and_then(|mut s| s.take()) {
             return Err(e);
@@ -286,7 +291,11 @@ impl Checkpoint {
     ) -> PyResult<(Bound<'py, PyDict>, Vec<MarlinTensor<'py>>)> {
         let model = Arc::clone(&self.model);
         let (g, tensors) = py
-            .detach(move || moeq_core::repack::checkpoint::marlin_layer(&model, layer))
+            .detach(move || {
+                moeq_core::cpu::on_threads(|| {
+                    moeq_core::repack::checkpoint::marlin_layer(&model, layer)
+                })
+            })
             .map_err(|e| to_py(py, e))?;
         let d = PyDict::new(py);
         d.set_item("prefix", &g.prefix)?;
@@ -320,7 +329,7 @@ impl Checkpoint {
         let model = Arc::clone(&self.model);
         let module = module.to_string();
         let d = py
-            .detach(move || model.dequantize_with(&module, exact))
+            .detach(move || moeq_core::cpu::on_threads(|| model.dequantize_with(&module, exact)))
             .map_err(|e| to_py(py, e))?;
         Ok((
             PyByteArray::new(py, &d.data),
@@ -496,7 +505,7 @@ fn cpu_dot_peak(
 /// Threads of the CPU forward's pool (`MOEQ_NUM_THREADS` sets it).
 #[pyfunction]
 fn cpu_threads() -> usize {
-    moeq_core::cpu::pool().map_or_else(rayon::current_num_threads, |p| p.current_num_threads())
+    moeq_core::cpu::threads()
 }
 
 /// Makes the calling thread one of the CPU forward's threads (see

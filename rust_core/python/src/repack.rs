@@ -50,7 +50,11 @@ fn gptq_marlin_repack<'py>(
 ) -> PyResult<Bound<'py, PyArray1<u32>>> {
     let (q, p) = (slice(py, &qweight, "qweight")?, slice(py, &perm, "perm")?);
     let out = py
-        .detach(|| marlin::gptq_marlin_repack(q, p, size_k, size_n, num_bits))
+        .detach(|| {
+            moeq_core::cpu::on_threads(|| {
+                marlin::gptq_marlin_repack(q, p, size_k, size_n, num_bits)
+            })
+        })
         .map_err(|e| layout(py, e))?;
     Ok(PyArray1::from_vec(py, out))
 }
@@ -66,7 +70,11 @@ fn gptq_marlin_unrepack<'py>(
 ) -> PyResult<Bound<'py, PyArray1<u32>>> {
     let (q, p) = (slice(py, &marlin_q, "marlin_q")?, slice(py, &perm, "perm")?);
     let out = py
-        .detach(|| marlin::gptq_marlin_unrepack(q, p, size_k, size_n, num_bits))
+        .detach(|| {
+            moeq_core::cpu::on_threads(|| {
+                marlin::gptq_marlin_unrepack(q, p, size_k, size_n, num_bits)
+            })
+        })
         .map_err(|e| layout(py, e))?;
     Ok(PyArray1::from_vec(py, out))
 }
@@ -84,7 +92,11 @@ fn gptq_marlin_moe_repack<'py>(
 ) -> PyResult<Bound<'py, PyArray1<u32>>> {
     let (q, p) = (slice(py, &qweight, "qweight")?, slice(py, &perm, "perm")?);
     let out = py
-        .detach(|| marlin::gptq_marlin_moe_repack(q, p, experts, size_k, size_n, num_bits))
+        .detach(|| {
+            moeq_core::cpu::on_threads(|| {
+                marlin::gptq_marlin_moe_repack(q, p, experts, size_k, size_n, num_bits)
+            })
+        })
         .map_err(|e| layout(py, e))?;
     Ok(PyArray1::from_vec(py, out))
 }
@@ -101,7 +113,7 @@ macro_rules! permute_fn {
         ) -> PyResult<Bound<'py, PyArray1<$t>>> {
             let v = slice(py, &s, "s")?;
             let out = py
-                .detach(|| $core(v, size_k, size_n, group_size))
+                .detach(|| moeq_core::cpu::on_threads(|| $core(v, size_k, size_n, group_size)))
                 .map_err(|e| layout(py, e))?;
             Ok(PyArray1::from_vec(py, out))
         }
@@ -137,7 +149,9 @@ macro_rules! bias_fn {
             b: PyReadonlyArray1<'py, $t>,
         ) -> PyResult<Bound<'py, PyArray1<$t>>> {
             let v = slice(py, &b, "b")?;
-            let out = py.detach(|| $core(v)).map_err(|e| layout(py, e))?;
+            let out = py
+                .detach(|| moeq_core::cpu::on_threads(|| $core(v)))
+                .map_err(|e| layout(py, e))?;
             Ok(PyArray1::from_vec(py, out))
         }
     };
@@ -166,7 +180,9 @@ fn marlin_zero_points<'py>(
 ) -> PyResult<Bound<'py, PyArray1<u32>>> {
     let v = slice(py, &zp, "zp")?;
     let out = py
-        .detach(|| marlin::marlin_zero_points(v, size_k, size_n, num_bits))
+        .detach(|| {
+            moeq_core::cpu::on_threads(|| marlin::marlin_zero_points(v, size_k, size_n, num_bits))
+        })
         .map_err(|e| layout(py, e))?;
     Ok(PyArray1::from_vec(py, out))
 }
@@ -181,7 +197,11 @@ fn marlin_zero_points_inverse<'py>(
 ) -> PyResult<Bound<'py, PyArray1<u32>>> {
     let v = slice(py, &zp, "zp")?;
     let out = py
-        .detach(|| marlin::marlin_zero_points_inverse(v, size_k, size_n, num_bits))
+        .detach(|| {
+            moeq_core::cpu::on_threads(|| {
+                marlin::marlin_zero_points_inverse(v, size_k, size_n, num_bits)
+            })
+        })
         .map_err(|e| layout(py, e))?;
     Ok(PyArray1::from_vec(py, out))
 }

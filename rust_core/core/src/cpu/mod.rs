@@ -21,7 +21,6 @@ pub use moe::{CpuExpert, CpuMoe};
 /// own keeps the thread count ours to set, whatever else in the process uses rayon's global
 /// pool. `None` only if the OS refused the threads; the work then runs on rayon's global pool.
 pub fn pool() -> Option<&'static rayon::ThreadPool> {
-    static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
     POOL.get_or_init(|| {
         rayon::ThreadPoolBuilder::new()
             .num_threads(num_threads())
@@ -32,8 +31,11 @@ pub fn pool() -> Option<&'static rayon::ThreadPool> {
     .as_ref()
 }
 
+static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
+
 /// The pool that a long-lived thread joined with [`adopt_calling_thread`] (in Python, the
-/// main thread at import): that thread is one of its `MOEQ_NUM_THREADS` threads.
+/// main thread, when it first opens a checkpoint, repacks, builds a layer or runs a forward):
+/// that thread is one of its `MOEQ_NUM_THREADS` threads.
 static OWNER: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
 
 /// Makes the calling thread one of the forward's `MOEQ_NUM_THREADS` threads, so that a
@@ -118,6 +120,31 @@ pub fn with_openmp_parked<R>(f: impl FnOnce() -> R) -> R {
     }
     let _decided = Decided;
     omp::parked(f)
+}
+
+/// Runs `f` with `MOEQ_NUM_THREADS` threads: on the calling thread and the rest of its pool
+/// when it was adopted (see [`adopt_calling_thread`]); else on [`pool`]. Nothing else: no
+/// OpenMP region, so work that is not a forward (opening, repacking, packing) never creates
+/// the caller's OpenMP team (which a process forked afterwards would inherit without its
+/// threads). [`in_pool`] is the forward's form.
+pub fn on_threads<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if let Some(Some(p)) = OWNER.get() {
+        if p.current_thread_index().is_some() {
+            return f();
+        }
+    }
+    match pool() {
+        Some(p) => p.install(f),
+        None => f(),
+    }
+}
+
+/// The number of threads [`on_threads`] runs on, without starting a pool.
+pub fn threads() -> usize {
+    match (OWNER.get(), POOL.get()) {
+        (Some(Some(p)), _) | (_, Some(Some(p))) => p.current_num_threads(),
+        _ => num_threads(),
+    }
 }
 
 /// Runs `f` with `MOEQ_NUM_THREADS` threads: on the calling thread and the rest of its pool
