@@ -908,7 +908,7 @@ _PARKING_SCRIPT = (
     _layer_script(3, 16, 1024, 512, 4)
     + r"""
 x, logits = torch.randn(256, h, generator=g), torch.randn(256, e, generator=g)
-layer(x, logits)  # adopts the main thread
+layer(x, logits)  # the main thread joined the forward's threads with from_tensors
 other = []
 t = threading.Thread(target=lambda: other.append(_core.cpu_park_openmp()))
 t.start()

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from . import _core
+from ._threads import adopt_main_thread
 
 if TYPE_CHECKING:
     import torch
@@ -194,7 +195,5 @@ def open(path: str | os.PathLike[str]) -> Checkpoint:  # noqa: A001 - mirrors sa
 
     Raises a :class:`moeq_rs.MoeqError` subclass naming the file, tensor or key on bad input.
     """
-    from ._threads import adopt_main_thread
-
     adopt_main_thread()  # the parallel parsing runs on the CPU forward's threads
     return Checkpoint(_core.Checkpoint.open(os.fspath(path)))

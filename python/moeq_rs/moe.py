@@ -9,7 +9,6 @@ topk_ids)`` is the weighted sum of the routed experts only. Outputs have the hid
 from __future__ import annotations
 
 import os
-import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -56,17 +55,6 @@ _TORCH_TENSORS_NATIVE = _core.cpu_use_torch_tensors(torch.Tensor)
 # Bound once: an attribute chain costs microseconds per decode step with cold caches. torch.compile
 # recognises the function itself, whatever it is called here.
 _is_compiling = torch.compiler.is_compiling
-
-_adopted = False
-
-
-def _adopt_main_thread() -> None:
-    """See :func:`moeq_rs._threads.adopt_main_thread`; ``_adopted`` spares the forward a call
-    once the main thread has joined."""
-    global _adopted
-    if not _adopted and threading.current_thread() is threading.main_thread():
-        adopt_main_thread()
-        _adopted = True
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -138,7 +126,7 @@ class MoELayer(torch.nn.Module):
             raise CudaUnavailableError(_NOT_ON_CUDA_YET.format(device=device))
         # Opening and packing run on the forward's threads (MOEQ_NUM_THREADS of them, the main
         # thread among them), not on a pool of their own that would then idle.
-        _adopt_main_thread()
+        adopt_main_thread()
         ckpt = as_checkpoint(path_or_checkpoint)
         return cls(_core.CpuMoeLayer.from_checkpoint(ckpt._core, layer))
 
@@ -159,15 +147,7 @@ class MoELayer(torch.nn.Module):
         if not _is_compiling():
             # Eager: skip the custom-op dispatch (tens of microseconds, a third of a decode
             # step); graphs and fake tensors still go through torch.ops.moeq.moe_forward.
-            # Plain row-major CPU tensors of the layer's shapes go straight to the native
-            # forward (~0.1 ms less per call at decode than _forward_checked's checks and numpy
-            # conversions); anything else takes _forward_checked, which names the problem.
-            if not _adopted:
-                _adopt_main_thread()
-            out = self._core.forward_torch(hidden_states, router_logits)
-            if out is not None:
-                return out
-            return self._forward_checked(hidden_states, router_logits)
+            return self._forward_eager(hidden_states, router_logits)
         _check(hidden_states, "hidden_states", 2, True)
         _check(router_logits, "router_logits", 2, True)
         return torch.ops.moeq.moe_forward(hidden_states, router_logits, self._handle)
@@ -177,12 +157,7 @@ class MoELayer(torch.nn.Module):
     ) -> torch.Tensor:
         """``sum_k topk_weights[t, k] * expert[topk_ids[t, k]](x_t)``: routed experts only."""
         if not _is_compiling():
-            if not _adopted:
-                _adopt_main_thread()
-            out = self._core.forward_topk_torch(hidden_states, topk_weights, topk_ids)
-            if out is not None:
-                return out
-            return self._forward_topk_checked(hidden_states, topk_weights, topk_ids)
+            return self._forward_topk_eager(hidden_states, topk_weights, topk_ids)
         _check(hidden_states, "hidden_states", 2, True)
         _check(topk_weights, "topk_weights", 2, True)
         _check(topk_ids, "topk_ids", 2, False)
@@ -191,8 +166,11 @@ class MoELayer(torch.nn.Module):
     def _forward_eager(
         self, hidden_states: torch.Tensor, router_logits: torch.Tensor
     ) -> torch.Tensor:
-        """``forward`` on real tensors (the custom op's implementation)."""
-        _adopt_main_thread()
+        """``forward`` on real tensors (eager calls, and the custom op's implementation). Plain
+        row-major CPU tensors of the layer's shapes go straight to the native forward (~0.1 ms
+        less per call at decode than ``_forward_checked``'s checks and numpy conversions);
+        anything else takes ``_forward_checked``, which names the problem."""
+        adopt_main_thread()
         out = self._core.forward_torch(hidden_states, router_logits)
         if out is not None:
             return out
@@ -201,8 +179,8 @@ class MoELayer(torch.nn.Module):
     def _forward_topk_eager(
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        """``forward_topk`` on real tensors (the custom op's implementation)."""
-        _adopt_main_thread()
+        """``forward_topk`` on real tensors, as ``_forward_eager``."""
+        adopt_main_thread()
         out = self._core.forward_topk_torch(hidden_states, topk_weights, topk_ids)
         if out is not None:
             return out
@@ -386,7 +364,7 @@ def _from_tensors(
 
 
 def _layer_from_tensors(cls, *args) -> MoELayer:  # type: ignore[no-untyped-def]
-    _adopt_main_thread()  # as in from_checkpoint
+    adopt_main_thread()  # as in from_checkpoint
     return cls(_from_tensors(*args))
 
 

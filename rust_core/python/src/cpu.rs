@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 
 use crate::dlpack::{self, Values};
 use crate::repack::{layout_error, slice as contiguous};
-use crate::{to_py, Checkpoint};
+use crate::{parallel, to_py, Checkpoint};
 
 #[pyclass(frozen, module = "moeq_rs._core")]
 pub struct CpuMoeLayer {
@@ -25,11 +25,7 @@ impl CpuMoeLayer {
     #[staticmethod]
     fn from_checkpoint(py: Python<'_>, ckpt: &Checkpoint, layer: usize) -> PyResult<CpuMoeLayer> {
         let model = Arc::clone(&ckpt.model);
-        let moe = py
-            // On the forward's threads (`on_threads`), not rayon's global pool.
-            .detach(|| {
-                moeq_core::cpu::on_threads(|| moeq_core::cpu::load::moe_layer(&model, layer))
-            })
+        let moe = parallel(py, || moeq_core::cpu::load::moe_layer(&model, layer))
             .map_err(|e| to_py(py, e))?;
         Ok(CpuMoeLayer { moe: Arc::new(moe) })
     }
@@ -95,23 +91,20 @@ impl CpuMoeLayer {
                 None => None,
             },
         };
-        let moe = py
-            .detach(|| {
-                moeq_core::cpu::on_threads(|| {
-                    from_raw(
-                        scheme,
-                        experts,
-                        hidden,
-                        intermediate,
-                        group_size,
-                        w13,
-                        w2,
-                        top_k,
-                        renormalize,
-                    )
-                })
-            })
-            .map_err(|e| to_py(py, e))?;
+        let moe = parallel(py, || {
+            from_raw(
+                scheme,
+                experts,
+                hidden,
+                intermediate,
+                group_size,
+                w13,
+                w2,
+                top_k,
+                renormalize,
+            )
+        })
+        .map_err(|e| to_py(py, e))?;
         Ok(CpuMoeLayer { moe: Arc::new(moe) })
     }
 
@@ -358,9 +351,7 @@ fn widen(v: Values<'_>) -> Cow<'_, [f32]> {
         Values::Bf16(v) => Cow::Owned(bf16_bits_to_f32(v)),
         Values::F16(v) => {
             let mut out = take(v.len(), 0f32);
-            for (o, &b) in out.iter_mut().zip(v) {
-                *o = half::f16::from_bits(b).to_f32();
-            }
+            v.convert_to_f32_slice(&mut out);
             Cow::Owned(out)
         }
         Values::F64(v) => {

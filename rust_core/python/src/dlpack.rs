@@ -202,7 +202,7 @@ pub(crate) struct View<'a> {
 pub(crate) enum Values<'a> {
     F32(&'a [f32]),
     Bf16(&'a [i16]),
-    F16(&'a [u16]),
+    F16(&'a [half::f16]),
     F64(&'a [f64]),
     I32(&'a [i32]),
     I64(&'a [i64]),
@@ -217,20 +217,12 @@ impl<'a> View<'a> {
     /// that releases the GIL. No Python code may run between [`view`] and the last use.
     pub(crate) unsafe fn values(&self) -> Values<'a> {
         let len = self.rows * self.cols;
-        if len == 0 {
-            return match self.elem {
-                Elem::F32 => Values::F32(&[]),
-                Elem::Bf16 => Values::Bf16(&[]),
-                Elem::F16 => Values::F16(&[]),
-                Elem::F64 => Values::F64(&[]),
-                Elem::I32 => Values::I32(&[]),
-                Elem::I64 => Values::I64(&[]),
-            };
-        }
-        // SAFETY: `view` checked that `data` is non-null, aligned for `elem` and starts
-        // `rows * cols` contiguous elements of type `elem` in a CPU tensor; the borrow of the
-        // Python object (lifetime 'a) keeps the tensor alive, and the caller's contract (see
-        // above) keeps its storage in place and unwritten while the slice is used.
+        // SAFETY: `view` made `data` non-null and aligned for `elem`, and, unless `len` is 0
+        // (then it is a dangling pointer, as an empty slice may have), the start of `len`
+        // contiguous elements of type `elem` in a CPU tensor; the borrow of the Python object
+        // (lifetime 'a) keeps the tensor alive, and the caller's contract (see above) keeps
+        // its storage in place and unwritten while the slice is used. `half::f16` is a
+        // `repr(transparent)` u16.
         unsafe {
             match self.elem {
                 Elem::F32 => Values::F32(std::slice::from_raw_parts(self.data.cast(), len)),
@@ -315,10 +307,19 @@ pub(crate) fn view<'a>(ob: &'a Bound<'_, PyAny>) -> Option<View<'a>> {
             return None;
         }
     }
-    let data = (t.data as *const u8).wrapping_add(usize::try_from(t.byte_offset).ok()?);
-    if rows * cols > 0 && (data.is_null() || !(data as usize).is_multiple_of(elem.size())) {
-        return None;
-    }
+    let data = if rows.checked_mul(cols)? == 0 {
+        // Nothing is read: any non-null pointer aligned for every `Elem` (8 bytes) will do.
+        std::ptr::NonNull::<u64>::dangling()
+            .as_ptr()
+            .cast_const()
+            .cast::<u8>()
+    } else {
+        let data = (t.data as *const u8).wrapping_add(usize::try_from(t.byte_offset).ok()?);
+        if data.is_null() || !(data as usize).is_multiple_of(elem.size()) {
+            return None;
+        }
+        data
+    };
     Some(View {
         elem,
         rows,

@@ -15,6 +15,12 @@ mod cpu;
 mod dlpack;
 mod repack;
 
+/// Runs `f` without the GIL on the CPU forward's threads (`moeq_core::cpu::on_threads`), not
+/// on rayon's global pool: the work of opening, repacking and packing.
+pub(crate) fn parallel<T: Send>(py: Python<'_>, f: impl FnOnce() -> T + Send) -> T {
+    py.detach(|| moeq_core::cpu::on_threads(f))
+}
+
 /// Raises the `moeq_rs.errors` class matching the core error's kind.
 pub(crate) fn to_py(py: Python<'_>, e: moeq_core::Error) -> PyErr {
     let msg = e.to_string();
@@ -86,10 +92,7 @@ impl Checkpoint {
     /// every module's tensors against its scheme). The GIL is released meanwhile.
     #[staticmethod]
     fn open(py: Python<'_>, path: PathBuf) -> PyResult<Checkpoint> {
-        // On the CPU forward's threads (`on_threads`), not on rayon's global pool.
-        let model = py
-            .detach(|| moeq_core::cpu::on_threads(|| Model::open(&path)))
-            .map_err(|e| to_py(py, e))?;
+        let model = parallel(py, || Model::open(&path)).map_err(|e| to_py(py, e))?;
         Ok(Checkpoint {
             model: Arc::new(model),
         })
@@ -203,7 +206,7 @@ impl Checkpoint {
             verify,
         };
         let callback_error: std::sync::Mutex<Option<PyErr>> = std::sync::Mutex::new(None);
-        let result = py.detach(|| {
+        let result = parallel(py, || {
             let mut cb = |p: &moeq_core::repack::checkpoint::Progress| -> moeq_core::Result<()> {
                 let outcome = Python::attach(|py| -> PyResult<()> {
                     if let Some(f) = &progress {
@@ -225,9 +228,7 @@ impl Checkpoint {
                     .into()
                 })
             };
-            moeq_core::cpu::on_threads(|| {
-                moeq_core::repack::checkpoint::repack(&model, &out_dir, target, &opts, &mut cb)
-            })
+            moeq_core::repack::checkpoint::repack(&model, &out_dir, target, &opts, &mut cb)
         });
         if let Some(e) = callback_error.lock().ok().and_then(|mut s| s.take()) {
             return Err(e);
@@ -290,13 +291,10 @@ impl Checkpoint {
         layer: usize,
     ) -> PyResult<(Bound<'py, PyDict>, Vec<MarlinTensor<'py>>)> {
         let model = Arc::clone(&self.model);
-        let (g, tensors) = py
-            .detach(move || {
-                moeq_core::cpu::on_threads(|| {
-                    moeq_core::repack::checkpoint::marlin_layer(&model, layer)
-                })
-            })
-            .map_err(|e| to_py(py, e))?;
+        let (g, tensors) = parallel(py, || {
+            moeq_core::repack::checkpoint::marlin_layer(&model, layer)
+        })
+        .map_err(|e| to_py(py, e))?;
         let d = PyDict::new(py);
         d.set_item("prefix", &g.prefix)?;
         d.set_item("experts", g.experts)?;
@@ -328,9 +326,7 @@ impl Checkpoint {
     ) -> PyResult<(Bound<'py, PyByteArray>, &'static str, Vec<usize>)> {
         let model = Arc::clone(&self.model);
         let module = module.to_string();
-        let d = py
-            .detach(move || moeq_core::cpu::on_threads(|| model.dequantize_with(&module, exact)))
-            .map_err(|e| to_py(py, e))?;
+        let d = parallel(py, || model.dequantize_with(&module, exact)).map_err(|e| to_py(py, e))?;
         Ok((
             PyByteArray::new(py, &d.data),
             d.dtype.name(),
@@ -518,8 +514,8 @@ fn cpu_adopt_calling_thread() -> bool {
 /// Turns on or off (`on`; `None` leaves it) the CPU forward's parking of the calling
 /// thread's idle OpenMP threads (see `moeq_core::cpu::omp`); returns whether a forward called
 /// now from this thread may park them (it does if they are spinning): only on the main thread
-/// once Python has adopted it (`moeq_rs._threads`), with more than one thread. `MOEQ_PARK_OPENMP=0`
-/// turns it off.
+/// once Python has adopted it (`moeq_rs._threads`), with more than one thread.
+/// `MOEQ_PARK_OPENMP=0` turns it off.
 #[pyfunction]
 #[pyo3(signature = (on=None))]
 fn cpu_park_openmp(on: Option<bool>) -> bool {

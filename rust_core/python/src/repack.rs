@@ -49,13 +49,10 @@ fn gptq_marlin_repack<'py>(
     num_bits: u32,
 ) -> PyResult<Bound<'py, PyArray1<u32>>> {
     let (q, p) = (slice(py, &qweight, "qweight")?, slice(py, &perm, "perm")?);
-    let out = py
-        .detach(|| {
-            moeq_core::cpu::on_threads(|| {
-                marlin::gptq_marlin_repack(q, p, size_k, size_n, num_bits)
-            })
-        })
-        .map_err(|e| layout(py, e))?;
+    let out = crate::parallel(py, || {
+        marlin::gptq_marlin_repack(q, p, size_k, size_n, num_bits)
+    })
+    .map_err(|e| layout(py, e))?;
     Ok(PyArray1::from_vec(py, out))
 }
 
@@ -69,13 +66,10 @@ fn gptq_marlin_unrepack<'py>(
     num_bits: u32,
 ) -> PyResult<Bound<'py, PyArray1<u32>>> {
     let (q, p) = (slice(py, &marlin_q, "marlin_q")?, slice(py, &perm, "perm")?);
-    let out = py
-        .detach(|| {
-            moeq_core::cpu::on_threads(|| {
-                marlin::gptq_marlin_unrepack(q, p, size_k, size_n, num_bits)
-            })
-        })
-        .map_err(|e| layout(py, e))?;
+    let out = crate::parallel(py, || {
+        marlin::gptq_marlin_unrepack(q, p, size_k, size_n, num_bits)
+    })
+    .map_err(|e| layout(py, e))?;
     Ok(PyArray1::from_vec(py, out))
 }
 
@@ -91,13 +85,10 @@ fn gptq_marlin_moe_repack<'py>(
     num_bits: u32,
 ) -> PyResult<Bound<'py, PyArray1<u32>>> {
     let (q, p) = (slice(py, &qweight, "qweight")?, slice(py, &perm, "perm")?);
-    let out = py
-        .detach(|| {
-            moeq_core::cpu::on_threads(|| {
-                marlin::gptq_marlin_moe_repack(q, p, experts, size_k, size_n, num_bits)
-            })
-        })
-        .map_err(|e| layout(py, e))?;
+    let out = crate::parallel(py, || {
+        marlin::gptq_marlin_moe_repack(q, p, experts, size_k, size_n, num_bits)
+    })
+    .map_err(|e| layout(py, e))?;
     Ok(PyArray1::from_vec(py, out))
 }
 
@@ -112,8 +103,7 @@ macro_rules! permute_fn {
             group_size: i64,
         ) -> PyResult<Bound<'py, PyArray1<$t>>> {
             let v = slice(py, &s, "s")?;
-            let out = py
-                .detach(|| moeq_core::cpu::on_threads(|| $core(v, size_k, size_n, group_size)))
+            let out = crate::parallel(py, || $core(v, size_k, size_n, group_size))
                 .map_err(|e| layout(py, e))?;
             Ok(PyArray1::from_vec(py, out))
         }
@@ -149,9 +139,7 @@ macro_rules! bias_fn {
             b: PyReadonlyArray1<'py, $t>,
         ) -> PyResult<Bound<'py, PyArray1<$t>>> {
             let v = slice(py, &b, "b")?;
-            let out = py
-                .detach(|| moeq_core::cpu::on_threads(|| $core(v)))
-                .map_err(|e| layout(py, e))?;
+            let out = crate::parallel(py, || $core(v)).map_err(|e| layout(py, e))?;
             Ok(PyArray1::from_vec(py, out))
         }
     };
@@ -179,11 +167,10 @@ fn marlin_zero_points<'py>(
     num_bits: u32,
 ) -> PyResult<Bound<'py, PyArray1<u32>>> {
     let v = slice(py, &zp, "zp")?;
-    let out = py
-        .detach(|| {
-            moeq_core::cpu::on_threads(|| marlin::marlin_zero_points(v, size_k, size_n, num_bits))
-        })
-        .map_err(|e| layout(py, e))?;
+    let out = crate::parallel(py, || {
+        marlin::marlin_zero_points(v, size_k, size_n, num_bits)
+    })
+    .map_err(|e| layout(py, e))?;
     Ok(PyArray1::from_vec(py, out))
 }
 
@@ -196,13 +183,10 @@ fn marlin_zero_points_inverse<'py>(
     num_bits: u32,
 ) -> PyResult<Bound<'py, PyArray1<u32>>> {
     let v = slice(py, &zp, "zp")?;
-    let out = py
-        .detach(|| {
-            moeq_core::cpu::on_threads(|| {
-                marlin::marlin_zero_points_inverse(v, size_k, size_n, num_bits)
-            })
-        })
-        .map_err(|e| layout(py, e))?;
+    let out = crate::parallel(py, || {
+        marlin::marlin_zero_points_inverse(v, size_k, size_n, num_bits)
+    })
+    .map_err(|e| layout(py, e))?;
     Ok(PyArray1::from_vec(py, out))
 }
 

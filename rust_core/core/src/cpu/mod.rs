@@ -130,6 +130,7 @@ pub fn with_openmp_parked<R>(f: impl FnOnce() -> R) -> R {
 pub fn on_threads<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     if let Some(Some(p)) = OWNER.get() {
         if p.current_thread_index().is_some() {
+            // This thread is a member: rayon's parallel iterators in `f` use its pool.
             return f();
         }
     }
@@ -151,14 +152,6 @@ pub fn threads() -> usize {
 /// when it was adopted (see [`adopt_calling_thread`]), with its idle OpenMP threads parked
 /// ([`with_openmp_parked`]); else on [`pool`].
 pub fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    if let Some(Some(p)) = OWNER.get() {
-        if p.current_thread_index().is_some() {
-            // This thread is a member: rayon's parallel iterators in `f` use its pool.
-            return with_openmp_parked(f);
-        }
-    }
-    match pool() {
-        Some(p) => p.install(f),
-        None => f(),
-    }
+    // Parking applies only on the adopted thread, which `on_threads` runs `f` on as it is.
+    on_threads(|| with_openmp_parked(f))
 }
