@@ -155,6 +155,14 @@ def load_vllm_cpu() -> tuple[str, str] | None:
     return None
 
 
+def vllm_routing(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch_moe's routing (softmax top-k, renormalised) as vLLM's CPU kernels take it:
+    contiguous float32 weights and int32 expert ids."""
+    w, ids = torch.softmax(logits.float(), -1).topk(k, dim=-1)
+    w = (w / w.sum(-1, keepdim=True)).float().contiguous()
+    return w, ids.to(torch.int32).contiguous()
+
+
 def vllm_bf16_layer(w13: torch.Tensor, w2: torch.Tensor, k: int):  # type: ignore[no-untyped-def]
     """vLLM's unquantized CPU MoE (``cpu_fused_moe``, ISA ``vec``, what vLLM runs on a CPU
     without AMX or AVX-512) on the bf16 weights: the same routing as torch_moe."""
@@ -167,12 +175,9 @@ def vllm_bf16_layer(w13: torch.Tensor, w2: torch.Tensor, k: int):  # type: ignor
     w13p, w2p = prepack(w13), prepack(w2)
 
     def run(x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        w, ids = torch.softmax(logits.float(), -1).topk(k, dim=-1)
-        w = (w / w.sum(-1, keepdim=True)).float().contiguous()
+        w, ids = vllm_routing(logits, k)
         out = torch.empty_like(x)
-        torch.ops._C.cpu_fused_moe(
-            out, x, w13p, w2p, None, None, w, ids.to(torch.int32).contiguous(), False, "silu", "vec"
-        )
+        torch.ops._C.cpu_fused_moe(out, x, w13p, w2p, None, None, w, ids, False, "silu", "vec")
         return out
 
     return run
@@ -188,8 +193,7 @@ def vllm_layer(layer_weights: tuple[torch.Tensor, ...], k: int):  # type: ignore
     s2 = s2.reshape(w2.shape[0], -1).float().contiguous()
 
     def run(x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        w, ids = torch.softmax(logits.float(), -1).topk(k, dim=-1)
-        w = (w / w.sum(-1, keepdim=True)).float().contiguous()
+        w, ids = vllm_routing(logits, k)
         out = torch.empty_like(x)
         torch.ops._C.fused_experts_cpu(
             out,
@@ -197,7 +201,7 @@ def vllm_layer(layer_weights: tuple[torch.Tensor, ...], k: int):  # type: ignore
             w13p,
             w2p,
             w,
-            ids.to(torch.int32).contiguous(),
+            ids,
             1,  # INT8_W8A8
             s13,
             s2,
@@ -234,6 +238,15 @@ def main() -> None:
     found = load_vllm_cpu()
     # vLLM's int8 kernel takes W8A8 layers only; its bf16 MoE stands in for any scheme.
     vllm = found if found and (found[1] == "bf16" or args.scheme == "w8a8_dynamic") else None
+    if vllm is None:
+        vllm_desc = "not installed (or no MoE for this scheme)"
+    elif vllm[1] == "int8":
+        vllm_desc = f"{vllm[0]} (fused_experts_cpu INT8_W8A8 on our int8 weights)"
+    else:
+        vllm_desc = (
+            f"{vllm[0]} (cpu_fused_moe bf16 'vec' on the torch loop's bf16 weights: this vLLM "
+            "build has no int8 MoE kernel)"
+        )
     # The bench's inputs are bf16: weight-only layers take bf16 dot products where the CPU
     # has them (from 8 rows per expert; int4 from 1), else fp32.
     kind = (
@@ -249,19 +262,7 @@ def main() -> None:
             else f"{kind} peak: no probe for this kernel family; "
         )
         + f"torch {torch.__version__} bf16 eager, {torch.get_num_threads()} threads; "
-        + (
-            f"vLLM CPU kernels: {vllm[0]} ("
-            + (
-                "fused_experts_cpu INT8_W8A8 on our int8 weights"
-                if vllm[1] == "int8"
-                else "cpu_fused_moe bf16 'vec' on the torch loop's bf16 weights: this vLLM build "
-                "has no int8 MoE kernel"
-            )
-            + "); "
-            if vllm
-            else "vLLM CPU kernels: not installed (or no MoE for this scheme); "
-        )
-        + f"flush with {args.flush}; "
+        + f"vLLM CPU kernels: {vllm_desc}; flush with {args.flush}; "
         f"parking torch's OpenMP threads: {'off' if not parking else 'on'}"
     )
     print(
@@ -292,13 +293,12 @@ def main() -> None:
             x = torch.randn(t, h, dtype=torch.bfloat16)
             logits = torch.randn(t, e)
             layer(x, logits)
-            torch_moe(x, logits, tw13, tw2, k)
+            want = torch_moe(x, logits, tw13, tw2, k).float()
             if peer is not None:
                 got = peer(x, logits).float()
                 if vllm and vllm[1] == "bf16":
                     # Same bf16 weights and routing as the torch loop: the outputs must agree
                     # up to bf16 rounding, or the timing compares different work.
-                    want = torch_moe(x, logits, tw13, tw2, k).float()
                     err = float((got - want).norm() / want.norm())
                     if not err < 3e-2:
                         raise SystemExit(f"vLLM's bf16 MoE disagrees with torch: rel L2 {err:.3g}")
