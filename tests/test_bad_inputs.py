@@ -4,9 +4,11 @@ tensor, module or key, and none crashes the interpreter or panics."""
 from __future__ import annotations
 
 import json
+import random
 import struct
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -311,3 +313,158 @@ def test_out_of_range_act_order_g_idx(fixture_path, tmp_path: Path) -> None:
     with pytest.raises(mq.MoeqError, match=r"gate_proj\.weight_g_idx.*entry 5 is 99"):
         mq.repack.repack_checkpoint(ckpt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "fixture, tensor, value",
+    [
+        ("qwen3_w4a16_g128_sym", "model.layers.0.mlp.experts.3.down_proj.weight_scale", "nan"),
+        ("qwen3_w8a8_static", "model.layers.0.mlp.experts.1.up_proj.weight_scale", "-inf"),
+        ("qwen3_w8a8_static", "model.layers.0.mlp.experts.2.down_proj.input_scale", "inf"),
+    ],
+)
+def test_non_finite_scale(
+    fixture_path, tmp_path: Path, fixture: str, tensor: str, value: str
+) -> None:
+    """A NaN or infinite scale would make every token routed through it NaN: the CPU loader and
+    the CPU repack refuse it, naming the file, the tensor and the element, and leave no output."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst = tmp_path / "m"
+    shutil.copytree(fixture_path(fixture), dst)
+    for f in sorted(dst.glob("*.safetensors")):
+        tensors = load_file(f)
+        if tensor in tensors:
+            t = tensors[tensor].clone()
+            t.view(-1)[t.numel() - 1] = float(value)
+            tensors[tensor] = t
+            save_file(tensors, f, metadata={"format": "pt"})
+            last = t.numel() - 1
+            break
+    else:
+        pytest.fail(f"{tensor} not in the fixture")
+    want = rf"{f.name}: tensor '{tensor}': element {last} is {value.replace('nan', 'NaN')}"
+    with pytest.raises(mq.CheckpointError, match=want):
+        mq.MoELayer.from_checkpoint(dst, 0)
+    with pytest.raises(mq.CheckpointError, match=want):
+        mq.repack.repack_checkpoint(dst, tmp_path / "out", target="cpu")
+    assert not (tmp_path / "out").exists()
+
+
+def _valid_raw_layer(rng: random.Random) -> tuple[list[torch.Tensor], dict, int, int]:
+    """Raw tensors and keyword arguments that `MoELayer.from_tensors` accepts."""
+    e, h, i = rng.choice([1, 2, 4]), rng.choice([32, 64, 128]), rng.choice([16, 32, 64])
+    scheme = rng.choice(["w8a8_dynamic", "w8a8_static", "w8a16", "w4a16"])
+    gs = -1 if scheme.startswith("w8a8") or rng.random() < 0.3 else rng.choice([16, 32])
+    g13, g2 = (1, 1) if gs == -1 else (h // gs, i // gs)
+    kw: dict = dict(scheme=scheme, group_size=gs, top_k=rng.randint(1, e))
+    if scheme == "w4a16":
+        words = lambda *s: torch.randint(-(2**31), 2**31, s, dtype=torch.int64).to(torch.int32)  # noqa: E731
+        w13, w2 = words(e, 2 * i, h // 8), words(e, h, i // 8)
+        if rng.random() < 0.5:
+            kw["w13_zero_point"], kw["w2_zero_point"] = (
+                words(e, 2 * i // 8, g13),
+                words(e, h // 8, g2),
+            )
+    else:
+        w13 = torch.randint(-128, 128, (e, 2 * i, h), dtype=torch.int8)
+        w2 = torch.randint(-128, 128, (e, h, i), dtype=torch.int8)
+    sd = rng.choice([torch.float32, torch.bfloat16, torch.float16])
+    s13, s2 = (torch.rand(e, 2 * i, g13) * 0.02).to(sd), (torch.rand(e, h, g2) * 0.02).to(sd)
+    if scheme == "w8a8_static":
+        kw["a13_scale"], kw["a2_scale"] = torch.rand(e) * 0.05 + 0.01, torch.rand(e) * 0.05 + 0.01
+    return [w13, w2, s13, s2], kw, e, h
+
+
+def _mutated(t: torch.Tensor, rng: random.Random) -> torch.Tensor:
+    """``t`` with one thing wrong: layout, size, dtype, rank, emptiness or a non-finite value."""
+    r = rng.randrange(8)
+    if r == 0 and t.dim() >= 2:
+        return t.transpose(-1, -2)
+    if r == 1:
+        return t[..., :-1]
+    if r == 2:
+        return t.to(
+            rng.choice([torch.float32, torch.int64, torch.uint8, torch.float64, torch.int16])
+        )
+    if r == 3:
+        return t.unsqueeze(0)
+    if r == 4:
+        return t[:0]
+    if r == 5:
+        return torch.cat([t, t], dim=-1)
+    if r == 6 and t.is_floating_point():
+        return t * float(rng.choice(["nan", "inf"]))
+    return t[::2] if t.dim() and t.shape[0] > 1 else t.reshape(-1)
+
+
+def test_random_mutations_are_moeq_errors_or_correct_shapes() -> None:
+    """Valid raw layers with up to two random things wrong (a tensor's layout, size, dtype, rank
+    or values; group_size, top_k, ids out of range): building and every forward either raise a
+    MoeqError naming an argument or return a [T, H] tensor in the input dtype. Nothing else:
+    no ZeroDivisionError, OverflowError, panic or crash (the first found this way: group_size=0
+    divided by zero). A new seed each run, printed on failure."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    built = ran = 0
+    for _ in range(150):
+        args, kw, e, h = _valid_raw_layer(rng)
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            j = rng.randrange(7)
+            if j < 4:
+                args[j] = _mutated(args[j], rng)
+            elif j == 4:
+                kw["group_size"] = rng.choice([0, -2, 3, 2**40, True, 2.0])
+            elif j == 5:
+                kw["top_k"] = rng.choice([0, e + 1, -1, 2**70, 1.5])
+            else:
+                kw["a2_scale"] = torch.rand(e) * float(rng.choice(["nan", "inf", 1.0]))
+        try:
+            layer = mq.MoELayer.from_tensors(*args, **kw)
+        except mq.MoeqError as err:
+            assert ": " in str(err), (seed, err)
+            continue
+        built += 1
+        t, k = rng.choice([0, 1, 3, 17]), layer.top_k
+        for dtype in (torch.float32, torch.bfloat16):
+            x, logits = torch.randn(t, h, dtype=dtype), torch.randn(t, e)
+            ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]) if t else torch.zeros(0, k)
+            ids, w = ids.to(torch.int64), torch.rand(t, k)
+            if rng.random() < 0.5:
+                which = rng.randrange(4)
+                if which == 0:
+                    x = _mutated(x, rng)
+                elif which == 1:
+                    logits = _mutated(logits, rng)
+                elif which == 2:
+                    ids = ids * 0 + rng.choice([e, -1, 2**31 - 1])
+                else:
+                    w = _mutated(w, rng)
+            rest = {a: b for a, b in kw.items() if a not in ("scheme", "group_size", "top_k")}
+            calls = [
+                partial(layer, x, logits),
+                partial(layer.forward_topk, x, w, ids),
+                partial(
+                    mq.fused_moe,
+                    x,
+                    *args,
+                    w,
+                    ids,
+                    scheme=kw["scheme"],
+                    group_size=kw["group_size"],
+                    **rest,
+                ),
+            ]
+            for call in calls:
+                try:
+                    with torch.inference_mode():
+                        out = call()
+                except mq.MoeqError:
+                    continue
+                ran += 1
+                assert out.shape == x.shape and out.dtype == x.dtype, (seed, out.shape, x.shape)
+    # The mutations leave enough valid cases for the forwards to be exercised.
+    assert built >= 40 and ran >= 100, (seed, built, ran)

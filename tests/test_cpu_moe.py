@@ -597,11 +597,31 @@ def test_from_tensors_rejects_bad_inputs() -> None:
         (dict(scheme="w8a8_static"), "a13_scale"),
         (dict(scheme="w8a16", group_size=32), "groups do not match"),
         (dict(scheme="w8a8_dynamic", top_k=5), "top_k"),
+        # Sizes that would divide by zero, give negative group counts or pass a bool or a
+        # float as an integer: each a LayoutError naming the argument.
+        (dict(scheme="w8a16", group_size=0), "group_size: 0 must be -1 or divide"),
+        (dict(scheme="w8a16", group_size=-2), "group_size: -2 must be -1 or divide"),
+        (dict(scheme="w8a16", group_size=48), "group_size: 48 must be -1 or divide"),
+        (dict(scheme="w8a16", group_size=True), "group_size: True"),
+        (dict(scheme="w8a8_dynamic", top_k=-1), "top_k: -1 must be an integer"),
+        (dict(scheme="w8a8_dynamic", top_k=1.0), "top_k: 1.0 must be an integer"),
+        (dict(scheme="w8a8_dynamic", top_k=True), "top_k: True"),
     ]
     for kwargs, match in cases:
         kw = {"scheme": "w8a8_dynamic", "top_k": 1} | kwargs
         with pytest.raises(mq.MoeqError, match=match):
             mq.MoELayer.from_tensors(w13, w2, s13, s2, **kw)
+    # Integer scalars of numpy and torch are sizes too.
+    g = mq.MoELayer.from_tensors(
+        w13,
+        w2,
+        torch.rand(e, 2 * i, 4),
+        torch.rand(e, h, 2),
+        scheme="w8a16",
+        group_size=np.int64(32),
+        top_k=torch.tensor(2),
+    )
+    assert g.top_k == 2
     with pytest.raises(mq.LayoutError, match="w2: expected"):
         mq.MoELayer.from_tensors(w13, w2[:, :, :32], s13, s2, scheme="w8a8_dynamic", top_k=1)
     with pytest.raises(mq.LayoutError, match="w13: expected a contiguous"):

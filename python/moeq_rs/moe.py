@@ -8,6 +8,7 @@ topk_ids)`` is the weighted sum of the routed experts only. Outputs have the hid
 
 from __future__ import annotations
 
+import operator
 import os
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -287,6 +288,17 @@ def _zero_points(t: object, name: str, e: int, n: int, groups: int):  # type: ig
     return None, z.reshape(-1).numpy().view("uint32")
 
 
+def _index(v: object) -> int | None:
+    """``v`` as a Python int when it is an integer (numpy and torch integer scalars included),
+    else None; a bool is not a size."""
+    if isinstance(v, bool):
+        return None
+    try:
+        return operator.index(v)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 def _from_tensors(
     w13,
     w2,
@@ -319,6 +331,20 @@ def _from_tensors(
     want = (e, h, i // 8 if int4 else i)
     if tuple(b.shape) != want:
         raise LayoutError(f"w2: expected {list(want)}, got {list(b.shape)}")
+    # Before any division by it: 0 or a negative size is an error naming the argument, not a
+    # ZeroDivisionError or a negative group count.
+    gs = _index(group_size)
+    if gs is None or (gs != -1 and (gs <= 0 or h % gs or i % gs)):
+        raise LayoutError(
+            f"group_size: {group_size!r} must be -1 or divide hidden={h} and intermediate={i}"
+        )
+    group_size = gs
+    k = _index(top_k)
+    if k is None or not 1 <= k <= e:
+        raise LayoutError(
+            f"top_k: {top_k!r} must be an integer between 1 and the number of experts ({e})"
+        )
+    top_k = k
     s13, g13 = _scales(w13_scale, "w13_scale", e, n13)
     s2, g2 = _scales(w2_scale, "w2_scale", e, h)
     groups_expected = (1, 1) if group_size == -1 else (h // group_size, i // group_size)

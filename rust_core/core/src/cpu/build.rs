@@ -1,6 +1,7 @@
 //! Building a [`CpuMoe`] from raw stacked tensors (`MoELayer.from_tensors`).
 
 use super::linear::Linear;
+use super::load::first_non_finite;
 use super::moe::{CpuExpert, CpuMoe};
 use crate::error::{LayoutError, Result};
 use crate::moe::{Routing, Scoring};
@@ -76,6 +77,11 @@ fn err(arg: &str, reason: String) -> crate::error::Error {
     .into()
 }
 
+/// The Python name of a projection's static activation scales: `a13_scale` for `w13`.
+fn act_arg(arg: &str) -> String {
+    format!("a{}_scale", arg.trim_start_matches('w'))
+}
+
 /// One expert's projection `[n, k]` from the stacked raw tensors.
 #[allow(clippy::too_many_arguments)]
 fn proj(
@@ -108,6 +114,16 @@ fn proj(
         return Err(err(
             &format!("{arg}_scale"),
             format!("expected [E={experts}, {n_total}, {groups}] scales"),
+        ));
+    }
+    if let Some((i, x)) = first_non_finite(&scale) {
+        return Err(err(
+            &format!("{arg}_scale"),
+            format!(
+                "expert {e}, row {}, group {} is {x}; scales must be finite",
+                rows.start + i / groups,
+                i % groups
+            ),
         ));
     }
     let codes: Vec<i8> = match p.weights {
@@ -144,14 +160,26 @@ fn proj(
                 ));
             }
             let input_scale = match (scheme, p.act_scales) {
-                (RawScheme::W8a8Static, Some(a)) => Some(*a.get(e).ok_or_else(|| {
-                    err(
-                        arg,
-                        format!("static activation scales must be [E={experts}]"),
-                    )
-                })?),
+                (RawScheme::W8a8Static, Some(a)) => {
+                    let s = *a.get(e).ok_or_else(|| {
+                        err(
+                            &act_arg(arg),
+                            format!("static activation scales must be [E={experts}]"),
+                        )
+                    })?;
+                    if !s.is_finite() {
+                        return Err(err(
+                            &act_arg(arg),
+                            format!("expert {e} is {s}; scales must be finite"),
+                        ));
+                    }
+                    Some(s)
+                }
                 (RawScheme::W8a8Static, None) => {
-                    return Err(err(arg, "w8a8_static needs activation scales".into()))
+                    return Err(err(
+                        &act_arg(arg),
+                        "w8a8_static needs activation scales".into(),
+                    ))
                 }
                 _ => None,
             };

@@ -3,7 +3,7 @@
 use super::linear::Linear;
 use super::moe::{CpuExpert, CpuMoe};
 use crate::checkpoint::Checkpoint;
-use crate::error::{module_error, Result, UnsupportedSchemeError};
+use crate::error::{module_error, CheckpointError, Result, UnsupportedSchemeError};
 use crate::model::Model;
 use crate::moe::{ExpertModules, MoeLayer};
 use crate::oracle::{Backend, CpuFeatures, Method, Options, Platform};
@@ -14,6 +14,28 @@ use crate::scheme::{ActOrder, Format, Strategy};
 /// A float tensor (BF16, F16 or F32) as f32 values.
 pub fn floats(ckpt: &Checkpoint, name: &str) -> Result<Vec<f32>> {
     crate::quant::dequant::float_values(&ckpt.tensor(name)?)
+}
+
+/// A scale tensor (weight or static activation scales) as f32 values, every one finite: a NaN
+/// or infinite scale turns each token routed through it into NaN, and from there the whole
+/// sequence, so it is refused at load, naming the file, tensor and element.
+pub fn scales(ckpt: &Checkpoint, name: &str) -> Result<Vec<f32>> {
+    let view = ckpt.tensor(name)?;
+    let v = crate::quant::dequant::float_values(&view)?;
+    match first_non_finite(&v) {
+        None => Ok(v),
+        Some((i, x)) => Err(CheckpointError::Tensor {
+            path: view.path.to_path_buf(),
+            tensor: name.to_string(),
+            reason: format!("element {i} is {x}; scales must be finite"),
+        }
+        .into()),
+    }
+}
+
+/// The first NaN or infinite value and its index.
+pub(crate) fn first_non_finite(v: &[f32]) -> Option<(usize, f32)> {
+    v.iter().position(|x| !x.is_finite()).map(|i| (i, v[i]))
 }
 
 /// One module as a CPU linear layer.
@@ -45,11 +67,11 @@ pub fn linear(ckpt: &Checkpoint, m: &ModuleInfo, version: Option<&str>) -> Resul
                 .iter()
                 .map(|&b| b as i8)
                 .collect();
-            let scale = floats(ckpt, &format!("{name}.weight_scale"))?;
+            let scale = scales(ckpt, &format!("{name}.weight_scale"))?;
             let input_scale = if a.is_dynamic() {
                 None
             } else {
-                floats(ckpt, &format!("{name}.input_scale"))?
+                scales(ckpt, &format!("{name}.input_scale"))?
                     .first()
                     .copied()
             };
@@ -109,7 +131,7 @@ pub fn linear(ckpt: &Checkpoint, m: &ModuleInfo, version: Option<&str>) -> Resul
                     ),
                 ));
             }
-            let scale = floats(ckpt, &format!("{name}.weight_scale"))?;
+            let scale = scales(ckpt, &format!("{name}.weight_scale"))?;
             let zp = match m.zero_point {
                 None => None,
                 Some(ZeroPointLayout::Unpacked) => Some(

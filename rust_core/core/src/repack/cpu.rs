@@ -458,8 +458,8 @@ fn load_weight_only(ckpt: &Checkpoint, g: &CpuGeometry) -> Result<Vec<CpuExpert>
     };
     let q = [int8("w13_weight_packed")?, int8("w2_weight_packed")?];
     let sc = [
-        crate::cpu::load::floats(ckpt, &format!("{p}.w13_weight_scale"))?,
-        crate::cpu::load::floats(ckpt, &format!("{p}.w2_weight_scale"))?,
+        crate::cpu::load::scales(ckpt, &format!("{p}.w13_weight_scale"))?,
+        crate::cpu::load::scales(ckpt, &format!("{p}.w2_weight_scale"))?,
     ];
     let zp = if g.weights.symmetric {
         None
@@ -570,15 +570,15 @@ pub fn load_experts(ckpt: &Checkpoint, g: &CpuGeometry) -> Result<Vec<CpuExpert>
     let sum2 = tensor("w2_weight_sum")?;
     let sum13: &[i32] = sum13.typed::<i32>()?;
     let sum2: &[i32] = sum2.typed::<i32>()?;
-    let sc13 = crate::cpu::load::floats(ckpt, &format!("{p}.w13_weight_scale"))?;
-    let sc2 = crate::cpu::load::floats(ckpt, &format!("{p}.w2_weight_scale"))?;
+    let sc13 = crate::cpu::load::scales(ckpt, &format!("{p}.w13_weight_scale"))?;
+    let sc2 = crate::cpu::load::scales(ckpt, &format!("{p}.w2_weight_scale"))?;
     let (a13, a2) = if g.static_act {
         (
-            Some(crate::cpu::load::floats(
+            Some(crate::cpu::load::scales(
                 ckpt,
                 &format!("{p}.w13_input_scale"),
             )?),
-            Some(crate::cpu::load::floats(
+            Some(crate::cpu::load::scales(
                 ckpt,
                 &format!("{p}.w2_input_scale"),
             )?),
