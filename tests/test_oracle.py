@@ -307,6 +307,50 @@ def test_tp_size_reaches_the_plan(fixture_path: Callable[[str], Path]) -> None:
         assert "intermediate per partition 64 is not a multiple of group_size 128" in layer["error"]
 
 
+BAD_INTS = [-1, 2**64, True, 1.5, "128"]
+
+
+@pytest.mark.parametrize("value", BAD_INTS)
+def test_integer_arguments_out_of_range_name_the_argument(
+    fixture_path: Callable[[str], Path], value: object
+) -> None:
+    """Negative, huge, bool, float and string values of integer arguments are MoeqErrors naming
+    the argument (the native module's unsigned and 32-bit parameters answered negative and
+    huge values with an OverflowError naming nothing)."""
+    path = fixture_path("qwen3_w4a16_g128_sym")
+    ckpt = mq.open(path)
+    cases = [
+        (lambda: wna16_scale_kind(value, 128), mq.UnsupportedSchemeError, "num_bits"),
+        (lambda: marlin_support_reason(value, 256, 128), mq.LayoutError, "hidden_size"),
+        (
+            lambda: marlin_support_reason(256, value, 128),
+            mq.LayoutError,
+            "intermediate_size_per_partition",
+        ),
+        (lambda: mq.plan(ckpt, "cuda", value), mq.ConfigError, "arguments: sm"),
+        (lambda: mq.plan(ckpt, "cuda", 90, tp_size=value), mq.ConfigError, "arguments: tp_size"),
+        (lambda: ckpt.marlin_layer(value), mq.LayoutError, "layer"),
+        (lambda: mq.MoELayer.from_checkpoint(ckpt, value), mq.CheckpointError, "layer"),
+    ]
+    if value != -1:  # -1 is channelwise
+        cases.append((lambda: wna16_scale_kind(4, value), mq.UnsupportedSchemeError, "group_size"))
+        cases.append((lambda: marlin_support_reason(256, 256, value), mq.LayoutError, "group_size"))
+    for call, error, name in cases:
+        with pytest.raises(error, match=f"{name}.*{value!r}"):
+            call()
+
+
+def test_integer_arguments_accept_numpy_and_torch_integers(
+    fixture_path: Callable[[str], Path],
+) -> None:
+    ckpt = mq.open(fixture_path("qwen3_w4a16_g128_sym"))
+    assert wna16_scale_kind(np.int32(4), torch.tensor(128)) == wna16_scale_kind(4, 128)
+    assert marlin_support_reason(np.int64(256), np.uint16(256), np.int8(-1)) is None
+    plain = mq.plan(ckpt, "cuda", 90, tp_size=2)
+    assert mq.plan(ckpt, "cuda", np.int64(90), tp_size=torch.tensor(2)) == plain
+    assert ckpt.marlin_layer(np.int64(0))[0] == ckpt.marlin_layer(0)[0]
+
+
 def test_vllm_compat_report(fixture_path: Callable[[str], Path]) -> None:
     doc = inspect(fixture_path("laguna_mixed_int4_int8"), "--platform", "cuda", "--compat", "vllm")
     assert doc["vllm_snapshot"] == "7cfb97e33791"

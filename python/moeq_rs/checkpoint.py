@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from . import _core
+from ._args import I64_MAX, int_in
 from ._threads import adopt_main_thread
+from .errors import ConfigError, LayoutError
 
 if TYPE_CHECKING:
     import torch
@@ -142,7 +144,7 @@ class Checkpoint:
             if buf.dtype in _BIT_PATTERN:
                 t = t.view(_torch_dtype(buf.dtype))
             return t
-        raise ValueError(f"framework must be 'numpy' or 'torch', not {framework!r}")
+        raise ConfigError(f"arguments: framework: {framework!r} is not 'numpy' or 'torch'")
 
     def module(self, module: str) -> dict[str, Any]:
         """Facts of a Linear module: scheme, sizes, which quantization tensors it has."""
@@ -175,7 +177,10 @@ class Checkpoint:
         (``experts``, ``hidden``, ``intermediate``, ``intermediate_padded``, ``bits``,
         ``group_size``, ``symmetric``, ``act_order``, ``scale_dtype``, ``prefix``). Raises
         :class:`moeq_rs.UnsupportedSchemeError` for layers Marlin cannot hold."""
-        geometry, tensors = self._core.marlin_layer(layer)
+        index = int_in(layer, 0, I64_MAX)
+        if index is None:
+            raise LayoutError(f"layer: {layer!r} is not a decoder layer index (an int >= 0)")
+        geometry, tensors = self._core.marlin_layer(index)
         return geometry, {name: _tensor(data, dtype, shape) for name, dtype, shape, data in tensors}
 
     def __repr__(self) -> str:

@@ -8,7 +8,6 @@ topk_ids)`` is the weighted sum of the routed experts only. Outputs have the hid
 
 from __future__ import annotations
 
-import operator
 import os
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import _core
+from ._args import I64_MAX, as_int, int_in
 from ._threads import adopt_main_thread
 from .errors import LayoutError
 
@@ -127,9 +127,14 @@ class MoELayer(torch.nn.Module):
             raise CudaUnavailableError(_NOT_ON_CUDA_YET.format(device=device))
         # Opening and packing run on the forward's threads (MOEQ_NUM_THREADS of them, the main
         # thread among them), not on a pool of their own that would then idle.
+        from .errors import CheckpointError
+
+        index = int_in(layer, 0, I64_MAX)
+        if index is None:
+            raise CheckpointError(f"layer: {layer!r} is not a decoder layer index (an int >= 0)")
         adopt_main_thread()
         ckpt = as_checkpoint(path_or_checkpoint)
-        return cls(_core.CpuMoeLayer.from_checkpoint(ckpt._core, layer))
+        return cls(_core.CpuMoeLayer.from_checkpoint(ckpt._core, index))
 
     @property
     def hidden_size(self) -> int:
@@ -288,17 +293,6 @@ def _zero_points(t: object, name: str, e: int, n: int, groups: int):  # type: ig
     return None, z.reshape(-1).numpy().view("uint32")
 
 
-def _index(v: object) -> int | None:
-    """``v`` as a Python int when it is an integer (numpy and torch integer scalars included),
-    else None; a bool is not a size."""
-    if isinstance(v, bool):
-        return None
-    try:
-        return operator.index(v)  # type: ignore[arg-type]
-    except TypeError:
-        return None
-
-
 def _from_tensors(
     w13,
     w2,
@@ -333,13 +327,13 @@ def _from_tensors(
         raise LayoutError(f"w2: expected {list(want)}, got {list(b.shape)}")
     # Before any division by it: 0 or a negative size is an error naming the argument, not a
     # ZeroDivisionError or a negative group count.
-    gs = _index(group_size)
+    gs = int_in(group_size, -1, I64_MAX)
     if gs is None or (gs != -1 and (gs <= 0 or h % gs or i % gs)):
         raise LayoutError(
             f"group_size: {group_size!r} must be -1 or divide hidden={h} and intermediate={i}"
         )
     group_size = gs
-    k = _index(top_k)
+    k = as_int(top_k)
     if k is None or not 1 <= k <= e:
         raise LayoutError(
             f"top_k: {top_k!r} must be an integer between 1 and the number of experts ({e})"

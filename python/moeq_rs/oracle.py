@@ -11,6 +11,7 @@ import os
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import _core
+from ._args import I64_MAX, U32_MAX, as_int, int_in
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -43,7 +44,18 @@ def wna16_scale_kind(num_bits: int, group_size: int | None) -> str:
     channel scales are distinct kinds, and int8 grouped scales are a kind of their own.
     Raises :class:`moeq_rs.UnsupportedSchemeError` for widths other than 4 and 8.
     """
-    return _core.wna16_scale_kind(num_bits, group_size)
+    from .errors import UnsupportedSchemeError
+
+    if int_in(num_bits, 0, U32_MAX) is None:
+        raise UnsupportedSchemeError(
+            f"wna16_scale_kind: num_bits {num_bits!r} is not a weight-only MoE width (4 or 8)"
+        )
+    if group_size is not None and int_in(group_size, -(I64_MAX + 1), I64_MAX) is None:
+        raise UnsupportedSchemeError(
+            f"wna16_scale_kind: group_size {group_size!r} is invalid "
+            "(a positive group size, or -1/None for channelwise)"
+        )
+    return _core.wna16_scale_kind(as_int(num_bits), as_int(group_size))
 
 
 def marlin_support_reason(
@@ -53,8 +65,22 @@ def marlin_support_reason(
     allow_tile_padding: bool = True,
 ) -> str | None:
     """Why Marlin cannot run a MoE layer of these sizes, or None when it can."""
+    from .errors import LayoutError
+
+    sizes = {
+        "hidden_size": hidden_size,
+        "intermediate_size_per_partition": intermediate_size_per_partition,
+    }
+    for name, value in sizes.items():
+        if int_in(value, 0, I64_MAX) is None:
+            raise LayoutError(f"{name}: {value!r} is not a size (an int >= 0)")
+    if group_size is not None and int_in(group_size, -(I64_MAX + 1), I64_MAX) is None:
+        raise LayoutError(f"group_size: {group_size!r} is not an int (or None)")
     return _core.marlin_support_reason(
-        hidden_size, intermediate_size_per_partition, group_size, allow_tile_padding
+        as_int(hidden_size),
+        as_int(intermediate_size_per_partition),
+        as_int(group_size),
+        allow_tile_padding,
     )
 
 
@@ -296,9 +322,13 @@ def plan(
     from .checkpoint import as_checkpoint
 
     ckpt = as_checkpoint(path_or_checkpoint)
-    if compat not in (None, "vllm"):
-        from .errors import ConfigError
+    from .errors import ConfigError
 
+    if compat not in (None, "vllm"):
         raise ConfigError(f"arguments: compat: {compat!r} is not 'vllm'")
-    doc = ckpt._core.report_json(platform, sm, backend, tp_size, compat == "vllm")
+    if sm is not None and int_in(sm, 0, U32_MAX) is None:
+        raise ConfigError(f"arguments: sm: {sm!r} is not a compute capability (major*10 + minor)")
+    if int_in(tp_size, 1, I64_MAX) is None:
+        raise ConfigError(f"arguments: tp_size: {tp_size!r} must be an int of at least 1")
+    doc = ckpt._core.report_json(platform, as_int(sm), backend, as_int(tp_size), compat == "vllm")
     return Plan(json.loads(doc))
