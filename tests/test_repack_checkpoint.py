@@ -409,3 +409,17 @@ def test_intermediate_padding_matches_reference(tmp_path: Path, inter: int) -> N
     ):
         got = raw(dst, f"{p}.{tensor}")
         assert got.tobytes() == ref[key].astype(got.dtype).tobytes(), tensor
+
+
+@pytest.mark.parametrize("size", [0, -5, 2**70, None, True, "0", "-1", "nan", "inf", "1e30GB"])
+def test_bad_max_shard_size_values(
+    fixture_path: Callable[[str], Path], tmp_path: Path, size: object
+) -> None:
+    """Zero, negative, non-finite, bool and out-of-range sizes are LayoutErrors naming the
+    argument (negative and huge ints were OverflowErrors, None an AttributeError), and nothing
+    is written."""
+    with pytest.raises(mq.LayoutError, match=f"max shard size: cannot read {size!r}"):
+        repack_checkpoint(
+            fixture_path("qwen3_w8a16_g128"), tmp_path / "o", target="cpu", max_shard_size=size
+        )
+    assert not (tmp_path / "o").exists()

@@ -9,6 +9,7 @@ import operator
 # The native module takes sizes as 64-bit and compute capabilities as 32-bit integers.
 I64_MAX = 2**63 - 1
 U32_MAX = 2**32 - 1
+U64_MAX = 2**64 - 1
 
 
 def as_int(value: object) -> int | None:

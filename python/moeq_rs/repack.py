@@ -10,12 +10,14 @@ the "newer main" behaviour of ``reference/marlin_layout.md``. Shape and dtype pr
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 
 from . import _core
+from ._args import U64_MAX, int_in
 from ._threads import adopt_main_thread
 from .errors import LayoutError
 
@@ -236,8 +238,12 @@ def marlin_zero_points_inverse(zp: Any, size_k: int, size_n: int, num_bits: int)
 
 def parse_size(text: str | int) -> int:
     """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a plain byte count."""
-    if isinstance(text, int):
-        return text
+    bad = LayoutError(f"max shard size: cannot read {text!r} (use e.g. 5GB, 500MB or bytes)")
+    if not isinstance(text, str):
+        count = int_in(text, 1, U64_MAX)
+        if count is None:
+            raise bad
+        return count
     units = {
         "": 1,
         "B": 1,
@@ -257,8 +263,8 @@ def parse_size(text: str | int) -> int:
         value = float(num)
     except ValueError:
         value = -1.0
-    if unit not in units or value <= 0:
-        raise LayoutError(f"max shard size: cannot read {text!r} (use e.g. 5GB, 500MB or bytes)")
+    if unit not in units or not math.isfinite(value) or not 1 <= value * units[unit] <= U64_MAX:
+        raise bad
     return int(value * units[unit])
 
 
