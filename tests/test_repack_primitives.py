@@ -223,8 +223,43 @@ def test_gptq_pack_reference_roundtrip() -> None:
             lambda: r.marlin_permute_scales(np.zeros((2, 64), np.int8), 256, 64, 128),
             "2- or 4-byte dtype",
         ),
+        # Integer arguments out of the native module's range, or not integers: named, not an
+        # OverflowError.
+        (
+            lambda: r.gptq_marlin_repack(random_qweight(256, 64, 4), None, -256, 64, 4),
+            "size_k: -256 is not an int",
+        ),
+        (
+            lambda: r.gptq_marlin_unrepack(random_qweight(256, 64, 4), None, 256, 2**64, 4),
+            f"size_n: {2**64} is not an int",
+        ),
+        (
+            lambda: r.gptq_marlin_moe_repack(
+                random_qweight(256, 64, 4)[None], None, 256, 64, num_bits=-4
+            ),
+            "num_bits: -4 is not an int",
+        ),
+        (
+            lambda: r.marlin_permute_scales(np.zeros((2, 64), np.float16), 256, 64, 2**63),
+            "group_size: 9223372036854775808 is not an int",
+        ),
+        (
+            lambda: r.marlin_zero_points(np.zeros((2, 64), np.int32), 2.0, 64, 4),
+            "size_k: 2.0 is not an int",
+        ),
+        (
+            lambda: r.marlin_zero_points_inverse(np.zeros((2, 8), np.int32), 2, True, 4),
+            "size_n: True is not an int",
+        ),
     ],
 )
 def test_layout_errors(call, match: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(mq.LayoutError, match=match):
         call()
+
+
+def test_integer_arguments_accept_numpy_and_torch_integers() -> None:
+    q = random_qweight(256, 64, 4)
+    want = r.gptq_marlin_repack(q, None, 256, 64, 4)
+    got = r.gptq_marlin_repack(q, None, np.int64(256), torch.tensor(64), num_bits=np.uint8(4))
+    assert np.array_equal(got, want)

@@ -10,6 +10,7 @@ the "newer main" behaviour of ``reference/marlin_layout.md``. Shape and dtype pr
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
@@ -17,7 +18,7 @@ from typing import Any, ParamSpec, TypeVar
 import numpy as np
 
 from . import _core
-from ._args import U64_MAX, int_in
+from ._args import I64_MAX, U32_MAX, U64_MAX, int_in
 from ._threads import adopt_main_thread
 from .errors import LayoutError
 
@@ -25,15 +26,38 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
-def _on_forward_threads(f: Callable[_P, _R]) -> Callable[_P, _R]:
-    """``f`` with Python's main thread among the CPU forward's threads (``moeq_rs._threads``):
-    the repack's parallel loops run on those, not on a pool of their own, which would idle
-    afterwards and which a forked child would inherit without its threads (and wait on)."""
+# The integer arguments of the primitives and the range each must lie in: the native module
+# takes them unsigned or 32-bit, and would answer a negative or huge value with an
+# OverflowError naming no argument.
+_INT_ARGS = {
+    "size_k": (0, I64_MAX),
+    "size_n": (0, I64_MAX),
+    "num_bits": (0, U32_MAX),
+    "group_size": (-I64_MAX - 1, I64_MAX),
+}
+
+
+def _primitive(f: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``f`` with its integer arguments checked (a LayoutError naming the argument; numpy and
+    torch integer scalars become ints) and with Python's main thread among the CPU forward's
+    threads (``moeq_rs._threads``): the repack's parallel loops run on those, not on a pool of
+    their own, which would idle afterwards and which a forked child would inherit without its
+    threads (and wait on)."""
+    signature = inspect.signature(f)
 
     @functools.wraps(f)
     def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        bound = signature.bind(*args, **kwargs)
+        for name, (low, high) in _INT_ARGS.items():
+            if name in bound.arguments:
+                value = int_in(bound.arguments[name], low, high)
+                if value is None:
+                    raise LayoutError(
+                        f"{name}: {bound.arguments[name]!r} is not an int in {low}..={high}"
+                    )
+                bound.arguments[name] = value
         adopt_main_thread()
-        return f(*args, **kwargs)
+        return f(*bound.args, **bound.kwargs)
 
     return run
 
@@ -107,7 +131,7 @@ def _check_ndim(arr: np.ndarray, ndim: int, name: str, shape: str) -> None:
         raise LayoutError(f"{name}: expected {shape}, got shape {list(arr.shape)}")
 
 
-@_on_forward_threads
+@_primitive
 def gptq_marlin_repack(qweight: Any, perm: Any, size_k: int, size_n: int, num_bits: int) -> Any:
     """``qweight`` int32 ``[size_k / (32 / num_bits), size_n]`` (GPTQ layout) to the Marlin layout
     int32 ``[size_k / 16, size_n * 16 / (32 / num_bits)]``. ``perm`` is ``[0]`` (no act-order) or
@@ -119,7 +143,7 @@ def gptq_marlin_repack(qweight: Any, perm: Any, size_k: int, size_n: int, num_bi
     return back(out.view(np.int32).reshape(size_k // 16, size_n * 16 // pf))
 
 
-@_on_forward_threads
+@_primitive
 def gptq_marlin_unrepack(marlin_q: Any, perm: Any, size_k: int, size_n: int, num_bits: int) -> Any:
     """The inverse of :func:`gptq_marlin_repack`: the GPTQ ``qweight`` in original row order."""
     q, back = _to_numpy(marlin_q, "marlin_q")
@@ -127,7 +151,7 @@ def gptq_marlin_unrepack(marlin_q: Any, perm: Any, size_k: int, size_n: int, num
     return back(out.view(np.int32).reshape(size_k // (32 // num_bits), size_n))
 
 
-@_on_forward_threads
+@_primitive
 def gptq_marlin_moe_repack(qweight: Any, perm: Any, size_k: int, size_n: int, num_bits: int) -> Any:
     """Per expert :func:`gptq_marlin_repack`: ``[E, K/pf, N]`` to ``[E, K/16, N*16/pf]``; ``perm``
     is ``[E, 0]`` or ``[E, K]``."""
@@ -155,7 +179,7 @@ def _permute(
     return back(out.view(arr.dtype).reshape(arr.shape))
 
 
-@_on_forward_threads
+@_primitive
 def marlin_permute_scales(s: Any, size_k: int, size_n: int, group_size: int) -> Any:
     """Scales ``[G, N]`` to the Marlin order (same shape and dtype): the grouped table when
     ``group_size != -1 and group_size < size_k``, else the single (channelwise) table."""
@@ -170,7 +194,7 @@ def marlin_permute_scales(s: Any, size_k: int, size_n: int, group_size: int) -> 
     )
 
 
-@_on_forward_threads
+@_primitive
 def marlin_unpermute_scales(s: Any, size_k: int, size_n: int, group_size: int) -> Any:
     """The inverse of :func:`marlin_permute_scales`."""
     return _permute(
@@ -184,7 +208,7 @@ def marlin_unpermute_scales(s: Any, size_k: int, size_n: int, group_size: int) -
     )
 
 
-@_on_forward_threads
+@_primitive
 def marlin_moe_permute_scales(s: Any, size_k: int, size_n: int, group_size: int) -> Any:
     """Per expert :func:`marlin_permute_scales` on ``[E, G, N]``."""
     arr, _ = _to_numpy(s, "s")
@@ -192,7 +216,7 @@ def marlin_moe_permute_scales(s: Any, size_k: int, size_n: int, group_size: int)
     return marlin_permute_scales(s, size_k, size_n, group_size)
 
 
-@_on_forward_threads
+@_primitive
 def marlin_permute_bias(b: Any) -> Any:
     """vLLM's ``marlin_permute_bias``: the single table on every 32 entries, shape kept."""
     return _permute(
@@ -203,7 +227,7 @@ def marlin_permute_bias(b: Any) -> Any:
     )
 
 
-@_on_forward_threads
+@_primitive
 def marlin_unpermute_bias(b: Any) -> Any:
     """The inverse of :func:`marlin_permute_bias`."""
     return _permute(
@@ -214,7 +238,7 @@ def marlin_unpermute_bias(b: Any) -> Any:
     )
 
 
-@_on_forward_threads
+@_primitive
 def marlin_zero_points(zp: Any, size_k: int, size_n: int, num_bits: int) -> Any:
     """Zero-point codes ``[size_k=G, size_n=N]`` (unsigned, < 2**num_bits) to the Marlin packed
     layout int32 ``[G, N * num_bits / 32]``."""
@@ -228,7 +252,7 @@ def marlin_zero_points(zp: Any, size_k: int, size_n: int, num_bits: int) -> Any:
     return back(out.view(np.int32).reshape(size_k, size_n * num_bits // 32))
 
 
-@_on_forward_threads
+@_primitive
 def marlin_zero_points_inverse(zp: Any, size_k: int, size_n: int, num_bits: int) -> Any:
     """The inverse of :func:`marlin_zero_points`: int32 codes ``[size_k, size_n]``."""
     arr, back = _to_numpy(zp, "zp")
@@ -268,7 +292,7 @@ def parse_size(text: str | int) -> int:
     return int(value * units[unit])
 
 
-@_on_forward_threads
+@_primitive
 def repack_checkpoint(
     model_dir: Any,
     out_dir: Any,
