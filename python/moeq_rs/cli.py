@@ -288,14 +288,17 @@ def _build_parser() -> argparse.ArgumentParser:
         help="also report what vLLM (main @7cfb97e33791) would do per layer",
     )
     p.set_defaults(func=_cmd_inspect)
-    rp = sub.add_parser("repack", help="write the checkpoint in a kernel layout (Marlin)")
+    rp = sub.add_parser("repack", help="write the checkpoint in a kernel layout (Marlin or CPU)")
     rp.add_argument("model_dir", metavar="MODEL_DIR", help="source checkpoint directory")
     rp.add_argument("out_dir", metavar="OUT_DIR", help="new directory to create")
     rp.add_argument(
         "--target",
         choices=["marlin", "cpu"],
         required=True,
-        help="layout to write (marlin: vLLM's fused-MoE Marlin tensors)",
+        help=(
+            "layout to write (marlin: vLLM's fused-MoE Marlin tensors; cpu: moeq_rs's "
+            "prepacked CPU blocks, which MoELayer.from_checkpoint loads without packing)"
+        ),
     )
     rp.add_argument(
         "--verify",
