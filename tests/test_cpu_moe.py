@@ -606,6 +606,7 @@ def test_from_tensors_rejects_bad_inputs() -> None:
         (dict(scheme="w8a8_dynamic", top_k=-1), "top_k: -1 must be an integer"),
         (dict(scheme="w8a8_dynamic", top_k=1.0), "top_k: 1.0 must be an integer"),
         (dict(scheme="w8a8_dynamic", top_k=True), "top_k: True"),
+        (dict(scheme="w8a8_dynamic", top_k=torch.tensor(True)), "top_k: tensor\\(True\\)"),
     ]
     for kwargs, match in cases:
         kw = {"scheme": "w8a8_dynamic", "top_k": 1} | kwargs

@@ -14,8 +14,8 @@ U64_MAX = 2**64 - 1
 
 def as_int(value: object) -> int | None:
     """``value`` as a Python int when it is an integer (numpy and torch integer scalars
-    included), else None; a bool is not a size."""
-    if isinstance(value, bool):
+    included), else None; a bool (Python, numpy or torch) is not a size."""
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
         return None
     try:
         return operator.index(value)  # type: ignore[arg-type]

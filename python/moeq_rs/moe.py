@@ -125,13 +125,13 @@ class MoELayer(torch.nn.Module):
 
         if device != "cpu":
             raise CudaUnavailableError(_NOT_ON_CUDA_YET.format(device=device))
-        # Opening and packing run on the forward's threads (MOEQ_NUM_THREADS of them, the main
-        # thread among them), not on a pool of their own that would then idle.
         from .errors import CheckpointError
 
         index = int_in(layer, 0, I64_MAX)
         if index is None:
             raise CheckpointError(f"layer: {layer!r} is not a decoder layer index (an int >= 0)")
+        # Opening and packing run on the forward's threads (MOEQ_NUM_THREADS of them, the main
+        # thread among them), not on a pool of their own that would then idle.
         adopt_main_thread()
         ckpt = as_checkpoint(path_or_checkpoint)
         return cls(_core.CpuMoeLayer.from_checkpoint(ckpt._core, index))

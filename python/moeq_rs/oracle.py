@@ -75,7 +75,7 @@ def marlin_support_reason(
         if int_in(value, 0, I64_MAX) is None:
             raise LayoutError(f"{name}: {value!r} is not a size (an int >= 0)")
     if group_size is not None and int_in(group_size, -(I64_MAX + 1), I64_MAX) is None:
-        raise LayoutError(f"group_size: {group_size!r} is not an int (or None)")
+        raise LayoutError(f"group_size: {group_size!r} is not a 64-bit int (or None)")
     return _core.marlin_support_reason(
         as_int(hidden_size),
         as_int(intermediate_size_per_partition),
