@@ -355,25 +355,30 @@ def test_dynamic_w8a8_is_measurably_w8a8(fixture_path: Callable[[str], Path]) ->
 def torch_route(
     cfg: dict, routing: dict, logits: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routing written from the model definitions (transformers' Qwen3-MoE / DeepSeek-V3)."""
+    """Routing written from the model definitions (transformers' Qwen3-MoE / DeepSeek-V2 /
+    DeepSeek-V3) and vLLM's ``grouped_topk``: with expert groups, only the ``topk_group`` best
+    groups compete, a group scored by its two best biased scores when there is a bias, else
+    by its best score."""
     k = routing["top_k"]
     logits = logits.double()
     if routing["scoring_func"] == "softmax":
-        probs = torch.softmax(logits, -1)
-        w, ids = probs.topk(k, dim=-1)
+        scores = torch.softmax(logits, -1)
     else:
         scores = torch.sigmoid(logits)
-        choice = scores + (bias.double() if bias is not None else 0)
-        if routing["n_group"]:
-            g = routing["n_group"]
-            e = logits.shape[-1]
-            grouped = choice.view(-1, g, e // g)
+    choice = scores + (bias.double() if bias is not None else 0)
+    if routing["n_group"]:
+        g = routing["n_group"]
+        e = logits.shape[-1]
+        grouped = choice.view(-1, g, e // g)
+        if bias is not None:
             gscore = grouped.topk(2, dim=-1).values.sum(-1)
-            keep = gscore.topk(routing["topk_group"], dim=-1).indices
-            mask = torch.zeros_like(gscore).scatter_(1, keep, 1).bool()
-            choice = choice.masked_fill(~mask.repeat_interleave(e // g, dim=1), float("-inf"))
-        ids = choice.topk(k, dim=-1).indices
-        w = scores.gather(1, ids)
+        else:
+            gscore = grouped.max(dim=-1).values
+        keep = gscore.topk(routing["topk_group"], dim=-1).indices
+        mask = torch.zeros_like(gscore).scatter_(1, keep, 1).bool()
+        choice = choice.masked_fill(~mask.repeat_interleave(e // g, dim=1), float("-inf"))
+    ids = choice.topk(k, dim=-1).indices
+    w = scores.gather(1, ids)
     if routing["renormalize"]:
         w = w / w.sum(-1, keepdim=True)
     return w * routing["routed_scaling_factor"], ids
@@ -409,6 +414,96 @@ def test_forward_routes_and_adds_shared_experts(
     got = moe(x, logits)
     limit = 2e-3 if mode == "w8a8" else 1e-4
     assert rel_l2(got, want) <= limit
+
+
+def _with_config(src: Path, dst: Path, **changes: object) -> Path:
+    """A copy of checkpoint ``src`` whose config.json has ``changes`` (None deletes a key)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_grouped_routing_without_bias(
+    fixture_path: Callable[[str], Path], tmp_path: Path, scoring: str
+) -> None:
+    """DeepSeek-V2's group-limited routing (softmax scores, n_group 4 of 2 experts each, the
+    best group kept, no renormalisation, routed scaling 16) and its sigmoid variant: the
+    forward picks the experts and weights of vLLM's grouped_topk, which differ from plain
+    top-k whenever a token's two best experts lie in different groups."""
+    path = _with_config(
+        fixture_path("qwen3_w8a16_g128"),
+        tmp_path / "m",
+        scoring_func=scoring,
+        n_group=4,
+        topk_group=1,
+        norm_topk_prob=False,
+        routed_scaling_factor=16.0,
+    )
+    ckpt = mq.open(path)
+    routing = ckpt.summary()["routing"]
+    assert (routing["n_group"], routing["topk_group"], routing["scoring_func"]) == (4, 1, scoring)
+    moe = mq.MoELayer.from_checkpoint(ckpt, 0)
+    x = torch.randn(64, moe.hidden_size)
+    logits = torch.randn(64, moe.num_experts)
+    w, ids = torch_route({}, routing, logits, None)
+    plain_ids = torch_route({}, routing | {"n_group": None}, logits, None)[1]
+    assert not torch.equal(ids.sort(-1).values, plain_ids.sort(-1).values)
+    want = moe.forward_topk(x, w.float(), ids)
+    assert rel_l2(moe(x, logits), want) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "changes,error,match",
+    [
+        (dict(n_group=3, topk_group=1), mq.ConfigError, "n_group: 3 expert groups do not divide"),
+        (dict(n_group=4), mq.ConfigError, "topk_group: missing, and n_group is 4"),
+        (dict(n_group=4, topk_group=5), mq.ConfigError, "topk_group: 5 is not between 1 and"),
+        (dict(n_group=8, topk_group=1), mq.ConfigError, "topk_group: 1 groups of 1 experts hold"),
+        (dict(num_experts_per_tok=9), mq.ConfigError, "num_experts_per_tok: 9 is not between"),
+        (dict(scoring_func="sqrtsoftplus"), mq.UnsupportedSchemeError, "scoring_func"),
+    ],
+)
+def test_routing_the_cpu_cannot_follow_is_refused(
+    fixture_path: Callable[[str], Path], tmp_path: Path, changes: dict, error: type, match: str
+) -> None:
+    """Routing keys that vLLM would crash on or that no kernel implements stop the CPU layer
+    from being built (before any expert is loaded), naming config.json and the key; the
+    checkpoint still opens and plans."""
+    path = _with_config(fixture_path("qwen3_w8a16_g128"), tmp_path / "m", **changes)
+    ckpt = mq.open(path)
+    assert ckpt.summary()["routing"]["scoring_func"] == changes.get("scoring_func", "softmax")
+    with pytest.raises(error, match=f"config.json: {match}"):
+        mq.MoELayer.from_checkpoint(ckpt, 0)
+
+
+@pytest.mark.parametrize(
+    "key,value,expected",
+    [
+        ("norm_topk_prob", "yes", "true or false"),
+        ("n_group", -2, "a non-negative integer"),
+        ("topk_group", 1.5, "a non-negative integer"),
+        ("num_experts_per_tok", "8", "a non-negative integer"),
+        ("routed_scaling_factor", "2.5", "a number"),
+        ("scoring_func", 1, "a string"),
+    ],
+)
+def test_routing_keys_of_the_wrong_type_are_config_errors(
+    fixture_path: Callable[[str], Path], tmp_path: Path, key: str, value: object, expected: str
+) -> None:
+    """A routing key of the wrong type was ignored (default routing, silently different from
+    the model's); it is a ConfigError naming the key when the checkpoint opens."""
+    path = _with_config(fixture_path("qwen3_w8a16_g128"), tmp_path / "m", **{key: value})
+    with pytest.raises(mq.ConfigError, match=f"config.json: {key}: expected {expected}"):
+        mq.open(path)
 
 
 @pytest.mark.parametrize(

@@ -353,7 +353,7 @@ impl Model {
                     || ckpt.contains(&format!("{p}.e_score_correction_bias"));
             }
         }
-        let routing = Routing::from_config(config, any_bias);
+        let routing = Routing::from_config(&config_file, config, any_bias)?;
         Ok(Model {
             layout,
             ckpt,
@@ -626,7 +626,7 @@ fn routing_json(r: &Routing) -> Value {
     json!({
         "top_k": r.top_k,
         "renormalize": r.renormalize,
-        "scoring_func": r.scoring.name(),
+        "scoring_func": r.unsupported_scoring.as_deref().unwrap_or(r.scoring.name()),
         "n_group": r.n_group,
         "topk_group": r.topk_group,
         "routed_scaling_factor": r.routed_scaling_factor,

@@ -328,6 +328,7 @@ pub fn from_raw(
             top_k: Some(top_k),
             renormalize,
             scoring: Scoring::Softmax,
+            unsupported_scoring: None,
             n_group: None,
             topk_group: None,
             routed_scaling_factor: 1.0,

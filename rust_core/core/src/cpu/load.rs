@@ -3,7 +3,7 @@
 use super::linear::Linear;
 use super::moe::{CpuExpert, CpuMoe};
 use crate::checkpoint::Checkpoint;
-use crate::error::{module_error, CheckpointError, Result, UnsupportedSchemeError};
+use crate::error::{module_error, CheckpointError, ConfigError, Result, UnsupportedSchemeError};
 use crate::model::Model;
 use crate::moe::{ExpertModules, MoeLayer};
 use crate::oracle::{Backend, CpuFeatures, Method, Options, Platform};
@@ -227,6 +227,7 @@ pub fn moe_layer(model: &Model, layer: usize) -> Result<CpuMoe> {
                 format!("is not an MoE layer of this checkpoint (MoE layers: {have:?})"),
             )
         })?;
+    check_routing(model, l.experts.len())?;
     let plan = crate::oracle::plan_layer(
         &Model::layer_input(l),
         Platform::Cpu(CpuFeatures::detect()),
@@ -275,6 +276,29 @@ fn vector(ckpt: &Checkpoint, name: &str, want: usize) -> Result<Vec<f32>> {
     Ok(v)
 }
 
+/// The model's routing can route a layer of `experts` experts ([`crate::moe::Routing::check`]),
+/// checked before any expert is loaded: an unknown scoring function is an
+/// `UnsupportedSchemeError`, inconsistent routing keys a `ConfigError` naming the key.
+fn check_routing(model: &Model, experts: usize) -> Result<()> {
+    let file = model.checkpoint().config_path();
+    model
+        .routing()
+        .check(experts)
+        .map_err(|(key, reason)| match key {
+            "scoring_func" => UnsupportedSchemeError {
+                subject: format!("{}: {key}", file.display()),
+                reason,
+            }
+            .into(),
+            _ => ConfigError {
+                file,
+                key: key.to_string(),
+                reason,
+            }
+            .into(),
+        })
+}
+
 /// The layer from its experts plus the tensors named: the shared expert gate (`[hidden]`) and
 /// the router's correction bias (`[experts]`); routing from the model config.
 fn assemble(
@@ -316,6 +340,7 @@ fn assemble(
 /// A layer of a `moeq repack --target cpu` checkpoint: experts from the stored packed blocks,
 /// router, shared experts and their gate from the copied source tensors.
 fn prepacked_layer(model: &Model, g: &crate::repack::cpu::CpuGeometry) -> Result<CpuMoe> {
+    check_routing(model, g.experts)?;
     let ckpt = model.checkpoint();
     let version = model.quantization_config().and_then(|q| q.version.clone());
     let experts = crate::repack::cpu::load_experts(ckpt, g)?;

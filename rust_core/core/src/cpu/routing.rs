@@ -1,5 +1,5 @@
-//! Top-k routing: softmax (Qwen-MoE, Mixtral) and sigmoid with score-correction bias, expert
-//! groups and routed scaling (DeepSeek-V3, Laguna).
+//! Top-k routing: softmax (Qwen-MoE, Mixtral; with expert groups, DeepSeek-V2) and sigmoid
+//! with score-correction bias, expert groups and routed scaling (DeepSeek-V3, Laguna).
 
 use rayon::prelude::*;
 
@@ -82,54 +82,51 @@ fn route_row(
             .collect(),
         _ => row.to_vec(),
     };
-    let (chosen, mut w): (Vec<usize>, Vec<f32>) = match routing.scoring {
+    let scores: Vec<f32> = match routing.scoring {
         Scoring::Softmax => {
             let max = capped.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let exps: Vec<f32> = capped.iter().map(|&x| (x - max).exp()).collect();
             let sum: f32 = exps.iter().sum();
-            let probs: Vec<f32> = exps.iter().map(|&e| e / sum).collect();
-            let chosen = top_k_indices(&probs, k);
-            let w = chosen.iter().map(|&i| probs[i]).collect();
-            (chosen, w)
+            exps.iter().map(|&e| e / sum).collect()
         }
-        Scoring::Sigmoid => {
-            let scores: Vec<f32> = capped.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect();
-            let choice: Vec<f32> = match correction_bias {
-                Some(b) if b.len() == scores.len() => {
-                    scores.iter().zip(b).map(|(s, b)| s + b).collect()
-                }
-                _ => scores.clone(),
-            };
-            let masked = match (routing.n_group, routing.topk_group) {
-                (Some(groups), Some(keep)) if groups > 1 && experts.is_multiple_of(groups) => {
-                    let per = experts / groups;
-                    // Group score: sum of the two best corrected scores in the group.
-                    let gscore: Vec<f32> = (0..groups)
-                        .map(|g| {
-                            let best = top_k_indices(&choice[g * per..(g + 1) * per], 2.min(per));
-                            best.iter().map(|&i| choice[g * per + i]).sum()
-                        })
-                        .collect();
-                    let kept = top_k_indices(&gscore, keep.min(groups));
-                    choice
-                        .iter()
-                        .enumerate()
-                        .map(|(e, &c)| {
-                            if kept.contains(&(e / per)) {
-                                c
-                            } else {
-                                f32::NEG_INFINITY
-                            }
-                        })
-                        .collect()
-                }
-                _ => choice,
-            };
-            let chosen = top_k_indices(&masked, k);
-            let w = chosen.iter().map(|&i| scores[i]).collect();
-            (chosen, w)
-        }
+        Scoring::Sigmoid => capped.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect(),
     };
+    // Experts are chosen on the scores plus the correction bias, weighted by the scores.
+    let bias = correction_bias.filter(|b| b.len() == scores.len());
+    let choice: Vec<f32> = match bias {
+        Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
+        None => scores.clone(),
+    };
+    // Group-limited selection (DeepSeek-V2 softmax, DeepSeek-V3 sigmoid), as vLLM's
+    // `grouped_topk`: only the `topk_group` best groups of experts compete, a group scored by
+    // its two best biased scores when the router has a bias, else by its best score.
+    let masked = match (routing.n_group, routing.topk_group) {
+        (Some(groups), Some(keep)) if groups > 1 && experts.is_multiple_of(groups) => {
+            let per = experts / groups;
+            let gscore: Vec<f32> = (0..groups)
+                .map(|g| {
+                    let members = &choice[g * per..(g + 1) * per];
+                    let best = top_k_indices(members, if bias.is_some() { 2.min(per) } else { 1 });
+                    best.iter().map(|&i| members[i]).sum()
+                })
+                .collect();
+            let kept = top_k_indices(&gscore, keep.min(groups));
+            choice
+                .iter()
+                .enumerate()
+                .map(|(e, &c)| {
+                    if kept.contains(&(e / per)) {
+                        c
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                })
+                .collect()
+        }
+        _ => choice,
+    };
+    let chosen = top_k_indices(&masked, k);
+    let mut w: Vec<f32> = chosen.iter().map(|&i| scores[i]).collect();
     if routing.renormalize {
         let sum: f32 = w.iter().sum();
         let denom = if routing.scoring == Scoring::Sigmoid {

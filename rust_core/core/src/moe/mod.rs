@@ -2,6 +2,7 @@
 //! routing parameters of `config.json`.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::LazyLock;
 
 use regex::Regex;
@@ -9,6 +10,7 @@ use serde_json::Value;
 
 use crate::checkpoint::Checkpoint;
 use crate::error::{module_error, Result};
+use crate::scheme::json::Field;
 use crate::scheme::module::ModuleInfo;
 
 /// The role of an expert projection.
@@ -100,6 +102,9 @@ pub struct Routing {
     pub top_k: Option<usize>,
     pub renormalize: bool,
     pub scoring: Scoring,
+    /// A `scoring_func` other than softmax and sigmoid, as written: no kernel routes it, and
+    /// building a CPU layer refuses it rather than route with softmax.
+    pub unsupported_scoring: Option<String>,
     pub n_group: Option<usize>,
     pub topk_group: Option<usize>,
     pub routed_scaling_factor: f64,
@@ -123,6 +128,32 @@ fn cfg_usize(config: &Value, keys: &[&str]) -> Option<usize> {
         .and_then(|v| usize::try_from(v).ok())
 }
 
+/// The first of `keys` the config sets (at the top level, else in `text_config`), as a typed
+/// field whose errors name its key path.
+fn cfg_field<'a>(file: &'a Path, config: &'a Value, keys: &[&str]) -> Field<'a> {
+    for k in keys {
+        if let Some(v) = config.get(*k).filter(|v| !v.is_null()) {
+            return Field::new(file, *k, Some(v));
+        }
+        if let Some(v) = config
+            .get("text_config")
+            .and_then(|t| t.get(*k))
+            .filter(|v| !v.is_null())
+        {
+            return Field::new(file, format!("text_config.{k}"), Some(v));
+        }
+    }
+    Field::new(file, keys.first().copied().unwrap_or(""), None)
+}
+
+/// A count field: a non-negative integer that fits `usize`.
+fn count(field: &Field<'_>) -> Result<Option<usize>> {
+    field
+        .opt_u64()?
+        .map(|v| usize::try_from(v).map_err(|_| field.invalid(format!("{v} is too large"))))
+        .transpose()
+}
+
 pub fn model_type(config: &Value) -> String {
     cfg(config, "model_type")
         .and_then(Value::as_str)
@@ -131,23 +162,30 @@ pub fn model_type(config: &Value) -> String {
 }
 
 impl Routing {
-    pub fn from_config(config: &Value, has_correction_bias: bool) -> Routing {
+    /// The routing keys of `config.json` (`file`). A key of the wrong type (a string for
+    /// `norm_topk_prob`, a negative `n_group`, ...) is a `ConfigError` naming it: ignoring it
+    /// would route differently from the model, silently.
+    pub fn from_config(file: &Path, config: &Value, has_correction_bias: bool) -> Result<Routing> {
         let mtype = model_type(config);
-        let top_k = cfg_usize(
+        let top_k = count(&cfg_field(
+            file,
             config,
             &["num_experts_per_tok", "moe_top_k", "num_experts_per_token"],
-        );
-        let scoring = match cfg(config, "scoring_func").and_then(Value::as_str) {
-            Some("sigmoid") => Scoring::Sigmoid,
-            Some(_) => Scoring::Softmax,
+        ))?;
+        let (scoring, unsupported_scoring) = match cfg_field(file, config, &["scoring_func"])
+            .opt_str()?
+        {
+            Some("sigmoid") => (Scoring::Sigmoid, None),
+            Some("softmax") => (Scoring::Softmax, None),
+            Some(other) => (Scoring::Softmax, Some(other.to_string())),
             None if matches!(mtype.as_str(), "deepseek_v3" | "laguna") || has_correction_bias => {
-                Scoring::Sigmoid
+                (Scoring::Sigmoid, None)
             }
-            None => Scoring::Softmax,
+            None => (Scoring::Softmax, None),
         };
         // Mixtral always renormalises; others say so with norm_topk_prob (DeepSeek-V3 defaults to
         // true, Qwen-MoE to false).
-        let renormalize = match cfg(config, "norm_topk_prob").and_then(Value::as_bool) {
+        let renormalize = match cfg_field(file, config, &["norm_topk_prob"]).opt_bool()? {
             Some(b) => b,
             // Laguna's router always renormalises (transformers `LagunaTopKRouter`).
             None => matches!(
@@ -155,22 +193,76 @@ impl Routing {
                 "mixtral" | "deepseek_v3" | "minimax" | "laguna"
             ),
         };
-        let routed_scaling_factor = ["routed_scaling_factor", "moe_routed_scaling_factor"]
-            .iter()
-            .find_map(|k| cfg(config, k).and_then(Value::as_f64))
-            .unwrap_or(1.0);
-        Routing {
+        let routed_scaling_factor = cfg_field(
+            file,
+            config,
+            &["routed_scaling_factor", "moe_routed_scaling_factor"],
+        )
+        .opt_f64()?
+        .unwrap_or(1.0);
+        let logit_softcapping = cfg_field(
+            file,
+            config,
+            &["moe_router_logit_softcapping", "router_logit_softcapping"],
+        )
+        .opt_f64()?
+        .filter(|&c| c > 0.0);
+        Ok(Routing {
             top_k,
             renormalize,
             scoring,
-            n_group: cfg_usize(config, &["n_group"]).filter(|&g| g > 1),
-            topk_group: cfg_usize(config, &["topk_group"]),
+            unsupported_scoring,
+            n_group: count(&cfg_field(file, config, &["n_group"]))?.filter(|&g| g > 1),
+            topk_group: count(&cfg_field(file, config, &["topk_group"]))?,
             routed_scaling_factor,
-            logit_softcapping: ["moe_router_logit_softcapping", "router_logit_softcapping"]
-                .iter()
-                .find_map(|k| cfg(config, k).and_then(Value::as_f64))
-                .filter(|&c| c > 0.0),
+            logit_softcapping,
+        })
+    }
+
+    /// What a layer of `experts` experts cannot be routed with, as the `config.json` key and the
+    /// reason: a scoring function no kernel has, expert groups that do not divide the experts
+    /// or that leave fewer than `top_k` candidates, a `top_k` out of range.
+    pub fn check(&self, experts: usize) -> std::result::Result<(), (&'static str, String)> {
+        if let Some(s) = &self.unsupported_scoring {
+            return Err((
+                "scoring_func",
+                format!("\"{s}\" routing is not implemented (softmax or sigmoid)"),
+            ));
         }
+        if let Some(k) = self.top_k {
+            if k == 0 || k > experts {
+                return Err((
+                    "num_experts_per_tok",
+                    format!("{k} is not between 1 and the layer's {experts} experts"),
+                ));
+            }
+        }
+        if let Some(groups) = self.n_group {
+            if !experts.is_multiple_of(groups) {
+                return Err((
+                    "n_group",
+                    format!("{groups} expert groups do not divide the layer's {experts} experts"),
+                ));
+            }
+            let keep = self.topk_group.ok_or((
+                "topk_group",
+                format!("missing, and n_group is {groups}: how many groups to keep per token"),
+            ))?;
+            let per = experts / groups;
+            if keep == 0 || keep > groups {
+                return Err((
+                    "topk_group",
+                    format!("{keep} is not between 1 and n_group ({groups})"),
+                ));
+            }
+            if let Some(k) = self.top_k.filter(|&k| k > keep * per) {
+                return Err((
+                    "topk_group",
+                    format!("{keep} groups of {per} experts hold fewer than top_k ({k})"),
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
