@@ -470,14 +470,15 @@ def test_grouped_routing_without_bias(
         (dict(n_group=8, topk_group=1), mq.ConfigError, "topk_group: 1 groups of 1 experts hold"),
         (dict(num_experts_per_tok=9), mq.ConfigError, "num_experts_per_tok: 9 is not between"),
         (dict(scoring_func="sqrtsoftplus"), mq.UnsupportedSchemeError, "scoring_func"),
+        (dict(hidden_act="gelu"), mq.UnsupportedSchemeError, 'hidden_act: "gelu" experts'),
     ],
 )
 def test_routing_the_cpu_cannot_follow_is_refused(
     fixture_path: Callable[[str], Path], tmp_path: Path, changes: dict, error: type, match: str
 ) -> None:
-    """Routing keys that vLLM would crash on or that no kernel implements stop the CPU layer
-    from being built (before any expert is loaded), naming config.json and the key; the
-    checkpoint still opens and plans."""
+    """Routing keys that vLLM would crash on, and scoring functions or expert activations that
+    no kernel implements, stop the CPU layer from being built (before any expert is loaded),
+    naming config.json and the key; the checkpoint still opens and plans."""
     path = _with_config(fixture_path("qwen3_w8a16_g128"), tmp_path / "m", **changes)
     ckpt = mq.open(path)
     assert ckpt.summary()["routing"]["scoring_func"] == changes.get("scoring_func", "softmax")
@@ -494,6 +495,7 @@ def test_routing_the_cpu_cannot_follow_is_refused(
         ("num_experts_per_tok", "8", "a non-negative integer"),
         ("routed_scaling_factor", "2.5", "a number"),
         ("scoring_func", 1, "a string"),
+        ("hidden_act", ["silu"], "a string"),
     ],
 )
 def test_routing_keys_of_the_wrong_type_are_config_errors(

@@ -463,6 +463,21 @@ def test_cuda_layer_loader_names_what_it_cannot_run(fixture_path, name: str, mat
         mq.cuda.load_moe_layer_unverified(ckpt, 99, device="cpu")
 
 
+def test_cuda_layer_loader_refuses_other_activations(fixture_path, tmp_path) -> None:
+    """A checkpoint whose experts are not SiLU-gated is refused, naming hidden_act, rather than
+    run with SiLU."""
+    import json
+    import shutil
+
+    dst = tmp_path / "m"
+    shutil.copytree(fixture_path("qwen3_w8a16_g128"), dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["hidden_act"] = "gelu"
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(mq.UnsupportedSchemeError, match="hidden_act 'gelu'"):
+        mq.cuda.load_moe_layer_unverified(mq.open(dst), 0, device="cpu")
+
+
 def test_cuda_layer_goes_through_the_custom_op_under_compile(
     fixture_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -735,6 +735,10 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
         why.append(f"routed_scaling_factor {routing['routed_scaling_factor']}")
     if routing["logit_softcapping"]:
         why.append("router logit soft-capping")
+    cfg = ckpt.config
+    act = cfg.get("hidden_act") or (cfg.get("text_config") or {}).get("hidden_act")
+    if act not in (None, "silu", "swish"):
+        why.append(f"hidden_act {act!r} (the kernels compute silu(gate) * up)")
     if info["mixed"]:
         why.append("mixed schemes across experts")
     if not info["gated"]:

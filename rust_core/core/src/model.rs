@@ -32,6 +32,8 @@ pub struct Model {
     moe_layers: Vec<MoeLayer>,
     dense_layers: Vec<usize>,
     routing: Routing,
+    /// `config.json`'s `hidden_act`, as written.
+    hidden_act: Option<String>,
     layout: Option<RepackedLayout>,
 }
 
@@ -354,7 +356,9 @@ impl Model {
             }
         }
         let routing = Routing::from_config(&config_file, config, any_bias)?;
+        let hidden_act = moe::hidden_act(&config_file, config)?;
         Ok(Model {
+            hidden_act,
             layout,
             ckpt,
             quant,
@@ -379,6 +383,10 @@ impl Model {
     }
     pub fn routing(&self) -> &Routing {
         &self.routing
+    }
+    /// `config.json`'s `hidden_act` (the experts' activation), as written.
+    pub fn hidden_act(&self) -> Option<&str> {
+        self.hidden_act.as_deref()
     }
     /// The repacked layout, when this checkpoint was written by `moeq repack`.
     pub fn layout(&self) -> Option<&RepackedLayout> {

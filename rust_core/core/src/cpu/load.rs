@@ -276,11 +276,22 @@ fn vector(ckpt: &Checkpoint, name: &str, want: usize) -> Result<Vec<f32>> {
     Ok(v)
 }
 
-/// The model's routing can route a layer of `experts` experts ([`crate::moe::Routing::check`]),
-/// checked before any expert is loaded: an unknown scoring function is an
+/// The CPU computes what `config.json` describes for a layer of `experts` experts, checked
+/// before any expert is loaded: SiLU-gated experts, and routing the kernels follow
+/// ([`crate::moe::Routing::check`]). An activation or scoring function no kernel has is an
 /// `UnsupportedSchemeError`, inconsistent routing keys a `ConfigError` naming the key.
 fn check_routing(model: &Model, experts: usize) -> Result<()> {
     let file = model.checkpoint().config_path();
+    if !crate::moe::is_silu(model.hidden_act()) {
+        return Err(UnsupportedSchemeError {
+            subject: format!("{}: hidden_act", file.display()),
+            reason: format!(
+                "\"{}\" experts are not implemented (the CPU kernels compute silu(gate) * up)",
+                model.hidden_act().unwrap_or_default()
+            ),
+        }
+        .into());
+    }
     model
         .routing()
         .check(experts)

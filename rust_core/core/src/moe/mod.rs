@@ -266,6 +266,20 @@ impl Routing {
     }
 }
 
+/// The experts' activation as `config.json` names it (`hidden_act`, or `text_config.hidden_act`),
+/// if it says; a value that is not a string is a `ConfigError` naming the key.
+pub fn hidden_act(file: &Path, config: &Value) -> Result<Option<String>> {
+    Ok(cfg_field(file, config, &["hidden_act"])
+        .opt_str()?
+        .map(str::to_string))
+}
+
+/// Whether the experts' activation is the SiLU gate the kernels compute (`silu(gate) * up`);
+/// `None` (unstated) is taken as SiLU, as every supported model family uses it.
+pub fn is_silu(hidden_act: Option<&str>) -> bool {
+    matches!(hidden_act, None | Some("silu" | "swish"))
+}
+
 /// The expert count `config.json` declares, if any.
 pub fn configured_num_experts(config: &Value) -> Option<usize> {
     cfg_usize(
