@@ -471,6 +471,8 @@ def test_grouped_routing_without_bias(
         (dict(num_experts_per_tok=9), mq.ConfigError, "num_experts_per_tok: 9 is not between"),
         (dict(scoring_func="sqrtsoftplus"), mq.UnsupportedSchemeError, "scoring_func"),
         (dict(hidden_act="gelu"), mq.UnsupportedSchemeError, 'hidden_act: "gelu" experts'),
+        (dict(model_type="llama4"), mq.UnsupportedSchemeError, "model_type: Llama-4 scales"),
+        (dict(model_type="phimoe"), mq.UnsupportedSchemeError, "model_type: PhiMoE"),
     ],
 )
 def test_routing_the_cpu_cannot_follow_is_refused(

@@ -463,9 +463,9 @@ def test_cuda_layer_loader_names_what_it_cannot_run(fixture_path, name: str, mat
         mq.cuda.load_moe_layer_unverified(ckpt, 99, device="cpu")
 
 
-def test_cuda_layer_loader_refuses_other_activations(fixture_path, tmp_path) -> None:
-    """A checkpoint whose experts are not SiLU-gated is refused, naming hidden_act, rather than
-    run with SiLU."""
+def test_cuda_layer_loader_refuses_other_activations_and_routers(fixture_path, tmp_path) -> None:
+    """A checkpoint whose experts are not SiLU-gated, or whose family routes otherwise, is
+    refused, naming hidden_act and model_type, rather than run as a SiLU top-k MoE."""
     import json
     import shutil
 
@@ -473,8 +473,9 @@ def test_cuda_layer_loader_refuses_other_activations(fixture_path, tmp_path) -> 
     shutil.copytree(fixture_path("qwen3_w8a16_g128"), dst)
     cfg = json.loads((dst / "config.json").read_text())
     cfg["hidden_act"] = "gelu"
+    cfg["model_type"] = "phimoe"
     (dst / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(mq.UnsupportedSchemeError, match="hidden_act 'gelu'"):
+    with pytest.raises(mq.UnsupportedSchemeError, match="hidden_act 'gelu'.*model_type 'phimoe'"):
         mq.cuda.load_moe_layer_unverified(mq.open(dst), 0, device="cpu")
 
 

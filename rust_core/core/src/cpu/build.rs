@@ -329,6 +329,7 @@ pub fn from_raw(
             renormalize,
             scoring: Scoring::Softmax,
             unsupported_scoring: None,
+            unsupported_model: None,
             n_group: None,
             topk_group: None,
             routed_scaling_factor: 1.0,

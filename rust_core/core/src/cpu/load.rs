@@ -296,7 +296,7 @@ fn check_routing(model: &Model, experts: usize) -> Result<()> {
         .routing()
         .check(experts)
         .map_err(|(key, reason)| match key {
-            "scoring_func" => UnsupportedSchemeError {
+            "scoring_func" | "model_type" => UnsupportedSchemeError {
                 subject: format!("{}: {key}", file.display()),
                 reason,
             }

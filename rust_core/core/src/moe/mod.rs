@@ -105,6 +105,9 @@ pub struct Routing {
     /// A `scoring_func` other than softmax and sigmoid, as written: no kernel routes it, and
     /// building a CPU layer refuses it rather than route with softmax.
     pub unsupported_scoring: Option<String>,
+    /// Why the model family's router is not the config-driven top-k that the CPU forward
+    /// computes (set for families known to route otherwise).
+    pub unsupported_model: Option<&'static str>,
     pub n_group: Option<usize>,
     pub topk_group: Option<usize>,
     pub routed_scaling_factor: f64,
@@ -207,11 +210,22 @@ impl Routing {
         )
         .opt_f64()?
         .filter(|&c| c > 0.0);
+        // Families whose experts appear as per-expert modules (so the layer is found) but whose
+        // router is not a top-k over scores weighting the expert outputs.
+        let unsupported_model = match mtype.as_str() {
+            "llama4" | "llama4_text" => Some(
+                "Llama-4 scales each expert's input (not its output) by the sigmoid of its top-k \
+                 router logit; the CPU forward weights outputs",
+            ),
+            "phimoe" => Some("PhiMoE's SparseMixer routing is not implemented"),
+            _ => None,
+        };
         Ok(Routing {
             top_k,
             renormalize,
             scoring,
             unsupported_scoring,
+            unsupported_model,
             n_group: count(&cfg_field(file, config, &["n_group"]))?.filter(|&g| g > 1),
             topk_group: count(&cfg_field(file, config, &["topk_group"]))?,
             routed_scaling_factor,
@@ -220,9 +234,13 @@ impl Routing {
     }
 
     /// What a layer of `experts` experts cannot be routed with, as the `config.json` key and the
-    /// reason: a scoring function no kernel has, expert groups that do not divide the experts
-    /// or that leave fewer than `top_k` candidates, a `top_k` out of range.
+    /// reason: a model family with a router of its own, a scoring function no kernel has,
+    /// expert groups that do not divide the experts or that leave fewer than `top_k`
+    /// candidates, a `top_k` out of range.
     pub fn check(&self, experts: usize) -> std::result::Result<(), (&'static str, String)> {
+        if let Some(why) = self.unsupported_model {
+            return Err(("model_type", why.to_string()));
+        }
         if let Some(s) = &self.unsupported_scoring {
             return Err((
                 "scoring_func",
