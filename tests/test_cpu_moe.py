@@ -416,6 +416,48 @@ def test_forward_routes_and_adds_shared_experts(
     assert rel_l2(got, want) <= limit
 
 
+def test_shared_expert_gate_scales_the_shared_output(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Qwen2-MoE's `shared_expert_gate` (an unquantized Linear(H, 1)): the shared expert's
+    output is scaled by sigmoid(x . g) per token. Built on the Laguna fixture (real
+    compressed-tensors weights, Qwen2-style `shared_expert`) with a gate added to each MoE
+    layer and listed in the quantization config's ignore list, as llm-compressor writes it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst = tmp_path / "m"
+    shutil.copytree(fixture_path("laguna_mixed_int4_int8"), dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    layers = [x["layer"] for x in mq.open(dst).moe_layers()]
+    tensors = load_file(dst / "model.safetensors")
+    gates = {}
+    for layer in layers:
+        name = f"model.layers.{layer}.mlp.shared_expert_gate"
+        gates[layer] = torch.randn(1, cfg["hidden_size"]).to(torch.bfloat16) * 0.2
+        tensors[f"{name}.weight"] = gates[layer]
+        cfg["quantization_config"]["ignore"].append(name)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(cfg))
+    ckpt = mq.open(dst)
+    routing = ckpt.summary()["routing"]
+    for layer in layers:
+        info = next(x for x in ckpt.moe_layers() if x["layer"] == layer)
+        moe = mq.MoELayer.from_checkpoint(ckpt, layer)
+        x = torch.randn(6, moe.hidden_size)
+        logits = torch.randn(6, moe.num_experts)
+        bias = ckpt.tensor(info["router"]["e_score_correction_bias"], "torch").float()
+        w, ids = torch_route(cfg, routing, logits, bias)
+        emu = Emulation(ckpt, layer, False)
+        routed = emu.topk(x, w, ids)
+        shared = emu.expert(info["shared_experts"]["prefix"], x)
+        gate = torch.sigmoid(x.double() @ gates[layer].double().t())
+        got = moe(x, logits)
+        assert rel_l2(got, routed + gate * shared) <= 1e-4
+        assert rel_l2(got, routed + shared) > 1e-2  # the gate made a difference
+
+
 def _with_config(src: Path, dst: Path, **changes: object) -> Path:
     """A copy of checkpoint ``src`` whose config.json has ``changes`` (None deletes a key)."""
     import shutil
