@@ -725,6 +725,98 @@ def test_from_tensors_equals_from_checkpoint(
     assert rel_l2(layer(x, logits), layer.forward_topk(x, wr, idr)) < 1e-6
 
 
+def _words(*shape: int) -> torch.Tensor:
+    """Random int32 words: eight 4-bit codes each, as compressed-tensors packs them."""
+    return torch.randint(-(2**31), 2**31, shape, dtype=torch.int64).to(torch.int32)
+
+
+def _raw_dequant(q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, int4: bool):
+    """fp64 ``[E, N, K]`` weights from from_tensors' raw arguments, unpacked here with the
+    compressed-tensors packing (tests/marlin_ref.py): ``(q - zp) * scale`` per group."""
+    e, n = q.shape[0], q.shape[1]
+    if int4:
+        k = q.shape[2] * 8
+        codes = torch.stack(
+            [
+                torch.from_numpy(ct_unpack_rows(q[x].numpy(), 4, k).astype(np.int64)) - 8
+                for x in range(e)
+            ]
+        )
+    else:
+        k = q.shape[2]
+        codes = q.to(torch.int64)
+    s = scale.double() if scale.dim() == 3 else scale.double().unsqueeze(-1)
+    groups = s.shape[-1]
+    w = codes.double().view(e, n, groups, k // groups)
+    if zp is not None:
+        z = torch.stack(
+            [
+                torch.from_numpy(ct_unpack_zero_points(zp[x].numpy(), 4, n).astype(np.int64)).t()
+                - 8
+                for x in range(e)
+            ]
+        )
+        w = w - z.double().unsqueeze(-1)
+    return (w * s.unsqueeze(-1)).view(e, n, k)
+
+
+@pytest.mark.parametrize(
+    "scheme,group,asym",
+    [
+        ("w8a16", 32, False),
+        ("w8a16", 64, False),
+        ("w8a16", -1, False),
+        ("w4a16", 32, False),
+        ("w4a16", 64, True),
+        ("w4a16", -1, True),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_raw_weight_only_layers_match_an_fp64_reference(
+    scheme: str, group: int, asym: bool, dtype: torch.dtype
+) -> None:
+    """Group sizes 32/64 and channelwise, symmetric and asymmetric, with fp32, bf16 and fp16
+    activations (the fixtures hold group 128 and channelwise only): from_tensors' forward
+    against an fp64 MoE on weights dequantised here from the raw arguments."""
+    e, h, i, k, t = 4, 128, 64, 2, 9
+    int4 = scheme == "w4a16"
+    g13, g2 = (1, 1) if group == -1 else (h // group, i // group)
+    if int4:
+        w13, w2 = _words(e, 2 * i, h // 8), _words(e, h, i // 8)
+    else:
+        w13 = torch.randint(-128, 128, (e, 2 * i, h), dtype=torch.int8)
+        w2 = torch.randint(-128, 128, (e, h, i), dtype=torch.int8)
+    s13, s2 = torch.rand(e, 2 * i, g13) * 0.02 + 1e-3, torch.rand(e, h, g2) * 0.02 + 1e-3
+    zp13 = zp2 = None
+    if asym:
+        zp13, zp2 = _words(e, 2 * i // 8, g13), _words(e, h // 8, g2)
+    moe = mq.MoELayer.from_tensors(
+        w13,
+        w2,
+        s13,
+        s2,
+        scheme=scheme,
+        group_size=group,
+        w13_zero_point=zp13,
+        w2_zero_point=zp2,
+        top_k=k,
+    )
+    x = torch.randn(t, h).to(dtype)
+    w, ids = random_routing(t, e, k)
+    got = moe.forward_topk(x, w, ids)
+    assert got.dtype == dtype and got.shape == (t, h)
+    d13, d2 = _raw_dequant(w13, s13, zp13, int4), _raw_dequant(w2, s2, zp2, int4)
+    xd, want = x.double(), torch.zeros(t, h, dtype=torch.float64)
+    for tok in range(t):
+        for j in range(k):
+            ex = int(ids[tok, j])
+            gate, up = (d13[ex] @ xd[tok]).split(i)
+            want[tok] += float(w[tok, j]) * (d2[ex] @ (torch.nn.functional.silu(gate) * up))
+    assert rel_l2(got, want) <= (5e-3 if dtype == torch.float32 else 1e-2)
+    if dtype == torch.float32:
+        assert rel_l2(got, want) <= 1e-5  # fp32 compute on the exact weights
+
+
 def test_from_tensors_rejects_bad_inputs() -> None:
     e, i, h = 2, 64, 128
     w13 = torch.randint(-128, 127, (e, 2 * i, h), dtype=torch.int8)
