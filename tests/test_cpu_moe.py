@@ -115,7 +115,7 @@ def random_routing(tokens: int, experts: int, k: int) -> tuple[torch.Tensor, tor
 
 
 @pytest.mark.parametrize("name,layer,mode", CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_forward_topk_matches_emulation(
     fixture_path: Callable[[str], Path], name: str, layer: int, mode: str, dtype: torch.dtype
 ) -> None:
@@ -128,8 +128,8 @@ def test_forward_topk_matches_emulation(
     assert got.dtype == dtype and got.shape == x.shape and torch.isfinite(got).all()
     want = Emulation(ckpt, layer, mode == "w8a8").topk(x.float(), w, ids)
     err = rel_l2(got, want)
-    if dtype == torch.bfloat16 or name == "qwen3_w8a8_static":
-        limit = 1e-2
+    if dtype != torch.float32 or name == "qwen3_w8a8_static":
+        limit = 1e-2  # the output rounds to the input's 16-bit dtype
     elif mode == "w8a8":
         limit = 2e-3
     else:
