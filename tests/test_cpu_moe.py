@@ -943,6 +943,48 @@ def run_int8_script(out: Path, **env: str) -> tuple[np.ndarray, int, str]:
     return np.load(out), int(threads), kernel
 
 
+_POISON_SCRIPT = r"""
+import sys, numpy as np, torch, moeq_rs as mq
+cases, out = sys.argv[1].split(","), []
+for case in cases:
+    path, layer = case.rsplit(":", 1)
+    moe = mq.MoELayer.from_checkpoint(path, int(layer))
+    g = torch.Generator().manual_seed(11)
+    # Small after large, so buffers come back from earlier calls; bf16 for the bf16 paths.
+    f32, bf16 = torch.float32, torch.bfloat16
+    for t, dtype in ((37, f32), (5, bf16), (1, f32), (64, bf16), (2, f32)):
+        x = torch.randn(t, moe.hidden_size, generator=g).to(dtype)
+        logits = torch.randn(t, moe.num_experts, generator=g)
+        out.append(moe(x, logits).float().numpy().ravel())
+np.save(sys.argv[2], np.concatenate(out))
+"""
+
+
+def test_outputs_and_scratch_are_fully_written(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """With MOEQ_POISON_SCRATCH=1 every reused buffer (the output, the experts' rows, the
+    gate/up scratch) starts as NaN instead of what an earlier call left: every fixture scheme,
+    shared experts and DeepSeek-V3 routing included, at decode and prefill sizes, gives finite
+    outputs bit-identical to a normal run, so no value is left unwritten."""
+    import os
+    import subprocess
+    import sys
+
+    cases = ",".join(f"{fixture_path(name)}:{layer}" for name, layer, _ in CASES)
+    runs = {}
+    for poison in ("0", "1"):
+        dst = tmp_path / f"poison{poison}.npy"
+        subprocess.run(
+            [sys.executable, "-c", _POISON_SCRIPT, cases, str(dst)],
+            env=dict(os.environ, MOEQ_POISON_SCRATCH=poison),
+            check=True,
+        )
+        runs[poison] = np.load(dst)
+    assert np.isfinite(runs["1"]).all()
+    assert np.array_equal(runs["1"], runs["0"])
+
+
 def test_every_cpu_kernel_gives_identical_int8_results(tmp_path: Path) -> None:
     """W8A8 (dynamic and static), W8A16 and W4A16 outputs with fp32 activations are
     bit-identical whichever kernel family runs (integer accumulators equal, same epilogue; the

@@ -47,9 +47,14 @@ thread_local! {
         const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
-/// `v` with length `n`; old contents are kept (callers overwrite every value).
+/// `v` with length `n`; old contents are kept (callers overwrite every value), or NaN under
+/// `MOEQ_POISON_SCRATCH=1` ([`super::spare::poisoning`]).
 fn sized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
-    if v.len() < n {
+    if super::spare::poisoning() {
+        // Every row must be written by the experts (see `spare::poisoning`).
+        v.clear();
+        v.resize(n, f32::NAN);
+    } else if v.len() < n {
         v.resize(n, 0.0);
     }
     &mut v[..n]

@@ -13,16 +13,28 @@ const MAX_BYTES: usize = 256 << 20;
 
 /// Element types with a per-thread spare list.
 pub trait Spare: Copy + 'static {
+    /// What [`take_any`] fills a buffer with under `MOEQ_POISON_SCRATCH=1` ([`poisoning`]):
+    /// a value no computation produces by accident (NaN for floats).
+    const POISON: Self;
     /// Runs `f` on this thread's spares (`None` if re-entered).
     fn with_spares<R>(f: impl FnOnce(Option<&mut Vec<Vec<Self>>>) -> R) -> R;
 }
 
+/// `MOEQ_POISON_SCRATCH=1` (read once): buffers handed out for overwriting come filled with
+/// [`Spare::POISON`] instead of what they held, so a value a forward forgets to write shows
+/// as NaN in the tests that set it, never as a stale number from an earlier call.
+pub fn poisoning() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("MOEQ_POISON_SCRATCH").is_some_and(|v| v != "0"))
+}
+
 macro_rules! spare {
-    ($t:ty, $name:ident) => {
+    ($t:ty, $name:ident, $poison:expr) => {
         thread_local! {
             static $name: RefCell<Vec<Vec<$t>>> = const { RefCell::new(Vec::new()) };
         }
         impl Spare for $t {
+            const POISON: $t = $poison;
             fn with_spares<R>(f: impl FnOnce(Option<&mut Vec<Vec<$t>>>) -> R) -> R {
                 $name.with(|c| match c.try_borrow_mut() {
                     Ok(mut s) => f(Some(&mut s)),
@@ -33,9 +45,10 @@ macro_rules! spare {
     };
 }
 
-spare!(u8, SPARE_U8);
-spare!(u16, SPARE_U16);
-spare!(f32, SPARE_F32);
+spare!(u8, SPARE_U8, 0xA5);
+// A bf16 NaN (u16 spares hold bf16 bits).
+spare!(u16, SPARE_U16, 0x7FC1);
+spare!(f32, SPARE_F32, f32::NAN);
 
 /// `len` copies of `fill`, in a buffer as [`take_empty`] finds one.
 pub fn take<T: Spare>(len: usize, fill: T) -> Vec<T> {
@@ -56,10 +69,14 @@ pub fn take_empty<T: Spare>(len: usize) -> Vec<T> {
 
 /// `len` values, for a caller that overwrites every one: a buffer as [`take_empty`] finds
 /// one, holding what it held (values past its old length are `fill`). Saves the pass that
-/// [`take`] spends filling a buffer about to be overwritten.
+/// [`take`] spends filling a buffer about to be overwritten. Under [`poisoning`] every value
+/// is [`Spare::POISON`].
 pub fn take_any<T: Spare>(len: usize, fill: T) -> Vec<T> {
     let mut v = find(len);
-    if v.len() >= len {
+    if poisoning() {
+        v.clear();
+        v.resize(len, T::POISON);
+    } else if v.len() >= len {
         v.truncate(len);
     } else {
         v.resize(len, fill);
