@@ -4,6 +4,7 @@ zero points and scales (W8A8: DESIGN.md's activation quantisation, emulated exac
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -528,6 +529,11 @@ def test_routing_the_cpu_cannot_follow_is_refused(
     assert ckpt.summary()["routing"]["scoring_func"] == changes.get("scoring_func", "softmax")
     with pytest.raises(error, match=f"config.json: {match}"):
         mq.MoELayer.from_checkpoint(ckpt, 0)
+    # The CPU plan says so up front (`moeq inspect`); the CUDA plan (vLLM's routing) does not.
+    cpu = mq.plan(ckpt, "cpu").layer(0)
+    assert cpu["backend"] is None and re.search(f"config.json: {match}", cpu["error"])
+    assert {"backend": "cpu_simd", "reason": cpu["error"]} in cpu["rejected_backends"]
+    assert mq.plan(ckpt, "cuda").layer(0)["backend"] is not None
 
 
 @pytest.mark.parametrize(

@@ -388,6 +388,25 @@ impl Model {
     pub fn hidden_act(&self) -> Option<&str> {
         self.hidden_act.as_deref()
     }
+
+    /// Whether the CPU forward computes what `config.json` describes for a MoE layer of
+    /// `experts` experts: SiLU-gated experts and routing it follows
+    /// ([`crate::moe::Routing::check`]). Otherwise the `config.json` key and the reason.
+    pub fn cpu_layer_check(
+        &self,
+        experts: usize,
+    ) -> std::result::Result<(), (&'static str, String)> {
+        if !moe::is_silu(self.hidden_act()) {
+            return Err((
+                "hidden_act",
+                format!(
+                    "\"{}\" experts are not implemented (the CPU kernels compute silu(gate) * up)",
+                    self.hidden_act().unwrap_or_default()
+                ),
+            ));
+        }
+        self.routing.check(experts)
+    }
     /// The repacked layout, when this checkpoint was written by `moeq repack`.
     pub fn layout(&self) -> Option<&RepackedLayout> {
         self.layout.as_ref()
@@ -455,6 +474,22 @@ impl Model {
         )
     }
 
+    /// A CPU plan whose layer the CPU forward cannot compute as `config.json` describes
+    /// ([`Model::cpu_layer_check`]) loses its backend, with the reason in `error` and among
+    /// the rejected backends: what `MoELayer.from_checkpoint` would refuse, said up front.
+    fn refuse_unroutable(&self, plan: &mut oracle::LayerPlan, experts: usize) {
+        if plan.backend != Some(Backend::CpuSimd) && plan.method != oracle::Method::Unquantized {
+            return;
+        }
+        if let Err((key, reason)) = self.cpu_layer_check(experts) {
+            let why = format!("config.json: {key}: {reason}");
+            if let Some(b) = plan.backend.take() {
+                plan.rejected.push((b, why.clone()));
+            }
+            plan.error.get_or_insert(why);
+        }
+    }
+
     /// The JSON document of `moeq inspect --json` (DESIGN.md "Contracts"): checkpoint facts,
     /// the oracle's plan per layer, and with `compat` what vLLM would do.
     pub fn report_json(&self, platform: Platform, opts: Options, compat: bool) -> Value {
@@ -464,7 +499,10 @@ impl Model {
             .iter()
             .map(|l| {
                 let input = Self::layer_input(l);
-                let plan = oracle::plan_layer(&input, platform, opts);
+                let mut plan = oracle::plan_layer(&input, platform, opts);
+                if matches!(platform, Platform::Cpu(_)) {
+                    self.refuse_unroutable(&mut plan, l.experts.len());
+                }
                 let mut v = layer_json(l);
                 add_plan_json(&mut v, &plan);
                 if compat {

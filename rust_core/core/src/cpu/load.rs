@@ -276,27 +276,16 @@ fn vector(ckpt: &Checkpoint, name: &str, want: usize) -> Result<Vec<f32>> {
     Ok(v)
 }
 
-/// The CPU computes what `config.json` describes for a layer of `experts` experts, checked
-/// before any expert is loaded: SiLU-gated experts, and routing the kernels follow
-/// ([`crate::moe::Routing::check`]). An activation or scoring function no kernel has is an
-/// `UnsupportedSchemeError`, inconsistent routing keys a `ConfigError` naming the key.
+/// The CPU computes what `config.json` describes for a layer of `experts` experts
+/// ([`Model::cpu_layer_check`]), checked before any expert is loaded: an activation, scoring
+/// function or model family no kernel has is an `UnsupportedSchemeError`, inconsistent
+/// routing keys a `ConfigError` naming the key.
 fn check_routing(model: &Model, experts: usize) -> Result<()> {
     let file = model.checkpoint().config_path();
-    if !crate::moe::is_silu(model.hidden_act()) {
-        return Err(UnsupportedSchemeError {
-            subject: format!("{}: hidden_act", file.display()),
-            reason: format!(
-                "\"{}\" experts are not implemented (the CPU kernels compute silu(gate) * up)",
-                model.hidden_act().unwrap_or_default()
-            ),
-        }
-        .into());
-    }
     model
-        .routing()
-        .check(experts)
+        .cpu_layer_check(experts)
         .map_err(|(key, reason)| match key {
-            "scoring_func" | "model_type" => UnsupportedSchemeError {
+            "hidden_act" | "scoring_func" | "model_type" => UnsupportedSchemeError {
                 subject: format!("{}: {key}", file.display()),
                 reason,
             }
