@@ -486,7 +486,7 @@ def test_grouped_routing_without_bias(
         fixture_path("qwen3_w8a16_g128"),
         tmp_path / "m",
         scoring_func=scoring,
-        n_group=4,
+        n_group=4.0,  # an integral float reads as 4
         topk_group=1,
         norm_topk_prob=False,
         routed_scaling_factor=16.0,
@@ -514,6 +514,11 @@ def test_grouped_routing_without_bias(
         (dict(num_experts_per_tok=9), mq.ConfigError, "num_experts_per_tok: 9 is not between"),
         (dict(scoring_func="sqrtsoftplus"), mq.UnsupportedSchemeError, "scoring_func"),
         (dict(hidden_act="gelu"), mq.UnsupportedSchemeError, 'hidden_act: "gelu" experts'),
+        (
+            dict(hidden_act=None, hidden_activation="gelu_pytorch_tanh"),
+            mq.UnsupportedSchemeError,
+            'hidden_act: "gelu_pytorch_tanh" experts',
+        ),
         (dict(model_type="llama4"), mq.UnsupportedSchemeError, "model_type: Llama-4 scales"),
         (dict(model_type="phimoe"), mq.UnsupportedSchemeError, "model_type: PhiMoE"),
     ],
@@ -534,6 +539,22 @@ def test_routing_the_cpu_cannot_follow_is_refused(
     assert cpu["backend"] is None and re.search(f"config.json: {match}", cpu["error"])
     assert {"backend": "cpu_simd", "reason": cpu["error"]} in cpu["rejected_backends"]
     assert mq.plan(ckpt, "cuda").layer(0)["backend"] is not None
+
+
+def test_cpu_layout_checkpoints_are_refused_for_their_config(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A checkpoint repacked for the CPU is planned from its stored layout; its config is
+    checked all the same (plan and loader)."""
+    from moeq_rs.repack import repack_checkpoint
+
+    repack_checkpoint(fixture_path("qwen3_w8a16_g128"), tmp_path / "cpu", target="cpu")
+    assert mq.plan(tmp_path / "cpu", "cpu").layer(0)["backend"] == "cpu_simd"
+    path = _with_config(tmp_path / "cpu", tmp_path / "m", model_type="phimoe")
+    layer = mq.plan(path, "cpu").layer(0)
+    assert layer["backend"] is None and "config.json: model_type: PhiMoE" in layer["error"]
+    with pytest.raises(mq.UnsupportedSchemeError, match="config.json: model_type: PhiMoE"):
+        mq.MoELayer.from_checkpoint(path, 0)
 
 
 @pytest.mark.parametrize(

@@ -731,6 +731,10 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
         why.append("shared experts")
     if routing["scoring_func"] != "softmax" or routing["n_group"]:
         why.append(f"{routing['scoring_func']} routing (n_group {routing['n_group']})")
+    if (info["router"] or {}).get("e_score_correction_bias"):
+        why.append("a score-correction bias")
+    if routing["top_k"] is not None and not 1 <= routing["top_k"] <= info["num_experts"]:
+        why.append(f"top_k {routing['top_k']} of {info['num_experts']} experts")
     if routing["routed_scaling_factor"] != 1.0:
         why.append(f"routed_scaling_factor {routing['routed_scaling_factor']}")
     if routing["logit_softcapping"]:

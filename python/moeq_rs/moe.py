@@ -1,9 +1,10 @@
 """``MoELayer``: a quantized MoE layer as a ``torch.nn.Module``, run by moeq_rs's CPU kernels.
 
-``forward(hidden_states, router_logits)`` routes per the model config (softmax top-k with or
-without renormalisation, or sigmoid grouped top-k with score-correction bias and routed scaling),
-runs the routed experts and adds the shared experts. ``forward_topk(hidden_states, topk_weights,
-topk_ids)`` is the weighted sum of the routed experts only. Outputs have the hidden dtype.
+``forward(hidden_states, router_logits)`` routes per the model config (softmax or sigmoid
+scores, top-k with or without renormalisation, expert groups as vLLM's ``grouped_topk``,
+score-correction bias and routed scaling), runs the routed experts and adds the shared experts.
+``forward_topk(hidden_states, topk_weights, topk_ids)`` is the weighted sum of the routed experts
+only. Outputs have the hidden dtype.
 """
 
 from __future__ import annotations

@@ -593,7 +593,10 @@ impl Model {
                         experts
                     ],
                 };
-                let plan = oracle::plan_layer(&input, platform, opts);
+                let mut plan = oracle::plan_layer(&input, platform, opts);
+                if matches!(platform, Platform::Cpu(_)) {
+                    self.refuse_unroutable(&mut plan, experts);
+                }
                 let layer_prefix = prefix
                     .strip_suffix(".experts")
                     .unwrap_or(prefix)

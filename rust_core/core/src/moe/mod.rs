@@ -149,11 +149,17 @@ fn cfg_field<'a>(file: &'a Path, config: &'a Value, keys: &[&str]) -> Field<'a> 
     Field::new(file, keys.first().copied().unwrap_or(""), None)
 }
 
-/// A count field: a non-negative integer that fits `usize`.
+/// A count field: a non-negative integer that fits `usize` (an integral float such as `8.0`
+/// too, as Python's json writes a count that went through a float).
 fn count(field: &Field<'_>) -> Result<Option<usize>> {
-    field
-        .opt_u64()?
-        .map(|v| usize::try_from(v).map_err(|_| field.invalid(format!("{v} is too large"))))
+    let v = match field.value {
+        Some(Value::Number(n)) if n.as_u64().is_none() => match n.as_f64() {
+            Some(f) if f >= 0.0 && f.fract() == 0.0 && f < u64::MAX as f64 => Some(f as u64),
+            _ => field.opt_u64()?,
+        },
+        _ => field.opt_u64()?,
+    };
+    v.map(|v| usize::try_from(v).map_err(|_| field.invalid(format!("{v} is too large"))))
         .transpose()
 }
 
@@ -284,12 +290,15 @@ impl Routing {
     }
 }
 
-/// The experts' activation as `config.json` names it (`hidden_act`, or `text_config.hidden_act`),
-/// if it says; a value that is not a string is a `ConfigError` naming the key.
+/// The experts' activation as `config.json` names it (`hidden_act`, or Gemma-style
+/// `hidden_activation`, at the top level or in `text_config`), if it says; a value that is not
+/// a string is a `ConfigError` naming the key.
 pub fn hidden_act(file: &Path, config: &Value) -> Result<Option<String>> {
-    Ok(cfg_field(file, config, &["hidden_act"])
-        .opt_str()?
-        .map(str::to_string))
+    Ok(
+        cfg_field(file, config, &["hidden_act", "hidden_activation"])
+            .opt_str()?
+            .map(str::to_string),
+    )
 }
 
 /// Whether the experts' activation is the SiLU gate the kernels compute (`silu(gate) * up`);
