@@ -286,6 +286,26 @@ def test_cli_usage_errors_are_one_line(argv: list[str]) -> None:
     assert len(lines) == 1 and lines[0].startswith("moeq: error: "), r.stderr
 
 
+def test_cli_stops_quietly_when_the_reader_goes_away() -> None:
+    """`moeq inspect ... | head`: a closed stdout ends the command with SIGPIPE's status and
+    nothing on stderr (it printed "moeq: error: Broken pipe" and exited 1)."""
+    import os
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "moeq_rs", "inspect", "examples/tiny-moe-int4-int8"],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
+    finally:
+        os.close(write)
+    assert (r.returncode, r.stderr) == (141, "")
+
+
 def test_out_of_range_act_order_g_idx(fixture_path, tmp_path: Path) -> None:
     """A g_idx entry naming a group the scales do not have is refused by the CPU loader and the
     Marlin conversion (it would index past the scales), naming the tensor and the entry."""

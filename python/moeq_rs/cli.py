@@ -323,6 +323,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except MoeqError as e:
         _fail(str(e))
+    except BrokenPipeError:
+        # The reader went away (`moeq inspect ... | head`): stop quietly, as Unix tools do, with
+        # SIGPIPE's status; stdout goes to /dev/null so that flushing it at exit cannot fail.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     except OSError as e:
         _fail(f"{e.filename or ''}: {e.strerror or e}".lstrip(": "))
     except KeyboardInterrupt:
