@@ -459,6 +459,53 @@ def test_shared_expert_gate_scales_the_shared_output(
         assert rel_l2(got, routed + shared) > 1e-2  # the gate made a difference
 
 
+def test_ernie_routing_softmax_with_moe_statics_bias(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """ERNIE-4.5's router (transformers `Ernie4_5_MoeTopKRouter`): experts chosen on softmax
+    scores plus the `moe_statics` bias (`[1, E]`, beside the router), weighted by the scores,
+    renormalised; top-k from `moe_k`. Built on the DeepSeek-V3 fixture with its bias moved
+    there (and made large enough to change choices) and an ERNIE config."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst = tmp_path / "m"
+    shutil.copytree(fixture_path("deepseek_v3_w8a8_dynamic"), dst)
+    tensors = load_file(dst / "model.safetensors")
+    for name in [n for n in tensors if n.endswith("mlp.gate.e_score_correction_bias")]:
+        old = tensors.pop(name)
+        new = name.replace("mlp.gate.", "mlp.moe_statics.")
+        tensors[new] = (torch.randn(1, old.numel()) * 0.2).to(old.dtype)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    for key in ("n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor", "scoring_func"):
+        cfg.pop(key, None)
+    cfg["moe_k"] = cfg.pop("num_experts_per_tok")
+    cfg["model_type"] = "ernie4_5_moe"
+    (dst / "config.json").write_text(json.dumps(cfg))
+    ckpt = mq.open(dst)
+    routing = ckpt.summary()["routing"]
+    assert (routing["scoring_func"], routing["renormalize"], routing["top_k"]) == (
+        "softmax",
+        True,
+        2,
+    )
+    info = ckpt.moe_layers()[0]
+    bias_name = info["router"]["e_score_correction_bias"]
+    assert bias_name == f"{info['prefix']}.moe_statics.e_score_correction_bias"
+    bias = ckpt.tensor(bias_name, "torch").float().reshape(-1)
+    moe = mq.MoELayer.from_checkpoint(ckpt, info["layer"])
+    x = torch.randn(32, moe.hidden_size)
+    logits = torch.randn(32, moe.num_experts)
+    w, ids = torch_route(cfg, routing, logits, bias)
+    plain = torch.softmax(logits, -1).topk(2, dim=-1).indices
+    assert not torch.equal(ids.sort(-1).values, plain.sort(-1).values)  # the bias matters
+    emu = Emulation(ckpt, info["layer"], True)
+    want = emu.topk(x, w, ids) + emu.expert(info["shared_experts"]["prefix"], x)
+    assert rel_l2(moe(x, logits), want) <= 2e-3
+
+
 def _with_config(src: Path, dst: Path, **changes: object) -> Path:
     """A copy of checkpoint ``src`` whose config.json has ``changes`` (None deletes a key)."""
     import shutil

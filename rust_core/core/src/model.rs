@@ -351,8 +351,7 @@ impl Model {
                 .chain(l.cpu_layers.iter().map(|g| g.prefix.as_str()));
             for p in prefixes {
                 let lp = p.strip_suffix(".experts").unwrap_or(p);
-                any_bias |= ckpt.contains(&format!("{lp}.gate.e_score_correction_bias"))
-                    || ckpt.contains(&format!("{p}.e_score_correction_bias"));
+                any_bias |= moe::find_correction_bias(&ckpt, lp).is_some();
             }
         }
         let routing = Routing::from_config(&config_file, config, any_bias)?;
@@ -602,12 +601,7 @@ impl Model {
                     .unwrap_or(prefix)
                     .to_string();
                 let router = format!("{layer_prefix}.gate");
-                let bias = [
-                    format!("{router}.e_score_correction_bias"),
-                    format!("{prefix}.e_score_correction_bias"),
-                ]
-                .into_iter()
-                .find(|b| self.ckpt.contains(b));
+                let bias = moe::find_correction_bias(&self.ckpt, &layer_prefix);
                 let shared = ["shared_experts", "shared_expert"].iter().find_map(|s| {
                     let sp = format!("{layer_prefix}.{s}");
                     let up = self.module(&format!("{sp}.up_proj")).ok()?;

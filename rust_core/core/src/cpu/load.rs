@@ -359,12 +359,7 @@ fn prepacked_layer(model: &Model, g: &crate::repack::cpu::CpuGeometry) -> Result
         }
     }
     let gate_name = format!("{lp}.shared_expert_gate.weight");
-    let bias = [
-        format!("{lp}.gate.e_score_correction_bias"),
-        format!("{}.e_score_correction_bias", g.prefix),
-    ]
-    .into_iter()
-    .find(|b| ckpt.contains(b));
+    let bias = crate::moe::find_correction_bias(ckpt, lp);
     assemble(
         model,
         lp,

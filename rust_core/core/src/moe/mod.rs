@@ -179,7 +179,12 @@ impl Routing {
         let top_k = count(&cfg_field(
             file,
             config,
-            &["num_experts_per_tok", "moe_top_k", "num_experts_per_token"],
+            &[
+                "num_experts_per_tok",
+                "moe_top_k",
+                "num_experts_per_token",
+                "moe_k",
+            ],
         ))?;
         let (scoring, unsupported_scoring) = match cfg_field(file, config, &["scoring_func"])
             .opt_str()?
@@ -187,6 +192,8 @@ impl Routing {
             Some("sigmoid") => (Scoring::Sigmoid, None),
             Some("softmax") => (Scoring::Softmax, None),
             Some(other) => (Scoring::Softmax, Some(other.to_string())),
+            // ERNIE-4.5 chooses on softmax scores plus its `moe_statics` bias.
+            None if mtype == "ernie4_5_moe" => (Scoring::Softmax, None),
             None if matches!(mtype.as_str(), "deepseek_v3" | "laguna") || has_correction_bias => {
                 (Scoring::Sigmoid, None)
             }
@@ -196,10 +203,11 @@ impl Routing {
         // true, Qwen-MoE to false).
         let renormalize = match cfg_field(file, config, &["norm_topk_prob"]).opt_bool()? {
             Some(b) => b,
-            // Laguna's router always renormalises (transformers `LagunaTopKRouter`).
+            // Laguna's and ERNIE-4.5's routers always renormalise (transformers
+            // `LagunaTopKRouter`, `Ernie4_5_MoeTopKRouter`).
             None => matches!(
                 mtype.as_str(),
-                "mixtral" | "deepseek_v3" | "minimax" | "laguna"
+                "mixtral" | "deepseek_v3" | "minimax" | "laguna" | "ernie4_5_moe"
             ),
         };
         let routed_scaling_factor = cfg_field(
@@ -305,6 +313,22 @@ pub fn hidden_act(file: &Path, config: &Value) -> Result<Option<String>> {
 /// `None` (unstated) is taken as SiLU, as every supported model family uses it.
 pub fn is_silu(hidden_act: Option<&str>) -> bool {
     matches!(hidden_act, None | Some("silu" | "swish"))
+}
+
+/// The router's score-correction bias of the MoE block at `layer_prefix` (`...mlp`), where
+/// its family keeps it: DeepSeek-V3 on the router (`mlp.gate`), Laguna on `mlp.experts`,
+/// ERNIE-4.5 in `moe_statics` (beside the router in its checkpoints, inside it in
+/// transformers 5).
+pub fn find_correction_bias(ckpt: &Checkpoint, layer_prefix: &str) -> Option<String> {
+    [
+        "gate.e_score_correction_bias",
+        "experts.e_score_correction_bias",
+        "moe_statics.e_score_correction_bias",
+        "gate.moe_statics.e_score_correction_bias",
+    ]
+    .iter()
+    .map(|leaf| format!("{layer_prefix}.{leaf}"))
+    .find(|name| ckpt.contains(name))
 }
 
 /// The expert count `config.json` declares, if any.
@@ -415,12 +439,7 @@ pub fn discover(ckpt: &Checkpoint, modules: &[String]) -> Result<Discovery> {
         })?;
         let router_module = format!("{prefix}.gate");
         let router = ckpt.contains(&format!("{router_module}.weight")).then(|| {
-            let bias = [
-                format!("{router_module}.e_score_correction_bias"),
-                format!("{prefix}.experts.e_score_correction_bias"),
-            ]
-            .into_iter()
-            .find(|b| ckpt.contains(b));
+            let bias = find_correction_bias(ckpt, &prefix);
             Router {
                 weight: format!("{router_module}.weight"),
                 module: router_module.clone(),
