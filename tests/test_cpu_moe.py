@@ -506,6 +506,46 @@ def test_ernie_routing_softmax_with_moe_statics_bias(
     assert rel_l2(moe(x, logits), want) <= 2e-3
 
 
+def test_minimax_m2_routing_sigmoid_with_block_bias(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """MiniMax-M2's router (transformers `MiniMaxM2SparseMoeBlock`): sigmoid scores plus the
+    bias the block itself holds (`block_sparse_moe.e_score_correction_bias`) for choosing,
+    weighted by the scores, renormalised. Built on the Mixtral fixture (same expert naming)
+    with such a bias added and a MiniMax-M2 config."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst = tmp_path / "m"
+    shutil.copytree(fixture_path("mixtral_w8a16_channel"), dst)
+    ckpt = mq.open(dst)
+    tensors = load_file(dst / "model.safetensors")
+    for info in ckpt.moe_layers():
+        tensors[f"{info['prefix']}.e_score_correction_bias"] = (
+            torch.randn(info["num_experts"]) * 0.3
+        )
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["model_type"] = "minimax_m2"
+    (dst / "config.json").write_text(json.dumps(cfg))
+    ckpt = mq.open(dst)
+    routing = ckpt.summary()["routing"]
+    assert (routing["scoring_func"], routing["renormalize"]) == ("sigmoid", True)
+    for info in ckpt.moe_layers():
+        bias_name = info["router"]["e_score_correction_bias"]
+        assert bias_name == f"{info['prefix']}.e_score_correction_bias"
+        bias = ckpt.tensor(bias_name, "torch").float()
+        moe = mq.MoELayer.from_checkpoint(ckpt, info["layer"])
+        x = torch.randn(32, moe.hidden_size)
+        logits = torch.randn(32, moe.num_experts)
+        w, ids = torch_route(cfg, routing, logits, bias)
+        plain = torch.sigmoid(logits).topk(2, dim=-1).indices
+        assert not torch.equal(ids.sort(-1).values, plain.sort(-1).values)  # the bias matters
+        want = Emulation(ckpt, info["layer"], False).topk(x, w, ids)
+        assert rel_l2(moe(x, logits), want) <= 1e-4
+
+
 def _with_config(src: Path, dst: Path, **changes: object) -> Path:
     """A copy of checkpoint ``src`` whose config.json has ``changes`` (None deletes a key)."""
     import shutil

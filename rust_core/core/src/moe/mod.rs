@@ -203,11 +203,11 @@ impl Routing {
         // true, Qwen-MoE to false).
         let renormalize = match cfg_field(file, config, &["norm_topk_prob"]).opt_bool()? {
             Some(b) => b,
-            // Laguna's and ERNIE-4.5's routers always renormalise (transformers
-            // `LagunaTopKRouter`, `Ernie4_5_MoeTopKRouter`).
+            // Laguna's, ERNIE-4.5's and MiniMax-M2's routers always renormalise (transformers
+            // `LagunaTopKRouter`, `Ernie4_5_MoeTopKRouter`, `MiniMaxM2SparseMoeBlock`).
             None => matches!(
                 mtype.as_str(),
-                "mixtral" | "deepseek_v3" | "minimax" | "laguna" | "ernie4_5_moe"
+                "mixtral" | "deepseek_v3" | "minimax" | "minimax_m2" | "laguna" | "ernie4_5_moe"
             ),
         };
         let routed_scaling_factor = cfg_field(
@@ -316,12 +316,13 @@ pub fn is_silu(hidden_act: Option<&str>) -> bool {
 }
 
 /// The router's score-correction bias of the MoE block at `layer_prefix` (`...mlp`), where
-/// its family keeps it: DeepSeek-V3 on the router (`mlp.gate`), Laguna on `mlp.experts`,
-/// ERNIE-4.5 in `moe_statics` (beside the router in its checkpoints, inside it in
-/// transformers 5).
+/// its family keeps it: DeepSeek-V3 on the router (`mlp.gate`), MiniMax-M2 on the block
+/// (`block_sparse_moe`), Laguna on `mlp.experts`, ERNIE-4.5 in `moe_statics` (beside the
+/// router in its checkpoints, inside it in transformers 5).
 pub fn find_correction_bias(ckpt: &Checkpoint, layer_prefix: &str) -> Option<String> {
     [
         "gate.e_score_correction_bias",
+        "e_score_correction_bias",
         "experts.e_score_correction_bias",
         "moe_statics.e_score_correction_bias",
         "gate.moe_statics.e_score_correction_bias",
