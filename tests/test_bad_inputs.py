@@ -4,6 +4,7 @@ tensor, module or key, and none crashes the interpreter or panics."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import struct
 import subprocess
@@ -306,25 +307,34 @@ def test_cli_stops_quietly_when_the_reader_goes_away() -> None:
     assert (r.returncode, r.stderr) == (141, "")
 
 
-def test_out_of_range_act_order_g_idx(fixture_path, tmp_path: Path) -> None:
-    """A g_idx entry naming a group the scales do not have is refused by the CPU loader and the
-    Marlin conversion (it would index past the scales), naming the tensor and the entry."""
+def _copy_with_tensor_edited(src: Path, dst: Path, name: str, edit) -> Path:  # type: ignore[no-untyped-def]
+    """A copy of checkpoint ``src`` at ``dst`` whose tensor ``name`` (in whichever shard holds
+    it) is ``edit(copy of it)``; returns the shard file."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    dst = tmp_path / "m"
-    shutil.copytree(fixture_path("qwen3_w4a16_actorder"), dst)
-    name = "model.layers.0.mlp.experts.0.gate_proj.weight_g_idx"
+    shutil.copytree(src, dst)
     for f in sorted(dst.glob("*.safetensors")):
         tensors = load_file(f)
         if name in tensors:
-            tensors[name] = tensors[name].clone()
-            tensors[name][5] = 99
+            tensors[name] = edit(tensors[name].clone())
             save_file(tensors, f, metadata={"format": "pt"})
-            break
-    else:
-        pytest.fail(f"{name} not in the fixture")
+            return f
+    pytest.fail(f"{name} not in the fixture")
+
+
+def test_out_of_range_act_order_g_idx(fixture_path, tmp_path: Path) -> None:
+    """A g_idx entry naming a group the scales do not have is refused by the CPU loader and the
+    Marlin conversion (it would index past the scales), naming the tensor and the entry."""
+
+    def entry_5_is_99(t: torch.Tensor) -> torch.Tensor:
+        t[5] = 99
+        return t
+
+    dst = tmp_path / "m"
+    name = "model.layers.0.mlp.experts.0.gate_proj.weight_g_idx"
+    _copy_with_tensor_edited(fixture_path("qwen3_w4a16_actorder"), dst, name, entry_5_is_99)
     ckpt = mq.open(dst)
     with pytest.raises(mq.MoeqError, match=r"gate_proj.*entry 5 is 99"):
         mq.MoELayer.from_checkpoint(ckpt, 0)
@@ -348,23 +358,14 @@ def test_non_finite_scale(
 ) -> None:
     """A NaN or infinite scale would make every token routed through it NaN: the CPU loader and
     the CPU repack refuse it, naming the file, the tensor and the element, and leave no output."""
-    import shutil
 
-    from safetensors.torch import load_file, save_file
+    def last_is_value(t: torch.Tensor) -> torch.Tensor:
+        t.view(-1)[t.numel() - 1] = float(value)
+        return t
 
     dst = tmp_path / "m"
-    shutil.copytree(fixture_path(fixture), dst)
-    for f in sorted(dst.glob("*.safetensors")):
-        tensors = load_file(f)
-        if tensor in tensors:
-            t = tensors[tensor].clone()
-            t.view(-1)[t.numel() - 1] = float(value)
-            tensors[tensor] = t
-            save_file(tensors, f, metadata={"format": "pt"})
-            last = t.numel() - 1
-            break
-    else:
-        pytest.fail(f"{tensor} not in the fixture")
+    f = _copy_with_tensor_edited(fixture_path(fixture), dst, tensor, last_is_value)
+    last = math.prod(mq.open(dst).tensor_info(tensor)[1]) - 1
     want = rf"{f.name}: tensor '{tensor}': element {last} is {value.replace('nan', 'NaN')}"
     with pytest.raises(mq.CheckpointError, match=want):
         mq.MoELayer.from_checkpoint(dst, 0)

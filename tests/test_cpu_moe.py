@@ -424,23 +424,17 @@ def test_shared_expert_gate_scales_the_shared_output(
     output is scaled by sigmoid(x . g) per token. Built on the Laguna fixture (real
     compressed-tensors weights, Qwen2-style `shared_expert`) with a gate added to each MoE
     layer and listed in the quantization config's ignore list, as llm-compressor writes it."""
-    import shutil
+    src = fixture_path("laguna_mixed_int4_int8")
+    cfg = json.loads((src / "config.json").read_text())
+    layers = [x["layer"] for x in mq.open(src).moe_layers()]
+    gates = {layer: torch.randn(1, cfg["hidden_size"]).to(torch.bfloat16) * 0.2 for layer in layers}
+    names = {layer: f"model.layers.{layer}.mlp.shared_expert_gate" for layer in layers}
 
-    from safetensors.torch import load_file, save_file
+    def add_gates(tensors: dict) -> None:
+        tensors.update({f"{names[layer]}.weight": gates[layer] for layer in layers})
 
-    dst = tmp_path / "m"
-    shutil.copytree(fixture_path("laguna_mixed_int4_int8"), dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    layers = [x["layer"] for x in mq.open(dst).moe_layers()]
-    tensors = load_file(dst / "model.safetensors")
-    gates = {}
-    for layer in layers:
-        name = f"model.layers.{layer}.mlp.shared_expert_gate"
-        gates[layer] = torch.randn(1, cfg["hidden_size"]).to(torch.bfloat16) * 0.2
-        tensors[f"{name}.weight"] = gates[layer]
-        cfg["quantization_config"]["ignore"].append(name)
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    (dst / "config.json").write_text(json.dumps(cfg))
+    cfg["quantization_config"]["ignore"] += list(names.values())
+    dst = _edited_copy(src, tmp_path / "m", tensors=add_gates, config=lambda c: c.update(cfg))
     ckpt = mq.open(dst)
     routing = ckpt.summary()["routing"]
     for layer in layers:
@@ -466,24 +460,29 @@ def test_ernie_routing_softmax_with_moe_statics_bias(
     scores plus the `moe_statics` bias (`[1, E]`, beside the router), weighted by the scores,
     renormalised; top-k from `moe_k`. Built on the DeepSeek-V3 fixture with its bias moved
     there (and made large enough to change choices) and an ERNIE config."""
-    import shutil
 
-    from safetensors.torch import load_file, save_file
+    def move_bias(tensors: dict) -> None:
+        for name in [n for n in tensors if n.endswith("mlp.gate.e_score_correction_bias")]:
+            old = tensors.pop(name)
+            new = name.replace("mlp.gate.", "mlp.moe_statics.")
+            tensors[new] = (torch.randn(1, old.numel()) * 0.2).to(old.dtype)
 
-    dst = tmp_path / "m"
-    shutil.copytree(fixture_path("deepseek_v3_w8a8_dynamic"), dst)
-    tensors = load_file(dst / "model.safetensors")
-    for name in [n for n in tensors if n.endswith("mlp.gate.e_score_correction_bias")]:
-        old = tensors.pop(name)
-        new = name.replace("mlp.gate.", "mlp.moe_statics.")
-        tensors[new] = (torch.randn(1, old.numel()) * 0.2).to(old.dtype)
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    def ernie_config(cfg: dict) -> None:
+        dropped = (
+            "n_group",
+            "topk_group",
+            "norm_topk_prob",
+            "routed_scaling_factor",
+            "scoring_func",
+        )
+        for key in dropped:
+            cfg.pop(key, None)
+        cfg["moe_k"] = cfg.pop("num_experts_per_tok")
+        cfg["model_type"] = "ernie4_5_moe"
+
+    src = fixture_path("deepseek_v3_w8a8_dynamic")
+    dst = _edited_copy(src, tmp_path / "m", tensors=move_bias, config=ernie_config)
     cfg = json.loads((dst / "config.json").read_text())
-    for key in ("n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor", "scoring_func"):
-        cfg.pop(key, None)
-    cfg["moe_k"] = cfg.pop("num_experts_per_tok")
-    cfg["model_type"] = "ernie4_5_moe"
-    (dst / "config.json").write_text(json.dumps(cfg))
     ckpt = mq.open(dst)
     routing = ckpt.summary()["routing"]
     assert (routing["scoring_func"], routing["renormalize"], routing["top_k"]) == (
@@ -513,22 +512,15 @@ def test_minimax_m2_routing_sigmoid_with_block_bias(
     bias the block itself holds (`block_sparse_moe.e_score_correction_bias`) for choosing,
     weighted by the scores, renormalised. Built on the Mixtral fixture (same expert naming)
     with such a bias added and a MiniMax-M2 config."""
-    import shutil
+    src = fixture_path("mixtral_w8a16_channel")
 
-    from safetensors.torch import load_file, save_file
+    def add_bias(tensors: dict) -> None:
+        for info in mq.open(src).moe_layers():
+            bias = torch.randn(info["num_experts"]) * 0.3
+            tensors[f"{info['prefix']}.e_score_correction_bias"] = bias
 
-    dst = tmp_path / "m"
-    shutil.copytree(fixture_path("mixtral_w8a16_channel"), dst)
-    ckpt = mq.open(dst)
-    tensors = load_file(dst / "model.safetensors")
-    for info in ckpt.moe_layers():
-        tensors[f"{info['prefix']}.e_score_correction_bias"] = (
-            torch.randn(info["num_experts"]) * 0.3
-        )
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    dst = _with_config(src, tmp_path / "m", tensors=add_bias, model_type="minimax_m2")
     cfg = json.loads((dst / "config.json").read_text())
-    cfg["model_type"] = "minimax_m2"
-    (dst / "config.json").write_text(json.dumps(cfg))
     ckpt = mq.open(dst)
     routing = ckpt.summary()["routing"]
     assert (routing["scoring_func"], routing["renormalize"]) == ("sigmoid", True)
@@ -546,19 +538,43 @@ def test_minimax_m2_routing_sigmoid_with_block_bias(
         assert rel_l2(moe(x, logits), want) <= 1e-4
 
 
-def _with_config(src: Path, dst: Path, **changes: object) -> Path:
-    """A copy of checkpoint ``src`` whose config.json has ``changes`` (None deletes a key)."""
+def _edited_copy(
+    src: Path,
+    dst: Path,
+    tensors: Callable[[dict], None] | None = None,
+    config: Callable[[dict], None] | None = None,
+) -> Path:
+    """A copy of the single-file checkpoint ``src`` at ``dst``, its tensors and its config.json
+    edited in place by ``tensors`` and ``config``."""
     import shutil
 
+    from safetensors.torch import load_file, save_file
+
     shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    for key, value in changes.items():
-        if value is None:
-            cfg.pop(key, None)
-        else:
-            cfg[key] = value
-    (dst / "config.json").write_text(json.dumps(cfg))
+    if tensors is not None:
+        state = load_file(dst / "model.safetensors")
+        tensors(state)
+        save_file(state, dst / "model.safetensors", metadata={"format": "pt"})
+    if config is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
     return dst
+
+
+def _with_config(
+    src: Path, dst: Path, tensors: Callable[[dict], None] | None = None, **changes: object
+) -> Path:
+    """A copy of checkpoint ``src`` whose config.json has ``changes`` (None deletes a key)."""
+
+    def change(cfg: dict) -> None:
+        for key, value in changes.items():
+            if value is None:
+                cfg.pop(key, None)
+            else:
+                cfg[key] = value
+
+    return _edited_copy(src, dst, tensors, change)
 
 
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])

@@ -227,7 +227,7 @@ pub fn moe_layer(model: &Model, layer: usize) -> Result<CpuMoe> {
                 format!("is not an MoE layer of this checkpoint (MoE layers: {have:?})"),
             )
         })?;
-    check_routing(model, l.experts.len())?;
+    check_layer_config(model, l.experts.len())?;
     let plan = crate::oracle::plan_layer(
         &Model::layer_input(l),
         Platform::Cpu(CpuFeatures::detect()),
@@ -280,7 +280,7 @@ fn vector(ckpt: &Checkpoint, name: &str, want: usize) -> Result<Vec<f32>> {
 /// ([`Model::cpu_layer_check`]), checked before any expert is loaded: an activation, scoring
 /// function or model family no kernel has is an `UnsupportedSchemeError`, inconsistent
 /// routing keys a `ConfigError` naming the key.
-fn check_routing(model: &Model, experts: usize) -> Result<()> {
+fn check_layer_config(model: &Model, experts: usize) -> Result<()> {
     let file = model.checkpoint().config_path();
     model
         .cpu_layer_check(experts)
@@ -340,7 +340,7 @@ fn assemble(
 /// A layer of a `moeq repack --target cpu` checkpoint: experts from the stored packed blocks,
 /// router, shared experts and their gate from the copied source tensors.
 fn prepacked_layer(model: &Model, g: &crate::repack::cpu::CpuGeometry) -> Result<CpuMoe> {
-    check_routing(model, g.experts)?;
+    check_layer_config(model, g.experts)?;
     let ckpt = model.checkpoint();
     let version = model.quantization_config().and_then(|q| q.version.clone());
     let experts = crate::repack::cpu::load_experts(ckpt, g)?;

@@ -118,10 +118,11 @@ mod x86 {
     use std::arch::x86_64::*;
 
     /// The body of a probe for an instruction that reads its accumulator (`op(acc, a, b)`,
-    /// the operands a pair `ops`): [`CHAINS`] accumulators (in registers: 12 of 16 or 32) each updated `rounds` times,
-    /// then summed with `add` and one lane returned by `lane`. The operands come through
-    /// `black_box`, so the compiler cannot fold the chains into closed forms. Expanded inside
-    /// each probe, so that the intrinsics compile with that probe's target features.
+    /// the operands a pair `ops`): [`CHAINS`] accumulators (in registers: 12 of 16 or 32)
+    /// each updated `rounds` times, then summed with `add` and one lane returned by `lane`.
+    /// The operands come through `black_box`, so the compiler cannot fold the chains into
+    /// closed forms. Expanded inside each probe, so that the intrinsics compile with that
+    /// probe's target features.
     macro_rules! chains {
         ($rounds:expr, $zero:expr, $ops:expr, $op:path, $add:path, $lane:expr) => {{
             let (a, b) = std::hint::black_box($ops);

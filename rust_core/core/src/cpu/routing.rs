@@ -1,6 +1,8 @@
 //! Top-k routing: softmax (Qwen-MoE, Mixtral; with expert groups, DeepSeek-V2) and sigmoid
 //! with score-correction bias, expert groups and routed scaling (DeepSeek-V3, Laguna).
 
+use std::borrow::Cow;
+
 use rayon::prelude::*;
 
 use crate::moe::{Routing, Scoring};
@@ -93,14 +95,14 @@ fn route_row(
     };
     // Experts are chosen on the scores plus the correction bias, weighted by the scores.
     let bias = correction_bias.filter(|b| b.len() == scores.len());
-    let choice: Vec<f32> = match bias {
+    let choice: Cow<'_, [f32]> = match bias {
         Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
-        None => scores.clone(),
+        None => Cow::Borrowed(&scores),
     };
     // Group-limited selection (DeepSeek-V2 softmax, DeepSeek-V3 sigmoid), as vLLM's
     // `grouped_topk`: only the `topk_group` best groups of experts compete, a group scored by
     // its two best biased scores when the router has a bias, else by its best score.
-    let masked = match (routing.n_group, routing.topk_group) {
+    let masked: Cow<'_, [f32]> = match (routing.n_group, routing.topk_group) {
         (Some(groups), Some(keep)) if groups > 1 && experts.is_multiple_of(groups) => {
             let per = experts / groups;
             let gscore: Vec<f32> = (0..groups)

@@ -117,11 +117,18 @@ pub struct Routing {
 
 /// Looks a key up in the config, then in a nested `text_config` (multimodal wrappers).
 fn cfg<'a>(config: &'a Value, key: &str) -> Option<&'a Value> {
-    config.get(key).filter(|v| !v.is_null()).or_else(|| {
+    cfg_at(config, key).map(|(_, v)| v)
+}
+
+/// [`cfg`] with the key path where the value was found (`key` or `text_config.key`).
+fn cfg_at<'a>(config: &'a Value, key: &str) -> Option<(String, &'a Value)> {
+    let top = config.get(key).filter(|v| !v.is_null());
+    top.map(|v| (key.to_string(), v)).or_else(|| {
         config
             .get("text_config")
             .and_then(|t| t.get(key))
             .filter(|v| !v.is_null())
+            .map(|v| (format!("text_config.{key}"), v))
     })
 }
 
@@ -134,19 +141,10 @@ fn cfg_usize(config: &Value, keys: &[&str]) -> Option<usize> {
 /// The first of `keys` the config sets (at the top level, else in `text_config`), as a typed
 /// field whose errors name its key path.
 fn cfg_field<'a>(file: &'a Path, config: &'a Value, keys: &[&str]) -> Field<'a> {
-    for k in keys {
-        if let Some(v) = config.get(*k).filter(|v| !v.is_null()) {
-            return Field::new(file, *k, Some(v));
-        }
-        if let Some(v) = config
-            .get("text_config")
-            .and_then(|t| t.get(*k))
-            .filter(|v| !v.is_null())
-        {
-            return Field::new(file, format!("text_config.{k}"), Some(v));
-        }
+    match keys.iter().find_map(|k| cfg_at(config, k)) {
+        Some((path, v)) => Field::new(file, path, Some(v)),
+        None => Field::new(file, keys.first().copied().unwrap_or(""), None),
     }
-    Field::new(file, keys.first().copied().unwrap_or(""), None)
 }
 
 /// A count field: a non-negative integer that fits `usize` (an integral float such as `8.0`
