@@ -225,7 +225,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shapes", default="qwen3,dsv2lite,mixtral")
     ap.add_argument("--tokens", default="1,16,128,1024")
-    ap.add_argument("--scheme", default="w8a8_dynamic")
+    ap.add_argument("--scheme", default="w8a8_dynamic", choices=("w8a8_dynamic", "w8a16", "w4a16"))
     ap.add_argument("--flush", choices=("numpy", "torch"), default="numpy")
     ap.add_argument("--compare-parking", action="store_true")
     args = ap.parse_args()
