@@ -538,6 +538,159 @@ def test_minimax_m2_routing_sigmoid_with_block_bias(
         assert rel_l2(moe(x, logits), want) <= 1e-4
 
 
+def _renamed(tensors: dict, old: str, new: str) -> None:
+    """Renames every tensor whose name contains ``old``."""
+    for name in [n for n in tensors if old in n]:
+        tensors[name.replace(old, new)] = tensors.pop(name)
+
+
+def _moved_bias(tensors: dict, leaf: str) -> None:
+    """Moves the fixture's `gate.e_score_correction_bias` to `mlp.<leaf>`, made large enough
+    to change which experts are chosen."""
+    _renamed(tensors, "mlp.gate.e_score_correction_bias", f"mlp.{leaf}")
+    for name in [n for n in tensors if n.endswith(f"mlp.{leaf}")]:
+        tensors[name] = torch.randn(tensors[name].shape) * 0.3
+
+
+def _ling_v2(tensors: dict, cfg: dict) -> str:
+    """Ling-2.0 (vLLM `bailing_moe.py`, inclusionAI's `BailingMoeV2`): `score_function`,
+    the bias on the router as `gate.expert_bias`; grouped sigmoid top-k as DeepSeek-V3."""
+    _moved_bias(tensors, "gate.expert_bias")
+    cfg["score_function"] = "sigmoid"
+    cfg["moe_router_enable_expert_bias"] = True
+    cfg["model_type"] = "bailing_moe"
+    return "gate.expert_bias"
+
+
+def _afmoe(tensors: dict, cfg: dict) -> str:
+    """AFMoE (transformers `AfmoeTokenChoiceRouter`): the router under `router.gate`, the bias
+    on the block as `expert_bias`; sigmoid (the family's only scoring), renormalised (`route_norm`),
+    scaled by `route_scale`; no expert groups."""
+    _moved_bias(tensors, "expert_bias")
+    _renamed(tensors, "mlp.gate.weight", "mlp.router.gate.weight")
+    for key in ("n_group", "topk_group"):
+        cfg.pop(key)
+    cfg["route_norm"] = cfg.pop("norm_topk_prob")
+    cfg["route_scale"] = cfg.pop("routed_scaling_factor")
+    cfg["model_type"] = "afmoe"
+    return "expert_bias"
+
+
+def _hunyuan(tensors: dict, cfg: dict) -> str | None:
+    """Hunyuan-A13B (transformers `HunYuanMoEV1Gate`/`HunYuanMoEV1Moe`): softmax top-k from the
+    per-layer `moe_topk` list, always renormalised, the router as `gate.wg`, the shared expert
+    as `shared_mlp`; no bias, groups or scaling."""
+    _renamed(tensors, "mlp.shared_experts.", "mlp.shared_mlp.")
+    _renamed(tensors, "mlp.gate.weight", "mlp.gate.wg.weight")
+    for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
+        del tensors[name]
+    for key in ("n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor"):
+        cfg.pop(key)
+    cfg["moe_topk"] = [cfg.pop("num_experts_per_tok")] * cfg["num_hidden_layers"]
+    cfg["model_type"] = "hunyuan_v1_moe"
+    return None
+
+
+@pytest.mark.parametrize(
+    "family,routing_want",
+    [
+        (_ling_v2, ("sigmoid", True, 2.5, 2)),
+        (_afmoe, ("sigmoid", True, 2.5, None)),
+        (_hunyuan, ("softmax", True, 1.0, None)),
+    ],
+)
+def test_routing_of_families_with_their_own_key_names(
+    fixture_path: Callable[[str], Path],
+    tmp_path: Path,
+    family: Callable[[dict, dict], str | None],
+    routing_want: tuple,
+) -> None:
+    """Families that spell the DeepSeek-V3 routing keys and tensors their own way (Ling-2.0,
+    AFMoE) or route softmax top-k with a renamed router and shared expert (Hunyuan): before,
+    their bias was not found (so experts were chosen without it, by softmax for Ling-2.0), their
+    renormalisation and scaling keys were not read, and Hunyuan's top-k and shared expert were
+    missed. Built on the DeepSeek-V3 fixture with tensors and config renamed as each family
+    stores them; compared with routing written from the family's router."""
+    src = fixture_path("deepseek_v3_w8a8_dynamic")
+    cfg = json.loads((src / "config.json").read_text())
+    bias_leaf: list[str | None] = []
+
+    def edit_config(c: dict) -> None:  # runs after edit_tensors has edited cfg
+        c.clear()
+        c.update(cfg)
+
+    edit_tensors = lambda state: bias_leaf.append(family(state, cfg))  # noqa: E731
+    dst = _edited_copy(src, tmp_path / "m", tensors=edit_tensors, config=edit_config)
+    ckpt = mq.open(dst)
+    routing = ckpt.summary()["routing"]
+    got = (
+        routing["scoring_func"],
+        routing["renormalize"],
+        routing["routed_scaling_factor"],
+        routing["n_group"],
+    )
+    assert got == routing_want and routing["top_k"] == 2
+    for info in ckpt.moe_layers():
+        bias_name = (info["router"] or {}).get("e_score_correction_bias")
+        assert bias_name == (bias_leaf[0] and f"{info['prefix']}.{bias_leaf[0]}")
+        bias = ckpt.tensor(bias_name, "torch").float() if bias_name else None
+        moe = mq.MoELayer.from_checkpoint(ckpt, info["layer"])
+        x = torch.randn(32, moe.hidden_size)
+        logits = torch.randn(32, moe.num_experts)
+        w, ids = torch_route(cfg, routing, logits, bias)
+        if bias is not None:  # the bias changes which experts are chosen
+            plain = torch_route(cfg, routing, logits, None)[1]
+            assert not torch.equal(ids.sort(-1).values, plain.sort(-1).values)
+        emu = Emulation(ckpt, info["layer"], True)
+        shared = emu.expert(info["shared_experts"]["prefix"], x)
+        assert info["shared_experts"]["prefix"].endswith(("shared_experts", "shared_mlp"))
+        assert rel_l2(moe(x, logits), emu.topk(x, w, ids) + shared) <= 2e-3
+
+
+@pytest.mark.parametrize(
+    "changes,want",
+    [
+        # Config classes and routers that renormalise, or score by sigmoid, unless told.
+        (dict(model_type="glm4_moe"), ("sigmoid", True, None)),
+        (dict(model_type="qwen3_next"), ("softmax", True, None)),
+        (dict(model_type="granitemoe"), ("softmax", True, None)),
+        (dict(model_type="qwen3_moe"), ("softmax", False, None)),
+        # DeepSeek-V2's `greedy` top-k ignores the group keys; group_limited_greedy uses them.
+        (dict(topk_method="greedy", n_group=4, topk_group=1), ("softmax", False, None)),
+        (dict(topk_method="group_limited_greedy", n_group=4, topk_group=1), ("softmax", False, 4)),
+    ],
+)
+def test_family_defaults_when_the_config_is_silent(
+    fixture_path: Callable[[str], Path], tmp_path: Path, changes: dict, want: tuple
+) -> None:
+    """Without `scoring_func` or `norm_topk_prob`, routing follows the family's own router or
+    config class; and the layer routes as the summary says."""
+    path = _with_config(
+        fixture_path("qwen3_w8a16_g128"), tmp_path / "m", norm_topk_prob=None, **changes
+    )
+    ckpt = mq.open(path)
+    routing = ckpt.summary()["routing"]
+    assert (routing["scoring_func"], routing["renormalize"], routing["n_group"]) == want
+    moe = mq.MoELayer.from_checkpoint(ckpt, 0)
+    x, logits = torch.randn(16, moe.hidden_size), torch.randn(16, moe.num_experts)
+    w, ids = torch_route({}, routing, logits, None)
+    assert rel_l2(moe(x, logits), moe.forward_topk(x, w.float(), ids)) <= 1e-6
+
+
+def test_per_layer_top_k_must_agree(fixture_path: Callable[[str], Path], tmp_path: Path) -> None:
+    """Hunyuan's `moe_topk` may list a top-k per layer: one shared value is read, different
+    values are a ConfigError naming the key (one top-k per model is supported)."""
+    src = fixture_path("qwen3_w8a16_g128")
+    ok = _with_config(src, tmp_path / "a", num_experts_per_tok=None, moe_topk=[3, 3])
+    assert mq.open(ok).summary()["routing"]["top_k"] == 3
+    bad = _with_config(src, tmp_path / "b", num_experts_per_tok=None, moe_topk=[2, 4])
+    with pytest.raises(mq.ConfigError, match=r"config.json: moe_topk: per-layer top-k \[2, 4\]"):
+        mq.open(bad)
+    bad = _with_config(src, tmp_path / "c", num_experts_per_tok=None, moe_topk=[2, "x"])
+    with pytest.raises(mq.ConfigError, match=r"config.json: moe_topk\[1\]: expected"):
+        mq.open(bad)
+
+
 def _edited_copy(
     src: Path,
     dst: Path,
@@ -624,6 +777,9 @@ def test_grouped_routing_without_bias(
         ),
         (dict(model_type="llama4"), mq.UnsupportedSchemeError, "model_type: Llama-4 scales"),
         (dict(model_type="phimoe"), mq.UnsupportedSchemeError, "model_type: PhiMoE"),
+        (dict(model_type="gpt_oss"), mq.UnsupportedSchemeError, "model_type: gpt-oss experts"),
+        (dict(model_type="longcat_flash"), mq.UnsupportedSchemeError, "model_type: LongCat"),
+        (dict(model_type="jetmoe"), mq.UnsupportedSchemeError, "model_type: JetMoE"),
     ],
 )
 def test_routing_the_cpu_cannot_follow_is_refused(
@@ -670,6 +826,8 @@ def test_cpu_layout_checkpoints_are_refused_for_their_config(
         ("routed_scaling_factor", "2.5", "a number"),
         ("scoring_func", 1, "a string"),
         ("hidden_act", ["silu"], "a string"),
+        # The family sets routing defaults (Laguna's sigmoid, Mixtral's renormalisation).
+        ("model_type", ["qwen3_moe"], "a string"),
     ],
 )
 def test_routing_keys_of_the_wrong_type_are_config_errors(

@@ -745,7 +745,8 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
         why.append(f"hidden_act {act!r} (the kernels compute silu(gate) * up)")
     # The families whose routers are not a top-k weighting expert outputs (as Routing's
     # unsupported_model in rust_core/core/src/moe/mod.rs).
-    if cfg.get("model_type") in ("llama4", "llama4_text", "phimoe"):
+    unsupported = ("llama4", "llama4_text", "phimoe", "gpt_oss", "longcat_flash", "jetmoe")
+    if cfg.get("model_type") in unsupported:
         why.append(f"model_type {cfg['model_type']!r} routes differently")
     if info["mixed"]:
         why.append("mixed schemes across experts")

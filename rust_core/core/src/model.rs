@@ -319,8 +319,9 @@ impl Model {
                         ));
                     }
                 }
-                any_bias |= r.correction_bias.is_some();
             }
+            // A bias routes by sigmoid even where the router is not found under a known name.
+            any_bias |= moe::find_correction_bias(&ckpt, &d.prefix).is_some();
             let shared_experts: Option<ExpertModules> = if d.shared.is_empty() {
                 None
             } else {
@@ -600,9 +601,8 @@ impl Model {
                     .strip_suffix(".experts")
                     .unwrap_or(prefix)
                     .to_string();
-                let router = format!("{layer_prefix}.gate");
-                let bias = moe::find_correction_bias(&self.ckpt, &layer_prefix);
-                let shared = ["shared_experts", "shared_expert"].iter().find_map(|s| {
+                let router = moe::find_router(&self.ckpt, &layer_prefix);
+                let shared = moe::SHARED_EXPERT_NAMES.iter().find_map(|s| {
                     let sp = format!("{layer_prefix}.{s}");
                     let up = self.module(&format!("{sp}.up_proj")).ok()?;
                     let (w, a, f) = module_scheme_json(up);
@@ -617,7 +617,7 @@ impl Model {
                     "intermediate_size_padded": padded,
                     "gated": true,
                     "layout": layout.layout,
-                    "router": self.ckpt.contains(&format!("{router}.weight")).then(|| json!({"module": router, "e_score_correction_bias": bias})),
+                    "router": router.map(|r| json!({"module": r.module, "e_score_correction_bias": r.correction_bias})),
                     "shared_experts": shared,
                     "weight": weights.as_ref().map(|w| w.weight_json()),
                     "activation": activation.as_ref().map(|a| a.activation_json()),

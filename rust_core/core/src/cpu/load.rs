@@ -252,7 +252,7 @@ pub fn moe_layer(model: &Model, layer: usize) -> Result<CpuMoe> {
         None => None,
     };
     let shared_gate = l.shared_expert_gate.as_ref().map(|g| format!("{g}.weight"));
-    let bias = l.router.as_ref().and_then(|r| r.correction_bias.clone());
+    let bias = crate::moe::find_correction_bias(ckpt, &l.prefix);
     assemble(
         model,
         &l.prefix,
@@ -346,7 +346,7 @@ fn prepacked_layer(model: &Model, g: &crate::repack::cpu::CpuGeometry) -> Result
     let experts = crate::repack::cpu::load_experts(ckpt, g)?;
     let lp = g.prefix.strip_suffix(".experts").unwrap_or(&g.prefix);
     let mut shared = None;
-    for s in ["shared_experts", "shared_expert"] {
+    for s in crate::moe::SHARED_EXPERT_NAMES {
         let sp = format!("{lp}.{s}");
         if let Ok(up) = model.module(&format!("{sp}.up_proj")) {
             let modules = ExpertModules {

@@ -161,6 +161,73 @@ fn count(field: &Field<'_>) -> Result<Option<usize>> {
         .transpose()
 }
 
+/// Model families whose routers score with a sigmoid when `config.json` names no scoring
+/// function: DeepSeek-V3 and the families built on its router (GLM-4.5, EXAONE-MoE), Laguna,
+/// AFMoE.
+const SIGMOID_FAMILIES: &[&str] = &[
+    "deepseek_v3",
+    "laguna",
+    "glm4_moe",
+    "glm4_moe_lite",
+    "glm4v_moe",
+    "exaone_moe",
+    "afmoe",
+];
+
+/// Model families whose routers renormalise the top-k weights when `config.json` does not say
+/// (no `norm_topk_prob`): their transformers routers always do (Mixtral, Laguna, ERNIE-4.5,
+/// MiniMax, Hunyuan, Granite, AFMoE), or their config classes default to it (DeepSeek-V3,
+/// GLM-4.5, EXAONE-MoE, Qwen3-Next). Qwen-MoE and DeepSeek-V2 default to not renormalising.
+const RENORMALIZING_FAMILIES: &[&str] = &[
+    "mixtral",
+    "deepseek_v3",
+    "minimax",
+    "minimax_m2",
+    "laguna",
+    "ernie4_5_moe",
+    "hunyuan_v1_moe",
+    "granitemoe",
+    "granitemoeshared",
+    "granitemoehybrid",
+    "afmoe",
+    "glm4_moe",
+    "glm4_moe_lite",
+    "glm4v_moe",
+    "exaone_moe",
+    "qwen3_next",
+];
+
+/// Experts per token: the first key the config sets (Hunyuan's `moe_topk` may be a per-layer
+/// list, accepted when every layer has the same value).
+fn top_k(file: &Path, config: &Value) -> Result<Option<usize>> {
+    let field = cfg_field(
+        file,
+        config,
+        &[
+            "num_experts_per_tok",
+            "moe_top_k",
+            "num_experts_per_token",
+            "moe_k",
+            "moe_topk",
+        ],
+    );
+    let Some(Value::Array(per_layer)) = field.value else {
+        return count(&field);
+    };
+    let mut ks = Vec::with_capacity(per_layer.len());
+    for (i, v) in per_layer.iter().enumerate() {
+        let item = Field::new(file, format!("{}[{i}]", field.path), Some(v));
+        ks.push(count(&item)?.ok_or_else(|| item.invalid("expected a count, found null"))?);
+    }
+    match ks.first() {
+        Some(&k) if ks.iter().all(|&x| x == k) => Ok(Some(k)),
+        Some(_) => Err(field.invalid(format!(
+            "per-layer top-k {ks:?} differs between layers; one value for all layers is supported"
+        ))),
+        None => Err(field.invalid("an empty list")),
+    }
+}
+
 pub fn model_type(config: &Value) -> String {
     cfg(config, "model_type")
         .and_then(Value::as_str)
@@ -173,45 +240,44 @@ impl Routing {
     /// `norm_topk_prob`, a negative `n_group`, ...) is a `ConfigError` naming it: ignoring it
     /// would route differently from the model, silently.
     pub fn from_config(file: &Path, config: &Value, has_correction_bias: bool) -> Result<Routing> {
-        let mtype = model_type(config);
-        let top_k = count(&cfg_field(
-            file,
-            config,
-            &[
-                "num_experts_per_tok",
-                "moe_top_k",
-                "num_experts_per_token",
-                "moe_k",
-            ],
-        ))?;
-        let (scoring, unsupported_scoring) = match cfg_field(file, config, &["scoring_func"])
+        // The family decides defaults below: a `model_type` that is not a string would quietly
+        // route as an unknown family.
+        let mtype = cfg_field(file, config, &["model_type"])
             .opt_str()?
-        {
-            Some("sigmoid") => (Scoring::Sigmoid, None),
-            Some("softmax") => (Scoring::Softmax, None),
-            Some(other) => (Scoring::Softmax, Some(other.to_string())),
-            // ERNIE-4.5 chooses on softmax scores plus its `moe_statics` bias.
-            None if mtype == "ernie4_5_moe" => (Scoring::Softmax, None),
-            None if matches!(mtype.as_str(), "deepseek_v3" | "laguna") || has_correction_bias => {
-                (Scoring::Sigmoid, None)
-            }
-            None => (Scoring::Softmax, None),
-        };
-        // Mixtral always renormalises; others say so with norm_topk_prob (DeepSeek-V3 defaults to
-        // true, Qwen-MoE to false).
-        let renormalize = match cfg_field(file, config, &["norm_topk_prob"]).opt_bool()? {
-            Some(b) => b,
-            // Laguna's, ERNIE-4.5's and MiniMax-M2's routers always renormalise (transformers
-            // `LagunaTopKRouter`, `Ernie4_5_MoeTopKRouter`, `MiniMaxM2SparseMoeBlock`).
-            None => matches!(
-                mtype.as_str(),
-                "mixtral" | "deepseek_v3" | "minimax" | "minimax_m2" | "laguna" | "ernie4_5_moe"
-            ),
-        };
+            .unwrap_or("")
+            .to_string();
+        let top_k = top_k(file, config)?;
+        // Ling-2.0 (`bailing_moe`) names it `score_function`, AFMoE `score_func`.
+        let scoring_key = ["scoring_func", "score_function", "score_func"];
+        let (scoring, unsupported_scoring) =
+            match cfg_field(file, config, &scoring_key).opt_str()? {
+                Some("sigmoid") => (Scoring::Sigmoid, None),
+                Some("softmax") => (Scoring::Softmax, None),
+                Some(other) => (Scoring::Softmax, Some(other.to_string())),
+                // ERNIE-4.5 chooses on softmax scores plus its `moe_statics` bias.
+                None if mtype == "ernie4_5_moe" => (Scoring::Softmax, None),
+                // Families whose routers are sigmoid whatever the config says (vLLM hard-codes it
+                // for GLM-4.5; the others' transformers routers have no softmax branch).
+                None if SIGMOID_FAMILIES.contains(&mtype.as_str()) || has_correction_bias => {
+                    (Scoring::Sigmoid, None)
+                }
+                None => (Scoring::Softmax, None),
+            };
+        // Most families say whether to renormalise with norm_topk_prob (AFMoE: route_norm);
+        // without it, the family's own default.
+        let renormalize =
+            match cfg_field(file, config, &["norm_topk_prob", "route_norm"]).opt_bool()? {
+                Some(b) => b,
+                None => RENORMALIZING_FAMILIES.contains(&mtype.as_str()),
+            };
         let routed_scaling_factor = cfg_field(
             file,
             config,
-            &["routed_scaling_factor", "moe_routed_scaling_factor"],
+            &[
+                "routed_scaling_factor",
+                "moe_routed_scaling_factor",
+                "route_scale",
+            ],
         )
         .opt_f64()?
         .unwrap_or(1.0);
@@ -230,15 +296,26 @@ impl Routing {
                  router logit; the CPU forward weights outputs",
             ),
             "phimoe" => Some("PhiMoE's SparseMixer routing is not implemented"),
+            "gpt_oss" => Some(
+                "gpt-oss experts use a clamped SwiGLU on interleaved gate/up rows with biases, \
+                 and its router has a bias; the CPU forward computes silu(gate) * up",
+            ),
+            "longcat_flash" => Some(
+                "LongCat-Flash routes to zero-computation (identity) experts that no checkpoint \
+                 module holds",
+            ),
+            "jetmoe" => Some("JetMoE adds an output bias to its experts' sum"),
             _ => None,
         };
+        // DeepSeek-V2's `topk_method: greedy` is plain top-k whatever the group keys say.
+        let greedy = cfg_field(file, config, &["topk_method"]).opt_str()? == Some("greedy");
         Ok(Routing {
             top_k,
             renormalize,
             scoring,
             unsupported_scoring,
             unsupported_model,
-            n_group: count(&cfg_field(file, config, &["n_group"]))?.filter(|&g| g > 1),
+            n_group: count(&cfg_field(file, config, &["n_group"]))?.filter(|&g| g > 1 && !greedy),
             topk_group: count(&cfg_field(file, config, &["topk_group"]))?,
             routed_scaling_factor,
             logit_softcapping,
@@ -313,6 +390,24 @@ pub fn is_silu(hidden_act: Option<&str>) -> bool {
     matches!(hidden_act, None | Some("silu" | "swish"))
 }
 
+/// Where MoE blocks keep their shared expert: DeepSeek `shared_experts`, Qwen2-MoE
+/// `shared_expert`, Hunyuan `shared_mlp`.
+pub const SHARED_EXPERT_NAMES: [&str; 3] = ["shared_experts", "shared_expert", "shared_mlp"];
+
+/// The router of the MoE block at `layer_prefix`: `gate` (most families), `router` (Jamba),
+/// `router.gate` (AFMoE), `gate.wg` (Hunyuan); with the block's score-correction bias.
+pub fn find_router(ckpt: &Checkpoint, layer_prefix: &str) -> Option<Router> {
+    ["gate", "router", "router.gate", "gate.wg"]
+        .iter()
+        .map(|m| format!("{layer_prefix}.{m}"))
+        .find(|m| ckpt.contains(&format!("{m}.weight")))
+        .map(|module| Router {
+            weight: format!("{module}.weight"),
+            module,
+            correction_bias: find_correction_bias(ckpt, layer_prefix),
+        })
+}
+
 /// The router's score-correction bias of the MoE block at `layer_prefix` (`...mlp`), where
 /// its family keeps it: DeepSeek-V3 on the router (`mlp.gate`), MiniMax-M2 on the block
 /// (`block_sparse_moe`), Laguna on `mlp.experts`, ERNIE-4.5 in `moe_statics` (beside the
@@ -324,6 +419,9 @@ pub fn find_correction_bias(ckpt: &Checkpoint, layer_prefix: &str) -> Option<Str
         "experts.e_score_correction_bias",
         "moe_statics.e_score_correction_bias",
         "gate.moe_statics.e_score_correction_bias",
+        // Ling-2.0 keeps it on the router as `expert_bias`, AFMoE on the block.
+        "gate.expert_bias",
+        "expert_bias",
     ]
     .iter()
     .map(|leaf| format!("{layer_prefix}.{leaf}"))
@@ -436,20 +534,9 @@ pub fn discover(ckpt: &Checkpoint, modules: &[String]) -> Result<Discovery> {
                 "cannot find the decoder layer index (expected '...layers.N...')",
             )
         })?;
-        let router_module = format!("{prefix}.gate");
-        let router = ckpt.contains(&format!("{router_module}.weight")).then(|| {
-            let bias = find_correction_bias(ckpt, &prefix);
-            Router {
-                weight: format!("{router_module}.weight"),
-                module: router_module.clone(),
-                correction_bias: bias,
-            }
-        });
+        let router = find_router(ckpt, &prefix);
         let mut shared = BTreeMap::new();
-        for sprefix in [
-            format!("{prefix}.shared_experts"),
-            format!("{prefix}.shared_expert"),
-        ] {
+        for sprefix in SHARED_EXPERT_NAMES.map(|s| format!("{prefix}.{s}")) {
             for (leaf, role) in [
                 ("gate_proj", ProjRole::Gate),
                 ("up_proj", ProjRole::Up),
