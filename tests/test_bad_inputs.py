@@ -500,3 +500,109 @@ def _mutation_rounds(rng: random.Random, seed: int) -> tuple[int, int]:
                 ran += 1
                 assert out.shape == x.shape and out.dtype == x.dtype, (seed, out.shape, x.shape)
     return built, ran
+
+
+_ODD_VALUES = [None, -1, 0, 1, 3, 8, 33, 128, 2**31, 2**64, 1.5, 1e308, "", "x", "I8", "F16"]
+_ODD_VALUES += ["group", "tensor", [], [1], [0, 0], {}, {"a": 1}, True, False]
+
+
+def _corrupt_json(obj: object, rng: random.Random) -> str:
+    """Changes, deletes or retypes one value somewhere in a JSON tree; says what."""
+    parent, key = None, None
+    while isinstance(obj, (dict, list)) and obj and (parent is None or rng.random() < 0.75):
+        keys = list(obj) if isinstance(obj, dict) else list(range(len(obj)))
+        parent, key = obj, rng.choice(keys)
+        obj = parent[key]
+    if parent is None:
+        return "nothing"
+    old = parent[key]
+    if isinstance(parent, dict) and rng.random() < 0.2:
+        del parent[key]
+        return f"deleted {key}"
+    if isinstance(old, int) and not isinstance(old, bool) and rng.random() < 0.5:
+        parent[key] = old + rng.choice([-1, 1, old])
+    else:
+        parent[key] = rng.choice(_ODD_VALUES)
+    return f"{key}: {str(old)[:30]} -> {parent[key]!r}"
+
+
+def _corrupt_checkpoint(d: Path, rng: random.Random) -> list[str]:
+    """One or two random structural faults in `d`'s config.json (mostly its
+    quantization_config), shard index or a safetensors header."""
+    what = []
+    for _ in range(rng.choice([1, 2])):
+        target = rng.choice(["config"] * 3 + ["header"] * 2 + ["index"])
+        index = d / "model.safetensors.index.json"
+        if target == "config":
+            cfg = json.loads((d / "config.json").read_text())
+            q = cfg.get("quantization_config")
+            sub = q if isinstance(q, dict) and rng.random() < 0.7 else cfg
+            what.append("config.json " + _corrupt_json(sub, rng))
+            (d / "config.json").write_text(json.dumps(cfg))
+        elif target == "index" and index.exists():
+            ix = json.loads(index.read_text())
+            what.append("index " + _corrupt_json(ix, rng))
+            index.write_text(json.dumps(ix))
+        else:
+            file = rng.choice(sorted(d.glob("*.safetensors")))
+            header, data = read_raw(file)
+            what.append(f"{file.name} header " + _corrupt_json(header, rng))
+            write_raw(file, header, data)
+    return what
+
+
+def _open_plan_and_run(d: Path) -> None:
+    """What a user does with a checkpoint: open, summarise, plan for both platforms, read
+    tensors, and load and run each MoE layer on the CPU."""
+    ckpt = mq.open(d)
+    ckpt.summary()
+    mq.plan(ckpt, "cpu").to_json()
+    mq.plan(ckpt, "cuda", 80).to_json()
+    for name in ckpt.tensor_names():
+        ckpt.tensor(name)
+    for info in ckpt.moe_layers():
+        moe = mq.MoELayer.from_checkpoint(ckpt, info["layer"])
+        x = torch.randn(3, moe.hidden_size)
+        out = moe(x, torch.randn(3, moe.num_experts))
+        assert out.shape == x.shape and out.dtype == x.dtype
+
+
+def test_random_header_and_config_corruption(fixture_path, tmp_path: Path) -> None:
+    """Random structural faults in config.json, the shard index or a safetensors header of
+    real checkpoints (compressed-tensors and CPU layouts): opening, planning, reading and
+    running either raise a MoeqError naming what is wrong or work. Nothing else escapes: no
+    KeyError, TypeError, panic or crash. A new seed each run, printed on failure."""
+    import shutil
+
+    seed = random.randrange(2**32)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    names = [
+        "qwen3_w4a16_g128_asym",
+        "qwen3_w8a8_static",
+        "deepseek_v3_w8a8_dynamic",
+        "laguna_mixed_int4_int8",
+        "qwen3_w4a16_sharded",
+        "mixtral_w8a16_channel",
+    ]
+    sources = [fixture_path(n) for n in names]
+    for n in ("laguna_mixed_int4_int8", "deepseek_v3_w8a8_dynamic"):
+        mq.repack.repack_checkpoint(fixture_path(n), tmp_path / f"cpu-{n}", target="cpu")
+        sources.append(tmp_path / f"cpu-{n}")
+    for src in sources:
+        _open_plan_and_run(src)  # each source is sound before it is corrupted
+    ran = refused = 0
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        for i in range(150):
+            d = tmp_path / f"round{i}"
+            shutil.copytree(rng.choice(sources), d)
+            what = _corrupt_checkpoint(d, rng)
+            try:
+                _open_plan_and_run(d)
+                ran += 1
+            except mq.MoeqError as err:
+                assert ": " in str(err), (seed, what, err)
+                refused += 1
+            shutil.rmtree(d)
+    assert ran >= 8 and refused >= 60, (seed, ran, refused)  # both outcomes exercised
