@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -653,7 +655,7 @@ def test_routing_of_families_with_their_own_key_names(
         # Config classes and routers that renormalise, or score by sigmoid, unless told.
         (dict(model_type="glm4_moe"), ("sigmoid", True, None)),
         (dict(model_type="qwen3_next"), ("softmax", True, None)),
-        (dict(model_type="granitemoe"), ("softmax", True, None)),
+        (dict(model_type="hunyuan_v1_moe"), ("softmax", True, None)),
         (dict(model_type="qwen3_moe"), ("softmax", False, None)),
         # DeepSeek-V2's `greedy` top-k ignores the group keys; group_limited_greedy uses them.
         (dict(topk_method="greedy", n_group=4, topk_group=1), ("softmax", False, None)),
@@ -675,6 +677,36 @@ def test_family_defaults_when_the_config_is_silent(
     x, logits = torch.randn(16, moe.hidden_size), torch.randn(16, moe.num_experts)
     w, ids = torch_route({}, routing, logits, None)
     assert rel_l2(moe(x, logits), moe.forward_topk(x, w.float(), ids)) <= 1e-6
+
+
+def test_an_unchecked_family_warns_once_per_checkpoint(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A model family whose router was not checked is routed from config.json's keys, with an
+    UncheckedRoutingWarning naming the file and family (once per Checkpoint object); checked
+    families load silently; `moeq inspect` says so too."""
+    import warnings
+
+    src = fixture_path("qwen3_w8a16_g128")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert mq.open(src).summary()["routing"]["family_checked"] is True
+        mq.MoELayer.from_checkpoint(src, 0)
+    path = _with_config(src, tmp_path / "m", model_type="mystery_moe")
+    ckpt = mq.open(path)
+    assert ckpt.summary()["routing"]["family_checked"] is False
+    with pytest.warns(mq.UncheckedRoutingWarning, match="config.json: model_type 'mystery_moe'"):
+        mq.MoELayer.from_checkpoint(ckpt, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mq.MoELayer.from_checkpoint(ckpt, 1)  # the same checkpoint object: warned already
+    out = subprocess.run(
+        [sys.executable, "-m", "moeq_rs", "inspect", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "(model family not checked: see README)" in out
 
 
 def test_per_layer_top_k_must_agree(fixture_path: Callable[[str], Path], tmp_path: Path) -> None:

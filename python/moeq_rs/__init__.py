@@ -14,6 +14,7 @@ from .errors import (
     CudaUnavailableError,
     LayoutError,
     MoeqError,
+    UncheckedRoutingWarning,
     UnsupportedSchemeError,
 )
 from .oracle import Plan, plan
@@ -39,6 +40,7 @@ __all__ = [
     "MoELayer",
     "fused_moe",
     "MoeqError",
+    "UncheckedRoutingWarning",
     "UnsupportedSchemeError",
     "__version__",
     "open",

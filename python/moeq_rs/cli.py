@@ -102,6 +102,7 @@ def _print_table(summary: dict[str, Any], compat: bool) -> None:
         f"{' renormalised' if r['renormalize'] else ''}{groups}"
         f"{f', scaled x{scaling}' if scaling != 1.0 else ''}"
         f"{softcap}"
+        f"{'' if r.get('family_checked', True) else ' (model family not checked: see README)'}"
     )
     if summary["dense_layers"]:
         print(f"dense:    layers {', '.join(map(str, summary['dense_layers']))}")

@@ -39,3 +39,9 @@ class LayoutError(MoeqError, ValueError):
 
 class CudaUnavailableError(MoeqError, RuntimeError):
     """The CUDA path was requested but no usable driver or device is present."""
+
+
+class UncheckedRoutingWarning(UserWarning):
+    """A layer was loaded from a checkpoint whose model family's router moeq_rs has not
+    checked against the model's definition: it is routed from config.json's keys (softmax or
+    sigmoid top-k, bias, groups, renormalisation, scaling) as for the checked families."""

@@ -10,6 +10,7 @@ only. Outputs have the hidden dtype.
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,7 @@ import torch
 from . import _core
 from ._args import I64_MAX, as_int, int_in
 from ._threads import adopt_main_thread
-from .errors import LayoutError
+from .errors import LayoutError, UncheckedRoutingWarning
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -98,6 +99,22 @@ def _output(out, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[no-untyped
     return y.to(dtype)
 
 
+def _warn_unchecked_family(ckpt: Any) -> None:
+    """Warns once per checkpoint object when its model family's router was not checked."""
+    if ckpt.summary()["routing"]["family_checked"] or ckpt._routing_warned:
+        return
+    ckpt._routing_warned = True
+    config = ckpt.config
+    family = config.get("model_type") or (config.get("text_config") or {}).get("model_type")
+    warnings.warn(
+        f"{ckpt.path / 'config.json'}: model_type {family!r}: routing is read from config.json "
+        "as for the families moeq_rs checks (softmax or sigmoid top-k, optional bias, groups, "
+        "renormalisation and scaling); check that this model's router is one of those",
+        UncheckedRoutingWarning,
+        stacklevel=3,
+    )
+
+
 class MoELayer(torch.nn.Module):
     """A quantized MoE layer on the CPU (``device="cpu"``)."""
 
@@ -135,7 +152,9 @@ class MoELayer(torch.nn.Module):
         # thread among them), not on a pool of their own that would then idle.
         adopt_main_thread()
         ckpt = as_checkpoint(path_or_checkpoint)
-        return cls(_core.CpuMoeLayer.from_checkpoint(ckpt._core, index))
+        moe = cls(_core.CpuMoeLayer.from_checkpoint(ckpt._core, index))
+        _warn_unchecked_family(ckpt)
+        return moe
 
     @property
     def hidden_size(self) -> int:

@@ -674,6 +674,7 @@ fn routing_json(r: &Routing) -> Value {
         "topk_group": r.topk_group,
         "routed_scaling_factor": r.routed_scaling_factor,
         "logit_softcapping": r.logit_softcapping,
+        "family_checked": r.family_checked,
     })
 }
 

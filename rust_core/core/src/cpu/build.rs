@@ -334,6 +334,8 @@ pub fn from_raw(
             topk_group: None,
             routed_scaling_factor: 1.0,
             logit_softcapping: None,
+            // from_tensors: the caller chose the routing.
+            family_checked: true,
         },
         top_k,
         correction_bias: None,

@@ -113,6 +113,9 @@ pub struct Routing {
     pub routed_scaling_factor: f64,
     /// `tanh(logits / c) * c` before scoring when set (Laguna `moe_router_logit_softcapping`).
     pub logit_softcapping: Option<f64>,
+    /// Whether the model family's router was checked to be what this config-driven routing
+    /// computes ([`CHECKED_FAMILIES`]); other families get the same routing, unverified.
+    pub family_checked: bool,
 }
 
 /// Looks a key up in the config, then in a nested `text_config` (multimodal wrappers).
@@ -160,6 +163,34 @@ fn count(field: &Field<'_>) -> Result<Option<usize>> {
     v.map(|v| usize::try_from(v).map_err(|_| field.invalid(format!("{v} is too large"))))
         .transpose()
 }
+
+/// Model families whose routers were read (transformers, vLLM) and found to be the
+/// config-driven top-k computed here, with the keys and tensors this module reads for them.
+/// Routing is tested on fixtures for Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V2/V3, Laguna,
+/// ERNIE-4.5, MiniMax-M2, Ling-2.0, AFMoE and Hunyuan; the rest route as one of those.
+pub const CHECKED_FAMILIES: &[&str] = &[
+    "qwen2_moe",
+    "qwen3_moe",
+    "qwen3_next",
+    "mixtral",
+    "deepseek_v2",
+    "deepseek_v3",
+    "kimi_k2",
+    "laguna",
+    "ernie4_5_moe",
+    "minimax",
+    "minimax_m2",
+    "bailing_moe",
+    "bailing_moe_v2",
+    "afmoe",
+    "hunyuan_v1_moe",
+    "glm4_moe",
+    "glm4v_moe",
+    "dots1",
+    "olmoe",
+    "jamba",
+    "exaone_moe",
+];
 
 /// Model families whose routers score with a sigmoid when `config.json` names no scoring
 /// function: DeepSeek-V3 and the families built on its router (GLM-4.5, EXAONE-MoE), Laguna,
@@ -319,6 +350,7 @@ impl Routing {
             topk_group: count(&cfg_field(file, config, &["topk_group"]))?,
             routed_scaling_factor,
             logit_softcapping,
+            family_checked: CHECKED_FAMILIES.contains(&mtype.as_str()),
         })
     }
 
