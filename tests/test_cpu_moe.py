@@ -709,6 +709,44 @@ def test_an_unchecked_family_warns_once_per_checkpoint(
     assert "(model family not checked: see README)" in out
 
 
+@pytest.mark.parametrize(
+    "bias", ["experts.3.down_proj.bias", "shared_experts.up_proj.bias", "experts.0.gate_proj.bias"]
+)
+def test_expert_projection_biases_are_refused(
+    fixture_path: Callable[[str], Path], tmp_path: Path, bias: str
+) -> None:
+    """A bias on an expert or shared-expert projection (gpt-oss style) was dropped: the layer
+    ran without it, and both repack targets wrote the layer without it. No kernel adds one, so
+    the layer is refused everywhere, naming the tensor; the other layers still load."""
+    name = f"model.layers.1.mlp.{bias}"
+
+    def add(tensors: dict) -> None:
+        rows = tensors[name.replace(".bias", ".weight")].shape[0]
+        tensors[name] = torch.randn(rows, dtype=torch.bfloat16)
+
+    path = _edited_copy(fixture_path("deepseek_v3_w8a8_dynamic"), tmp_path / "m", tensors=add)
+    ckpt = mq.open(path)
+    info = {x["layer"]: x for x in ckpt.moe_layers()}
+    assert info[1]["projection_bias"] == name and info[2]["projection_bias"] is None
+    msg = f"{name}: expert projection biases are not added by any kernel"
+    for platform in ("cpu", "cuda"):
+        layer = mq.plan(ckpt, platform).layer(1)
+        assert layer["backend"] is None and layer["error"] == msg
+    with pytest.raises(mq.UnsupportedSchemeError, match=re.escape(msg)):
+        mq.MoELayer.from_checkpoint(ckpt, 1)
+    with pytest.raises(mq.UnsupportedSchemeError, match=re.escape(msg)):
+        ckpt.marlin_layer(1)
+    with pytest.raises(mq.UnsupportedSchemeError, match=re.escape(msg)):
+        mq.repack.repack_checkpoint(path, tmp_path / "marlin", target="marlin")
+    assert not (tmp_path / "marlin").exists()
+    mq.MoELayer.from_checkpoint(ckpt, 2)
+    # The CPU layout packs the other layer and keeps this one, bias included, in source form.
+    mq.repack.repack_checkpoint(path, tmp_path / "cpu", target="cpu")
+    with pytest.raises(mq.UnsupportedSchemeError, match=re.escape(msg)):
+        mq.MoELayer.from_checkpoint(tmp_path / "cpu", 1)
+    mq.MoELayer.from_checkpoint(tmp_path / "cpu", 2)
+
+
 def test_per_layer_top_k_must_agree(fixture_path: Callable[[str], Path], tmp_path: Path) -> None:
     """Hunyuan's `moe_topk` may list a top-k per layer: one shared value is read, different
     values are a ConfigError naming the key (one top-k per model is supported)."""

@@ -727,6 +727,8 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
         raise LayoutError(f"layer {layer}: this decoder layer has no MoE block")
     routing = ckpt.summary()["routing"]
     why = []
+    if info["projection_bias"]:
+        why.append(f"expert projection biases ({info['projection_bias']})")
     if info["shared_experts"]:
         why.append("shared experts")
     if routing["scoring_func"] != "softmax" or routing["n_group"]:

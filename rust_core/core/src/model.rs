@@ -1,5 +1,6 @@
 //! An opened checkpoint: files, quantization config, every module cross-checked, MoE layers.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use rayon::prelude::*;
@@ -35,6 +36,8 @@ pub struct Model {
     /// `config.json`'s `hidden_act`, as written.
     hidden_act: Option<String>,
     layout: Option<RepackedLayout>,
+    /// Layer prefix -> a bias tensor on its expert projections ([`moe::projection_biases`]).
+    projection_biases: BTreeMap<String, String>,
 }
 
 /// A checkpoint written by `moeq repack`: its `config.json` `"moeq"` object.
@@ -357,6 +360,7 @@ impl Model {
         }
         let routing = Routing::from_config(&config_file, config, any_bias)?;
         let hidden_act = moe::hidden_act(&config_file, config)?;
+        let projection_biases = moe::projection_biases(&ckpt);
         Ok(Model {
             hidden_act,
             layout,
@@ -366,6 +370,7 @@ impl Model {
             moe_layers,
             dense_layers: discovery.dense_layers,
             routing,
+            projection_biases,
         })
     }
 
@@ -477,6 +482,22 @@ impl Model {
     /// A CPU plan whose layer the CPU forward cannot compute as `config.json` describes
     /// ([`Model::cpu_layer_check`]) loses its backend, with the reason in `error` and among
     /// the rejected backends: what `MoELayer.from_checkpoint` would refuse, said up front.
+    /// A bias tensor on an expert or shared-expert projection of the layer at `prefix`
+    /// (`...mlp`), which no kernel adds.
+    pub fn projection_bias(&self, prefix: &str) -> Option<&str> {
+        self.projection_biases.get(prefix).map(String::as_str)
+    }
+
+    fn refuse_projection_bias(&self, plan: &mut oracle::LayerPlan, prefix: &str) {
+        if let Some(t) = self.projection_bias(prefix) {
+            let why = format!("{t}: expert projection biases are not added by any kernel");
+            if let Some(b) = plan.backend.take() {
+                plan.rejected.push((b, why.clone()));
+            }
+            plan.error.get_or_insert(why);
+        }
+    }
+
     fn refuse_unroutable(&self, plan: &mut oracle::LayerPlan, experts: usize) {
         if plan.backend != Some(Backend::CpuSimd) && plan.method != oracle::Method::Unquantized {
             return;
@@ -503,7 +524,14 @@ impl Model {
                 if matches!(platform, Platform::Cpu(_)) {
                     self.refuse_unroutable(&mut plan, l.experts.len());
                 }
+                self.refuse_projection_bias(&mut plan, &l.prefix);
                 let mut v = layer_json(l);
+                if let Some(obj) = v.as_object_mut() {
+                    obj.insert(
+                        "projection_bias".into(),
+                        json!(self.projection_bias(&l.prefix)),
+                    );
+                }
                 add_plan_json(&mut v, &plan);
                 if compat {
                     let verdict = oracle::vllm::vllm_layer(&input, platform, opts.tp_size);
@@ -601,6 +629,7 @@ impl Model {
                     .strip_suffix(".experts")
                     .unwrap_or(prefix)
                     .to_string();
+                self.refuse_projection_bias(&mut plan, &layer_prefix);
                 let router = moe::find_router(&self.ckpt, &layer_prefix);
                 let shared = moe::SHARED_EXPERT_NAMES.iter().find_map(|s| {
                     let sp = format!("{layer_prefix}.{s}");
@@ -619,6 +648,7 @@ impl Model {
                     "layout": layout.layout,
                     "router": router.map(|r| json!({"module": r.module, "e_score_correction_bias": r.correction_bias})),
                     "shared_experts": shared,
+                    "projection_bias": self.projection_bias(&layer_prefix),
                     "weight": weights.as_ref().map(|w| w.weight_json()),
                     "activation": activation.as_ref().map(|a| a.activation_json()),
                     "format": format.name(),

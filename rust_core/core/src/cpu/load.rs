@@ -227,7 +227,7 @@ pub fn moe_layer(model: &Model, layer: usize) -> Result<CpuMoe> {
                 format!("is not an MoE layer of this checkpoint (MoE layers: {have:?})"),
             )
         })?;
-    check_layer_config(model, l.experts.len())?;
+    check_layer_config(model, &l.prefix, l.experts.len())?;
     let plan = crate::oracle::plan_layer(
         &Model::layer_input(l),
         Platform::Cpu(CpuFeatures::detect()),
@@ -280,7 +280,14 @@ fn vector(ckpt: &Checkpoint, name: &str, want: usize) -> Result<Vec<f32>> {
 /// ([`Model::cpu_layer_check`]), checked before any expert is loaded: an activation, scoring
 /// function or model family no kernel has is an `UnsupportedSchemeError`, inconsistent
 /// routing keys a `ConfigError` naming the key.
-fn check_layer_config(model: &Model, experts: usize) -> Result<()> {
+fn check_layer_config(model: &Model, prefix: &str, experts: usize) -> Result<()> {
+    if let Some(t) = model.projection_bias(prefix) {
+        return Err(UnsupportedSchemeError {
+            subject: t.to_string(),
+            reason: "expert projection biases are not added by any kernel".to_string(),
+        }
+        .into());
+    }
     let file = model.checkpoint().config_path();
     model
         .cpu_layer_check(experts)
@@ -340,11 +347,11 @@ fn assemble(
 /// A layer of a `moeq repack --target cpu` checkpoint: experts from the stored packed blocks,
 /// router, shared experts and their gate from the copied source tensors.
 fn prepacked_layer(model: &Model, g: &crate::repack::cpu::CpuGeometry) -> Result<CpuMoe> {
-    check_layer_config(model, g.experts)?;
+    let lp = g.prefix.strip_suffix(".experts").unwrap_or(&g.prefix);
+    check_layer_config(model, lp, g.experts)?;
     let ckpt = model.checkpoint();
     let version = model.quantization_config().and_then(|q| q.version.clone());
     let experts = crate::repack::cpu::load_experts(ckpt, g)?;
-    let lp = g.prefix.strip_suffix(".experts").unwrap_or(&g.prefix);
     let mut shared = None;
     for s in crate::moe::SHARED_EXPERT_NAMES {
         let sp = format!("{lp}.{s}");

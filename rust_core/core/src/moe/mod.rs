@@ -426,6 +426,30 @@ pub fn is_silu(hidden_act: Option<&str>) -> bool {
 /// `shared_expert`, Hunyuan `shared_mlp`.
 pub const SHARED_EXPERT_NAMES: [&str; 3] = ["shared_experts", "shared_expert", "shared_mlp"];
 
+/// Biases on expert or shared-expert projections (`<layer>.experts.<e>.<proj>.bias`,
+/// `<layer>.shared_experts.<proj>.bias`), by layer prefix, the first such tensor of each layer
+/// (one pass over the tensor names). No kernel adds them (gpt-oss-style experts), so a layer
+/// that has them is refused rather than computed without them.
+pub fn projection_biases(ckpt: &Checkpoint) -> BTreeMap<String, String> {
+    let mut found = BTreeMap::new();
+    for (_, t) in ckpt.tensors() {
+        let Some(module) = t.name.strip_suffix(".bias") else {
+            continue;
+        };
+        let prefix = split_expert(module).map(|(p, ..)| p).or_else(|| {
+            let (block, _) = module.rsplit_once('.')?;
+            let (prefix, shared) = block.rsplit_once('.')?;
+            SHARED_EXPERT_NAMES.contains(&shared).then_some(prefix)
+        });
+        if let Some(prefix) = prefix {
+            found
+                .entry(prefix.to_string())
+                .or_insert_with(|| t.name.clone());
+        }
+    }
+    found
+}
+
 /// The router of the MoE block at `layer_prefix`: `gate` (most families), `router` (Jamba),
 /// `router.gate` (AFMoE), `gate.wg` (Hunyuan); with the block's score-correction bias.
 pub fn find_router(ckpt: &Checkpoint, layer_prefix: &str) -> Option<Router> {

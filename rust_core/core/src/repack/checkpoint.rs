@@ -10,7 +10,7 @@ use serde_json::{json, Value};
 use super::moe_layer::{convert_layer, dequantize_marlin, geometry, FetchedTensor, MarlinGeometry};
 use crate::checkpoint::writer::{Plan, ShardWriter};
 use crate::checkpoint::{Checkpoint, SafetensorsFile, TensorInfo, CONFIG_FILE, INDEX_FILE};
-use crate::error::{CheckpointError, Error, LayoutError, Result};
+use crate::error::{CheckpointError, Error, LayoutError, Result, UnsupportedSchemeError};
 use crate::model::Model;
 use crate::moe::ExpertModules;
 use crate::scheme::module::MODULE_TENSOR_SUFFIXES;
@@ -192,9 +192,13 @@ pub fn repack(
     // Decide everything before writing anything.
     let mut layers = Vec::new();
     for l in model.moe_layers() {
-        match target {
-            Target::Marlin => layers.push(Job::Marlin(l, geometry(l)?)),
-            Target::Cpu => {
+        // Packing would drop the biases (no kernel adds them): Marlin refuses the layer; the
+        // CPU layout leaves it in its source form, which the CPU loader refuses.
+        match (target, model.projection_bias(&l.prefix)) {
+            (Target::Marlin, Some(bias)) => return Err(unsupported_bias(bias)),
+            (Target::Cpu, Some(_)) => {}
+            (Target::Marlin, None) => layers.push(Job::Marlin(l, geometry(l)?)),
+            (Target::Cpu, None) => {
                 if let Some(g) = super::cpu::geometry(l) {
                     layers.push(Job::Cpu(l, g));
                 }
@@ -391,6 +395,16 @@ fn expert_tensors<'a>(
     })
 }
 
+/// A layer whose expert projections have `bias` cannot be packed: the layout has no place
+/// for it and no kernel adds it.
+fn unsupported_bias(bias: &str) -> Error {
+    UnsupportedSchemeError {
+        subject: bias.to_string(),
+        reason: "expert projection biases are not added by any kernel".to_string(),
+    }
+    .into()
+}
+
 /// One converted tensor: name, dtype, shape and bytes.
 pub type LayerTensor = (String, crate::checkpoint::dtype::DType, Vec<usize>, Vec<u8>);
 
@@ -409,6 +423,9 @@ pub fn marlin_layer(model: &Model, layer: usize) -> Result<(MarlinGeometry, Vec<
                 reason: "this decoder layer has no MoE block".into(),
             })
         })?;
+    if let Some(bias) = model.projection_bias(&l.prefix) {
+        return Err(unsupported_bias(bias));
+    }
     let g = geometry(l)?;
     let specs = g.specs();
     let mut bufs: Vec<Vec<u8>> = specs
