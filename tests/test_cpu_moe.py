@@ -747,6 +747,26 @@ def test_expert_projection_biases_are_refused(
     mq.MoELayer.from_checkpoint(tmp_path / "cpu", 2)
 
 
+def test_unknown_shared_expert_projections_are_refused(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A shared-expert projection under a name the forward does not compute (here gate_proj
+    stored as `gate_up_proj`) was skipped: the shared expert ran as a non-gated up/down MLP.
+    Opening the checkpoint now names the module."""
+    path = _edited_copy(
+        fixture_path("deepseek_v3_w8a8_dynamic"),
+        tmp_path / "m",
+        tensors=lambda t: _renamed(
+            t, "mlp.shared_experts.gate_proj.", "mlp.shared_experts.gate_up_proj."
+        ),
+    )
+    with pytest.raises(
+        mq.CheckpointError,
+        match=r"model.layers.1.mlp.shared_experts.gate_up_proj.: is not a shared-expert projection",
+    ):
+        mq.open(path)
+
+
 def test_per_layer_top_k_must_agree(fixture_path: Callable[[str], Path], tmp_path: Path) -> None:
     """Hunyuan's `moe_topk` may list a top-k per layer: one shared value is read, different
     values are a ConfigError naming the key (one top-k per model is supported)."""

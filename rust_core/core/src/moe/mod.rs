@@ -593,15 +593,24 @@ pub fn discover(ckpt: &Checkpoint, modules: &[String]) -> Result<Discovery> {
         let router = find_router(ckpt, &prefix);
         let mut shared = BTreeMap::new();
         for sprefix in SHARED_EXPERT_NAMES.map(|s| format!("{prefix}.{s}")) {
-            for (leaf, role) in [
-                ("gate_proj", ProjRole::Gate),
-                ("up_proj", ProjRole::Up),
-                ("down_proj", ProjRole::Down),
-            ] {
-                let name = format!("{sprefix}.{leaf}");
-                if modules.binary_search(&name).is_ok() {
-                    shared.insert(role, name);
-                }
+            // Every module under the shared expert must be one the forward computes: one it
+            // does not know (Granite's fused `input_linear`) would be left out silently.
+            let under = format!("{sprefix}.");
+            let from = modules.partition_point(|m| m.as_str() < under.as_str());
+            for m in modules[from..].iter().take_while(|m| m.starts_with(&under)) {
+                let role = match &m[under.len()..] {
+                    "gate_proj" => ProjRole::Gate,
+                    "up_proj" => ProjRole::Up,
+                    "down_proj" => ProjRole::Down,
+                    _ => {
+                        return Err(module_error(
+                            m,
+                            "is not a shared-expert projection the forward computes \
+                             (gate_proj, up_proj, down_proj)",
+                        ))
+                    }
+                };
+                shared.insert(role, m.clone());
             }
             if !shared.is_empty() {
                 break;
