@@ -554,17 +554,17 @@ def _moved_bias(tensors: dict, leaf: str) -> None:
         tensors[name] = torch.randn(tensors[name].shape) * 0.3
 
 
-def _ling_v2(tensors: dict, cfg: dict) -> str:
+def _ling_v2(tensors: dict, cfg: dict) -> tuple[str | None, str]:
     """Ling-2.0 (vLLM `bailing_moe.py`, inclusionAI's `BailingMoeV2`): `score_function`,
     the bias on the router as `gate.expert_bias`; grouped sigmoid top-k as DeepSeek-V3."""
     _moved_bias(tensors, "gate.expert_bias")
     cfg["score_function"] = "sigmoid"
     cfg["moe_router_enable_expert_bias"] = True
-    cfg["model_type"] = "bailing_moe"
-    return "gate.expert_bias"
+    cfg["model_type"] = "bailing_moe_v2"
+    return "gate.expert_bias", "gate"
 
 
-def _afmoe(tensors: dict, cfg: dict) -> str:
+def _afmoe(tensors: dict, cfg: dict) -> tuple[str | None, str]:
     """AFMoE (transformers `AfmoeTokenChoiceRouter`): the router under `router.gate`, the bias
     on the block as `expert_bias`; sigmoid (the family's only scoring), renormalised (`route_norm`),
     scaled by `route_scale`; no expert groups."""
@@ -575,10 +575,10 @@ def _afmoe(tensors: dict, cfg: dict) -> str:
     cfg["route_norm"] = cfg.pop("norm_topk_prob")
     cfg["route_scale"] = cfg.pop("routed_scaling_factor")
     cfg["model_type"] = "afmoe"
-    return "expert_bias"
+    return "expert_bias", "router.gate"
 
 
-def _hunyuan(tensors: dict, cfg: dict) -> str | None:
+def _hunyuan(tensors: dict, cfg: dict) -> tuple[str | None, str]:
     """Hunyuan-A13B (transformers `HunYuanMoEV1Gate`/`HunYuanMoEV1Moe`): softmax top-k from the
     per-layer `moe_topk` list, always renormalised, the router as `gate.wg`, the shared expert
     as `shared_mlp`; no bias, groups or scaling."""
@@ -590,7 +590,7 @@ def _hunyuan(tensors: dict, cfg: dict) -> str | None:
         cfg.pop(key)
     cfg["moe_topk"] = [cfg.pop("num_experts_per_tok")] * cfg["num_hidden_layers"]
     cfg["model_type"] = "hunyuan_v1_moe"
-    return None
+    return None, "gate.wg"
 
 
 @pytest.mark.parametrize(
@@ -604,7 +604,7 @@ def _hunyuan(tensors: dict, cfg: dict) -> str | None:
 def test_routing_of_families_with_their_own_key_names(
     fixture_path: Callable[[str], Path],
     tmp_path: Path,
-    family: Callable[[dict, dict], str | None],
+    family: Callable[[dict, dict], tuple[str | None, str]],
     routing_want: tuple,
 ) -> None:
     """Families that spell the DeepSeek-V3 routing keys and tensors their own way (Ling-2.0,
@@ -615,13 +615,13 @@ def test_routing_of_families_with_their_own_key_names(
     stores them; compared with routing written from the family's router."""
     src = fixture_path("deepseek_v3_w8a8_dynamic")
     cfg = json.loads((src / "config.json").read_text())
-    bias_leaf: list[str | None] = []
+    leaves: list[tuple[str | None, str]] = []  # (bias, router) as the family stores them
 
     def edit_config(c: dict) -> None:  # runs after edit_tensors has edited cfg
         c.clear()
         c.update(cfg)
 
-    edit_tensors = lambda state: bias_leaf.append(family(state, cfg))  # noqa: E731
+    edit_tensors = lambda state: leaves.append(family(state, cfg))  # noqa: E731
     dst = _edited_copy(src, tmp_path / "m", tensors=edit_tensors, config=edit_config)
     ckpt = mq.open(dst)
     routing = ckpt.summary()["routing"]
@@ -633,8 +633,10 @@ def test_routing_of_families_with_their_own_key_names(
     )
     assert got == routing_want and routing["top_k"] == 2
     for info in ckpt.moe_layers():
-        bias_name = (info["router"] or {}).get("e_score_correction_bias")
-        assert bias_name == (bias_leaf[0] and f"{info['prefix']}.{bias_leaf[0]}")
+        bias_leaf, router_leaf = leaves[0]
+        assert info["router"]["module"] == f"{info['prefix']}.{router_leaf}"
+        bias_name = info["router"]["e_score_correction_bias"]
+        assert bias_name == (bias_leaf and f"{info['prefix']}.{bias_leaf}")
         bias = ckpt.tensor(bias_name, "torch").float() if bias_name else None
         moe = mq.MoELayer.from_checkpoint(ckpt, info["layer"])
         x = torch.randn(32, moe.hidden_size)
@@ -653,26 +655,54 @@ def test_routing_of_families_with_their_own_key_names(
     "changes,want",
     [
         # Config classes and routers that renormalise, or score by sigmoid, unless told.
-        (dict(model_type="glm4_moe"), ("sigmoid", True, None)),
-        (dict(model_type="qwen3_next"), ("softmax", True, None)),
-        (dict(model_type="hunyuan_v1_moe"), ("softmax", True, None)),
-        (dict(model_type="qwen3_moe"), ("softmax", False, None)),
+        (dict(model_type="glm4_moe"), ("sigmoid", True, None, 1.0)),
+        (dict(model_type="qwen3_next"), ("softmax", True, None, 1.0)),
+        (dict(model_type="hunyuan_v1_moe"), ("softmax", True, None, 1.0)),
+        (dict(model_type="qwen3_moe"), ("softmax", False, None, 1.0)),
+        # A wrapper's language model names the family in text_config.
+        (
+            dict(model_type="kimi_vl", text_config={"model_type": "deepseek_v3"}),
+            ("sigmoid", True, None, 1.0),
+        ),
         # DeepSeek-V2's `greedy` top-k ignores the group keys; group_limited_greedy uses them.
-        (dict(topk_method="greedy", n_group=4, topk_group=1), ("softmax", False, None)),
-        (dict(topk_method="group_limited_greedy", n_group=4, topk_group=1), ("softmax", False, 4)),
+        (dict(topk_method="greedy", n_group=4, topk_group=1), ("softmax", False, None, 1.0)),
+        (
+            dict(topk_method="group_limited_greedy", n_group=4, topk_group=1),
+            ("softmax", False, 4, 1.0),
+        ),
+        # Other families' spellings of the keys, each deciding the outcome.
+        (dict(score_function="sigmoid"), ("sigmoid", False, None, 1.0)),
+        (dict(score_func="sigmoid"), ("sigmoid", False, None, 1.0)),
+        (dict(route_norm=True), ("softmax", True, None, 1.0)),
+        (dict(model_type="afmoe", route_norm=False), ("sigmoid", False, None, 1.0)),
+        # vLLM's AFMoE renormalises sigmoid scores only.
+        (
+            dict(model_type="afmoe", score_func="softmax", route_norm=True),
+            ("softmax", False, None, 1.0),
+        ),
+        (dict(route_scale=2.0), ("softmax", False, None, 2.0)),
+        (dict(router_scaling_factor=3.0), ("softmax", False, None, 3.0)),
+        (dict(moe_router_scaling_factor=4.0), ("softmax", False, None, 4.0)),
     ],
 )
 def test_family_defaults_when_the_config_is_silent(
     fixture_path: Callable[[str], Path], tmp_path: Path, changes: dict, want: tuple
 ) -> None:
     """Without `scoring_func` or `norm_topk_prob`, routing follows the family's own router or
-    config class; and the layer routes as the summary says."""
+    config class; other families' spellings of the keys are read; and the layer routes as the
+    summary says."""
     path = _with_config(
         fixture_path("qwen3_w8a16_g128"), tmp_path / "m", norm_topk_prob=None, **changes
     )
     ckpt = mq.open(path)
     routing = ckpt.summary()["routing"]
-    assert (routing["scoring_func"], routing["renormalize"], routing["n_group"]) == want
+    got = (
+        routing["scoring_func"],
+        routing["renormalize"],
+        routing["n_group"],
+        routing["routed_scaling_factor"],
+    )
+    assert got == want
     moe = mq.MoELayer.from_checkpoint(ckpt, 0)
     x, logits = torch.randn(16, moe.hidden_size), torch.randn(16, moe.num_experts)
     w, ids = torch_route({}, routing, logits, None)
@@ -727,8 +757,8 @@ def test_expert_projection_biases_are_refused(
     path = _edited_copy(fixture_path("deepseek_v3_w8a8_dynamic"), tmp_path / "m", tensors=add)
     ckpt = mq.open(path)
     info = {x["layer"]: x for x in ckpt.moe_layers()}
-    assert info[1]["projection_bias"] == name and info[2]["projection_bias"] is None
     msg = f"{name}: expert projection biases are not added by any kernel"
+    assert info[1]["unsupported"] == msg and info[2]["unsupported"] is None
     for platform in ("cpu", "cuda"):
         layer = mq.plan(ckpt, platform).layer(1)
         assert layer["backend"] is None and layer["error"] == msg
@@ -747,24 +777,51 @@ def test_expert_projection_biases_are_refused(
     mq.MoELayer.from_checkpoint(tmp_path / "cpu", 2)
 
 
-def test_unknown_shared_expert_projections_are_refused(
-    fixture_path: Callable[[str], Path], tmp_path: Path
-) -> None:
-    """A shared-expert projection under a name the forward does not compute (here gate_proj
-    stored as `gate_up_proj`) was skipped: the shared expert ran as a non-gated up/down MLP.
-    Opening the checkpoint now names the module."""
-    path = _edited_copy(
-        fixture_path("deepseek_v3_w8a8_dynamic"),
-        tmp_path / "m",
-        tensors=lambda t: _renamed(
-            t, "mlp.shared_experts.gate_proj.", "mlp.shared_experts.gate_up_proj."
-        ),
+def _fused_shared_gate(tensors: dict) -> None:
+    _renamed(
+        tensors,
+        "layers.1.mlp.shared_experts.gate_proj.",
+        "layers.1.mlp.shared_experts.gate_up_proj.",
     )
-    with pytest.raises(
-        mq.CheckpointError,
-        match=r"model.layers.1.mlp.shared_experts.gate_up_proj.: is not a shared-expert projection",
-    ):
-        mq.open(path)
+
+
+def _second_shared_expert(tensors: dict) -> None:
+    for name in [n for n in tensors if "layers.1.mlp.shared_experts." in n]:
+        tensors[name.replace("shared_experts.", "shared_mlp.")] = tensors[name].clone()
+
+
+@pytest.mark.parametrize(
+    "edit,subject,reason",
+    [
+        # gate_proj stored fused: the shared expert ran as a non-gated up/down MLP.
+        (
+            _fused_shared_gate,
+            "shared_experts.gate_up_proj",
+            "is not a shared-expert projection the forward computes",
+        ),
+        # A second complete shared expert under another name: only the first one ran.
+        (_second_shared_expert, "shared_mlp.down_proj", "is a second shared expert of its block"),
+    ],
+)
+def test_shared_expert_parts_the_forward_would_leave_out_are_refused(
+    fixture_path: Callable[[str], Path],
+    tmp_path: Path,
+    edit: Callable[[dict], None],
+    subject: str,
+    reason: str,
+) -> None:
+    """A shared-expert module the forward does not compute was skipped silently. The layer is
+    now refused on every platform, naming the module; the checkpoint still opens and its other
+    layers load."""
+    path = _edited_copy(fixture_path("deepseek_v3_w8a8_dynamic"), tmp_path / "m", tensors=edit)
+    ckpt = mq.open(path)
+    msg = f"model.layers.1.mlp.{subject}: {reason}"
+    info = {x["layer"]: x for x in ckpt.moe_layers()}
+    assert info[1]["unsupported"].startswith(msg) and info[2]["unsupported"] is None
+    assert mq.plan(ckpt, "cuda").layer(1)["backend"] is None
+    with pytest.raises(mq.UnsupportedSchemeError, match=re.escape(msg)):
+        mq.MoELayer.from_checkpoint(ckpt, 1)
+    mq.MoELayer.from_checkpoint(ckpt, 2)
 
 
 def test_per_layer_top_k_must_agree(fixture_path: Callable[[str], Path], tmp_path: Path) -> None:

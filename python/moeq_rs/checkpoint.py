@@ -80,7 +80,7 @@ class Checkpoint:
         self.view = core.tensor_buffer
         self._config: dict[str, Any] | None = None
         self._summary: dict[str, Any] | None = None
-        self._routing_warned = False  # see moe._warn_unchecked_family
+        self._routing_warned = False  # see moe.warn_unchecked_family
 
     @property
     def path(self) -> Path:

@@ -720,6 +720,7 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
 
     from .checkpoint import as_checkpoint
     from .errors import LayoutError, UnsupportedSchemeError
+    from .moe import model_family, warn_unchecked_family
 
     ckpt = as_checkpoint(path_or_checkpoint)
     info = next((x for x in ckpt.moe_layers() if x["layer"] == layer), None)
@@ -727,8 +728,8 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
         raise LayoutError(f"layer {layer}: this decoder layer has no MoE block")
     routing = ckpt.summary()["routing"]
     why = []
-    if info["projection_bias"]:
-        why.append(f"expert projection biases ({info['projection_bias']})")
+    if info["unsupported"]:
+        why.append(info["unsupported"])
     if info["shared_experts"]:
         why.append("shared experts")
     if routing["scoring_func"] != "softmax" or routing["n_group"]:
@@ -745,11 +746,8 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
     act = cfg.get("hidden_act") or (cfg.get("text_config") or {}).get("hidden_act")
     if act not in (None, "silu", "swish"):
         why.append(f"hidden_act {act!r} (the kernels compute silu(gate) * up)")
-    # The families whose routers are not a top-k weighting expert outputs (as Routing's
-    # unsupported_model in rust_core/core/src/moe/mod.rs).
-    unsupported = ("llama4", "llama4_text", "phimoe", "gpt_oss", "longcat_flash", "jetmoe")
-    if cfg.get("model_type") in unsupported:
-        why.append(f"model_type {cfg['model_type']!r} routes differently")
+    if routing["unsupported_family"]:
+        why.append(f"model_type {model_family(cfg)!r}: {routing['unsupported_family']}")
     if info["mixed"]:
         why.append("mixed schemes across experts")
     if not info["gated"]:
@@ -763,6 +761,7 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
     top_k = routing["top_k"]
     if not top_k:
         raise LayoutError("config.json: no num_experts_per_tok (top_k)")
+    warn_unchecked_family(ckpt)
     dev = torch.device(device)
     if info["method"] == "wna16":
         geo, tensors = ckpt.marlin_layer(layer)

@@ -36,8 +36,8 @@ pub struct Model {
     /// `config.json`'s `hidden_act`, as written.
     hidden_act: Option<String>,
     layout: Option<RepackedLayout>,
-    /// Layer prefix -> a bias tensor on its expert projections ([`moe::projection_biases`]).
-    projection_biases: BTreeMap<String, String>,
+    /// Layer prefix -> a part of its MoE block no kernel computes ([`moe::unsupported_parts`]).
+    unsupported_parts: BTreeMap<String, moe::UnsupportedPart>,
 }
 
 /// A checkpoint written by `moeq repack`: its `config.json` `"moeq"` object.
@@ -360,7 +360,7 @@ impl Model {
         }
         let routing = Routing::from_config(&config_file, config, any_bias)?;
         let hidden_act = moe::hidden_act(&config_file, config)?;
-        let projection_biases = moe::projection_biases(&ckpt);
+        let unsupported_parts = moe::unsupported_parts(&ckpt, &names);
         Ok(Model {
             hidden_act,
             layout,
@@ -370,7 +370,7 @@ impl Model {
             moe_layers,
             dense_layers: discovery.dense_layers,
             routing,
-            projection_biases,
+            unsupported_parts,
         })
     }
 
@@ -479,35 +479,33 @@ impl Model {
         )
     }
 
-    /// A CPU plan whose layer the CPU forward cannot compute as `config.json` describes
-    /// ([`Model::cpu_layer_check`]) loses its backend, with the reason in `error` and among
-    /// the rejected backends: what `MoELayer.from_checkpoint` would refuse, said up front.
-    /// A bias tensor on an expert or shared-expert projection of the layer at `prefix`
-    /// (`...mlp`), which no kernel adds.
-    pub fn projection_bias(&self, prefix: &str) -> Option<&str> {
-        self.projection_biases.get(prefix).map(String::as_str)
+    /// A part of the MoE block at `prefix` (`...mlp`) that no kernel computes.
+    pub fn unsupported_part(&self, prefix: &str) -> Option<&moe::UnsupportedPart> {
+        self.unsupported_parts.get(prefix)
     }
 
-    fn refuse_projection_bias(&self, plan: &mut oracle::LayerPlan, prefix: &str) {
-        if let Some(t) = self.projection_bias(prefix) {
-            let why = format!("{t}: expert projection biases are not added by any kernel");
-            if let Some(b) = plan.backend.take() {
-                plan.rejected.push((b, why.clone()));
-            }
-            plan.error.get_or_insert(why);
+    /// `subject: reason` of [`Model::unsupported_part`].
+    fn unsupported_part_message(&self, prefix: &str) -> Option<String> {
+        self.unsupported_part(prefix)
+            .map(|p| format!("{}: {}", p.subject, p.reason))
+    }
+
+    /// A layer with an unsupported part has no backend, on any platform.
+    fn refuse_unsupported_part(&self, plan: &mut oracle::LayerPlan, prefix: &str) {
+        if let Some(why) = self.unsupported_part_message(prefix) {
+            refuse(plan, why);
         }
     }
 
+    /// A CPU plan whose layer the CPU forward cannot compute as `config.json` describes
+    /// ([`Model::cpu_layer_check`]) loses its backend, with the reason in `error` and among
+    /// the rejected backends: what `MoELayer.from_checkpoint` would refuse, said up front.
     fn refuse_unroutable(&self, plan: &mut oracle::LayerPlan, experts: usize) {
         if plan.backend != Some(Backend::CpuSimd) && plan.method != oracle::Method::Unquantized {
             return;
         }
         if let Err((key, reason)) = self.cpu_layer_check(experts) {
-            let why = format!("config.json: {key}: {reason}");
-            if let Some(b) = plan.backend.take() {
-                plan.rejected.push((b, why.clone()));
-            }
-            plan.error.get_or_insert(why);
+            refuse(plan, format!("config.json: {key}: {reason}"));
         }
     }
 
@@ -524,12 +522,12 @@ impl Model {
                 if matches!(platform, Platform::Cpu(_)) {
                     self.refuse_unroutable(&mut plan, l.experts.len());
                 }
-                self.refuse_projection_bias(&mut plan, &l.prefix);
+                self.refuse_unsupported_part(&mut plan, &l.prefix);
                 let mut v = layer_json(l);
                 if let Some(obj) = v.as_object_mut() {
                     obj.insert(
-                        "projection_bias".into(),
-                        json!(self.projection_bias(&l.prefix)),
+                        "unsupported".into(),
+                        json!(self.unsupported_part_message(&l.prefix)),
                     );
                 }
                 add_plan_json(&mut v, &plan);
@@ -629,7 +627,7 @@ impl Model {
                     .strip_suffix(".experts")
                     .unwrap_or(prefix)
                     .to_string();
-                self.refuse_projection_bias(&mut plan, &layer_prefix);
+                self.refuse_unsupported_part(&mut plan, &layer_prefix);
                 let router = moe::find_router(&self.ckpt, &layer_prefix);
                 let shared = moe::SHARED_EXPERT_NAMES.iter().find_map(|s| {
                     let sp = format!("{layer_prefix}.{s}");
@@ -648,7 +646,7 @@ impl Model {
                     "layout": layout.layout,
                     "router": router.map(|r| json!({"module": r.module, "e_score_correction_bias": r.correction_bias})),
                     "shared_experts": shared,
-                    "projection_bias": self.projection_bias(&layer_prefix),
+                    "unsupported": self.unsupported_part_message(&layer_prefix),
                     "weight": weights.as_ref().map(|w| w.weight_json()),
                     "activation": activation.as_ref().map(|a| a.activation_json()),
                     "format": format.name(),
@@ -695,6 +693,15 @@ impl Model {
     }
 }
 
+/// The plan loses its backend (kept among the rejected ones, with `why`), and says `why` in
+/// `error` unless it already has an error.
+fn refuse(plan: &mut oracle::LayerPlan, why: String) {
+    if let Some(b) = plan.backend.take() {
+        plan.rejected.push((b, why.clone()));
+    }
+    plan.error.get_or_insert(why);
+}
+
 fn routing_json(r: &Routing) -> Value {
     json!({
         "top_k": r.top_k,
@@ -705,6 +712,7 @@ fn routing_json(r: &Routing) -> Value {
         "routed_scaling_factor": r.routed_scaling_factor,
         "logit_softcapping": r.logit_softcapping,
         "family_checked": r.family_checked,
+        "unsupported_family": r.unsupported_model,
     })
 }
 

@@ -281,10 +281,10 @@ fn vector(ckpt: &Checkpoint, name: &str, want: usize) -> Result<Vec<f32>> {
 /// function or model family no kernel has is an `UnsupportedSchemeError`, inconsistent
 /// routing keys a `ConfigError` naming the key.
 fn check_layer_config(model: &Model, prefix: &str, experts: usize) -> Result<()> {
-    if let Some(t) = model.projection_bias(prefix) {
+    if let Some(part) = model.unsupported_part(prefix) {
         return Err(UnsupportedSchemeError {
-            subject: t.to_string(),
-            reason: "expert projection biases are not added by any kernel".to_string(),
+            subject: part.subject.clone(),
+            reason: part.reason.to_string(),
         }
         .into());
     }

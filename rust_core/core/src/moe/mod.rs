@@ -185,6 +185,7 @@ pub const CHECKED_FAMILIES: &[&str] = &[
     "afmoe",
     "hunyuan_v1_moe",
     "glm4_moe",
+    "glm4_moe_lite",
     "glm4v_moe",
     "dots1",
     "olmoe",
@@ -194,7 +195,7 @@ pub const CHECKED_FAMILIES: &[&str] = &[
 
 /// Model families whose routers score with a sigmoid when `config.json` names no scoring
 /// function: DeepSeek-V3 and the families built on its router (GLM-4.5, EXAONE-MoE), Laguna,
-/// AFMoE.
+/// AFMoE, LFM2-MoE.
 const SIGMOID_FAMILIES: &[&str] = &[
     "deepseek_v3",
     "laguna",
@@ -203,6 +204,7 @@ const SIGMOID_FAMILIES: &[&str] = &[
     "glm4v_moe",
     "exaone_moe",
     "afmoe",
+    "lfm2_moe",
 ];
 
 /// Model families whose routers renormalise the top-k weights when `config.json` does not say
@@ -272,11 +274,21 @@ impl Routing {
     /// would route differently from the model, silently.
     pub fn from_config(file: &Path, config: &Value, has_correction_bias: bool) -> Result<Routing> {
         // The family decides defaults below: a `model_type` that is not a string would quietly
-        // route as an unknown family.
-        let mtype = cfg_field(file, config, &["model_type"])
-            .opt_str()?
-            .unwrap_or("")
-            .to_string();
+        // route as an unknown family. A multimodal wrapper (`kimi_vl`) names its language
+        // model's family in `text_config.model_type`; either may be the one listed.
+        let mut families = Vec::new();
+        for (path, v) in [
+            ("model_type", config.get("model_type")),
+            (
+                "text_config.model_type",
+                config.get("text_config").and_then(|t| t.get("model_type")),
+            ),
+        ] {
+            if let Some(t) = Field::new(file, path, v).opt_str()? {
+                families.push(t);
+            }
+        }
+        let is = |list: &[&str]| families.iter().any(|f| list.contains(f));
         let top_k = top_k(file, config)?;
         // Ling-2.0 (`bailing_moe`) names it `score_function`, AFMoE `score_func`.
         let scoring_key = ["scoring_func", "score_function", "score_func"];
@@ -286,20 +298,20 @@ impl Routing {
                 Some("softmax") => (Scoring::Softmax, None),
                 Some(other) => (Scoring::Softmax, Some(other.to_string())),
                 // ERNIE-4.5 chooses on softmax scores plus its `moe_statics` bias.
-                None if mtype == "ernie4_5_moe" => (Scoring::Softmax, None),
+                None if is(&["ernie4_5_moe"]) => (Scoring::Softmax, None),
                 // Families whose routers are sigmoid whatever the config says (vLLM hard-codes it
                 // for GLM-4.5; the others' transformers routers have no softmax branch).
-                None if SIGMOID_FAMILIES.contains(&mtype.as_str()) || has_correction_bias => {
-                    (Scoring::Sigmoid, None)
-                }
+                None if is(SIGMOID_FAMILIES) || has_correction_bias => (Scoring::Sigmoid, None),
                 None => (Scoring::Softmax, None),
             };
         // Most families say whether to renormalise with norm_topk_prob (AFMoE: route_norm);
         // without it, the family's own default.
         let renormalize =
             match cfg_field(file, config, &["norm_topk_prob", "route_norm"]).opt_bool()? {
+                // vLLM's AFMoE applies route_norm to sigmoid scores only.
+                Some(_) if is(&["afmoe"]) && scoring == Scoring::Softmax => false,
                 Some(b) => b,
-                None => RENORMALIZING_FAMILIES.contains(&mtype.as_str()),
+                None => is(RENORMALIZING_FAMILIES),
             };
         let routed_scaling_factor = cfg_field(
             file,
@@ -308,6 +320,9 @@ impl Routing {
                 "routed_scaling_factor",
                 "moe_routed_scaling_factor",
                 "route_scale",
+                // Hunyuan-V3, Step-3.5.
+                "router_scaling_factor",
+                "moe_router_scaling_factor",
             ],
         )
         .opt_f64()?
@@ -321,7 +336,7 @@ impl Routing {
         .filter(|&c| c > 0.0);
         // Families whose experts appear as per-expert modules (so the layer is found) but whose
         // router is not a top-k over scores weighting the expert outputs.
-        let unsupported_model = match mtype.as_str() {
+        let unsupported_model = families.iter().find_map(|f| match *f {
             "llama4" | "llama4_text" => Some(
                 "Llama-4 scales each expert's input (not its output) by the sigmoid of its top-k \
                  router logit; the CPU forward weights outputs",
@@ -337,7 +352,7 @@ impl Routing {
             ),
             "jetmoe" => Some("JetMoE adds an output bias to its experts' sum"),
             _ => None,
-        };
+        });
         // DeepSeek-V2's `topk_method: greedy` is plain top-k whatever the group keys say.
         let greedy = cfg_field(file, config, &["topk_method"]).opt_str()? == Some("greedy");
         Ok(Routing {
@@ -350,7 +365,7 @@ impl Routing {
             topk_group: count(&cfg_field(file, config, &["topk_group"]))?,
             routed_scaling_factor,
             logit_softcapping,
-            family_checked: CHECKED_FAMILIES.contains(&mtype.as_str()),
+            family_checked: is(CHECKED_FAMILIES),
         })
     }
 
@@ -426,25 +441,73 @@ pub fn is_silu(hidden_act: Option<&str>) -> bool {
 /// `shared_expert`, Hunyuan `shared_mlp`.
 pub const SHARED_EXPERT_NAMES: [&str; 3] = ["shared_experts", "shared_expert", "shared_mlp"];
 
-/// Biases on expert or shared-expert projections (`<layer>.experts.<e>.<proj>.bias`,
-/// `<layer>.shared_experts.<proj>.bias`), by layer prefix, the first such tensor of each layer
-/// (one pass over the tensor names). No kernel adds them (gpt-oss-style experts), so a layer
-/// that has them is refused rather than computed without them.
-pub fn projection_biases(ckpt: &Checkpoint) -> BTreeMap<String, String> {
-    let mut found = BTreeMap::new();
+/// A part of a MoE block that no kernel computes, found by name: the tensor or module and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnsupportedPart {
+    pub subject: String,
+    pub reason: &'static str,
+}
+
+/// Splits `<prefix>.<shared expert name>.<leaf>` ([`SHARED_EXPERT_NAMES`]).
+fn split_shared(module: &str) -> Option<(&str, &str, &str)> {
+    let (block, leaf) = module.rsplit_once('.')?;
+    let (prefix, shared) = block.rsplit_once('.')?;
+    SHARED_EXPERT_NAMES
+        .contains(&shared)
+        .then_some((prefix, shared, leaf))
+}
+
+/// Parts of MoE blocks the forward would leave out, by layer prefix (`...mlp`), the first of
+/// each layer, from one pass over the tensor and module names:
+/// - a bias on an expert or shared-expert projection (`experts.3.down_proj.bias`, gpt-oss
+///   style): no kernel adds one;
+/// - a shared-expert module other than gate/up/down_proj (a fused `gate_up_proj`), or shared
+///   experts under two names: the shared expert would run without it.
+///
+/// A layer with one is refused (on every platform, by the CPU loader and the Marlin repack)
+/// rather than computed without it; the checkpoint still opens.
+pub fn unsupported_parts(
+    ckpt: &Checkpoint,
+    modules: &[String],
+) -> BTreeMap<String, UnsupportedPart> {
+    let mut found: BTreeMap<String, UnsupportedPart> = BTreeMap::new();
     for (_, t) in ckpt.tensors() {
         let Some(module) = t.name.strip_suffix(".bias") else {
             continue;
         };
-        let prefix = split_expert(module).map(|(p, ..)| p).or_else(|| {
-            let (block, _) = module.rsplit_once('.')?;
-            let (prefix, shared) = block.rsplit_once('.')?;
-            SHARED_EXPERT_NAMES.contains(&shared).then_some(prefix)
-        });
+        let prefix = match split_expert(module) {
+            Some((p, ..)) => Some(p.to_string()),
+            None => split_shared(module).map(|(p, ..)| p.to_string()),
+        };
         if let Some(prefix) = prefix {
+            found.entry(prefix).or_insert_with(|| UnsupportedPart {
+                subject: t.name.clone(),
+                reason: "expert projection biases are not added by any kernel",
+            });
+        }
+    }
+    let mut shared_names: BTreeMap<String, String> = BTreeMap::new();
+    for m in modules {
+        let Some((prefix, shared, leaf)) = split_shared(m) else {
+            continue;
+        };
+        let problem = if !matches!(leaf, "gate_proj" | "up_proj" | "down_proj") {
+            Some("is not a shared-expert projection the forward computes (gate_proj, up_proj, down_proj)")
+        } else if shared_names
+            .insert(prefix.to_string(), shared.to_string())
+            .is_some_and(|first| first != shared)
+        {
+            Some("is a second shared expert of its block; the forward computes one")
+        } else {
+            None
+        };
+        if let Some(reason) = problem {
             found
                 .entry(prefix.to_string())
-                .or_insert_with(|| t.name.clone());
+                .or_insert_with(|| UnsupportedPart {
+                    subject: m.clone(),
+                    reason,
+                });
         }
     }
     found
@@ -593,24 +656,15 @@ pub fn discover(ckpt: &Checkpoint, modules: &[String]) -> Result<Discovery> {
         let router = find_router(ckpt, &prefix);
         let mut shared = BTreeMap::new();
         for sprefix in SHARED_EXPERT_NAMES.map(|s| format!("{prefix}.{s}")) {
-            // Every module under the shared expert must be one the forward computes: one it
-            // does not know (Granite's fused `input_linear`) would be left out silently.
-            let under = format!("{sprefix}.");
-            let from = modules.partition_point(|m| m.as_str() < under.as_str());
-            for m in modules[from..].iter().take_while(|m| m.starts_with(&under)) {
-                let role = match &m[under.len()..] {
-                    "gate_proj" => ProjRole::Gate,
-                    "up_proj" => ProjRole::Up,
-                    "down_proj" => ProjRole::Down,
-                    _ => {
-                        return Err(module_error(
-                            m,
-                            "is not a shared-expert projection the forward computes \
-                             (gate_proj, up_proj, down_proj)",
-                        ))
-                    }
-                };
-                shared.insert(role, m.clone());
+            for (leaf, role) in [
+                ("gate_proj", ProjRole::Gate),
+                ("up_proj", ProjRole::Up),
+                ("down_proj", ProjRole::Down),
+            ] {
+                let name = format!("{sprefix}.{leaf}");
+                if modules.binary_search(&name).is_ok() {
+                    shared.insert(role, name);
+                }
             }
             if !shared.is_empty() {
                 break;

@@ -192,10 +192,10 @@ pub fn repack(
     // Decide everything before writing anything.
     let mut layers = Vec::new();
     for l in model.moe_layers() {
-        // Packing would drop the biases (no kernel adds them): Marlin refuses the layer; the
-        // CPU layout leaves it in its source form, which the CPU loader refuses.
-        match (target, model.projection_bias(&l.prefix)) {
-            (Target::Marlin, Some(bias)) => return Err(unsupported_bias(bias)),
+        // A layer with a part no kernel computes (projection biases): Marlin refuses it; the CPU
+        // layout leaves it in its source form, which the CPU loader refuses.
+        match (target, model.unsupported_part(&l.prefix)) {
+            (Target::Marlin, Some(part)) => return Err(unsupported(part)),
             (Target::Cpu, Some(_)) => {}
             (Target::Marlin, None) => layers.push(Job::Marlin(l, geometry(l)?)),
             (Target::Cpu, None) => {
@@ -395,12 +395,12 @@ fn expert_tensors<'a>(
     })
 }
 
-/// A layer whose expert projections have `bias` cannot be packed: the layout has no place
-/// for it and no kernel adds it.
-fn unsupported_bias(bias: &str) -> Error {
+/// A layer with a part no kernel computes ([`crate::moe::unsupported_parts`]) is not packed:
+/// the layout would drop the part.
+fn unsupported(part: &crate::moe::UnsupportedPart) -> Error {
     UnsupportedSchemeError {
-        subject: bias.to_string(),
-        reason: "expert projection biases are not added by any kernel".to_string(),
+        subject: part.subject.clone(),
+        reason: part.reason.to_string(),
     }
     .into()
 }
@@ -423,8 +423,8 @@ pub fn marlin_layer(model: &Model, layer: usize) -> Result<(MarlinGeometry, Vec<
                 reason: "this decoder layer has no MoE block".into(),
             })
         })?;
-    if let Some(bias) = model.projection_bias(&l.prefix) {
-        return Err(unsupported_bias(bias));
+    if let Some(part) = model.unsupported_part(&l.prefix) {
+        return Err(unsupported(part));
     }
     let g = geometry(l)?;
     let specs = g.specs();
