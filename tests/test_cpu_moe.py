@@ -546,6 +546,12 @@ def _renamed(tensors: dict, old: str, new: str) -> None:
         tensors[name.replace(old, new)] = tensors.pop(name)
 
 
+def _routing_facts(routing: dict) -> tuple:
+    """(scoring, renormalise, expert groups, routed scaling) of a summary's routing."""
+    keys = ("scoring_func", "renormalize", "n_group", "routed_scaling_factor")
+    return tuple(routing[k] for k in keys)
+
+
 def _moved_bias(tensors: dict, leaf: str) -> None:
     """Moves the fixture's `gate.e_score_correction_bias` to `mlp.<leaf>`, made large enough
     to change which experts are chosen."""
@@ -596,9 +602,9 @@ def _hunyuan(tensors: dict, cfg: dict) -> tuple[str | None, str]:
 @pytest.mark.parametrize(
     "family,routing_want",
     [
-        (_ling_v2, ("sigmoid", True, 2.5, 2)),
-        (_afmoe, ("sigmoid", True, 2.5, None)),
-        (_hunyuan, ("softmax", True, 1.0, None)),
+        (_ling_v2, ("sigmoid", True, 2, 2.5)),
+        (_afmoe, ("sigmoid", True, None, 2.5)),
+        (_hunyuan, ("softmax", True, None, 1.0)),
     ],
 )
 def test_routing_of_families_with_their_own_key_names(
@@ -625,13 +631,7 @@ def test_routing_of_families_with_their_own_key_names(
     dst = _edited_copy(src, tmp_path / "m", tensors=edit_tensors, config=edit_config)
     ckpt = mq.open(dst)
     routing = ckpt.summary()["routing"]
-    got = (
-        routing["scoring_func"],
-        routing["renormalize"],
-        routing["routed_scaling_factor"],
-        routing["n_group"],
-    )
-    assert got == routing_want and routing["top_k"] == 2
+    assert _routing_facts(routing) == routing_want and routing["top_k"] == 2
     for info in ckpt.moe_layers():
         bias_leaf, router_leaf = leaves[0]
         assert info["router"]["module"] == f"{info['prefix']}.{router_leaf}"
@@ -696,13 +696,7 @@ def test_family_defaults_when_the_config_is_silent(
     )
     ckpt = mq.open(path)
     routing = ckpt.summary()["routing"]
-    got = (
-        routing["scoring_func"],
-        routing["renormalize"],
-        routing["n_group"],
-        routing["routed_scaling_factor"],
-    )
-    assert got == want
+    assert _routing_facts(routing) == want
     moe = mq.MoELayer.from_checkpoint(ckpt, 0)
     x, logits = torch.randn(16, moe.hidden_size), torch.randn(16, moe.num_experts)
     w, ids = torch_route({}, routing, logits, None)
