@@ -229,6 +229,18 @@ def main() -> None:
     ap.add_argument("--flush", choices=("numpy", "torch"), default="numpy")
     ap.add_argument("--compare-parking", action="store_true")
     args = ap.parse_args()
+    # Checked before anything runs: a typo in the last shape should not cost the earlier ones.
+    unknown = [n for n in args.shapes.split(",") if n not in SHAPES]
+    if unknown:
+        ap.error(f"--shapes: unknown {', '.join(unknown)} (known: {', '.join(SHAPES)})")
+    try:
+        tokens = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        tokens = []
+    if not tokens or min(tokens) < 1:
+        ap.error(f"--tokens: {args.tokens!r} is not a comma-separated list of counts >= 1")
+    if args.rounds < 1:
+        ap.error("--rounds: must be at least 1")
     global FLUSH_WITH_TORCH
     FLUSH_WITH_TORCH = args.flush == "torch"
     torch.set_num_threads(2)
@@ -285,7 +297,7 @@ def main() -> None:
                 if vllm[1] == "int8"
                 else vllm_bf16_layer(tw13, tw2, k)
             )
-        for t in map(int, args.tokens.split(",")):
+        for t in tokens:
             ours, theirs, ratios, hits, floors, peers, vs_peer = [], [], [], [], [], [], []
             unparked_times, park_gain = [], []
             # One untimed call each first: the first call at a new size faults in its
