@@ -720,13 +720,14 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
 
     from .checkpoint import as_checkpoint
     from .errors import LayoutError, UnsupportedSchemeError
-    from .moe import model_family, warn_unchecked_family
+    from .moe import warn_unchecked_family
 
     ckpt = as_checkpoint(path_or_checkpoint)
     info = next((x for x in ckpt.moe_layers() if x["layer"] == layer), None)
     if info is None:
         raise LayoutError(f"layer {layer}: this decoder layer has no MoE block")
-    routing = ckpt.summary()["routing"]
+    summary = ckpt.summary()
+    routing = summary["routing"]
     why = []
     if info["unsupported"]:
         why.append(info["unsupported"])
@@ -742,12 +743,10 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
         why.append(f"routed_scaling_factor {routing['routed_scaling_factor']}")
     if routing["logit_softcapping"]:
         why.append("router logit soft-capping")
-    cfg = ckpt.config
-    act = cfg.get("hidden_act") or (cfg.get("text_config") or {}).get("hidden_act")
-    if act not in (None, "silu", "swish"):
-        why.append(f"hidden_act {act!r} (the kernels compute silu(gate) * up)")
+    if not summary["hidden_act_supported"]:
+        why.append(f"hidden_act {summary['hidden_act']!r} (the kernels compute silu(gate) * up)")
     if routing["unsupported_family"]:
-        why.append(f"model_type {model_family(cfg)!r}: {routing['unsupported_family']}")
+        why.append(f"model_type {summary['model_type']!r}: {routing['unsupported_family']}")
     if info["mixed"]:
         why.append("mixed schemes across experts")
     if not info["gated"]:

@@ -99,21 +99,17 @@ def _output(out, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[no-untyped
     return y.to(dtype)
 
 
-def model_family(config: dict[str, Any]) -> Any:
-    """`model_type`, or a wrapper's `text_config.model_type` when the top level has none."""
-    return config.get("model_type") or (config.get("text_config") or {}).get("model_type")
-
-
 def warn_unchecked_family(ckpt: Any) -> None:
     """Warns once per checkpoint object when its model family's router was not checked."""
-    if ckpt.summary()["routing"]["family_checked"] or ckpt._routing_warned:
+    summary = ckpt.summary()
+    if summary["routing"]["family_checked"] or ckpt._routing_warned:
         return
     ckpt._routing_warned = True
     warnings.warn(
-        f"{ckpt.path / 'config.json'}: model_type {model_family(ckpt.config)!r}: routing is "
-        "read from config.json "
-        "as for the families moeq_rs checks (softmax or sigmoid top-k, optional bias, groups, "
-        "renormalisation and scaling); check that this model's router is one of those",
+        f"{ckpt.path / 'config.json'}: model_type {summary['model_type']!r}: routing is read "
+        "from config.json as for the families moeq_rs checks (softmax or sigmoid top-k, "
+        "optional bias, groups, renormalisation and scaling); check that this model's router "
+        "is one of those",
         UncheckedRoutingWarning,
         stacklevel=3,
     )

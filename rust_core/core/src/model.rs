@@ -324,7 +324,7 @@ impl Model {
                 }
             }
             // A bias routes by sigmoid even where the router is not found under a known name.
-            any_bias |= moe::find_correction_bias(&ckpt, &d.prefix).is_some();
+            any_bias |= d.correction_bias.is_some();
             let shared_experts: Option<ExpertModules> = if d.shared.is_empty() {
                 None
             } else {
@@ -342,6 +342,7 @@ impl Model {
                 hidden_size,
                 intermediate_size,
                 router: d.router,
+                correction_bias: d.correction_bias,
                 shared_experts,
                 shared_expert_gate: d.shared_expert_gate,
             });
@@ -484,10 +485,9 @@ impl Model {
         self.unsupported_parts.get(prefix)
     }
 
-    /// `subject: reason` of [`Model::unsupported_part`].
+    /// The error message of [`Model::unsupported_part`].
     fn unsupported_part_message(&self, prefix: &str) -> Option<String> {
-        self.unsupported_part(prefix)
-            .map(|p| format!("{}: {}", p.subject, p.reason))
+        self.unsupported_part(prefix).map(|p| p.error().to_string())
     }
 
     /// A layer with an unsupported part has no backend, on any platform.
@@ -644,7 +644,7 @@ impl Model {
                     "intermediate_size_padded": padded,
                     "gated": true,
                     "layout": layout.layout,
-                    "router": router.map(|r| json!({"module": r.module, "e_score_correction_bias": r.correction_bias})),
+                    "router": router.map(|r| json!({"module": r.module, "e_score_correction_bias": moe::find_correction_bias(&self.ckpt, &layer_prefix)})),
                     "shared_experts": shared,
                     "unsupported": self.unsupported_part_message(&layer_prefix),
                     "weight": weights.as_ref().map(|w| w.weight_json()),
@@ -667,6 +667,8 @@ impl Model {
             "format": self.quant.as_ref().and_then(|q| q.format).map(|f| f.name()),
             "version": self.quant.as_ref().and_then(|q| q.version.clone()),
             "model_type": moe::model_type(self.ckpt.config()),
+            "hidden_act": self.hidden_act,
+            "hidden_act_supported": moe::is_silu(self.hidden_act()),
             "layout": self.layout.as_ref().map_or("compressed-tensors", |l| l.layout.as_str()),
             "routing": routing_json(&self.routing),
             "dense_layers": self.dense_layers,
@@ -832,7 +834,7 @@ fn layer_json(l: &MoeLayer) -> Value {
         "hidden_size": l.hidden_size,
         "intermediate_size": l.intermediate_size,
         "gated": l.gated,
-        "router": l.router.as_ref().map(|r| json!({"module": r.module, "e_score_correction_bias": r.correction_bias})),
+        "router": l.router.as_ref().map(|r| json!({"module": r.module, "e_score_correction_bias": l.correction_bias})),
         "shared_experts": l.shared_experts.as_ref().map(|s| {
             let (w, a, f) = common(s.modules().map(|(_, m)| m)).unwrap_or((Value::Null, Value::Null, Value::Null));
             json!({"prefix": s.up.name.rsplit_once('.').map_or("", |p| p.0), "intermediate_size": s.up.out_features, "weight": w, "activation": a, "format": f})

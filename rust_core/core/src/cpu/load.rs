@@ -252,7 +252,7 @@ pub fn moe_layer(model: &Model, layer: usize) -> Result<CpuMoe> {
         None => None,
     };
     let shared_gate = l.shared_expert_gate.as_ref().map(|g| format!("{g}.weight"));
-    let bias = crate::moe::find_correction_bias(ckpt, &l.prefix);
+    let bias = l.correction_bias.clone();
     assemble(
         model,
         &l.prefix,
@@ -282,11 +282,7 @@ fn vector(ckpt: &Checkpoint, name: &str, want: usize) -> Result<Vec<f32>> {
 /// routing keys a `ConfigError` naming the key.
 fn check_layer_config(model: &Model, prefix: &str, experts: usize) -> Result<()> {
     if let Some(part) = model.unsupported_part(prefix) {
-        return Err(UnsupportedSchemeError {
-            subject: part.subject.clone(),
-            reason: part.reason.to_string(),
-        }
-        .into());
+        return Err(part.error().into());
     }
     let file = model.checkpoint().config_path();
     model

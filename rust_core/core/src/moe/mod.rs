@@ -9,7 +9,7 @@ use regex::Regex;
 use serde_json::Value;
 
 use crate::checkpoint::Checkpoint;
-use crate::error::{module_error, Result};
+use crate::error::{module_error, Result, UnsupportedSchemeError};
 use crate::scheme::json::Field;
 use crate::scheme::module::ModuleInfo;
 
@@ -61,8 +61,6 @@ pub struct Router {
     /// e.g. `model.layers.1.mlp.gate`
     pub module: String,
     pub weight: String,
-    /// `e_score_correction_bias` (DeepSeek-V3 on `mlp.gate`, Laguna on `mlp.experts`).
-    pub correction_bias: Option<String>,
 }
 
 /// One MoE layer.
@@ -76,6 +74,9 @@ pub struct MoeLayer {
     pub hidden_size: usize,
     pub intermediate_size: usize,
     pub router: Option<Router>,
+    /// The router's score-correction bias tensor ([`find_correction_bias`]), found whatever
+    /// the router is named.
+    pub correction_bias: Option<String>,
     pub shared_experts: Option<ExpertModules>,
     /// `mlp.shared_expert_gate` (Qwen2-MoE), when present.
     pub shared_expert_gate: Option<String>,
@@ -448,6 +449,16 @@ pub struct UnsupportedPart {
     pub reason: &'static str,
 }
 
+impl UnsupportedPart {
+    /// The error every loader, plan and repack gives for a layer with this part.
+    pub fn error(&self) -> UnsupportedSchemeError {
+        UnsupportedSchemeError {
+            subject: self.subject.clone(),
+            reason: self.reason.to_string(),
+        }
+    }
+}
+
 /// Splits `<prefix>.<shared expert name>.<leaf>` ([`SHARED_EXPERT_NAMES`]).
 fn split_shared(module: &str) -> Option<(&str, &str, &str)> {
     let (block, leaf) = module.rsplit_once('.')?;
@@ -514,7 +525,7 @@ pub fn unsupported_parts(
 }
 
 /// The router of the MoE block at `layer_prefix`: `gate` (most families), `router` (Jamba),
-/// `router.gate` (AFMoE), `gate.wg` (Hunyuan); with the block's score-correction bias.
+/// `router.gate` (AFMoE), `gate.wg` (Hunyuan).
 pub fn find_router(ckpt: &Checkpoint, layer_prefix: &str) -> Option<Router> {
     ["gate", "router", "router.gate", "gate.wg"]
         .iter()
@@ -523,7 +534,6 @@ pub fn find_router(ckpt: &Checkpoint, layer_prefix: &str) -> Option<Router> {
         .map(|module| Router {
             weight: format!("{module}.weight"),
             module,
-            correction_bias: find_correction_bias(ckpt, layer_prefix),
         })
 }
 
@@ -574,6 +584,7 @@ pub struct DiscoveredLayer {
     /// expert index -> role -> module name
     pub experts: BTreeMap<usize, BTreeMap<ProjRole, String>>,
     pub router: Option<Router>,
+    pub correction_bias: Option<String>,
     pub shared: BTreeMap<ProjRole, String>,
     pub shared_expert_gate: Option<String>,
 }
@@ -654,6 +665,7 @@ pub fn discover(ckpt: &Checkpoint, modules: &[String]) -> Result<Discovery> {
             )
         })?;
         let router = find_router(ckpt, &prefix);
+        let correction_bias = find_correction_bias(ckpt, &prefix);
         let mut shared = BTreeMap::new();
         for sprefix in SHARED_EXPERT_NAMES.map(|s| format!("{prefix}.{s}")) {
             for (leaf, role) in [
@@ -680,6 +692,7 @@ pub fn discover(ckpt: &Checkpoint, modules: &[String]) -> Result<Discovery> {
             prefix,
             experts,
             router,
+            correction_bias,
             shared,
             shared_expert_gate,
         });

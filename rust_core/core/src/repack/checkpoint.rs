@@ -10,7 +10,7 @@ use serde_json::{json, Value};
 use super::moe_layer::{convert_layer, dequantize_marlin, geometry, FetchedTensor, MarlinGeometry};
 use crate::checkpoint::writer::{Plan, ShardWriter};
 use crate::checkpoint::{Checkpoint, SafetensorsFile, TensorInfo, CONFIG_FILE, INDEX_FILE};
-use crate::error::{CheckpointError, Error, LayoutError, Result, UnsupportedSchemeError};
+use crate::error::{CheckpointError, Error, LayoutError, Result};
 use crate::model::Model;
 use crate::moe::ExpertModules;
 use crate::scheme::module::MODULE_TENSOR_SUFFIXES;
@@ -195,7 +195,7 @@ pub fn repack(
         // A layer with a part no kernel computes (projection biases): Marlin refuses it; the CPU
         // layout leaves it in its source form, which the CPU loader refuses.
         match (target, model.unsupported_part(&l.prefix)) {
-            (Target::Marlin, Some(part)) => return Err(unsupported(part)),
+            (Target::Marlin, Some(part)) => return Err(part.error().into()),
             (Target::Cpu, Some(_)) => {}
             (Target::Marlin, None) => layers.push(Job::Marlin(l, geometry(l)?)),
             (Target::Cpu, None) => {
@@ -395,16 +395,6 @@ fn expert_tensors<'a>(
     })
 }
 
-/// A layer with a part no kernel computes ([`crate::moe::unsupported_parts`]) is not packed:
-/// the layout would drop the part.
-fn unsupported(part: &crate::moe::UnsupportedPart) -> Error {
-    UnsupportedSchemeError {
-        subject: part.subject.clone(),
-        reason: part.reason.to_string(),
-    }
-    .into()
-}
-
 /// One converted tensor: name, dtype, shape and bytes.
 pub type LayerTensor = (String, crate::checkpoint::dtype::DType, Vec<usize>, Vec<u8>);
 
@@ -424,7 +414,7 @@ pub fn marlin_layer(model: &Model, layer: usize) -> Result<(MarlinGeometry, Vec<
             })
         })?;
     if let Some(part) = model.unsupported_part(&l.prefix) {
-        return Err(unsupported(part));
+        return Err(part.error().into());
     }
     let g = geometry(l)?;
     let specs = g.specs();
