@@ -659,10 +659,31 @@ def test_routing_of_families_with_their_own_key_names(
         (dict(model_type="qwen3_next"), ("softmax", True, None, 1.0)),
         (dict(model_type="hunyuan_v1_moe"), ("softmax", True, None, 1.0)),
         (dict(model_type="qwen3_moe"), ("softmax", False, None, 1.0)),
+        (dict(model_type="qwen3_vl_moe"), ("softmax", True, None, 1.0)),
+        (dict(model_type="qwen3_5_moe"), ("softmax", True, None, 1.0)),
+        (dict(model_type="cohere2_moe"), ("softmax", True, None, 1.0)),
+        (
+            dict(model_type="cohere2_moe", expert_selection_fn="sigmoid"),
+            ("sigmoid", True, None, 1.0),
+        ),
+        (
+            dict(
+                model_type="cohere2_moe",
+                num_shared_experts=1,
+                shared_expert_combination_strategy="sum",
+            ),
+            ("softmax", True, None, 1.0),
+        ),
+        # Config classes whose scaling factor (and groups) are not 1 (none) by default.
+        (dict(model_type="hy_v3"), ("sigmoid", True, None, 2.826)),
+        (dict(model_type="glm4_moe_lite"), ("sigmoid", True, None, 1.8)),
+        (dict(model_type="exaone_moe"), ("sigmoid", True, None, 2.5)),
+        (dict(model_type="glm_moe_dsa"), ("sigmoid", True, None, 2.5)),
+        (dict(model_type="deepseek_v32"), ("sigmoid", True, 8, 2.5)),
         # A wrapper's language model names the family in text_config.
         (
             dict(model_type="kimi_vl", text_config={"model_type": "deepseek_v3"}),
-            ("sigmoid", True, None, 1.0),
+            ("sigmoid", True, 8, 2.5),
         ),
         # DeepSeek-V2's `greedy` top-k ignores the group keys; group_limited_greedy uses them.
         (dict(topk_method="greedy", n_group=4, topk_group=1), ("softmax", False, None, 1.0)),
@@ -701,6 +722,62 @@ def test_family_defaults_when_the_config_is_silent(
     x, logits = torch.randn(16, moe.hidden_size), torch.randn(16, moe.num_experts)
     w, ids = torch_route({}, routing, logits, None)
     assert rel_l2(moe(x, logits), moe.forward_topk(x, w.float(), ids)) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "changes,defaults,groups",
+    [
+        (
+            dict(model_type="deepseek_v3"),
+            ["scoring_func", "norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group"],
+            (8, 4),
+        ),
+        # What the config says wins, a value equal to the generic default included.
+        (
+            dict(
+                model_type="deepseek_v3",
+                scoring_func="softmax",
+                norm_topk_prob=False,
+                routed_scaling_factor=1.0,
+                n_group=2,
+                topk_group=1,
+            ),
+            [],
+            (2, 1),
+        ),
+        (
+            dict(model_type="deepseek_v3", n_group=4),
+            ["scoring_func", "norm_topk_prob", "routed_scaling_factor", "topk_group"],
+            (4, 4),
+        ),
+        (dict(model_type="qwen3_moe"), [], (None, None)),
+    ],
+)
+def test_the_summary_names_the_keys_the_family_filled_in(
+    fixture_path: Callable[[str], Path],
+    tmp_path: Path,
+    changes: dict,
+    defaults: list,
+    groups: tuple,
+) -> None:
+    """Keys config.json leaves out take the family's config class default (as transformers and
+    vLLM read them), and `routing["family_defaults"]` names them; a DeepSeek-V3 config without
+    its scaling factor and groups scaled by 1 and ignored the groups before."""
+    changes = {"norm_topk_prob": None} | changes
+    path = _with_config(fixture_path("qwen3_w8a16_g128"), tmp_path / "m", **changes)
+    routing = mq.open(path).summary()["routing"]
+    assert routing["family_defaults"] == defaults
+    assert (routing["n_group"], routing["topk_group"]) == groups
+    out = subprocess.run(
+        [sys.executable, "-m", "moeq_rs", "inspect", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    said = [line for line in out.splitlines() if "the family's defaults" in line]
+    assert said == (
+        [f"          (the family's defaults for {', '.join(defaults)})"] if defaults else []
+    )
 
 
 def test_an_unchecked_family_warns_once_per_checkpoint(
@@ -921,6 +998,21 @@ def test_grouped_routing_without_bias(
         (dict(model_type="gpt_oss"), mq.UnsupportedSchemeError, "model_type: gpt-oss experts"),
         (dict(model_type="longcat_flash"), mq.UnsupportedSchemeError, "model_type: LongCat"),
         (dict(model_type="jetmoe"), mq.UnsupportedSchemeError, "model_type: JetMoE"),
+        (dict(model_type="ernie4_5_vl_moe"), mq.UnsupportedSchemeError, "model_type: ERNIE-4.5-VL"),
+        (dict(model_type="step3p5"), mq.UnsupportedSchemeError, "model_type: Step-3.5 adds"),
+        # Hunyuan-V4's clamp is on unless swiglu_limit turns it off; Command-A MoE averages
+        # unless its strategy is "sum" (only where it has a shared expert).
+        (dict(model_type="hy_v4"), mq.UnsupportedSchemeError, "model_type: Hunyuan-V4 clamps"),
+        (
+            dict(model_type="hy_v4", swiglu_limit=10.0),
+            mq.UnsupportedSchemeError,
+            "model_type: Hunyuan-V4 clamps",
+        ),
+        (
+            dict(model_type="cohere2_moe", num_shared_experts=1),
+            mq.UnsupportedSchemeError,
+            "model_type: Command-A MoE averages",
+        ),
     ],
 )
 def test_routing_the_cpu_cannot_follow_is_refused(

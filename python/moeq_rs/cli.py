@@ -104,6 +104,8 @@ def _print_table(summary: dict[str, Any], compat: bool) -> None:
         f"{softcap}"
         f"{'' if r.get('family_checked', True) else ' (model family not checked: see README)'}"
     )
+    if r.get("family_defaults"):
+        print(f"          (the family's defaults for {', '.join(r['family_defaults'])})")
     if summary["dense_layers"]:
         print(f"dense:    layers {', '.join(map(str, summary['dense_layers']))}")
     plat = summary["platform"]

@@ -714,6 +714,7 @@ fn routing_json(r: &Routing) -> Value {
         "routed_scaling_factor": r.routed_scaling_factor,
         "logit_softcapping": r.logit_softcapping,
         "family_checked": r.family_checked,
+        "family_defaults": r.family_defaults,
         "unsupported_family": r.unsupported_model,
     })
 }

@@ -336,6 +336,7 @@ pub fn from_raw(
             logit_softcapping: None,
             // from_tensors: the caller chose the routing.
             family_checked: true,
+            family_defaults: Vec::new(),
         },
         top_k,
         correction_bias: None,

@@ -117,6 +117,10 @@ pub struct Routing {
     /// Whether the model family's router was checked to be what this config-driven routing
     /// computes ([`CHECKED_FAMILIES`]); other families get the same routing, unverified.
     pub family_checked: bool,
+    /// The routing keys `config.json` leaves out whose value comes from the model family (its
+    /// router or config class) rather than the generic default (softmax, no renormalisation,
+    /// scale 1, no groups): e.g. DeepSeek-V3's `routed_scaling_factor` 2.5.
+    pub family_defaults: Vec<&'static str>,
 }
 
 /// Looks a key up in the config, then in a nested `text_config` (multimodal wrappers).
@@ -192,13 +196,24 @@ pub const CHECKED_FAMILIES: &[&str] = &[
     "olmoe",
     "jamba",
     "exaone_moe",
+    "qwen3_vl_moe",
+    "qwen3_vl_moe_text",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "hy_v3",
+    "cohere2_moe",
 ];
 
 /// Model families whose routers score with a sigmoid when `config.json` names no scoring
-/// function: DeepSeek-V3 and the families built on its router (GLM-4.5, EXAONE-MoE), Laguna,
-/// AFMoE, LFM2-MoE.
+/// function: DeepSeek-V3 and the families built on its router (DeepSeek-V3.2, GLM-4.5, GLM-5,
+/// EXAONE-MoE), Laguna, AFMoE, LFM2-MoE, Hunyuan-V3.
 const SIGMOID_FAMILIES: &[&str] = &[
     "deepseek_v3",
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "hy_v3",
     "laguna",
     "glm4_moe",
     "glm4_moe_lite",
@@ -210,11 +225,21 @@ const SIGMOID_FAMILIES: &[&str] = &[
 
 /// Model families whose routers renormalise the top-k weights when `config.json` does not say
 /// (no `norm_topk_prob`): their transformers routers always do (Mixtral, Laguna, ERNIE-4.5,
-/// MiniMax, Hunyuan, Granite, AFMoE), or their config classes default to it (DeepSeek-V3,
-/// GLM-4.5, EXAONE-MoE, Qwen3-Next). Qwen-MoE and DeepSeek-V2 default to not renormalising.
+/// MiniMax, Hunyuan, Hunyuan-V3, Granite, AFMoE, Qwen3-VL-MoE, Qwen3.5-MoE, Command-A's
+/// softmax over the top-k logits), or their config classes default to it (DeepSeek-V3 and
+/// V3.2, GLM-4.5, GLM-5, EXAONE-MoE, Qwen3-Next). Qwen-MoE and DeepSeek-V2 default to not
+/// renormalising.
 const RENORMALIZING_FAMILIES: &[&str] = &[
     "mixtral",
     "deepseek_v3",
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "hy_v3",
+    "qwen3_vl_moe",
+    "qwen3_vl_moe_text",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+    "cohere2_moe",
     "minimax",
     "minimax_m2",
     "laguna",
@@ -229,6 +254,22 @@ const RENORMALIZING_FAMILIES: &[&str] = &[
     "glm4v_moe",
     "exaone_moe",
     "qwen3_next",
+];
+
+/// `(n_group, topk_group)`.
+type ExpertGroups = (usize, usize);
+
+/// What a family's transformers config class fills in when `config.json` leaves the key out
+/// (vLLM reads the config through the same class, so it does too): the routed scaling factor,
+/// and the expert groups as `(n_group, topk_group)`. Families not listed scale by 1 and have no
+/// groups.
+const FAMILY_DEFAULTS: &[(&str, f64, Option<ExpertGroups>)] = &[
+    ("deepseek_v3", 2.5, Some((8, 4))),
+    ("deepseek_v32", 2.5, Some((8, 4))),
+    ("exaone_moe", 2.5, None),
+    ("glm4_moe_lite", 1.8, None),
+    ("glm_moe_dsa", 2.5, None),
+    ("hy_v3", 2.826, None),
 ];
 
 /// Experts per token: the first key the config sets (Hunyuan's `moe_topk` may be a per-layer
@@ -291,8 +332,16 @@ impl Routing {
         }
         let is = |list: &[&str]| families.iter().any(|f| list.contains(f));
         let top_k = top_k(file, config)?;
-        // Ling-2.0 (`bailing_moe`) names it `score_function`, AFMoE `score_func`.
-        let scoring_key = ["scoring_func", "score_function", "score_func"];
+        // Keys the config leaves out, filled in from the family (listed in the summary).
+        let mut defaulted = Vec::new();
+        // Ling-2.0 (`bailing_moe`) names it `score_function`, AFMoE `score_func`, Command-A
+        // MoE `expert_selection_fn`.
+        let scoring_key = [
+            "scoring_func",
+            "score_function",
+            "score_func",
+            "expert_selection_fn",
+        ];
         let (scoring, unsupported_scoring) =
             match cfg_field(file, config, &scoring_key).opt_str()? {
                 Some("sigmoid") => (Scoring::Sigmoid, None),
@@ -302,7 +351,11 @@ impl Routing {
                 None if is(&["ernie4_5_moe"]) => (Scoring::Softmax, None),
                 // Families whose routers are sigmoid whatever the config says (vLLM hard-codes it
                 // for GLM-4.5; the others' transformers routers have no softmax branch).
-                None if is(SIGMOID_FAMILIES) || has_correction_bias => (Scoring::Sigmoid, None),
+                None if is(SIGMOID_FAMILIES) => {
+                    defaulted.push("scoring_func");
+                    (Scoring::Sigmoid, None)
+                }
+                None if has_correction_bias => (Scoring::Sigmoid, None),
                 None => (Scoring::Softmax, None),
             };
         // Most families say whether to renormalise with norm_topk_prob (AFMoE: route_norm);
@@ -312,8 +365,16 @@ impl Routing {
                 // vLLM's AFMoE applies route_norm to sigmoid scores only.
                 Some(_) if is(&["afmoe"]) && scoring == Scoring::Softmax => false,
                 Some(b) => b,
-                None => is(RENORMALIZING_FAMILIES),
+                None if is(RENORMALIZING_FAMILIES) => {
+                    defaulted.push("norm_topk_prob");
+                    true
+                }
+                None => false,
             };
+        let family_default = FAMILY_DEFAULTS
+            .iter()
+            .find(|(f, ..)| families.contains(f))
+            .map(|&(_, scale, groups)| (scale, groups));
         let routed_scaling_factor = cfg_field(
             file,
             config,
@@ -327,6 +388,11 @@ impl Routing {
             ],
         )
         .opt_f64()?
+        .or_else(|| {
+            let scale = family_default.map(|(s, _)| s).filter(|&s| s != 1.0)?;
+            defaulted.push("routed_scaling_factor");
+            Some(scale)
+        })
         .unwrap_or(1.0);
         let logit_softcapping = cfg_field(
             file,
@@ -335,6 +401,16 @@ impl Routing {
         )
         .opt_f64()?
         .filter(|&c| c > 0.0);
+        // Hunyuan-V4 clamps its experts' SwiGLU unless `swiglu_limit` (default 10) is off.
+        let clamped = is(&["hy_v4"])
+            && cfg_field(file, config, &["swiglu_limit"])
+                .opt_f64()?
+                .is_none_or(|l| l > 0.0);
+        // Command-A MoE averages its shared and routed experts unless told to add them.
+        let averaged = is(&["cohere2_moe"])
+            && count(&cfg_field(file, config, &["num_shared_experts"]))?.is_some_and(|n| n > 0)
+            && cfg_field(file, config, &["shared_expert_combination_strategy"]).opt_str()?
+                != Some("sum");
         // Families whose experts appear as per-expert modules (so the layer is found) but whose
         // router is not a top-k over scores weighting the expert outputs.
         let unsupported_model = families.iter().find_map(|f| match *f {
@@ -352,21 +428,48 @@ impl Routing {
                  module holds",
             ),
             "jetmoe" => Some("JetMoE adds an output bias to its experts' sum"),
+            "ernie4_5_vl_moe" => Some(
+                "ERNIE-4.5-VL routes text and image tokens to separate expert sets, each with \
+                 its own router",
+            ),
+            "step3p5" | "step3p7" => Some(
+                "Step-3.5 adds a router bias (moe.router_bias), clamps the SwiGLU of some layers \
+                 and keeps its shared expert beside the MoE block; none of these is read",
+            ),
+            "hy_v4" if clamped => Some(
+                "Hunyuan-V4 clamps its experts' SwiGLU (swiglu_limit); the CPU forward computes \
+                 silu(gate) * up",
+            ),
+            "cohere2_moe" if averaged => Some(
+                "Command-A MoE averages the shared and routed experts' outputs \
+                 (shared_expert_combination_strategy), where the CPU forward adds them",
+            ),
             _ => None,
         });
         // DeepSeek-V2's `topk_method: greedy` is plain top-k whatever the group keys say.
         let greedy = cfg_field(file, config, &["topk_method"]).opt_str()? == Some("greedy");
+        let mut group_key = |key: &'static str, pick: fn(ExpertGroups) -> usize| {
+            let set = count(&cfg_field(file, config, &[key]))?;
+            Ok::<_, crate::Error>(set.or_else(|| {
+                let v = pick(family_default?.1?);
+                defaulted.push(key);
+                Some(v)
+            }))
+        };
+        let n_group = group_key("n_group", |g| g.0)?;
+        let topk_group = group_key("topk_group", |g| g.1)?;
         Ok(Routing {
             top_k,
             renormalize,
             scoring,
             unsupported_scoring,
             unsupported_model,
-            n_group: count(&cfg_field(file, config, &["n_group"]))?.filter(|&g| g > 1 && !greedy),
-            topk_group: count(&cfg_field(file, config, &["topk_group"]))?,
+            n_group: n_group.filter(|&g| g > 1 && !greedy),
+            topk_group,
             routed_scaling_factor,
             logit_softcapping,
             family_checked: is(CHECKED_FAMILIES),
+            family_defaults: defaulted,
         })
     }
 
@@ -394,9 +497,16 @@ impl Routing {
         }
         if let Some(groups) = self.n_group {
             if !experts.is_multiple_of(groups) {
+                let whose = if self.family_defaults.contains(&"n_group") {
+                    " (the model family's default; config.json does not set n_group)"
+                } else {
+                    ""
+                };
                 return Err((
                     "n_group",
-                    format!("{groups} expert groups do not divide the layer's {experts} experts"),
+                    format!(
+                        "{groups} expert groups{whose} do not divide the layer's {experts} experts"
+                    ),
                 ));
             }
             let keep = self.topk_group.ok_or((
