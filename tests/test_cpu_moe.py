@@ -1932,3 +1932,52 @@ def test_a_child_forked_after_opening_a_checkpoint_opens_packs_and_runs(
     )
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.split() == ["exit", "0"]
+
+
+def test_a_second_stack_of_moe_layers_is_set_aside(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Qwen3-Next and Qwen3.5 checkpoints may keep their multi-token-prediction layer as
+    `mtp.layers.0.mlp.experts`, beside `model.layers.0.mlp.experts`: layer 0 had two MoE blocks
+    and the checkpoint did not open. The stack with the most MoE layers is the model's; the
+    other is listed (summary, inspect) and not loaded, and repacking leaves it in source form.
+    With as many MoE layers in both stacks, the clash is still an error naming both."""
+    from moeq_rs.repack import repack_checkpoint
+
+    src = fixture_path("qwen3_w4a16_g128_sym")
+
+    def mtp_copy_of(layers: list[int]) -> Callable[[dict], None]:
+        def edit(state: dict) -> None:
+            for name in list(state):
+                if any(name.startswith(f"model.layers.{i}.mlp.") for i in layers):
+                    state["mtp." + name.removeprefix("model.")] = state[name].clone()
+
+        return edit
+
+    path = _edited_copy(src, tmp_path / "one", tensors=mtp_copy_of([0]))
+    ckpt = mq.open(path)
+    assert ckpt.summary()["set_aside_moe"] == ["mtp.layers.0.mlp"]
+    assert mq.open(src).summary()["set_aside_moe"] == []
+    assert [i["prefix"] for i in ckpt.moe_layers()] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    x = torch.randn(8, ckpt.moe_layers()[0]["hidden_size"])
+    logits = torch.randn(8, ckpt.moe_layers()[0]["num_experts"])
+    want = mq.MoELayer.from_checkpoint(src, 0)(x, logits)
+    assert torch.equal(mq.MoELayer.from_checkpoint(ckpt, 0)(x, logits), want)
+    out = subprocess.run(
+        [sys.executable, "-m", "moeq_rs", "inspect", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "set aside: mtp.layers.0.mlp (a second stack" in out
+    repack_checkpoint(path, tmp_path / "cpu", target="cpu")
+    repacked = mq.open(tmp_path / "cpu")
+    assert repacked.summary()["set_aside_moe"] == ["mtp.layers.0.mlp"]
+    assert torch.equal(mq.MoELayer.from_checkpoint(repacked, 0)(x, logits), want)
+    repack_checkpoint(path, tmp_path / "marlin", target="marlin")
+    marlin = mq.open(tmp_path / "marlin")
+    assert marlin.summary()["set_aside_moe"] == ["mtp.layers.0.mlp"]
+    assert [i["layer"] for i in marlin.moe_layers()] == [0, 1]
+    tie = _edited_copy(src, tmp_path / "two", tensors=mtp_copy_of([0, 1]))
+    with pytest.raises(mq.MoeqError, match="decoder layer 0 has experts under both"):
+        mq.open(tie)

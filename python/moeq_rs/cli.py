@@ -108,6 +108,11 @@ def _print_table(summary: dict[str, Any], compat: bool) -> None:
         print(f"          (the family's defaults for {', '.join(r['family_defaults'])})")
     if summary["dense_layers"]:
         print(f"dense:    layers {', '.join(map(str, summary['dense_layers']))}")
+    if summary.get("set_aside_moe"):
+        print(
+            f"set aside: {', '.join(summary['set_aside_moe'])}"
+            " (a second stack of layers repeating the model's layer numbers; not loaded)"
+        )
     plat = summary["platform"]
     where = (
         f"cuda sm {plat['sm']}"

@@ -32,6 +32,9 @@ pub struct Model {
     modules: Vec<ModuleInfo>,
     moe_layers: Vec<MoeLayer>,
     dense_layers: Vec<usize>,
+    /// MoE blocks of a second stack of layers repeating the model's layer indices (its
+    /// multi-token-prediction layers), by prefix: listed, not loaded.
+    set_aside_moe: Vec<String>,
     routing: Routing,
     /// `config.json`'s `hidden_act`, as written.
     hidden_act: Option<String>,
@@ -233,7 +236,15 @@ impl Model {
         let modules = analysed;
         let find = |name: &str| find_module(&modules, name);
 
-        let discovery = moe::discover(&ckpt, &names)?;
+        let layout = parse_layout(&ckpt)?;
+        let repacked: Vec<(usize, &str)> = layout.as_ref().map_or(Vec::new(), |l| {
+            l.layers
+                .iter()
+                .map(|rl| (rl.layer, rl.geometry.prefix.as_str()))
+                .chain(l.cpu_layers.iter().map(|g| (g.layer, g.prefix.as_str())))
+                .collect()
+        });
+        let discovery = moe::discover(&ckpt, &names, &repacked)?;
         let lookup = |name: &str| -> Result<ModuleInfo> {
             find(name)
                 .cloned()
@@ -347,7 +358,6 @@ impl Model {
                 shared_expert_gate: d.shared_expert_gate,
             });
         }
-        let layout = parse_layout(&ckpt)?;
         if let Some(l) = &layout {
             let prefixes = l
                 .layers
@@ -370,6 +380,7 @@ impl Model {
             modules,
             moe_layers,
             dense_layers: discovery.dense_layers,
+            set_aside_moe: discovery.set_aside,
             routing,
             unsupported_parts,
         })
@@ -672,6 +683,7 @@ impl Model {
             "layout": self.layout.as_ref().map_or("compressed-tensors", |l| l.layout.as_str()),
             "routing": routing_json(&self.routing),
             "dense_layers": self.dense_layers,
+            "set_aside_moe": self.set_aside_moe,
             "platform": {"name": platform.name(), "sm": sm, "cpu_features": features},
             "tp_size": opts.tp_size,
             "requested_backend": opts.backend.map(Backend::name),

@@ -683,6 +683,9 @@ pub fn configured_num_experts(config: &Value) -> Option<usize> {
 /// Finds every `<prefix>.experts.<e>.<proj>` module, grouped by prefix.
 pub struct Discovery {
     pub layers: Vec<DiscoveredLayer>,
+    /// MoE blocks of a second stack of layers whose indices repeat the model's
+    /// ([`set_aside_minor_stacks`]), by prefix: listed, not loaded.
+    pub set_aside: Vec<String>,
     /// Decoder layers with a dense `mlp.{gate,up,down}_proj` MLP.
     pub dense_layers: Vec<usize>,
 }
@@ -728,8 +731,63 @@ fn layer_index(prefix: &str) -> Option<usize> {
         .and_then(|m| m.as_str().parse().ok())
 }
 
-/// Groups module names into MoE layers (names only; no tensor checks).
-pub fn discover(ckpt: &Checkpoint, modules: &[String]) -> Result<Discovery> {
+/// The part of a prefix before its layer index: the stack of layers it belongs to
+/// (`mtp.layers.` for `mtp.layers.0.mlp`, `model.layers.` for `model.layers.0.mlp`).
+fn layer_stack(prefix: &str) -> &str {
+    LAYER_RE
+        .as_ref()
+        .and_then(|re| re.captures_iter(prefix).last())
+        .and_then(|c| c.get(1))
+        .map_or(prefix, |m| &prefix[..m.start()])
+}
+
+/// Where two stacks of layers hold MoE blocks under the same layer index (Qwen3-Next's and
+/// Qwen3.5's multi-token-prediction layers, `mtp.layers.0.mlp.experts`, beside
+/// `model.layers.0.mlp.experts`), the index would name two layers, and the checkpoint could not
+/// be opened at all. The stack with the most MoE layers is the model's; the others' blocks are
+/// taken out of `layers` and returned (by prefix). A tie sets nothing aside: [`discover`] then
+/// names the clash. `repacked` are the `(layer, prefix)` of the layers a `moeq repack` layout
+/// holds (which discovery does not see): they count, and are never set aside.
+fn set_aside_minor_stacks(
+    layers: &mut Vec<DiscoveredLayer>,
+    repacked: &[(usize, &str)],
+) -> Vec<String> {
+    let all = || {
+        layers
+            .iter()
+            .map(|l| (l.layer, l.prefix.as_str()))
+            .chain(repacked.iter().copied())
+    };
+    let mut seen = std::collections::BTreeSet::new();
+    if all().all(|(i, _)| seen.insert(i)) {
+        return Vec::new();
+    }
+    let mut per_stack: BTreeMap<String, usize> = BTreeMap::new();
+    for (_, prefix) in all() {
+        *per_stack
+            .entry(layer_stack(prefix).to_string())
+            .or_default() += 1;
+    }
+    let most = per_stack.values().copied().max().unwrap_or(0);
+    let mut top = per_stack.into_iter().filter(|&(_, n)| n == most);
+    let (Some((main, _)), None) = (top.next(), top.next()) else {
+        return Vec::new();
+    };
+    let (keep, aside): (Vec<_>, Vec<_>) = std::mem::take(layers)
+        .into_iter()
+        .partition(|l| layer_stack(&l.prefix) == main);
+    *layers = keep;
+    aside.into_iter().map(|l| l.prefix).collect()
+}
+
+/// Groups module names into MoE layers (names only; no tensor checks). `repacked`: the
+/// `(layer, prefix)` of the layers a `moeq repack` layout holds, for
+/// [`set_aside_minor_stacks`].
+pub fn discover(
+    ckpt: &Checkpoint,
+    modules: &[String],
+    repacked: &[(usize, &str)],
+) -> Result<Discovery> {
     let mut by_prefix: BTreeMap<&str, BTreeMap<usize, BTreeMap<ProjRole, &str>>> = BTreeMap::new();
     let mut dense_layers = Vec::new();
     for m in modules {
@@ -808,6 +866,7 @@ pub fn discover(ckpt: &Checkpoint, modules: &[String]) -> Result<Discovery> {
         });
     }
     layers.sort_by_key(|l| l.layer);
+    let set_aside = set_aside_minor_stacks(&mut layers, repacked);
     for pair in layers.windows(2) {
         if let [a, b] = pair {
             if a.layer == b.layer {
@@ -824,6 +883,7 @@ pub fn discover(ckpt: &Checkpoint, modules: &[String]) -> Result<Discovery> {
     dense_layers.retain(|l| !layers.iter().any(|m| m.layer == *l));
     Ok(Discovery {
         layers,
+        set_aside,
         dense_layers,
     })
 }
