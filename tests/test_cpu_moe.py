@@ -729,8 +729,20 @@ def test_family_defaults_when_the_config_is_silent(
     [
         (
             dict(model_type="deepseek_v3"),
-            ["scoring_func", "norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group"],
+            ["scoring_func", "renormalize", "routed_scaling_factor", "n_group", "topk_group"],
             (8, 4),
+        ),
+        # vLLM reads Kimi-K2 through DeepseekV3Config; both group whatever topk_method says.
+        (
+            dict(model_type="kimi_k2", topk_method="greedy"),
+            ["scoring_func", "renormalize", "routed_scaling_factor", "n_group", "topk_group"],
+            (8, 4),
+        ),
+        # One group is no grouping: the default topk_group is neither used nor reported.
+        (
+            dict(model_type="deepseek_v3", n_group=1),
+            ["scoring_func", "renormalize", "routed_scaling_factor"],
+            (None, None),
         ),
         # What the config says wins, a value equal to the generic default included.
         (
@@ -747,7 +759,7 @@ def test_family_defaults_when_the_config_is_silent(
         ),
         (
             dict(model_type="deepseek_v3", n_group=4),
-            ["scoring_func", "norm_topk_prob", "routed_scaling_factor", "topk_group"],
+            ["scoring_func", "renormalize", "routed_scaling_factor", "topk_group"],
             (4, 4),
         ),
         (dict(model_type="qwen3_moe"), [], (None, None)),
@@ -778,6 +790,26 @@ def test_the_summary_names_the_keys_the_family_filled_in(
     assert said == (
         [f"          (the family's defaults for {', '.join(defaults)})"] if defaults else []
     )
+
+
+def test_family_default_groups_that_cannot_apply_are_errors(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A `null` n_group where the family needs a number is a ConfigError at open (transformers
+    and vLLM fail on it; it is not read as the default), and a default topk_group that does not
+    fit the config's n_group is refused saying it is the family's default, not config.json's."""
+    src = fixture_path("qwen3_w8a16_g128")
+    null = _edited_copy(
+        src, tmp_path / "null", config=lambda c: c.update(model_type="deepseek_v3", n_group=None)
+    )
+    with pytest.raises(mq.ConfigError, match="n_group: null, where this model family needs"):
+        mq.open(null)
+    path = _with_config(src, tmp_path / "two", model_type="deepseek_v3", n_group=2)
+    ckpt = mq.open(path)
+    assert (ckpt.summary()["routing"]["n_group"], ckpt.summary()["routing"]["topk_group"]) == (2, 4)
+    why = "topk_group: 4 (the model family's default; config.json does not set topk_group) is not"
+    with pytest.raises(mq.ConfigError, match=re.escape(why)):
+        mq.MoELayer.from_checkpoint(ckpt, 0)
 
 
 def test_an_unchecked_family_warns_once_per_checkpoint(
@@ -1004,9 +1036,15 @@ def test_grouped_routing_without_bias(
         # unless its strategy is "sum" (only where it has a shared expert).
         (dict(model_type="hy_v4"), mq.UnsupportedSchemeError, "model_type: Hunyuan-V4 clamps"),
         (
-            dict(model_type="hy_v4", swiglu_limit=10.0),
+            dict(model_type="hy_v4", swiglu_limit=0.0),
             mq.UnsupportedSchemeError,
             "model_type: Hunyuan-V4 clamps",
+        ),
+        (dict(model_type="hy_v4_vl"), mq.UnsupportedSchemeError, "model_type: Hunyuan-V4 clamps"),
+        (
+            dict(model_type="ernie4_5_vl_moe_text"),
+            mq.UnsupportedSchemeError,
+            "model_type: ERNIE-4.5-VL",
         ),
         (
             dict(model_type="cohere2_moe", num_shared_experts=1),
@@ -1934,50 +1972,86 @@ def test_a_child_forked_after_opening_a_checkpoint_opens_packs_and_runs(
     assert ran.stdout.split() == ["exit", "0"]
 
 
-def test_a_second_stack_of_moe_layers_is_set_aside(
+def test_moe_blocks_of_a_second_stack_are_set_aside(
     fixture_path: Callable[[str], Path], tmp_path: Path
 ) -> None:
     """Qwen3-Next and Qwen3.5 checkpoints may keep their multi-token-prediction layer as
-    `mtp.layers.0.mlp.experts`, beside `model.layers.0.mlp.experts`: layer 0 had two MoE blocks
-    and the checkpoint did not open. The stack with the most MoE layers is the model's; the
-    other is listed (summary, inspect) and not loaded, and repacking leaves it in source form.
-    With as many MoE layers in both stacks, the clash is still an error naming both."""
+    `mtp.layers.0.mlp.experts`, beside `model.layers.N.mlp.experts`: with a clashing number the
+    checkpoint did not open, with another one the MTP block was loaded as a decoder layer. The
+    stack with the most MoE layers is the model's; the other's blocks are listed (summary,
+    inspect), not loaded, and left in source form by both repack targets; its dense MLPs are not
+    the model's dense layers. The MTP copies here have their experts rotated, so loading one in
+    place of the decoder layer would change the output. With as many MoE layers in both stacks,
+    a clash is still an error naming both."""
     from moeq_rs.repack import repack_checkpoint
 
     src = fixture_path("qwen3_w4a16_g128_sym")
+    experts = mq.open(src).moe_layers()[0]["num_experts"]
 
-    def mtp_copy_of(layers: list[int]) -> Callable[[dict], None]:
+    def mtp_copy_of(layers: dict[int, int], dense: int | None = None) -> Callable[[dict], None]:
+        """Copies decoder layer i's MoE block to mtp.layers.layers[i], experts rotated; and a
+        dense MLP as mtp.layers.<dense>."""
+
         def edit(state: dict) -> None:
             for name in list(state):
-                if any(name.startswith(f"model.layers.{i}.mlp.") for i in layers):
-                    state["mtp." + name.removeprefix("model.")] = state[name].clone()
+                for i, j in layers.items():
+                    head = f"model.layers.{i}.mlp."
+                    if not name.startswith(head):
+                        continue
+                    rest = name.removeprefix(head)
+                    if rest.startswith("experts."):
+                        e, leaf = rest.removeprefix("experts.").split(".", 1)
+                        rest = f"experts.{(int(e) + 1) % experts}.{leaf}"
+                    state[f"mtp.layers.{j}.mlp.{rest}"] = state[name].clone()
+            if dense is not None:
+                for proj, shape in (("gate", (64, 32)), ("up", (64, 32)), ("down", (32, 64))):
+                    state[f"mtp.layers.{dense}.mlp.{proj}_proj.weight"] = torch.randn(shape)
 
         return edit
 
-    path = _edited_copy(src, tmp_path / "one", tensors=mtp_copy_of([0]))
-    ckpt = mq.open(path)
-    assert ckpt.summary()["set_aside_moe"] == ["mtp.layers.0.mlp"]
-    assert mq.open(src).summary()["set_aside_moe"] == []
-    assert [i["prefix"] for i in ckpt.moe_layers()] == ["model.layers.0.mlp", "model.layers.1.mlp"]
-    x = torch.randn(8, ckpt.moe_layers()[0]["hidden_size"])
-    logits = torch.randn(8, ckpt.moe_layers()[0]["num_experts"])
+    x = torch.randn(8, mq.open(src).moe_layers()[0]["hidden_size"])
+    logits = torch.randn(8, experts)
     want = mq.MoELayer.from_checkpoint(src, 0)(x, logits)
-    assert torch.equal(mq.MoELayer.from_checkpoint(ckpt, 0)(x, logits), want)
-    out = subprocess.run(
-        [sys.executable, "-m", "moeq_rs", "inspect", str(path)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    assert "set aside: mtp.layers.0.mlp (a second stack" in out
-    repack_checkpoint(path, tmp_path / "cpu", target="cpu")
-    repacked = mq.open(tmp_path / "cpu")
-    assert repacked.summary()["set_aside_moe"] == ["mtp.layers.0.mlp"]
-    assert torch.equal(mq.MoELayer.from_checkpoint(repacked, 0)(x, logits), want)
-    repack_checkpoint(path, tmp_path / "marlin", target="marlin")
-    marlin = mq.open(tmp_path / "marlin")
-    assert marlin.summary()["set_aside_moe"] == ["mtp.layers.0.mlp"]
-    assert [i["layer"] for i in marlin.moe_layers()] == [0, 1]
-    tie = _edited_copy(src, tmp_path / "two", tensors=mtp_copy_of([0, 1]))
+    assert mq.open(src).summary()["set_aside_moe"] == []
+    for name, layers, aside in [
+        ("clash", {0: 0}, ["mtp.layers.0.mlp"]),
+        ("apart", {0: 2}, ["mtp.layers.2.mlp"]),
+    ]:
+        path = _edited_copy(src, tmp_path / name, tensors=mtp_copy_of(layers, dense=3))
+        ckpt = mq.open(path)
+        summary = ckpt.summary()
+        assert summary["set_aside_moe"] == aside and summary["dense_layers"] == []
+        assert [i["prefix"] for i in ckpt.moe_layers()] == [
+            "model.layers.0.mlp",
+            "model.layers.1.mlp",
+        ]
+        assert torch.equal(mq.MoELayer.from_checkpoint(ckpt, 0)(x, logits), want)
+        out = subprocess.run(
+            [sys.executable, "-m", "moeq_rs", "inspect", str(path)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert f"set aside: {aside[0]} (MoE blocks outside" in out and "dense:" not in out
+        repack_checkpoint(path, tmp_path / f"{name}-cpu", target="cpu")
+        repacked = mq.open(tmp_path / f"{name}-cpu")
+        assert repacked.summary()["set_aside_moe"] == aside
+        assert torch.equal(mq.MoELayer.from_checkpoint(repacked, 0)(x, logits), want)
+        repack_checkpoint(path, tmp_path / f"{name}-marlin", target="marlin")
+        marlin = mq.open(tmp_path / f"{name}-marlin")
+        assert marlin.summary()["set_aside_moe"] == aside
+        assert [i["layer"] for i in marlin.moe_layers()] == [0, 1]
+    tie = _edited_copy(src, tmp_path / "tie", tensors=mtp_copy_of({0: 0, 1: 1}))
     with pytest.raises(mq.MoeqError, match="decoder layer 0 has experts under both"):
         mq.open(tie)
+
+    # The rotation shows: decoder layer 0 with its experts rotated gives another output.
+    def rotate(state: dict) -> None:
+        mtp_copy_of({0: 0})(state)
+        for name in [n for n in state if n.startswith("model.layers.0.mlp.experts.")]:
+            del state[name]
+        for name in [n for n in state if n.startswith("mtp.layers.0.")]:
+            state["model." + name.removeprefix("mtp.")] = state.pop(name)
+
+    rotated = _edited_copy(src, tmp_path / "rotated", tensors=rotate)
+    assert rel_l2(mq.MoELayer.from_checkpoint(rotated, 0)(x, logits), want) > 0.1

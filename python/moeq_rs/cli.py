@@ -111,7 +111,7 @@ def _print_table(summary: dict[str, Any], compat: bool) -> None:
     if summary.get("set_aside_moe"):
         print(
             f"set aside: {', '.join(summary['set_aside_moe'])}"
-            " (a second stack of layers repeating the model's layer numbers; not loaded)"
+            " (MoE blocks outside the model's stack of layers; not loaded)"
         )
     plat = summary["platform"]
     where = (

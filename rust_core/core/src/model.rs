@@ -32,8 +32,8 @@ pub struct Model {
     modules: Vec<ModuleInfo>,
     moe_layers: Vec<MoeLayer>,
     dense_layers: Vec<usize>,
-    /// MoE blocks of a second stack of layers repeating the model's layer indices (its
-    /// multi-token-prediction layers), by prefix: listed, not loaded.
+    /// MoE blocks outside the model's stack of layers (its multi-token-prediction layers, a
+    /// talker beside a thinker), by prefix: listed, not loaded.
     set_aside_moe: Vec<String>,
     routing: Routing,
     /// `config.json`'s `hidden_act`, as written.

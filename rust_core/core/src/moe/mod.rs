@@ -117,9 +117,11 @@ pub struct Routing {
     /// Whether the model family's router was checked to be what this config-driven routing
     /// computes ([`CHECKED_FAMILIES`]); other families get the same routing, unverified.
     pub family_checked: bool,
-    /// The routing keys `config.json` leaves out whose value comes from the model family (its
-    /// router or config class) rather than the generic default (softmax, no renormalisation,
-    /// scale 1, no groups): e.g. DeepSeek-V3's `routed_scaling_factor` 2.5.
+    /// The routing settings, named as the summary names them (`scoring_func`, `renormalize`,
+    /// `routed_scaling_factor`, `n_group`, `topk_group`), that `config.json` leaves out and
+    /// that take the model family's value (its router or config class) rather than the generic
+    /// default (softmax, no renormalisation, scale 1, no groups), where that value is used:
+    /// e.g. DeepSeek-V3's scaling factor 2.5.
     pub family_defaults: Vec<&'static str>,
 }
 
@@ -211,6 +213,7 @@ pub const CHECKED_FAMILIES: &[&str] = &[
 /// EXAONE-MoE), Laguna, AFMoE, LFM2-MoE, Hunyuan-V3.
 const SIGMOID_FAMILIES: &[&str] = &[
     "deepseek_v3",
+    "kimi_k2",
     "deepseek_v32",
     "glm_moe_dsa",
     "hy_v3",
@@ -232,6 +235,7 @@ const SIGMOID_FAMILIES: &[&str] = &[
 const RENORMALIZING_FAMILIES: &[&str] = &[
     "mixtral",
     "deepseek_v3",
+    "kimi_k2",
     "deepseek_v32",
     "glm_moe_dsa",
     "hy_v3",
@@ -265,6 +269,8 @@ type ExpertGroups = (usize, usize);
 /// groups.
 const FAMILY_DEFAULTS: &[(&str, f64, Option<ExpertGroups>)] = &[
     ("deepseek_v3", 2.5, Some((8, 4))),
+    // vLLM reads Kimi-K2's config through transformers' DeepseekV3Config.
+    ("kimi_k2", 2.5, Some((8, 4))),
     ("deepseek_v32", 2.5, Some((8, 4))),
     ("exaone_moe", 2.5, None),
     ("glm4_moe_lite", 1.8, None),
@@ -366,7 +372,7 @@ impl Routing {
                 Some(_) if is(&["afmoe"]) && scoring == Scoring::Softmax => false,
                 Some(b) => b,
                 None if is(RENORMALIZING_FAMILIES) => {
-                    defaulted.push("norm_topk_prob");
+                    defaulted.push("renormalize");
                     true
                 }
                 None => false,
@@ -401,11 +407,6 @@ impl Routing {
         )
         .opt_f64()?
         .filter(|&c| c > 0.0);
-        // Hunyuan-V4 clamps its experts' SwiGLU unless `swiglu_limit` (default 10) is off.
-        let clamped = is(&["hy_v4"])
-            && cfg_field(file, config, &["swiglu_limit"])
-                .opt_f64()?
-                .is_none_or(|l| l > 0.0);
         // Command-A MoE averages its shared and routed experts unless told to add them.
         let averaged = is(&["cohere2_moe"])
             && count(&cfg_field(file, config, &["num_shared_experts"]))?.is_some_and(|n| n > 0)
@@ -428,7 +429,7 @@ impl Routing {
                  module holds",
             ),
             "jetmoe" => Some("JetMoE adds an output bias to its experts' sum"),
-            "ernie4_5_vl_moe" => Some(
+            "ernie4_5_vl_moe" | "ernie4_5_vl_moe_text" => Some(
                 "ERNIE-4.5-VL routes text and image tokens to separate expert sets, each with \
                  its own router",
             ),
@@ -436,7 +437,7 @@ impl Routing {
                 "Step-3.5 adds a router bias (moe.router_bias), clamps the SwiGLU of some layers \
                  and keeps its shared expert beside the MoE block; none of these is read",
             ),
-            "hy_v4" if clamped => Some(
+            "hy_v4" | "hy_v4_vl" | "hy_v4_vl_text" => Some(
                 "Hunyuan-V4 clamps its experts' SwiGLU (swiglu_limit); the CPU forward computes \
                  silu(gate) * up",
             ),
@@ -447,24 +448,55 @@ impl Routing {
             _ => None,
         });
         // DeepSeek-V2's `topk_method: greedy` is plain top-k whatever the group keys say.
-        let greedy = cfg_field(file, config, &["topk_method"]).opt_str()? == Some("greedy");
-        let mut group_key = |key: &'static str, pick: fn(ExpertGroups) -> usize| {
-            let set = count(&cfg_field(file, config, &[key]))?;
-            Ok::<_, crate::Error>(set.or_else(|| {
-                let v = pick(family_default?.1?);
-                defaulted.push(key);
-                Some(v)
-            }))
+        // Expert groups: the config's, or the family's default groups (DeepSeek-V3). Those
+        // families group whatever `topk_method` says (transformers and vLLM); DeepSeek-V2's
+        // `topk_method: greedy` is plain top-k whatever the group keys say.
+        let default_groups = family_default.and_then(|(_, g)| g);
+        let greedy = default_groups.is_none()
+            && cfg_field(file, config, &["topk_method"]).opt_str()? == Some("greedy");
+        let group_key =
+            |key: &'static str, default: Option<usize>| -> Result<(Option<usize>, bool)> {
+                let field = cfg_field(file, config, &[key]);
+                if let (None, Some(_)) = (field.value, default) {
+                    // cfg skips nulls; the family's router needs a number (transformers and vLLM
+                    // fail on a null), so a null is not read as the default.
+                    let null = [
+                        config.get(key),
+                        config.get("text_config").and_then(|t| t.get(key)),
+                    ]
+                    .into_iter()
+                    .any(|v| v.is_some_and(Value::is_null));
+                    if null {
+                        return Err(field.invalid("null, where this model family needs a number"));
+                    }
+                }
+                Ok(match count(&field)? {
+                    Some(v) => (Some(v), false),
+                    None => (default, default.is_some()),
+                })
+            };
+        let (n_group, n_defaulted) = group_key("n_group", default_groups.map(|g| g.0))?;
+        let n_group = n_group.filter(|&g| g > 1 && !greedy);
+        // Without groups, topk_group is not used: not reported as a default.
+        let (topk_group, k_defaulted) = match n_group {
+            Some(_) => group_key("topk_group", default_groups.map(|g| g.1))?,
+            None => (count(&cfg_field(file, config, &["topk_group"]))?, false),
         };
-        let n_group = group_key("n_group", |g| g.0)?;
-        let topk_group = group_key("topk_group", |g| g.1)?;
+        for (used, key) in [
+            (n_defaulted && n_group.is_some(), "n_group"),
+            (k_defaulted, "topk_group"),
+        ] {
+            if used {
+                defaulted.push(key);
+            }
+        }
         Ok(Routing {
             top_k,
             renormalize,
             scoring,
             unsupported_scoring,
             unsupported_model,
-            n_group: n_group.filter(|&g| g > 1 && !greedy),
+            n_group,
             topk_group,
             routed_scaling_factor,
             logit_softcapping,
@@ -513,17 +545,22 @@ impl Routing {
                 "topk_group",
                 format!("missing, and n_group is {groups}: how many groups to keep per token"),
             ))?;
+            let kept = if self.family_defaults.contains(&"topk_group") {
+                " (the model family's default; config.json does not set topk_group)"
+            } else {
+                ""
+            };
             let per = experts / groups;
             if keep == 0 || keep > groups {
                 return Err((
                     "topk_group",
-                    format!("{keep} is not between 1 and n_group ({groups})"),
+                    format!("{keep}{kept} is not between 1 and n_group ({groups})"),
                 ));
             }
             if let Some(k) = self.top_k.filter(|&k| k > keep * per) {
                 return Err((
                     "topk_group",
-                    format!("{keep} groups of {per} experts hold fewer than top_k ({k})"),
+                    format!("{keep} groups{kept} of {per} experts hold fewer than top_k ({k})"),
                 ));
             }
         }
@@ -683,10 +720,10 @@ pub fn configured_num_experts(config: &Value) -> Option<usize> {
 /// Finds every `<prefix>.experts.<e>.<proj>` module, grouped by prefix.
 pub struct Discovery {
     pub layers: Vec<DiscoveredLayer>,
-    /// MoE blocks of a second stack of layers whose indices repeat the model's
-    /// ([`set_aside_minor_stacks`]), by prefix: listed, not loaded.
+    /// MoE blocks outside the model's stack of layers ([`main_stack`]), by prefix: listed, not
+    /// loaded.
     pub set_aside: Vec<String>,
-    /// Decoder layers with a dense `mlp.{gate,up,down}_proj` MLP.
+    /// Decoder layers (of the model's stack) with a dense `mlp.{gate,up,down}_proj` MLP.
     pub dense_layers: Vec<usize>,
 }
 
@@ -741,48 +778,33 @@ fn layer_stack(prefix: &str) -> &str {
         .map_or(prefix, |m| &prefix[..m.start()])
 }
 
-/// Where two stacks of layers hold MoE blocks under the same layer index (Qwen3-Next's and
-/// Qwen3.5's multi-token-prediction layers, `mtp.layers.0.mlp.experts`, beside
-/// `model.layers.0.mlp.experts`), the index would name two layers, and the checkpoint could not
-/// be opened at all. The stack with the most MoE layers is the model's; the others' blocks are
-/// taken out of `layers` and returned (by prefix). A tie sets nothing aside: [`discover`] then
-/// names the clash. `repacked` are the `(layer, prefix)` of the layers a `moeq repack` layout
-/// holds (which discovery does not see): they count, and are never set aside.
-fn set_aside_minor_stacks(
-    layers: &mut Vec<DiscoveredLayer>,
-    repacked: &[(usize, &str)],
-) -> Vec<String> {
-    let all = || {
-        layers
-            .iter()
-            .map(|l| (l.layer, l.prefix.as_str()))
-            .chain(repacked.iter().copied())
-    };
-    let mut seen = std::collections::BTreeSet::new();
-    if all().all(|(i, _)| seen.insert(i)) {
-        return Vec::new();
+/// A checkpoint may hold MoE blocks in more than one stack of layers: Qwen3-Next and Qwen3.5
+/// keep their multi-token-prediction layer as `mtp.layers.0.mlp.experts` beside
+/// `model.layers.N.mlp.experts`, Qwen3-Omni its talker beside its thinker. A layer index names
+/// a layer of one stack only, so the other stacks' blocks would clash with the model's (the
+/// checkpoint did not open) or pass for decoder layers they are not. The stack with the most MoE
+/// layers is the model's (returned; `repacked`, the `(layer, prefix)` of the layers a `moeq
+/// repack` layout holds, which discovery does not see, count too). With several stacks tied
+/// for the most, there is none (nothing is set aside; clashing indices are an error then).
+fn main_stack(layers: &[DiscoveredLayer], repacked: &[(usize, &str)]) -> Option<String> {
+    let mut per_stack: BTreeMap<&str, usize> = BTreeMap::new();
+    let prefixes = layers
+        .iter()
+        .map(|l| l.prefix.as_str())
+        .chain(repacked.iter().map(|&(_, p)| p));
+    for prefix in prefixes {
+        *per_stack.entry(layer_stack(prefix)).or_default() += 1;
     }
-    let mut per_stack: BTreeMap<String, usize> = BTreeMap::new();
-    for (_, prefix) in all() {
-        *per_stack
-            .entry(layer_stack(prefix).to_string())
-            .or_default() += 1;
-    }
-    let most = per_stack.values().copied().max().unwrap_or(0);
+    let most = per_stack.values().copied().max()?;
     let mut top = per_stack.into_iter().filter(|&(_, n)| n == most);
-    let (Some((main, _)), None) = (top.next(), top.next()) else {
-        return Vec::new();
-    };
-    let (keep, aside): (Vec<_>, Vec<_>) = std::mem::take(layers)
-        .into_iter()
-        .partition(|l| layer_stack(&l.prefix) == main);
-    *layers = keep;
-    aside.into_iter().map(|l| l.prefix).collect()
+    match (top.next(), top.next()) {
+        (Some((main, _)), None) => Some(main.to_string()),
+        _ => None,
+    }
 }
 
 /// Groups module names into MoE layers (names only; no tensor checks). `repacked`: the
-/// `(layer, prefix)` of the layers a `moeq repack` layout holds, for
-/// [`set_aside_minor_stacks`].
+/// `(layer, prefix)` of the layers a `moeq repack` layout holds, for [`main_stack`].
 pub fn discover(
     ckpt: &Checkpoint,
     modules: &[String],
@@ -806,13 +828,10 @@ pub fn discover(
                 .insert(role, m.as_str());
         } else if let Some(prefix) = split_dense(m) {
             if let Some(l) = layer_index(prefix) {
-                if !dense_layers.contains(&l) {
-                    dense_layers.push(l);
-                }
+                dense_layers.push((l, layer_stack(prefix)));
             }
         }
     }
-    dense_layers.sort_unstable();
 
     let mut layers = Vec::new();
     for (prefix, experts) in by_prefix {
@@ -866,7 +885,17 @@ pub fn discover(
         });
     }
     layers.sort_by_key(|l| l.layer);
-    let set_aside = set_aside_minor_stacks(&mut layers, repacked);
+    let main = main_stack(&layers, repacked);
+    let in_main = |prefix: &str| main.as_deref().is_none_or(|m| layer_stack(prefix) == m);
+    let (layers, aside): (Vec<_>, Vec<_>) = layers.into_iter().partition(|l| in_main(&l.prefix));
+    let set_aside = aside.into_iter().map(|l| l.prefix).collect();
+    let mut dense_layers: Vec<usize> = dense_layers
+        .into_iter()
+        .filter(|&(_, stack)| main.as_deref().is_none_or(|m| stack == m))
+        .map(|(l, _)| l)
+        .collect();
+    dense_layers.sort_unstable();
+    dense_layers.dedup();
     for pair in layers.windows(2) {
         if let [a, b] = pair {
             if a.layer == b.layer {
