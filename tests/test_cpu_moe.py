@@ -2055,3 +2055,45 @@ def test_moe_blocks_of_a_second_stack_are_set_aside(
 
     rotated = _edited_copy(src, tmp_path / "rotated", tensors=rotate)
     assert rel_l2(mq.MoELayer.from_checkpoint(rotated, 0)(x, logits), want) > 0.1
+
+
+def test_qwen3_omni_routes_from_the_thinker_config(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Qwen3-Omni keeps its language model's keys in `thinker_config.text_config` and its MoE
+    blocks under `thinker.model.layers`, with the talker's beside them: the checkpoint failed
+    to load ("no num_experts_per_tok"). The thinker's keys are read (top-k, renormalisation,
+    hidden size, activation), the family is checked, the talker's blocks are set aside, and the
+    thinker's layers run as the same layers under their usual names."""
+    src = fixture_path("qwen3_w8a16_g128")
+    keys = ("num_experts_per_tok", "norm_topk_prob", "hidden_size", "hidden_act", "model_type")
+
+    def tensors(state: dict) -> None:
+        for name in list(state):
+            if name.startswith("model."):
+                state["thinker." + name] = state.pop(name)
+                if name.startswith("model.layers.0.mlp."):
+                    state["talker." + name] = state["thinker." + name].clone()
+
+    def config(cfg: dict) -> None:
+        text = {k: cfg.pop(k) for k in keys} | {"model_type": "qwen3_omni_moe_text"}
+        cfg["model_type"] = "qwen3_omni_moe"
+        cfg["thinker_config"] = {"model_type": "qwen3_omni_moe_thinker", "text_config": text}
+        cfg["talker_config"] = {"text_config": {"num_experts_per_tok": 6, "norm_topk_prob": False}}
+
+    path = _edited_copy(src, tmp_path / "omni", tensors=tensors, config=config)
+    ckpt = mq.open(path)
+    summary = ckpt.summary()
+    routing = summary["routing"]
+    assert (routing["top_k"], routing["renormalize"], routing["family_checked"]) == (2, True, True)
+    assert summary["hidden_act"] == "silu"
+    assert summary["set_aside_moe"] == ["talker.model.layers.0.mlp"]
+    assert [i["prefix"] for i in ckpt.moe_layers()] == [
+        "thinker.model.layers.0.mlp",
+        "thinker.model.layers.1.mlp",
+    ]
+    x = torch.randn(8, ckpt.moe_layers()[0]["hidden_size"])
+    logits = torch.randn(8, ckpt.moe_layers()[0]["num_experts"])
+    for layer in (0, 1):
+        want = mq.MoELayer.from_checkpoint(src, layer)(x, logits)
+        assert torch.equal(mq.MoELayer.from_checkpoint(ckpt, layer)(x, logits), want)

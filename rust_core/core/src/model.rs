@@ -252,9 +252,7 @@ impl Model {
         };
         let config = ckpt.config();
         let configured = moe::configured_num_experts(config);
-        let hidden_cfg = config
-            .get("hidden_size")
-            .or_else(|| config.get("text_config").and_then(|t| t.get("hidden_size")))
+        let hidden_cfg = moe::cfg(config, "hidden_size")
             .and_then(Value::as_u64)
             .map(|h| h as usize);
         let mut moe_layers = Vec::with_capacity(discovery.layers.len());

@@ -125,20 +125,31 @@ pub struct Routing {
     pub family_defaults: Vec<&'static str>,
 }
 
-/// Looks a key up in the config, then in a nested `text_config` (multimodal wrappers).
-fn cfg<'a>(config: &'a Value, key: &str) -> Option<&'a Value> {
+/// Where a multimodal wrapper keeps its language model's config: `text_config` (Kimi-VL,
+/// Qwen3-VL-MoE, ...) or, for Qwen3-Omni, the thinker's (its talker's MoE blocks are set aside,
+/// see [`main_stack`]).
+const TEXT_CONFIGS: [&str; 2] = ["text_config", "thinker_config.text_config"];
+
+/// The nested config at a dotted path of [`TEXT_CONFIGS`].
+fn nested<'a>(config: &'a Value, path: &str) -> Option<&'a Value> {
+    path.split('.').try_fold(config, |v, k| v.get(k))
+}
+
+/// Looks a key up in the config, then in a nested language-model config ([`TEXT_CONFIGS`]).
+pub fn cfg<'a>(config: &'a Value, key: &str) -> Option<&'a Value> {
     cfg_at(config, key).map(|(_, v)| v)
 }
 
-/// [`cfg`] with the key path where the value was found (`key` or `text_config.key`).
+/// [`cfg`] with the key path where the value was found (`key`, `text_config.key`, ...).
 fn cfg_at<'a>(config: &'a Value, key: &str) -> Option<(String, &'a Value)> {
     let top = config.get(key).filter(|v| !v.is_null());
     top.map(|v| (key.to_string(), v)).or_else(|| {
-        config
-            .get("text_config")
-            .and_then(|t| t.get(key))
-            .filter(|v| !v.is_null())
-            .map(|v| (format!("text_config.{key}"), v))
+        TEXT_CONFIGS.iter().find_map(|path| {
+            nested(config, path)
+                .and_then(|t| t.get(key))
+                .filter(|v| !v.is_null())
+                .map(|v| (format!("{path}.{key}"), v))
+        })
     })
 }
 
@@ -202,6 +213,8 @@ pub const CHECKED_FAMILIES: &[&str] = &[
     "qwen3_vl_moe_text",
     "qwen3_5_moe",
     "qwen3_5_moe_text",
+    "qwen3_omni_moe",
+    "qwen3_omni_moe_text",
     "deepseek_v32",
     "glm_moe_dsa",
     "hy_v3",
@@ -230,7 +243,7 @@ const SIGMOID_FAMILIES: &[&str] = &[
 /// (no `norm_topk_prob`): their transformers routers always do (Mixtral, Laguna, ERNIE-4.5,
 /// MiniMax, Hunyuan, Hunyuan-V3, Granite, AFMoE, Qwen3-VL-MoE, Qwen3.5-MoE, Command-A's
 /// softmax over the top-k logits), or their config classes default to it (DeepSeek-V3 and
-/// V3.2, GLM-4.5, GLM-5, EXAONE-MoE, Qwen3-Next). Qwen-MoE and DeepSeek-V2 default to not
+/// V3.2, GLM-4.5, GLM-5, EXAONE-MoE, Qwen3-Next, Qwen3-Omni's thinker). Qwen-MoE and DeepSeek-V2 default to not
 /// renormalising.
 const RENORMALIZING_FAMILIES: &[&str] = &[
     "mixtral",
@@ -243,6 +256,8 @@ const RENORMALIZING_FAMILIES: &[&str] = &[
     "qwen3_vl_moe_text",
     "qwen3_5_moe",
     "qwen3_5_moe_text",
+    "qwen3_omni_moe",
+    "qwen3_omni_moe_text",
     "cohere2_moe",
     "minimax",
     "minimax_m2",
@@ -325,13 +340,12 @@ impl Routing {
         // route as an unknown family. A multimodal wrapper (`kimi_vl`) names its language
         // model's family in `text_config.model_type`; either may be the one listed.
         let mut families = Vec::new();
-        for (path, v) in [
-            ("model_type", config.get("model_type")),
-            (
-                "text_config.model_type",
-                config.get("text_config").and_then(|t| t.get("model_type")),
-            ),
-        ] {
+        let wrapped = TEXT_CONFIGS.map(|p| (format!("{p}.model_type"), nested(config, p)));
+        let types = [("model_type".to_string(), Some(config))]
+            .into_iter()
+            .chain(wrapped);
+        for (path, at) in types {
+            let v = at.and_then(|c| c.get("model_type"));
             if let Some(t) = Field::new(file, path, v).opt_str()? {
                 families.push(t);
             }
@@ -460,12 +474,9 @@ impl Routing {
                 if let (None, Some(_)) = (field.value, default) {
                     // cfg skips nulls; the family's router needs a number (transformers and vLLM
                     // fail on a null), so a null is not read as the default.
-                    let null = [
-                        config.get(key),
-                        config.get("text_config").and_then(|t| t.get(key)),
-                    ]
-                    .into_iter()
-                    .any(|v| v.is_some_and(Value::is_null));
+                    let null = std::iter::once(Some(config))
+                        .chain(TEXT_CONFIGS.map(|p| nested(config, p)))
+                        .any(|c| c.and_then(|c| c.get(key)).is_some_and(Value::is_null));
                     if null {
                         return Err(field.invalid("null, where this model family needs a number"));
                     }
