@@ -763,6 +763,15 @@ def test_family_defaults_when_the_config_is_silent(
             (4, 4),
         ),
         (dict(model_type="qwen3_moe"), [], (None, None)),
+        # Unchecked families get their config classes' defaults too (DeepSeek-V4's scoring is
+        # one no kernel has: the layer is refused).
+        (dict(model_type="lfm2_moe"), ["scoring_func", "renormalize"], (None, None)),
+        (dict(model_type="sarvam_moe"), ["renormalize", "routed_scaling_factor"], (None, None)),
+        (
+            dict(model_type="deepseek_v4"),
+            ["scoring_func", "renormalize", "routed_scaling_factor"],
+            (None, None),
+        ),
     ],
 )
 def test_the_summary_names_the_keys_the_family_filled_in(
@@ -780,6 +789,10 @@ def test_the_summary_names_the_keys_the_family_filled_in(
     routing = mq.open(path).summary()["routing"]
     assert routing["family_defaults"] == defaults
     assert (routing["n_group"], routing["topk_group"]) == groups
+    if changes["model_type"] == "deepseek_v4":
+        assert routing["scoring_func"] == "sqrtsoftplus"
+        with pytest.raises(mq.UnsupportedSchemeError, match='scoring_func: "sqrtsoftplus"'):
+            mq.MoELayer.from_checkpoint(path, 0)
     out = subprocess.run(
         [sys.executable, "-m", "moeq_rs", "inspect", str(path)],
         capture_output=True,

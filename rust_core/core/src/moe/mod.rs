@@ -237,6 +237,11 @@ const SIGMOID_FAMILIES: &[&str] = &[
     "exaone_moe",
     "afmoe",
     "lfm2_moe",
+    // Not checked: their config classes' default.
+    "inkling2",
+    "inkling2_text",
+    "inkling2_loop",
+    "inkling2_loop_text",
 ];
 
 /// Model families whose routers renormalise the top-k weights when `config.json` does not say
@@ -259,6 +264,34 @@ const RENORMALIZING_FAMILIES: &[&str] = &[
     "qwen3_omni_moe",
     "qwen3_omni_moe_text",
     "cohere2_moe",
+    // Not checked: their config classes default norm_topk_prob to true.
+    "axk1",
+    "axk2",
+    "bailing_hybrid",
+    "beam",
+    "deepseek_v4",
+    "dots3_note",
+    "dots3_note_text",
+    "flint",
+    "glm4v_moe_text",
+    "glm5_next",
+    "glm5_next_text",
+    "kimi_k25",
+    "kimi_linear",
+    "lara_mini",
+    "lfm2_moe",
+    "mellum",
+    "mimo_v2_flash",
+    "mistral4",
+    "nemo_speechlm",
+    "nemotron_h",
+    "nemotron_h_omni",
+    "qwen3_omni_moe_thinker",
+    "qwen4_exp",
+    "qwen4_exp_text",
+    "sarvam_mla",
+    "sarvam_moe",
+    "solar_open",
     "minimax",
     "minimax_m2",
     "laguna",
@@ -291,6 +324,27 @@ const FAMILY_DEFAULTS: &[(&str, f64, Option<ExpertGroups>)] = &[
     ("glm4_moe_lite", 1.8, None),
     ("glm_moe_dsa", 2.5, None),
     ("hy_v3", 2.826, None),
+    // Families not checked ([`CHECKED_FAMILIES`]): their config classes' defaults all the same.
+    ("axk1", 2.5, Some((8, 4))),
+    ("axk2", 2.5, None),
+    ("bailing_hybrid", 2.5, Some((8, 4))),
+    ("beam", 2.5, Some((8, 4))),
+    ("kimi_k25", 2.5, Some((8, 4))),
+    ("deepseek_v4", 1.5, None),
+    ("glm5_next", 2.5, None),
+    ("glm5_next_text", 2.5, None),
+    ("inkling_text", 8.0, None),
+    ("inkling_mm_model", 8.0, None),
+    ("inkling2", 8.0, None),
+    ("inkling2_text", 8.0, None),
+    ("inkling2_loop", 8.0, None),
+    ("inkling2_loop_text", 8.0, None),
+    ("kimi_linear", 2.446, None),
+    ("minimax_m3_vl", 2.0, None),
+    ("minimax_m3_vl_text", 2.0, None),
+    ("nemo_speechlm", 2.5, None),
+    ("sarvam_mla", 2.5, None),
+    ("sarvam_moe", 2.5, None),
 ];
 
 /// Experts per token: the first key the config sets (Hunyuan's `moe_topk` may be a per-layer
@@ -369,6 +423,11 @@ impl Routing {
                 Some(other) => (Scoring::Softmax, Some(other.to_string())),
                 // ERNIE-4.5 chooses on softmax scores plus its `moe_statics` bias.
                 None if is(&["ernie4_5_moe"]) => (Scoring::Softmax, None),
+                // DeepSeek-V4's config class defaults to a scoring no kernel has.
+                None if is(&["deepseek_v4"]) => {
+                    defaulted.push("scoring_func");
+                    (Scoring::Softmax, Some("sqrtsoftplus".to_string()))
+                }
                 // Families whose routers are sigmoid whatever the config says (vLLM hard-codes it
                 // for GLM-4.5; the others' transformers routers have no softmax branch).
                 None if is(SIGMOID_FAMILIES) => {
