@@ -540,6 +540,12 @@ def test_minimax_m2_routing_sigmoid_with_block_bias(
         assert rel_l2(moe(x, logits), want) <= 1e-4
 
 
+def _inspect(path: Path) -> str:
+    """What `moeq inspect <path>` prints."""
+    run = [sys.executable, "-m", "moeq_rs", "inspect", str(path)]
+    return subprocess.run(run, capture_output=True, text=True, check=True).stdout
+
+
 def _renamed(tensors: dict, old: str, new: str) -> None:
     """Renames every tensor whose name contains ``old``."""
     for name in [n for n in tensors if old in n]:
@@ -793,12 +799,7 @@ def test_the_summary_names_the_keys_the_family_filled_in(
         assert routing["scoring_func"] == "sqrtsoftplus"
         with pytest.raises(mq.UnsupportedSchemeError, match='scoring_func: "sqrtsoftplus"'):
             mq.MoELayer.from_checkpoint(path, 0)
-    out = subprocess.run(
-        [sys.executable, "-m", "moeq_rs", "inspect", str(path)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    out = _inspect(path)
     said = [line for line in out.splitlines() if "the family's defaults" in line]
     assert said == (
         [f"          (the family's defaults for {', '.join(defaults)})"] if defaults else []
@@ -846,12 +847,7 @@ def test_an_unchecked_family_warns_once_per_checkpoint(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mq.MoELayer.from_checkpoint(ckpt, 1)  # the same checkpoint object: warned already
-    out = subprocess.run(
-        [sys.executable, "-m", "moeq_rs", "inspect", str(path)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    out = _inspect(path)
     assert "(model family not checked: see README)" in out
 
 
@@ -2039,12 +2035,7 @@ def test_moe_blocks_of_a_second_stack_are_set_aside(
             "model.layers.1.mlp",
         ]
         assert torch.equal(mq.MoELayer.from_checkpoint(ckpt, 0)(x, logits), want)
-        out = subprocess.run(
-            [sys.executable, "-m", "moeq_rs", "inspect", str(path)],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        out = _inspect(path)
         assert f"set aside: {aside[0]} (MoE blocks outside" in out and "dense:" not in out
         repack_checkpoint(path, tmp_path / f"{name}-cpu", target="cpu")
         repacked = mq.open(tmp_path / f"{name}-cpu")
