@@ -770,9 +770,21 @@ def test_family_defaults_when_the_config_is_silent(
         ),
         (dict(model_type="qwen3_moe"), [], (None, None)),
         # Unchecked families get their config classes' defaults too (DeepSeek-V4's scoring is
-        # one no kernel has: the layer is refused).
+        # one no kernel has), read under their own spellings (moe_renormalize,
+        # num_expert_group) where they have them.
         (dict(model_type="lfm2_moe"), ["scoring_func", "renormalize"], (None, None)),
         (dict(model_type="sarvam_moe"), ["renormalize", "routed_scaling_factor"], (None, None)),
+        (dict(model_type="minimax_m3_vl"), ["renormalize", "routed_scaling_factor"], (None, None)),
+        (
+            dict(model_type="kimi_linear", moe_renormalize=False),
+            ["scoring_func", "routed_scaling_factor"],
+            (None, None),
+        ),
+        (
+            dict(model_type="bailing_hybrid", num_expert_group=1, topk_group=1),
+            ["scoring_func", "renormalize", "routed_scaling_factor"],
+            (None, 1),
+        ),
         (
             dict(model_type="deepseek_v4"),
             ["scoring_func", "renormalize", "routed_scaling_factor"],
@@ -797,8 +809,10 @@ def test_the_summary_names_the_keys_the_family_filled_in(
     assert (routing["n_group"], routing["topk_group"]) == groups
     if changes["model_type"] == "deepseek_v4":
         assert routing["scoring_func"] == "sqrtsoftplus"
-        with pytest.raises(mq.UnsupportedSchemeError, match='scoring_func: "sqrtsoftplus"'):
+        with pytest.raises(mq.UnsupportedSchemeError, match="model_type: DeepSeek-V4 clamps"):
             mq.MoELayer.from_checkpoint(path, 0)
+    if changes["model_type"] == "kimi_linear":
+        assert routing["renormalize"] is False
     out = _inspect(path)
     said = [line for line in out.splitlines() if "the family's defaults" in line]
     assert said == (
@@ -1050,6 +1064,12 @@ def test_grouped_routing_without_bias(
             "model_type: Hunyuan-V4 clamps",
         ),
         (dict(model_type="hy_v4_vl"), mq.UnsupportedSchemeError, "model_type: Hunyuan-V4 clamps"),
+        (
+            dict(model_type="deepseek_v4", scoring_func="softmax"),
+            mq.UnsupportedSchemeError,
+            "model_type: DeepSeek-V4 clamps",
+        ),
+        (dict(model_type="inkling2_text"), mq.UnsupportedSchemeError, "model_type: Inkling"),
         (
             dict(model_type="ernie4_5_vl_moe_text"),
             mq.UnsupportedSchemeError,

@@ -237,11 +237,9 @@ const SIGMOID_FAMILIES: &[&str] = &[
     "exaone_moe",
     "afmoe",
     "lfm2_moe",
-    // Not checked: their config classes' default.
-    "inkling2",
-    "inkling2_text",
-    "inkling2_loop",
-    "inkling2_loop_text",
+    // Not checked: their transformers routers are sigmoid.
+    "kimi_linear",
+    "bailing_hybrid",
 ];
 
 /// Model families whose routers renormalise the top-k weights when `config.json` does not say
@@ -264,7 +262,10 @@ const RENORMALIZING_FAMILIES: &[&str] = &[
     "qwen3_omni_moe",
     "qwen3_omni_moe_text",
     "cohere2_moe",
-    // Not checked: their config classes default norm_topk_prob to true.
+    // Not checked: their routers always renormalise (MiniMax-M3-VL), or their config classes
+    // default norm_topk_prob to true (the others).
+    "minimax_m3_vl",
+    "minimax_m3_vl_text",
     "axk1",
     "axk2",
     "bailing_hybrid",
@@ -333,16 +334,9 @@ const FAMILY_DEFAULTS: &[(&str, f64, Option<ExpertGroups>)] = &[
     ("deepseek_v4", 1.5, None),
     ("glm5_next", 2.5, None),
     ("glm5_next_text", 2.5, None),
-    ("inkling_text", 8.0, None),
-    ("inkling_mm_model", 8.0, None),
-    ("inkling2", 8.0, None),
-    ("inkling2_text", 8.0, None),
-    ("inkling2_loop", 8.0, None),
-    ("inkling2_loop_text", 8.0, None),
     ("kimi_linear", 2.446, None),
     ("minimax_m3_vl", 2.0, None),
     ("minimax_m3_vl_text", 2.0, None),
-    ("nemo_speechlm", 2.5, None),
     ("sarvam_mla", 2.5, None),
     ("sarvam_moe", 2.5, None),
 ];
@@ -437,19 +431,19 @@ impl Routing {
                 None if has_correction_bias => (Scoring::Sigmoid, None),
                 None => (Scoring::Softmax, None),
             };
-        // Most families say whether to renormalise with norm_topk_prob (AFMoE: route_norm);
-        // without it, the family's own default.
-        let renormalize =
-            match cfg_field(file, config, &["norm_topk_prob", "route_norm"]).opt_bool()? {
-                // vLLM's AFMoE applies route_norm to sigmoid scores only.
-                Some(_) if is(&["afmoe"]) && scoring == Scoring::Softmax => false,
-                Some(b) => b,
-                None if is(RENORMALIZING_FAMILIES) => {
-                    defaulted.push("renormalize");
-                    true
-                }
-                None => false,
-            };
+        // Most families say whether to renormalise with norm_topk_prob (AFMoE: route_norm;
+        // Kimi-Linear and Bailing-hybrid: moe_renormalize); without it, the family's default.
+        let renorm_keys = ["norm_topk_prob", "route_norm", "moe_renormalize"];
+        let renormalize = match cfg_field(file, config, &renorm_keys).opt_bool()? {
+            // vLLM's AFMoE applies route_norm to sigmoid scores only.
+            Some(_) if is(&["afmoe"]) && scoring == Scoring::Softmax => false,
+            Some(b) => b,
+            None if is(RENORMALIZING_FAMILIES) => {
+                defaulted.push("renormalize");
+                true
+            }
+            None => false,
+        };
         let family_default = FAMILY_DEFAULTS
             .iter()
             .find(|(f, ..)| families.contains(f))
@@ -510,6 +504,15 @@ impl Routing {
                 "Step-3.5 adds a router bias (moe.router_bias), clamps the SwiGLU of some layers \
                  and keeps its shared expert beside the MoE block; none of these is read",
             ),
+            "deepseek_v4" => Some(
+                "DeepSeek-V4 clamps its experts' SwiGLU and routes its first layers by token \
+                 hash",
+            ),
+            "inkling_text" | "inkling_mm_model" | "inkling2" | "inkling2_text"
+            | "inkling2_loop" | "inkling2_loop_text" => Some(
+                "Inkling normalises its routing weights together with the shared expert's \
+                 (Inkling-1) or soft-caps its SwiGLU (Inkling-2)",
+            ),
             "hy_v4" | "hy_v4_vl" | "hy_v4_vl_text" => Some(
                 "Hunyuan-V4 clamps its experts' SwiGLU (swiglu_limit); the CPU forward computes \
                  silu(gate) * up",
@@ -520,36 +523,37 @@ impl Routing {
             ),
             _ => None,
         });
-        // DeepSeek-V2's `topk_method: greedy` is plain top-k whatever the group keys say.
         // Expert groups: the config's, or the family's default groups (DeepSeek-V3). Those
         // families group whatever `topk_method` says (transformers and vLLM); DeepSeek-V2's
         // `topk_method: greedy` is plain top-k whatever the group keys say.
         let default_groups = family_default.and_then(|(_, g)| g);
         let greedy = default_groups.is_none()
             && cfg_field(file, config, &["topk_method"]).opt_str()? == Some("greedy");
-        let group_key =
-            |key: &'static str, default: Option<usize>| -> Result<(Option<usize>, bool)> {
-                let field = cfg_field(file, config, &[key]);
-                if let (None, Some(_)) = (field.value, default) {
-                    // cfg skips nulls; the family's router needs a number (transformers and vLLM
-                    // fail on a null), so a null is not read as the default.
-                    let null = std::iter::once(Some(config))
-                        .chain(TEXT_CONFIGS.map(|p| nested(config, p)))
-                        .any(|c| c.and_then(|c| c.get(key)).is_some_and(Value::is_null));
-                    if null {
-                        return Err(field.invalid("null, where this model family needs a number"));
-                    }
+        // Kimi-Linear and Bailing-hybrid spell n_group `num_expert_group`.
+        let group_key = |keys: &[&str], default: Option<usize>| -> Result<(Option<usize>, bool)> {
+            let field = cfg_field(file, config, keys);
+            if let (None, Some(_)) = (field.value, default) {
+                // cfg skips nulls; the family's router needs a number (transformers and vLLM
+                // fail on a null), so a null is not read as the default.
+                let null = std::iter::once(Some(config))
+                    .chain(TEXT_CONFIGS.map(|p| nested(config, p)))
+                    .flatten()
+                    .any(|c| keys.iter().any(|k| c.get(k).is_some_and(Value::is_null)));
+                if null {
+                    return Err(field.invalid("null, where this model family needs a number"));
                 }
-                Ok(match count(&field)? {
-                    Some(v) => (Some(v), false),
-                    None => (default, default.is_some()),
-                })
-            };
-        let (n_group, n_defaulted) = group_key("n_group", default_groups.map(|g| g.0))?;
+            }
+            Ok(match count(&field)? {
+                Some(v) => (Some(v), false),
+                None => (default, default.is_some()),
+            })
+        };
+        let n_keys = ["n_group", "num_expert_group"];
+        let (n_group, n_defaulted) = group_key(&n_keys, default_groups.map(|g| g.0))?;
         let n_group = n_group.filter(|&g| g > 1 && !greedy);
         // Without groups, topk_group is not used: not reported as a default.
         let (topk_group, k_defaulted) = match n_group {
-            Some(_) => group_key("topk_group", default_groups.map(|g| g.1))?,
+            Some(_) => group_key(&["topk_group"], default_groups.map(|g| g.1))?,
             None => (count(&cfg_field(file, config, &["topk_group"]))?, false),
         };
         for (used, key) in [
