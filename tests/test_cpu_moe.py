@@ -2121,3 +2121,25 @@ def test_qwen3_omni_routes_from_the_thinker_config(
     for layer in (0, 1):
         want = mq.MoELayer.from_checkpoint(src, layer)(x, logits)
         assert torch.equal(mq.MoELayer.from_checkpoint(ckpt, layer)(x, logits), want)
+
+
+def test_a_hidden_size_the_experts_do_not_have_names_where_config_json_says_it(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """The experts' input width is checked against config.json's hidden size, at the top level
+    or in a nested language-model config, and the error names the key's path."""
+    src = fixture_path("qwen3_w8a16_g128")
+    top = _with_config(src, tmp_path / "top", hidden_size=999)
+    with pytest.raises(
+        mq.MoeqError, match="experts take 256 inputs but config.json says hidden_size 999"
+    ):
+        mq.open(top)
+
+    def nest(cfg: dict) -> None:
+        cfg["thinker_config"] = {"text_config": {"hidden_size": 999}}
+        del cfg["hidden_size"]
+
+    nested = _edited_copy(src, tmp_path / "nested", config=nest)
+    says = "config.json says thinker_config.text_config.hidden_size 999"
+    with pytest.raises(mq.MoeqError, match=says):
+        mq.open(nested)

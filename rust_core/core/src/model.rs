@@ -252,9 +252,9 @@ impl Model {
         };
         let config = ckpt.config();
         let configured = moe::configured_num_experts(config);
-        let hidden_cfg = moe::cfg(config, "hidden_size")
-            .and_then(Value::as_u64)
-            .map(|h| h as usize);
+        // (where config.json says it, e.g. `text_config.hidden_size`, and the value)
+        let hidden_cfg = moe::cfg_at(config, "hidden_size")
+            .and_then(|(at, v)| Some((at, usize::try_from(v.as_u64()?).ok()?)));
         let mut moe_layers = Vec::with_capacity(discovery.layers.len());
         let mut any_bias = false;
         for d in discovery.layers {
@@ -311,11 +311,11 @@ impl Model {
                 }
             }
             let (hidden_size, intermediate_size) = dims.unwrap_or((0, 0));
-            if let Some(h) = hidden_cfg {
-                if h != hidden_size {
+            if let Some((at, h)) = &hidden_cfg {
+                if *h != hidden_size {
                     return Err(module_error(
                         &owner,
-                        format!("experts take {hidden_size} inputs but config.json says hidden_size {h}"),
+                        format!("experts take {hidden_size} inputs but config.json says {at} {h}"),
                     ));
                 }
             }

@@ -141,7 +141,7 @@ pub fn cfg<'a>(config: &'a Value, key: &str) -> Option<&'a Value> {
 }
 
 /// [`cfg`] with the key path where the value was found (`key`, `text_config.key`, ...).
-fn cfg_at<'a>(config: &'a Value, key: &str) -> Option<(String, &'a Value)> {
+pub fn cfg_at<'a>(config: &'a Value, key: &str) -> Option<(String, &'a Value)> {
     let top = config.get(key).filter(|v| !v.is_null());
     top.map(|v| (key.to_string(), v)).or_else(|| {
         TEXT_CONFIGS.iter().find_map(|path| {
