@@ -246,8 +246,8 @@ const SIGMOID_FAMILIES: &[&str] = &[
 /// (no `norm_topk_prob`): their transformers routers always do (Mixtral, Laguna, ERNIE-4.5,
 /// MiniMax, Hunyuan, Hunyuan-V3, Granite, AFMoE, Qwen3-VL-MoE, Qwen3.5-MoE, Command-A's
 /// softmax over the top-k logits), or their config classes default to it (DeepSeek-V3 and
-/// V3.2, GLM-4.5, GLM-5, EXAONE-MoE, Qwen3-Next, Qwen3-Omni's thinker). Qwen-MoE and DeepSeek-V2 default to not
-/// renormalising.
+/// V3.2, GLM-4.5, GLM-5, EXAONE-MoE, Qwen3-Next, Qwen3-Omni's thinker). Qwen-MoE and
+/// DeepSeek-V2 default to not renormalising.
 const RENORMALIZING_FAMILIES: &[&str] = &[
     "mixtral",
     "deepseek_v3",
@@ -960,13 +960,15 @@ pub fn discover(
     }
     layers.sort_by_key(|l| l.layer);
     let main = main_stack(&layers, repacked);
-    let in_main = |prefix: &str| main.as_deref().is_none_or(|m| layer_stack(prefix) == m);
-    let (layers, aside): (Vec<_>, Vec<_>) = layers.into_iter().partition(|l| in_main(&l.prefix));
+    // Without a main stack (a tie) every stack stays.
+    let in_main = |stack: &str| main.as_deref().is_none_or(|m| stack == m);
+    let (layers, aside): (Vec<_>, Vec<_>) = layers
+        .into_iter()
+        .partition(|l| in_main(layer_stack(&l.prefix)));
     let set_aside = aside.into_iter().map(|l| l.prefix).collect();
     let mut dense_layers: Vec<usize> = dense_layers
         .into_iter()
-        .filter(|&(_, stack)| main.as_deref().is_none_or(|m| stack == m))
-        .map(|(l, _)| l)
+        .filter_map(|(l, stack)| in_main(stack).then_some(l))
         .collect();
     dense_layers.sort_unstable();
     dense_layers.dedup();
