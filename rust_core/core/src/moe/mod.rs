@@ -115,7 +115,7 @@ pub struct Routing {
     /// `tanh(logits / c) * c` before scoring when set (Laguna `moe_router_logit_softcapping`).
     pub logit_softcapping: Option<f64>,
     /// Whether the model family's router was checked to be what this config-driven routing
-    /// computes ([`CHECKED_FAMILIES`]); other families get the same routing, unverified.
+    /// computes ([`Family::checked`]); other families get the same routing, unverified.
     pub family_checked: bool,
     /// The routing settings, named as the summary names them (`scoring_func`, `renormalize`,
     /// `routed_scaling_factor`, `n_group`, `topk_group`), that `config.json` leaves out and
@@ -182,163 +182,252 @@ fn count(field: &Field<'_>) -> Result<Option<usize>> {
         .transpose()
 }
 
-/// Model families whose routers were read (transformers, vLLM) and found to be the
-/// config-driven top-k computed here, with the keys and tensors this module reads for them.
-/// Routing is tested on fixtures for Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V2/V3, Laguna,
-/// ERNIE-4.5, MiniMax-M2, Ling-2.0, AFMoE and Hunyuan; the rest route as one of those.
-pub const CHECKED_FAMILIES: &[&str] = &[
-    "qwen2_moe",
-    "qwen3_moe",
-    "qwen3_next",
-    "mixtral",
-    "deepseek_v2",
-    "deepseek_v3",
-    "kimi_k2",
-    "laguna",
-    "ernie4_5_moe",
-    "minimax",
-    "minimax_m2",
-    "bailing_moe",
-    "bailing_moe_v2",
-    "afmoe",
-    "hunyuan_v1_moe",
-    "glm4_moe",
-    "glm4_moe_lite",
-    "glm4v_moe",
-    "dots1",
-    "olmoe",
-    "jamba",
-    "exaone_moe",
-    "qwen3_vl_moe",
-    "qwen3_vl_moe_text",
-    "qwen3_5_moe",
-    "qwen3_5_moe_text",
-    "qwen3_omni_moe",
-    "qwen3_omni_moe_text",
-    "deepseek_v32",
-    "glm_moe_dsa",
-    "hy_v3",
-    "cohere2_moe",
-];
-
-/// Model families whose routers score with a sigmoid when `config.json` names no scoring
-/// function: DeepSeek-V3 and the families built on its router (DeepSeek-V3.2, GLM-4.5, GLM-5,
-/// EXAONE-MoE), Laguna, AFMoE, LFM2-MoE, Hunyuan-V3.
-const SIGMOID_FAMILIES: &[&str] = &[
-    "deepseek_v3",
-    "kimi_k2",
-    "deepseek_v32",
-    "glm_moe_dsa",
-    "hy_v3",
-    "laguna",
-    "glm4_moe",
-    "glm4_moe_lite",
-    "glm4v_moe",
-    "exaone_moe",
-    "afmoe",
-    "lfm2_moe",
-    // Not checked: their transformers routers are sigmoid.
-    "kimi_linear",
-    "bailing_hybrid",
-];
-
-/// Model families whose routers renormalise the top-k weights when `config.json` does not say
-/// (no `norm_topk_prob`): their transformers routers always do (Mixtral, Laguna, ERNIE-4.5,
-/// MiniMax, Hunyuan, Hunyuan-V3, Granite, AFMoE, Qwen3-VL-MoE, Qwen3.5-MoE, Command-A's
-/// softmax over the top-k logits), or their config classes default to it (DeepSeek-V3 and
-/// V3.2, GLM-4.5, GLM-5, EXAONE-MoE, Qwen3-Next, Qwen3-Omni's thinker). Qwen-MoE and
-/// DeepSeek-V2 default to not renormalising.
-const RENORMALIZING_FAMILIES: &[&str] = &[
-    "mixtral",
-    "deepseek_v3",
-    "kimi_k2",
-    "deepseek_v32",
-    "glm_moe_dsa",
-    "hy_v3",
-    "qwen3_vl_moe",
-    "qwen3_vl_moe_text",
-    "qwen3_5_moe",
-    "qwen3_5_moe_text",
-    "qwen3_omni_moe",
-    "qwen3_omni_moe_text",
-    "cohere2_moe",
-    // Not checked: their routers always renormalise (MiniMax-M3-VL), or their config classes
-    // default norm_topk_prob to true (the others).
-    "minimax_m3_vl",
-    "minimax_m3_vl_text",
-    "axk1",
-    "axk2",
-    "bailing_hybrid",
-    "beam",
-    "deepseek_v4",
-    "dots3_note",
-    "dots3_note_text",
-    "flint",
-    "glm4v_moe_text",
-    "glm5_next",
-    "glm5_next_text",
-    "kimi_k25",
-    "kimi_linear",
-    "lara_mini",
-    "lfm2_moe",
-    "mellum",
-    "mimo_v2_flash",
-    "mistral4",
-    "nemo_speechlm",
-    "nemotron_h",
-    "nemotron_h_omni",
-    "qwen3_omni_moe_thinker",
-    "qwen4_exp",
-    "qwen4_exp_text",
-    "sarvam_mla",
-    "sarvam_moe",
-    "solar_open",
-    "minimax",
-    "minimax_m2",
-    "laguna",
-    "ernie4_5_moe",
-    "hunyuan_v1_moe",
-    "granitemoe",
-    "granitemoeshared",
-    "granitemoehybrid",
-    "afmoe",
-    "glm4_moe",
-    "glm4_moe_lite",
-    "glm4v_moe",
-    "exaone_moe",
-    "qwen3_next",
-];
-
 /// `(n_group, topk_group)`.
 type ExpertGroups = (usize, usize);
 
-/// What a family's transformers config class fills in when `config.json` leaves the key out
-/// (vLLM reads the config through the same class, so it does too): the routed scaling factor,
-/// and the expert groups as `(n_group, topk_group)`. Families not listed scale by 1 and have no
-/// groups.
-const FAMILY_DEFAULTS: &[(&str, f64, Option<ExpertGroups>)] = &[
-    ("deepseek_v3", 2.5, Some((8, 4))),
-    // vLLM reads Kimi-K2's config through transformers' DeepseekV3Config.
-    ("kimi_k2", 2.5, Some((8, 4))),
-    ("deepseek_v32", 2.5, Some((8, 4))),
-    ("exaone_moe", 2.5, None),
-    ("glm4_moe_lite", 1.8, None),
-    ("glm_moe_dsa", 2.5, None),
-    ("hy_v3", 2.826, None),
-    // Families not checked ([`CHECKED_FAMILIES`]): their config classes' defaults all the same.
-    ("axk1", 2.5, Some((8, 4))),
-    ("axk2", 2.5, None),
-    ("bailing_hybrid", 2.5, Some((8, 4))),
-    ("beam", 2.5, Some((8, 4))),
-    ("kimi_k25", 2.5, Some((8, 4))),
-    ("deepseek_v4", 1.5, None),
-    ("glm5_next", 2.5, None),
-    ("glm5_next_text", 2.5, None),
-    ("kimi_linear", 2.446, None),
-    ("minimax_m3_vl", 2.0, None),
-    ("minimax_m3_vl_text", 2.0, None),
-    ("sarvam_mla", 2.5, None),
-    ("sarvam_moe", 2.5, None),
+/// How a family's router scores when `config.json` names no scoring function.
+#[derive(Clone, Copy, PartialEq)]
+enum DefaultScoring {
+    /// Sigmoid when the layer has a score-correction bias tensor, else softmax.
+    Generic,
+    /// Sigmoid: the family's router has no softmax branch (vLLM hard-codes it for GLM-4.5).
+    Sigmoid,
+    /// Softmax even beside a bias tensor (ERNIE-4.5 chooses on softmax scores plus its
+    /// `moe_statics` bias).
+    Softmax,
+    /// A function no kernel has, as the family's config class names it.
+    Unsupported(&'static str),
+}
+
+/// What routing a model family's `config.json` does not spell out: read from its transformers
+/// router and config class (vLLM reads the config through the same class, so it fills in the
+/// same values), for the CPU forward's config-driven top-k.
+struct Family {
+    /// Its `model_type` spellings (the top level's, or a wrapper's `text_config`'s).
+    names: &'static [&'static str],
+    /// The router was read (transformers, vLLM) and found to be the config-driven top-k computed
+    /// here, with the keys and tensors this module reads. Other families route the same way,
+    /// unverified, and `moeq inspect` says so.
+    checked: bool,
+    scoring: DefaultScoring,
+    /// Renormalises the top-k weights when `config.json` has no `norm_topk_prob`: the router
+    /// always does, or the config class defaults to it.
+    renormalize: bool,
+    /// The routed scaling factor when `config.json` does not set one.
+    scale: f64,
+    /// The expert groups when `config.json` does not set them; such families group whatever
+    /// `topk_method` says (transformers and vLLM).
+    groups: Option<ExpertGroups>,
+    /// Why the family's router is not the config-driven top-k the CPU forward computes.
+    refusal: Option<&'static str>,
+}
+
+/// A family that routes as the generic defaults say: softmax (sigmoid beside a correction bias),
+/// no renormalisation, scale 1, no groups.
+const fn family(names: &'static [&'static str]) -> Family {
+    Family {
+        names,
+        checked: false,
+        scoring: DefaultScoring::Generic,
+        renormalize: false,
+        scale: 1.0,
+        groups: None,
+        refusal: None,
+    }
+}
+
+impl Family {
+    const fn checked(self) -> Family {
+        Family {
+            checked: true,
+            ..self
+        }
+    }
+    const fn scoring(self, scoring: DefaultScoring) -> Family {
+        Family { scoring, ..self }
+    }
+    const fn sigmoid(self) -> Family {
+        self.scoring(DefaultScoring::Sigmoid)
+    }
+    const fn renormalizing(self) -> Family {
+        Family {
+            renormalize: true,
+            ..self
+        }
+    }
+    const fn scale(self, scale: f64) -> Family {
+        Family { scale, ..self }
+    }
+    const fn groups(self, n_group: usize, topk_group: usize) -> Family {
+        Family {
+            groups: Some((n_group, topk_group)),
+            ..self
+        }
+    }
+    const fn refused(self, why: &'static str) -> Family {
+        Family {
+            refusal: Some(why),
+            ..self
+        }
+    }
+}
+
+/// Every model family whose routing differs from the generic defaults or was checked, one record
+/// each. Routing is tested on fixtures for Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V2/V3,
+/// Laguna, ERNIE-4.5, MiniMax-M2, Ling-2.0, AFMoE and Hunyuan; the other checked families route
+/// as one of those. The unchecked families' values were read from transformers 5.24's config
+/// classes and routers.
+const FAMILIES: &[Family] = &[
+    // Checked. Qwen-MoE and DeepSeek-V2 default to not renormalising.
+    family(&["qwen2_moe", "qwen3_moe"]).checked(),
+    family(&["deepseek_v2"]).checked(),
+    family(&["bailing_moe", "bailing_moe_v2", "dots1", "olmoe", "jamba"]).checked(),
+    // The routers of Mixtral, MiniMax, Hunyuan, Qwen3-VL-MoE and Qwen3.5-MoE always renormalise
+    // (the last two have no `norm_topk_prob` in their config classes); Command-A's softmax over
+    // the top-k logits is renormalised softmax; Qwen3-Next's and Qwen3-Omni's config classes
+    // default to it.
+    family(&["mixtral", "minimax", "minimax_m2", "hunyuan_v1_moe"])
+        .checked()
+        .renormalizing(),
+    family(&[
+        "qwen3_vl_moe",
+        "qwen3_vl_moe_text",
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
+    ])
+    .checked()
+    .renormalizing(),
+    family(&["qwen3_next", "qwen3_omni_moe", "qwen3_omni_moe_text"])
+        .checked()
+        .renormalizing(),
+    family(&["cohere2_moe"]).checked().renormalizing(),
+    family(&["ernie4_5_moe"])
+        .checked()
+        .scoring(DefaultScoring::Softmax)
+        .renormalizing(),
+    // DeepSeek-V3's router and those built on it (DeepSeek-V3.2, GLM-4.5, GLM-5, EXAONE-MoE),
+    // Laguna, AFMoE, Hunyuan-V3: sigmoid, renormalised. vLLM reads Kimi-K2's config through
+    // transformers' DeepseekV3Config.
+    family(&["deepseek_v3", "kimi_k2", "deepseek_v32"])
+        .checked()
+        .sigmoid()
+        .renormalizing()
+        .scale(2.5)
+        .groups(8, 4),
+    family(&["glm_moe_dsa", "exaone_moe"])
+        .checked()
+        .sigmoid()
+        .renormalizing()
+        .scale(2.5),
+    family(&["glm4_moe_lite"])
+        .checked()
+        .sigmoid()
+        .renormalizing()
+        .scale(1.8),
+    family(&["glm4_moe", "glm4v_moe", "laguna", "afmoe"])
+        .checked()
+        .sigmoid()
+        .renormalizing(),
+    family(&["hy_v3"])
+        .checked()
+        .sigmoid()
+        .renormalizing()
+        .scale(2.826),
+    // Not checked, with their transformers config classes' defaults.
+    family(&["lfm2_moe"]).sigmoid().renormalizing(),
+    family(&["kimi_linear"])
+        .sigmoid()
+        .renormalizing()
+        .scale(2.446),
+    family(&["bailing_hybrid"])
+        .sigmoid()
+        .renormalizing()
+        .scale(2.5)
+        .groups(8, 4),
+    family(&["axk1", "beam", "kimi_k25"])
+        .renormalizing()
+        .scale(2.5)
+        .groups(8, 4),
+    family(&[
+        "axk2",
+        "glm5_next",
+        "glm5_next_text",
+        "sarvam_mla",
+        "sarvam_moe",
+    ])
+    .renormalizing()
+    .scale(2.5),
+    // MiniMax-M3-VL's router always renormalises.
+    family(&["minimax_m3_vl", "minimax_m3_vl_text"])
+        .renormalizing()
+        .scale(2.0),
+    family(&["granitemoe", "granitemoeshared", "granitemoehybrid"]).renormalizing(),
+    family(&[
+        "dots3_note",
+        "dots3_note_text",
+        "flint",
+        "glm4v_moe_text",
+        "lara_mini",
+        "mellum",
+        "mimo_v2_flash",
+        "mistral4",
+        "nemo_speechlm",
+        "nemotron_h",
+        "nemotron_h_omni",
+        "qwen3_omni_moe_thinker",
+        "qwen4_exp",
+        "qwen4_exp_text",
+        "solar_open",
+    ])
+    .renormalizing(),
+    // Families whose experts appear as per-expert modules (so the layer is found) but whose
+    // router is not a top-k over scores weighting the expert outputs. (Command-A MoE with
+    // averaged shared experts is refused in `Routing::from_config`.)
+    family(&["deepseek_v4"])
+        .scoring(DefaultScoring::Unsupported("sqrtsoftplus"))
+        .renormalizing()
+        .scale(1.5)
+        .refused(
+            "DeepSeek-V4 clamps its experts' SwiGLU and routes its first layers by token hash",
+        ),
+    family(&["llama4", "llama4_text"]).refused(
+        "Llama-4 scales each expert's input (not its output) by the sigmoid of its top-k router \
+         logit; the CPU forward weights outputs",
+    ),
+    family(&["phimoe"]).refused("PhiMoE's SparseMixer routing is not implemented"),
+    family(&["gpt_oss"]).refused(
+        "gpt-oss experts use a clamped SwiGLU on interleaved gate/up rows with biases, and its \
+         router has a bias; the CPU forward computes silu(gate) * up",
+    ),
+    family(&["longcat_flash"]).refused(
+        "LongCat-Flash routes to zero-computation (identity) experts that no checkpoint module \
+         holds",
+    ),
+    family(&["jetmoe"]).refused("JetMoE adds an output bias to its experts' sum"),
+    family(&["ernie4_5_vl_moe", "ernie4_5_vl_moe_text"]).refused(
+        "ERNIE-4.5-VL routes text and image tokens to separate expert sets, each with its own \
+         router",
+    ),
+    family(&["step3p5", "step3p7"]).refused(
+        "Step-3.5 adds a router bias (moe.router_bias), clamps the SwiGLU of some layers and \
+         keeps its shared expert beside the MoE block; none of these is read",
+    ),
+    family(&[
+        "inkling_text",
+        "inkling_mm_model",
+        "inkling2",
+        "inkling2_text",
+        "inkling2_loop",
+        "inkling2_loop_text",
+    ])
+    .refused(
+        "Inkling normalises its routing weights together with the shared expert's (Inkling-1) \
+         or soft-caps its SwiGLU (Inkling-2)",
+    ),
+    family(&["hy_v4", "hy_v4_vl", "hy_v4_vl_text"]).refused(
+        "Hunyuan-V4 clamps its experts' SwiGLU (swiglu_limit); the CPU forward computes \
+         silu(gate) * up",
+    ),
 ];
 
 /// Experts per token: the first key the config sets (Hunyuan's `moe_topk` may be a per-layer
@@ -398,7 +487,13 @@ impl Routing {
                 families.push(t);
             }
         }
-        let is = |list: &[&str]| families.iter().any(|f| list.contains(f));
+        // The families' records, in the order of `families`.
+        let records: Vec<&Family> = families
+            .iter()
+            .filter_map(|f| FAMILIES.iter().find(|r| r.names.contains(f)))
+            .collect();
+        let any = |p: fn(&Family) -> bool| records.iter().any(|r| p(r));
+        let is = |name: &str| families.contains(&name);
         let top_k = top_k(file, config)?;
         // Keys the config leaves out, filled in from the family (listed in the summary).
         let mut defaulted = Vec::new();
@@ -410,44 +505,47 @@ impl Routing {
             "score_func",
             "expert_selection_fn",
         ];
+        let family_scoring = records
+            .iter()
+            .map(|r| r.scoring)
+            .find(|&s| s != DefaultScoring::Generic)
+            .unwrap_or(DefaultScoring::Generic);
         let (scoring, unsupported_scoring) =
             match cfg_field(file, config, &scoring_key).opt_str()? {
                 Some("sigmoid") => (Scoring::Sigmoid, None),
                 Some("softmax") => (Scoring::Softmax, None),
                 Some(other) => (Scoring::Softmax, Some(other.to_string())),
-                // ERNIE-4.5 chooses on softmax scores plus its `moe_statics` bias.
-                None if is(&["ernie4_5_moe"]) => (Scoring::Softmax, None),
-                // DeepSeek-V4's config class defaults to a scoring no kernel has.
-                None if is(&["deepseek_v4"]) => {
-                    defaulted.push("scoring_func");
-                    (Scoring::Softmax, Some("sqrtsoftplus".to_string()))
-                }
-                // Families whose routers are sigmoid whatever the config says (vLLM hard-codes it
-                // for GLM-4.5; the others' transformers routers have no softmax branch).
-                None if is(SIGMOID_FAMILIES) => {
-                    defaulted.push("scoring_func");
-                    (Scoring::Sigmoid, None)
-                }
-                None if has_correction_bias => (Scoring::Sigmoid, None),
-                None => (Scoring::Softmax, None),
+                None => match family_scoring {
+                    DefaultScoring::Softmax => (Scoring::Softmax, None),
+                    DefaultScoring::Sigmoid => {
+                        defaulted.push("scoring_func");
+                        (Scoring::Sigmoid, None)
+                    }
+                    DefaultScoring::Unsupported(f) => {
+                        defaulted.push("scoring_func");
+                        (Scoring::Softmax, Some(f.to_string()))
+                    }
+                    DefaultScoring::Generic if has_correction_bias => (Scoring::Sigmoid, None),
+                    DefaultScoring::Generic => (Scoring::Softmax, None),
+                },
             };
         // Most families say whether to renormalise with norm_topk_prob (AFMoE: route_norm;
         // Kimi-Linear and Bailing-hybrid: moe_renormalize); without it, the family's default.
         let renorm_keys = ["norm_topk_prob", "route_norm", "moe_renormalize"];
         let renormalize = match cfg_field(file, config, &renorm_keys).opt_bool()? {
             // vLLM's AFMoE applies route_norm to sigmoid scores only.
-            Some(_) if is(&["afmoe"]) && scoring == Scoring::Softmax => false,
+            Some(_) if is("afmoe") && scoring == Scoring::Softmax => false,
             Some(b) => b,
-            None if is(RENORMALIZING_FAMILIES) => {
+            None if any(|r| r.renormalize) => {
                 defaulted.push("renormalize");
                 true
             }
             None => false,
         };
-        let family_default = FAMILY_DEFAULTS
+        let family_default = records
             .iter()
-            .find(|(f, ..)| families.contains(f))
-            .map(|&(_, scale, groups)| (scale, groups));
+            .find(|r| r.scale != 1.0 || r.groups.is_some())
+            .map(|r| (r.scale, r.groups));
         let routed_scaling_factor = cfg_field(
             file,
             config,
@@ -475,54 +573,17 @@ impl Routing {
         .opt_f64()?
         .filter(|&c| c > 0.0);
         // Command-A MoE averages its shared and routed experts unless told to add them.
-        let averaged = is(&["cohere2_moe"])
+        let averaged = is("cohere2_moe")
             && count(&cfg_field(file, config, &["num_shared_experts"]))?.is_some_and(|n| n > 0)
             && cfg_field(file, config, &["shared_expert_combination_strategy"]).opt_str()?
                 != Some("sum");
-        // Families whose experts appear as per-expert modules (so the layer is found) but whose
-        // router is not a top-k over scores weighting the expert outputs.
-        let unsupported_model = families.iter().find_map(|f| match *f {
-            "llama4" | "llama4_text" => Some(
-                "Llama-4 scales each expert's input (not its output) by the sigmoid of its top-k \
-                 router logit; the CPU forward weights outputs",
-            ),
-            "phimoe" => Some("PhiMoE's SparseMixer routing is not implemented"),
-            "gpt_oss" => Some(
-                "gpt-oss experts use a clamped SwiGLU on interleaved gate/up rows with biases, \
-                 and its router has a bias; the CPU forward computes silu(gate) * up",
-            ),
-            "longcat_flash" => Some(
-                "LongCat-Flash routes to zero-computation (identity) experts that no checkpoint \
-                 module holds",
-            ),
-            "jetmoe" => Some("JetMoE adds an output bias to its experts' sum"),
-            "ernie4_5_vl_moe" | "ernie4_5_vl_moe_text" => Some(
-                "ERNIE-4.5-VL routes text and image tokens to separate expert sets, each with \
-                 its own router",
-            ),
-            "step3p5" | "step3p7" => Some(
-                "Step-3.5 adds a router bias (moe.router_bias), clamps the SwiGLU of some layers \
-                 and keeps its shared expert beside the MoE block; none of these is read",
-            ),
-            "deepseek_v4" => Some(
-                "DeepSeek-V4 clamps its experts' SwiGLU and routes its first layers by token \
-                 hash",
-            ),
-            "inkling_text" | "inkling_mm_model" | "inkling2" | "inkling2_text"
-            | "inkling2_loop" | "inkling2_loop_text" => Some(
-                "Inkling normalises its routing weights together with the shared expert's \
-                 (Inkling-1) or soft-caps its SwiGLU (Inkling-2)",
-            ),
-            "hy_v4" | "hy_v4_vl" | "hy_v4_vl_text" => Some(
-                "Hunyuan-V4 clamps its experts' SwiGLU (swiglu_limit); the CPU forward computes \
-                 silu(gate) * up",
-            ),
-            "cohere2_moe" if averaged => Some(
+        let unsupported_model = records
+            .iter()
+            .find_map(|r| r.refusal)
+            .or(averaged.then_some(
                 "Command-A MoE averages the shared and routed experts' outputs \
-                 (shared_expert_combination_strategy), where the CPU forward adds them",
-            ),
-            _ => None,
-        });
+             (shared_expert_combination_strategy), where the CPU forward adds them",
+            ));
         // Expert groups: the config's, or the family's default groups (DeepSeek-V3). Those
         // families group whatever `topk_method` says (transformers and vLLM); DeepSeek-V2's
         // `topk_method: greedy` is plain top-k whatever the group keys say.
@@ -574,7 +635,7 @@ impl Routing {
             topk_group,
             routed_scaling_factor,
             logit_softcapping,
-            family_checked: is(CHECKED_FAMILIES),
+            family_checked: any(|r| r.checked),
             family_defaults: defaulted,
         })
     }
