@@ -662,6 +662,8 @@ def test_routing_of_families_with_their_own_key_names(
     [
         # Config classes and routers that renormalise, or score by sigmoid, unless told.
         (dict(model_type="glm4_moe"), ("sigmoid", True, None, 1.0)),
+        # GLM-4.5V's language model on its own: the GLM-4.5 router, even without a bias tensor.
+        (dict(model_type="glm4v_moe_text"), ("sigmoid", True, None, 1.0)),
         (dict(model_type="qwen3_next"), ("softmax", True, None, 1.0)),
         (dict(model_type="hunyuan_v1_moe"), ("softmax", True, None, 1.0)),
         (dict(model_type="qwen3_moe"), ("softmax", False, None, 1.0)),

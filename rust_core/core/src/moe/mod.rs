@@ -324,7 +324,7 @@ const FAMILIES: &[Family] = &[
         .sigmoid()
         .renormalizing()
         .scale(1.8),
-    family(&["glm4_moe", "glm4v_moe", "laguna", "afmoe"])
+    family(&["glm4_moe", "glm4v_moe", "glm4v_moe_text", "laguna", "afmoe"])
         .checked()
         .sigmoid()
         .renormalizing(),
@@ -366,7 +366,6 @@ const FAMILIES: &[Family] = &[
         "dots3_note",
         "dots3_note_text",
         "flint",
-        "glm4v_moe_text",
         "lara_mini",
         "mellum",
         "mimo_v2_flash",
@@ -1104,4 +1103,29 @@ pub fn expert_dims(owner: &str, e: &ExpertModules) -> Result<(usize, usize)> {
         ));
     }
     Ok((h, i))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_model_type_has_one_family_record() {
+        // A second record for a name would never be read: lookups take the first.
+        let mut names: Vec<&str> = FAMILIES
+            .iter()
+            .flat_map(|f| f.names.iter().copied())
+            .collect();
+        let listed = names.len();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), listed, "a model_type is listed in two records");
+    }
+
+    #[test]
+    fn a_refused_family_is_not_checked() {
+        for f in FAMILIES {
+            assert!(!(f.checked && f.refusal.is_some()), "{:?}", f.names);
+        }
+    }
 }
