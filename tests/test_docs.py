@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,3 +48,20 @@ def test_readme_python_blocks_run(monkeypatch: pytest.MonkeyPatch) -> None:
     assert tuple(namespace["w"].shape) == (128, 256)  # [out, in] of the tiny model's gate_proj
     y = namespace["y"]
     assert y.shape == (4, 256) and y.dtype == torch.float32 and torch.isfinite(y).all()
+
+
+def test_readme_command_output_is_what_the_command_prints() -> None:
+    """Each `$ .venv/bin/moeq ...` block of the README shows that command's whole output."""
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```\n\$ \.venv/bin/(moeq [^\n]*)\n(.*?)```", text, re.S)
+    assert blocks
+    moeq = Path(sys.executable).parent / "moeq"
+    for command, shown in blocks:
+        run = subprocess.run(
+            [str(moeq), *shlex.split(command)[1:]],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert run.stdout == shown, command
