@@ -1450,8 +1450,34 @@ def test_from_tensors_rejects_bad_inputs() -> None:
         mq.MoELayer.from_tensors(w13, w2[:, :, :32], s13, s2, scheme="w8a8_dynamic", top_k=1)
     with pytest.raises(mq.LayoutError, match="w13: expected a contiguous"):
         mq.MoELayer.from_tensors(w13.transpose(1, 2), w2, s13, s2, scheme="w8a8_dynamic", top_k=1)
+    # The device as torch spells it: the CPU in any of its forms; CUDA is not ready yet.
+    for device in ("cpu", "cpu:0", torch.device("cpu"), torch.device("cpu", 0)):
+        cpu = mq.MoELayer.from_tensors(
+            w13, w2, s13, s2, scheme="w8a8_dynamic", top_k=1, device=device
+        )
+        assert cpu.num_experts == e
+    for device in ("cuda", "cuda:1", torch.device("cuda", 0)):
+        with pytest.raises(mq.CudaUnavailableError):
+            mq.MoELayer.from_tensors(
+                w13, w2, s13, s2, scheme="w8a8_dynamic", top_k=1, device=device
+            )
+    for device, match in [("meta", "MoELayer runs on the CPU"), ("gpu0", "not a device")]:
+        with pytest.raises(mq.LayoutError, match=f"device={device!r}: {match}"):
+            mq.MoELayer.from_tensors(
+                w13, w2, s13, s2, scheme="w8a8_dynamic", top_k=1, device=device
+            )
+
+
+def test_from_checkpoint_takes_the_device_as_torch_spells_it(
+    fixture_path: Callable[[str], Path],
+) -> None:
+    path = fixture_path("qwen3_w8a8_dynamic")
+    x, logits = torch.randn(3, 256), torch.randn(3, 8)
+    want = mq.MoELayer.from_checkpoint(path, 0)(x, logits)
+    moe = mq.MoELayer.from_checkpoint(path, 0, device=torch.device("cpu"))
+    assert torch.equal(moe(x, logits), want)
     with pytest.raises(mq.CudaUnavailableError):
-        mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a8_dynamic", top_k=1, device="cuda")
+        mq.MoELayer.from_checkpoint(path, 0, device=torch.device("cuda"))
 
 
 def test_torch_compile_and_custom_ops(fixture_path: Callable[[str], Path]) -> None:

@@ -35,6 +35,21 @@ _NOT_ON_CUDA_YET = (
 )
 
 
+def _require_cpu(device: str | torch.device) -> None:
+    """``device`` as torch reads it (``"cpu"``, ``"cpu:0"``, ``torch.device("cpu")``) must be the
+    CPU: CUDA is refused as not ready yet, anything else as a device no kernel runs on."""
+    from .errors import CudaUnavailableError
+
+    try:
+        parsed = device if isinstance(device, torch.device) else torch.device(device)
+    except (TypeError, RuntimeError, ValueError) as e:
+        raise LayoutError(f"device={device!r}: not a device torch knows ({e})") from None
+    if parsed.type == "cuda":
+        raise CudaUnavailableError(_NOT_ON_CUDA_YET.format(device=device))
+    if parsed.type != "cpu":
+        raise LayoutError(f'device={device!r}: MoELayer runs on the CPU (device="cpu")')
+
+
 def _check(t: object, name: str, ndim: int, floating: bool) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise LayoutError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -133,16 +148,14 @@ class MoELayer(torch.nn.Module):
         cls,
         path_or_checkpoint: str | os.PathLike[str] | Checkpoint,
         layer: int,
-        device: str = "cpu",
+        device: str | torch.device = "cpu",
     ) -> MoELayer:
         """Load decoder layer ``layer`` (its routed experts, router parameters and shared
         experts). Raises :class:`moeq_rs.UnsupportedSchemeError` when the oracle does not plan
         the layer onto the CPU backend, with the oracle's reason."""
         from .checkpoint import as_checkpoint
-        from .errors import CudaUnavailableError
 
-        if device != "cpu":
-            raise CudaUnavailableError(_NOT_ON_CUDA_YET.format(device=device))
+        _require_cpu(device)
         from .errors import CheckpointError
 
         index = int_in(layer, 0, I64_MAX)
@@ -423,7 +436,7 @@ def from_tensors(
     a2_scale=None,
     top_k: int,
     renormalize: bool = True,
-    device: str = "cpu",
+    device: str | torch.device = "cpu",
 ) -> MoELayer:
     """A layer from raw stacked tensors. ``scheme``: ``"w8a8_dynamic"``, ``"w8a8_static"``,
     ``"w8a16"`` (int8 ``w13 [E, 2I, H]``, gate rows then up rows, ``w2 [E, H, I]``) or
@@ -431,10 +444,7 @@ def from_tensors(
     ``[E, N, groups]`` (``[E, N]`` for channelwise); zero points int8 ``[E, N, groups]`` or packed
     int32 ``[E, N/8, groups]``; static activation scales one per expert. ``forward`` routes with
     softmax top-k (renormalised when ``renormalize``)."""
-    from .errors import CudaUnavailableError
-
-    if device != "cpu":
-        raise CudaUnavailableError(_NOT_ON_CUDA_YET.format(device=device))
+    _require_cpu(device)
     return _layer_from_tensors(
         cls,
         w13,
