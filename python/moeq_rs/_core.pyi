@@ -1,7 +1,11 @@
 """Type stubs for the native module ``moeq_rs._core`` (rust_core/python/src/lib.rs)."""
 
+from collections.abc import Callable
 from os import PathLike
 from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
 
 __version__: str
 
@@ -41,7 +45,57 @@ class Checkpoint:
     def marlin_layer(
         self, layer: int
     ) -> tuple[dict[str, Any], list[tuple[str, str, list[int], bytearray]]]: ...
+    # Writes the checkpoint in a kernel layout ("marlin" or "cpu") and returns what it wrote
+    # (out_dir, layers, tensors, ...). `progress(stage, done, total, bytes_written,
+    # bytes_total)` is called after each unit of work; an exception it raises aborts the
+    # repack and leaves nothing at `out_dir`.
+    def repack(
+        self,
+        out_dir: str | PathLike[str],
+        target: str = "marlin",
+        force: bool = False,
+        max_shard_size: int = 5000000000,
+        verify: bool = False,
+        progress: Callable[[str, int, int, int, int], object] | None = None,
+    ) -> dict[str, Any]: ...
 
+# Marlin repack primitives on flat arrays (python/moeq_rs/repack.py gives them vLLM's shapes).
+def gptq_marlin_repack(
+    qweight: NDArray[np.uint32], perm: NDArray[np.uint32], size_k: int, size_n: int, num_bits: int
+) -> NDArray[np.uint32]: ...
+def gptq_marlin_unrepack(
+    marlin_q: NDArray[np.uint32], perm: NDArray[np.uint32], size_k: int, size_n: int, num_bits: int
+) -> NDArray[np.uint32]: ...
+def gptq_marlin_moe_repack(
+    qweight: NDArray[np.uint32],
+    perm: NDArray[np.uint32],
+    experts: int,
+    size_k: int,
+    size_n: int,
+    num_bits: int,
+) -> NDArray[np.uint32]: ...
+def marlin_permute_scales_u16(
+    s: NDArray[np.uint16], size_k: int, size_n: int, group_size: int
+) -> NDArray[np.uint16]: ...
+def marlin_permute_scales_u32(
+    s: NDArray[np.uint32], size_k: int, size_n: int, group_size: int
+) -> NDArray[np.uint32]: ...
+def marlin_unpermute_scales_u16(
+    s: NDArray[np.uint16], size_k: int, size_n: int, group_size: int
+) -> NDArray[np.uint16]: ...
+def marlin_unpermute_scales_u32(
+    s: NDArray[np.uint32], size_k: int, size_n: int, group_size: int
+) -> NDArray[np.uint32]: ...
+def marlin_permute_bias_u16(b: NDArray[np.uint16]) -> NDArray[np.uint16]: ...
+def marlin_permute_bias_u32(b: NDArray[np.uint32]) -> NDArray[np.uint32]: ...
+def marlin_unpermute_bias_u16(b: NDArray[np.uint16]) -> NDArray[np.uint16]: ...
+def marlin_unpermute_bias_u32(b: NDArray[np.uint32]) -> NDArray[np.uint32]: ...
+def marlin_zero_points(
+    zp: NDArray[np.uint32], size_k: int, size_n: int, num_bits: int
+) -> NDArray[np.uint32]: ...
+def marlin_zero_points_inverse(
+    zp: NDArray[np.uint32], size_k: int, size_n: int, num_bits: int
+) -> NDArray[np.uint32]: ...
 def wna16_scale_kind(num_bits: int, group_size: int | None = None) -> str: ...
 def int8_moe_quant_kind(
     has_a1_scale: bool, has_a2_scale: bool, per_act_token_quant: bool
@@ -85,6 +139,30 @@ def _cuda_launch(
 class CpuMoeLayer:
     @staticmethod
     def from_checkpoint(ckpt: Checkpoint, layer: int) -> CpuMoeLayer: ...
+    # Flat arrays: int8 codes (`*_i8`) or int32 words as compressed-tensors packs int4
+    # (`*_u32`), f32 scales, zero points in either form, static activation scales.
+    @staticmethod
+    def from_tensors(
+        scheme: str,
+        experts: int,
+        hidden: int,
+        intermediate: int,
+        group_size: int,
+        w13_i8: NDArray[np.int8] | None,
+        w13_u32: NDArray[np.uint32] | None,
+        w13_scale: NDArray[np.float32],
+        w13_zp_i8: NDArray[np.int8] | None,
+        w13_zp_u32: NDArray[np.uint32] | None,
+        a13: NDArray[np.float32] | None,
+        w2_i8: NDArray[np.int8] | None,
+        w2_u32: NDArray[np.uint32] | None,
+        w2_scale: NDArray[np.float32],
+        w2_zp_i8: NDArray[np.int8] | None,
+        w2_zp_u32: NDArray[np.uint32] | None,
+        a2: NDArray[np.float32] | None,
+        top_k: int,
+        renormalize: bool,
+    ) -> CpuMoeLayer: ...
     @property
     def hidden_size(self) -> int: ...
     @property
