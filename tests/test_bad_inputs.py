@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import struct
 import subprocess
 import sys
@@ -608,3 +609,32 @@ def test_random_header_and_config_corruption(fixture_path, tmp_path: Path) -> No
                 refused += 1
             shutil.rmtree(d)
     assert ran >= 8 and refused >= 60, (seed, ran, refused)  # both outcomes exercised
+
+
+def test_gate_and_up_static_input_scales_must_agree(fixture_path, tmp_path: Path) -> None:
+    """W8A8 static: gate and up see one input, so one expert's two input scales must agree
+    (DESIGN.md). The CPU loader and the CPU repack refuse a checkpoint where they do not,
+    naming both modules, and `inspect` says so up front on both platforms instead of planning
+    a backend that then refuses the layer."""
+    up = "model.layers.0.mlp.experts.3.up_proj"
+
+    def doubled(t: torch.Tensor) -> torch.Tensor:
+        return t * 2
+
+    dst = tmp_path / "m"
+    _copy_with_tensor_edited(fixture_path("qwen3_w8a8_static"), dst, f"{up}.input_scale", doubled)
+    want = rf"'model.layers.0.mlp.experts.3.gate_proj' and '{up}': static input scales differ"
+    with pytest.raises(mq.UnsupportedSchemeError, match=want):
+        mq.MoELayer.from_checkpoint(dst, 0)
+    with pytest.raises(mq.UnsupportedSchemeError, match=want):
+        mq.repack.repack_checkpoint(dst, tmp_path / "out", target="cpu")
+    assert not (tmp_path / "out").exists()
+    for platform, sm in (("cpu", None), ("cuda", 90)):
+        layer, *others = mq.plan(mq.open(dst), platform=platform, sm=sm)["moe_layers"]
+        assert layer["layer"] == 0 and layer["backend"] is None
+        assert re.search(want, layer["error"]), layer["error"]
+        assert any(re.search(want, r["reason"]) for r in layer["rejected_backends"])
+        assert all(other["error"] is None for other in others)
+    # The fixture itself plans onto the CPU.
+    plan = mq.plan(mq.open(fixture_path("qwen3_w8a8_static")), platform="cpu")
+    assert [(x["backend"], x["error"]) for x in plan["moe_layers"]][0] == ("cpu_simd", None)

@@ -307,6 +307,33 @@ def test_cpu_layout_loads_and_runs_bit_identically(
             assert torch.equal(ya, yb) and ya.abs().max() > 0
 
 
+def test_a_layout_is_refused_where_its_kernels_do_not_run(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A Marlin repack planned and loaded on the CPU, or a CPU repack planned for CUDA, would
+    name a backend that cannot read the layer: the plan says why instead, and the CPU loader
+    raises the same reason (it said "not an MoE layer (MoE layers: [])")."""
+    src = fixture_path("laguna_mixed_int4_int8")
+    cases = [("marlin", "cpu", "vLLM's Marlin layout"), ("cpu", "cuda", "the CPU layout")]
+    for target, platform, stored in cases:
+        out = tmp_path / target
+        repack_checkpoint(src, out, target=target)
+        doc = json.loads(cli("inspect", str(out), "--json", "--platform", platform).stdout)
+        repacked = [x for x in doc["moe_layers"] if x.get("layout") == target]
+        assert [x["layer"] for x in repacked] == [1, 2]
+        for x in repacked:
+            assert x["backend"] is None
+            assert x["error"].startswith(f"stored in {stored} (moeq repack --target {target})")
+        # Where the layout's kernels run, it plans as before.
+        home = "cuda" if target == "marlin" else "cpu"
+        doc = json.loads(cli("inspect", str(out), "--json", "--platform", home).stdout)
+        assert all(x["error"] is None for x in doc["moe_layers"])
+    with pytest.raises(mq.UnsupportedSchemeError, match=r"layer 1: stored in vLLM's Marlin"):
+        mq.MoELayer.from_checkpoint(tmp_path / "marlin", 1)
+    with pytest.raises(mq.UnsupportedSchemeError, match=r"stored in the CPU layout"):
+        mq.cuda.load_moe_layer_unverified(tmp_path / "cpu", 1)
+
+
 def test_cpu_layout_is_not_repacked_again(
     fixture_path: Callable[[str], Path], tmp_path: Path
 ) -> None:

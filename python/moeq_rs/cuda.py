@@ -731,6 +731,8 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
     why = []
     if info["unsupported"]:
         why.append(info["unsupported"])
+    if info.get("layout") == "cpu":
+        why.append("stored in the CPU layout (moeq repack --target cpu)")
     if info["shared_experts"]:
         why.append("shared experts")
     if routing["scoring_func"] != "softmax" or routing["n_group"]:

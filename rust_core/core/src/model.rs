@@ -518,6 +518,52 @@ impl Model {
         }
     }
 
+    /// Why a layer that `moeq repack` wrote in one kernel's layout cannot run on `platform`'s
+    /// backends: the Marlin layout is read by the CUDA kernels only, the CPU layout by the CPU
+    /// forward only.
+    pub fn layout_refusal(&self, layer: usize, platform: Platform) -> Option<String> {
+        let layout = self.layout.as_ref()?;
+        let on_cpu = matches!(platform, Platform::Cpu(_));
+        let marlin = layout.layers.iter().any(|l| l.layer == layer);
+        let cpu = layout.cpu_layers.iter().any(|l| l.layer == layer);
+        let (stored, reader, target) = match (on_cpu, marlin, cpu) {
+            (true, true, _) => (
+                "vLLM's Marlin layout (moeq repack --target marlin)",
+                "the CPU forward",
+                "cpu",
+            ),
+            (false, _, true) => (
+                "the CPU layout (moeq repack --target cpu)",
+                "the CUDA kernels",
+                "marlin",
+            ),
+            _ => return None,
+        };
+        Some(format!(
+            "stored in {stored}, which {reader} cannot read; load the source checkpoint, or \
+             repack it with --target {target}"
+        ))
+    }
+
+    /// A W8A8-static expert whose gate and up projections carry different `input_scale`s
+    /// (DESIGN.md: gate and up see the same input and must share one), read from the tensors
+    /// the way the CPU loader reads them; `None` also when a scale cannot be read (the loader
+    /// reports that).
+    pub fn static_scale_conflict(&self, l: &MoeLayer) -> Option<UnsupportedSchemeError> {
+        let first = |m: &ModuleInfo| -> Option<f32> {
+            let view = self.ckpt.tensor(&format!("{}.input_scale", m.name)).ok()?;
+            quant::dequant::float_values(&view).ok()?.first().copied()
+        };
+        l.experts.iter().find_map(|e| {
+            let gate = e.gate.as_ref()?;
+            if !(gate.has_input_scale && e.up.has_input_scale) {
+                return None;
+            }
+            let (a, b) = (first(gate)?, first(&e.up)?);
+            (a.to_bits() != b.to_bits()).then(|| static_scales_differ(&gate.name, &e.up.name, a, b))
+        })
+    }
+
     /// The JSON document of `moeq inspect --json` (DESIGN.md "Contracts"): checkpoint facts,
     /// the oracle's plan per layer, and with `compat` what vLLM would do.
     pub fn report_json(&self, platform: Platform, opts: Options, compat: bool) -> Value {
@@ -532,6 +578,9 @@ impl Model {
                     self.refuse_unroutable(&mut plan, l.experts.len());
                 }
                 self.refuse_unsupported_part(&mut plan, &l.prefix);
+                if let Some(e) = self.static_scale_conflict(l) {
+                    refuse(&mut plan, e.to_string());
+                }
                 let mut v = layer_json(l);
                 if let Some(obj) = v.as_object_mut() {
                     obj.insert(
@@ -632,6 +681,9 @@ impl Model {
                 if matches!(platform, Platform::Cpu(_)) {
                     self.refuse_unroutable(&mut plan, experts);
                 }
+                if let Some(why) = self.layout_refusal(layer, platform) {
+                    refuse(&mut plan, why);
+                }
                 let layer_prefix = prefix
                     .strip_suffix(".experts")
                     .unwrap_or(prefix)
@@ -702,6 +754,17 @@ impl Model {
             }
         }
         doc
+    }
+}
+
+/// Gate and up projections of one expert with different static input scales.
+pub fn static_scales_differ(gate: &str, up: &str, a: f32, b: f32) -> UnsupportedSchemeError {
+    UnsupportedSchemeError {
+        subject: format!("'{gate}' and '{up}'"),
+        reason: format!(
+            "static input scales differ ({a} vs {b}); gate and up see the same input and must \
+             share one"
+        ),
     }
 }
 

@@ -193,11 +193,7 @@ pub fn expert(ckpt: &Checkpoint, e: &ExpertModules, version: Option<&str>) -> Re
     {
         if a.to_bits() != b.to_bits() {
             let gname = e.gate.as_ref().map_or("gate_proj", |g| g.name.as_str());
-            return Err(UnsupportedSchemeError {
-                subject: format!("'{gname}' and '{}'", e.up.name),
-                reason: format!("static input scales differ ({a} vs {b}); gate and up see the same input and must share one"),
-            }
-            .into());
+            return Err(crate::model::static_scales_differ(gname, &e.up.name, *a, *b).into());
         }
     }
     Ok(CpuExpert {
@@ -215,6 +211,13 @@ pub fn moe_layer(model: &Model, layer: usize) -> Result<CpuMoe> {
         .and_then(|l| l.cpu_layers.iter().find(|g| g.layer == layer))
     {
         return prepacked_layer(model, g);
+    }
+    if let Some(why) = model.layout_refusal(layer, Platform::Cpu(CpuFeatures::detect())) {
+        return Err(UnsupportedSchemeError {
+            subject: format!("layer {layer}"),
+            reason: why,
+        }
+        .into());
     }
     let l: &MoeLayer = model
         .moe_layers()
