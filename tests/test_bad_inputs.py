@@ -638,3 +638,57 @@ def test_gate_and_up_static_input_scales_must_agree(fixture_path, tmp_path: Path
     # The fixture itself plans onto the CPU.
     plan = mq.plan(mq.open(fixture_path("qwen3_w8a8_static")), platform="cpu")
     assert [(x["backend"], x["error"]) for x in plan["moe_layers"]][0] == ("cpu_simd", None)
+
+
+@pytest.mark.parametrize("value", [0.0, -0.5])  # exact in the checkpoint's bf16
+@pytest.mark.parametrize("module", ["experts.1.gate_proj", "experts.2.down_proj"])
+def test_static_input_scales_must_be_positive(
+    fixture_path, tmp_path: Path, module: str, value: float
+) -> None:
+    """A zero or negative static activation scale has no codes to give (the quantiser produced
+    zeros, so the expert's output was silently 0): the CPU loader and the CPU repack refuse it,
+    naming the tensor and the element; so does `MoELayer.from_tensors`, naming the argument."""
+    tensor = f"model.layers.0.mlp.{module}.input_scale"
+
+    def set_value(t: torch.Tensor) -> torch.Tensor:
+        t.fill_(value)
+        return t
+
+    dst = tmp_path / "m"
+    f = _copy_with_tensor_edited(fixture_path("qwen3_w8a8_static"), dst, tensor, set_value)
+    if module.endswith("gate_proj"):  # gate and up must agree, so up gets the value too
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(f)
+        up = tensor.replace("gate_proj", "up_proj")
+        tensors[up] = set_value(tensors[up].clone())
+        save_file(tensors, f, metadata={"format": "pt"})
+    want = (
+        rf"{f.name}: tensor '{tensor}': element 0 is {value:g}; "
+        "static activation scales must be positive"
+    )
+    with pytest.raises(mq.CheckpointError, match=want):
+        mq.MoELayer.from_checkpoint(dst, 0)
+    with pytest.raises(mq.CheckpointError, match=want):
+        mq.repack.repack_checkpoint(dst, tmp_path / "out", target="cpu")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value", [0.0, -0.02])
+@pytest.mark.parametrize("arg", ["a13_scale", "a2_scale"])
+def test_from_tensors_static_scales_must_be_positive(arg: str, value: float) -> None:
+    e, h, i = 4, 64, 32
+    w13 = torch.randint(-127, 128, (e, 2 * i, h), dtype=torch.int8)
+    w2 = torch.randint(-127, 128, (e, h, i), dtype=torch.int8)
+    scales = {"a13_scale": torch.full((e,), 0.02), "a2_scale": torch.full((e,), 0.02)}
+    scales[arg][2] = value
+    with pytest.raises(mq.LayoutError, match=rf"{arg}: expert 2 is {value:g}; .* must be positive"):
+        mq.MoELayer.from_tensors(
+            w13,
+            w2,
+            torch.rand(e, 2 * i) / 1e3,
+            torch.rand(e, h) / 1e3,
+            scheme="w8a8_static",
+            top_k=2,
+            **scales,
+        )

@@ -2171,3 +2171,120 @@ def test_a_hidden_size_the_experts_do_not_have_names_where_config_json_says_it(
     says = "config.json says thinker_config.text_config.hidden_size 999"
     with pytest.raises(mq.MoeqError, match=says):
         mq.open(nested)
+
+
+def _small_w8a16(e: int = 4, h: int = 64, i: int = 32) -> tuple[torch.Tensor, ...]:
+    w13 = torch.randint(-127, 128, (e, 2 * i, h), dtype=torch.int8)
+    w2 = torch.randint(-127, 128, (e, h, i), dtype=torch.int8)
+    return w13, w2, torch.rand(e, 2 * i, 1) / 1e3, torch.rand(e, h, 1) / 1e3
+
+
+def test_from_tensors_reads_parameters_and_lazy_views_as_values() -> None:
+    """Scales held as nn.Parameters (autograd history) or as lazily negated views are read
+    as the values they hold (numpy refused them: a RuntimeError)."""
+    w13, w2, s13, s2 = _small_w8a16()
+    x, logits = torch.randn(5, 64), torch.randn(5, 4)
+    want = mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a16", top_k=2)(x, logits)
+    for a, b in [
+        (torch.nn.Parameter(s13), torch.nn.Parameter(s2)),
+        (torch._neg_view(-s13), torch._neg_view(-s2)),
+    ]:
+        got = mq.MoELayer.from_tensors(w13, w2, a, b, scheme="w8a16", top_k=2)(x, logits)
+        assert torch.equal(got, want)
+
+
+def test_from_tensors_and_fused_moe_name_bad_arguments() -> None:
+    w13, w2, s13, s2 = _small_w8a16()
+    static = dict(scheme="w8a8_static", a2_scale=0.02, top_k=1)
+    for a13, match in [
+        ("x", "a13_scale: expected a number or a float tensor"),
+        (torch.ones(4, device="meta"), "a13_scale: expected a CPU tensor, got device meta"),
+        (torch.ones(4, dtype=torch.complex64), "a13_scale: expected a real floating-point"),
+    ]:
+        with pytest.raises(mq.LayoutError, match=match):
+            mq.MoELayer.from_tensors(w13, w2, s13[..., 0], s2[..., 0], a13_scale=a13, **static)
+    with pytest.raises(mq.LayoutError, match="renormalize: expected True or False, got None"):
+        mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a16", top_k=2, renormalize=None)
+    np_false = mq.MoELayer.from_tensors(
+        w13, w2, s13, s2, scheme="w8a16", top_k=2, renormalize=np.bool_(False)
+    )
+    x, w = torch.randn(3, 64), torch.full((3, 6), 1 / 6)
+    for ids, match in [(torch.tensor(1), r"got shape \[\]"), (None, "got NoneType")]:
+        with pytest.raises(mq.LayoutError, match=f"topk_ids: expected a .*{match}"):
+            mq.fused_moe(x, w13, w2, s13, s2, w, ids, scheme="w8a16")
+    # More slots than experts (repeats) work as in MoELayer.forward_topk.
+    ids = torch.tensor([[0, 1, 2, 3, 0, 1]] * 3)
+    got = mq.fused_moe(x, w13, w2, s13, s2, w, ids, scheme="w8a16")
+    assert torch.equal(got, np_false.forward_topk(x, w, ids))
+
+
+def test_copies_of_a_layer_have_their_own_custom_op_handle() -> None:
+    """copy.copy kept the original's handle: once the original was freed, torch.ops.moeq (and
+    compiled graphs) failed with a KeyError, and a new layer given the freed id would have run
+    in its place. Handles are never reused, and a freed one is a LayoutError."""
+    import copy
+    import gc
+
+    w13, w2, s13, s2 = _small_w8a16()
+    x, logits = torch.randn(3, 64), torch.randn(3, 4)
+    a = mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a16", top_k=2)
+    want = a(x, logits)
+    b, d = copy.copy(a), copy.deepcopy(a)
+    assert len({a._handle, b._handle, d._handle}) == 3
+    del a
+    gc.collect()
+    for layer in (b, d):
+        assert torch.equal(torch.ops.moeq.moe_forward(x, logits, layer._handle), want)
+        assert torch.equal(torch.compile(layer)(x, logits), want)
+    # (A layer no compiled graph refers to: dynamo's caches keep those alive.)
+    gone = mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a16", top_k=2)
+    handle = gone._handle
+    del gone
+    gc.collect()
+    with pytest.raises(mq.LayoutError, match=f"layer handle {handle}: that MoE layer was freed"):
+        torch.ops.moeq.moe_forward(x, logits, handle)
+
+
+def test_gradients_are_refused_alike_eager_and_compiled() -> None:
+    """Eager calls dropped the autograd history silently while the custom op kept it and
+    failed at backward with torch's generic message: both now return an output that needs
+    grad and whose backward says the layer is inference-only; values are unchanged."""
+    w13, w2, s13, s2 = _small_w8a16()
+    moe = mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a16", top_k=2)
+    x, logits = torch.randn(3, 64), torch.randn(3, 4)
+    want = moe(x, logits)
+    xg = x.clone().requires_grad_()
+    for y in (
+        moe(xg, logits),
+        torch.ops.moeq.moe_forward(xg, logits, moe._handle),
+        moe.forward_topk(xg, torch.full((3, 2), 0.5), torch.tensor([[0, 1]] * 3)),
+    ):
+        assert y.requires_grad
+        with pytest.raises(NotImplementedError, match="inference-only"):
+            y.sum().backward()
+    assert torch.equal(moe(xg, logits).detach(), want)
+    with torch.no_grad():
+        assert not moe(xg, logits).requires_grad
+
+
+def test_native_sizes_that_would_wrap_are_errors() -> None:
+    """The native layer's token count comes from its caller: a product that overflows must not
+    wrap to a matching length (it reached an index out of bounds, a Rust panic)."""
+    w13, w2, s13, s2 = _small_w8a16()
+    core = mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a16", top_k=2)._core
+    x = np.random.randn(2, 64).astype(np.float32)
+    with pytest.raises(mq.LayoutError, match="topk_ids/topk_weights must be"):
+        core.forward_topk(x, 2, np.ones(4, np.float32), np.zeros(4, np.int64), 2 + 2**63)
+    with pytest.raises(mq.LayoutError, match="router_logits has 12 values"):
+        core.forward(np.random.randn(3, 64).astype(np.float32), 3 + 2**63, np.ones(12, np.float32))
+
+
+def test_misaligned_input_is_named_as_misaligned() -> None:
+    w13, w2, s13, s2 = _small_w8a16()
+    moe = mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a16", top_k=2)
+    buf = bytearray(3 * 64 * 4 + 4)
+    x = torch.from_numpy(np.frombuffer(buf, np.float32, 3 * 64, offset=1).reshape(3, 64))
+    x.copy_(torch.randn(3, 64))
+    assert x.is_contiguous()
+    with pytest.raises(mq.LayoutError, match="hidden_states: must be aligned to its element size"):
+        moe(x, torch.randn(3, 4))

@@ -9,11 +9,14 @@ only. Outputs have the hidden dtype.
 
 from __future__ import annotations
 
+import copy
+import itertools
 import os
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from . import _core
@@ -143,6 +146,23 @@ class MoELayer(torch.nn.Module):
         self._top_k = core.top_k
         self._handle = _register(self)
 
+    def __copy__(self) -> MoELayer:
+        # A copy shares the (immutable) native layer but needs a handle of its own: with the
+        # original's, the custom ops would fail once the original is freed.
+        new = self.__class__.__new__(self.__class__)
+        new.__dict__.update(self.__dict__)
+        new._handle = _register(new)
+        return new
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> MoELayer:
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            shared = key == "_core"  # immutable weights; the native object cannot be copied
+            new.__dict__[key] = value if shared else copy.deepcopy(value, memo)
+        new._handle = _register(new)
+        return new
+
     @classmethod
     def from_checkpoint(
         cls,
@@ -183,9 +203,10 @@ class MoELayer(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """Routed experts (routing per the model config, routed scaling) plus shared experts."""
-        if not _is_compiling():
+        if not _is_compiling() and not _wants_grad(hidden_states, router_logits):
             # Eager: skip the custom-op dispatch (tens of microseconds, a third of a decode
-            # step); graphs and fake tensors still go through torch.ops.moeq.moe_forward.
+            # step); graphs, fake tensors and inputs that need gradients (whose backward then
+            # says there is none, as in a graph) still go through torch.ops.moeq.moe_forward.
             return self._forward_eager(hidden_states, router_logits)
         _check(hidden_states, "hidden_states", 2, True)
         _check(router_logits, "router_logits", 2, True)
@@ -195,7 +216,7 @@ class MoELayer(torch.nn.Module):
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """``sum_k topk_weights[t, k] * expert[topk_ids[t, k]](x_t)``: routed experts only."""
-        if not _is_compiling():
+        if not _is_compiling() and not _wants_grad(hidden_states, topk_weights):
             return self._forward_topk_eager(hidden_states, topk_weights, topk_ids)
         _check(hidden_states, "hidden_states", 2, True)
         _check(topk_weights, "topk_weights", 2, True)
@@ -286,7 +307,8 @@ def _np(t: object, name: str, dtypes: tuple[torch.dtype, ...], ndims: tuple[int,
         )
     if not t.is_contiguous():
         raise LayoutError(f"{name}: expected a contiguous tensor")
-    return t
+    # Read as values: a Parameter's autograd history and a lazily negated view do not matter.
+    return t.detach().resolve_neg().resolve_conj()
 
 
 def _scales(t: object, name: str, e: int, n: int) -> tuple[object, int]:
@@ -302,8 +324,18 @@ def _act_scales(t: object, name: str, e: int):  # type: ignore[no-untyped-def]
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
-        t = torch.tensor(t, dtype=torch.float32)
-    s = t.detach().to(torch.float32).reshape(-1)
+        try:
+            t = torch.tensor(t, dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise LayoutError(
+                f"{name}: expected a number or a float tensor of one scale per expert, "
+                f"got {type(t).__name__} ({err})"
+            ) from None
+    if not t.is_cpu:
+        raise LayoutError(f"{name}: expected a CPU tensor, got device {t.device}")
+    if not t.dtype.is_floating_point:
+        raise LayoutError(f"{name}: expected a real floating-point tensor, got {t.dtype}")
+    s = t.detach().resolve_neg().to(torch.float32).reshape(-1)
     if s.numel() == 1:
         s = s.expand(e)
     if s.numel() != e:
@@ -372,6 +404,9 @@ def _from_tensors(
             f"top_k: {top_k!r} must be an integer between 1 and the number of experts ({e})"
         )
     top_k = k
+    if not isinstance(renormalize, (bool, np.bool_)):
+        raise LayoutError(f"renormalize: expected True or False, got {renormalize!r}")
+    renormalize = bool(renormalize)
     s13, g13 = _scales(w13_scale, "w13_scale", e, n13)
     s2, g2 = _scales(w2_scale, "w2_scale", e, h)
     groups_expected = (1, 1) if group_size == -1 else (h // group_size, i // group_size)
@@ -483,6 +518,18 @@ def fused_moe(
 ) -> torch.Tensor:
     """Functional form: the weighted sum of the routed experts for raw tensors (the layer is built
     for this call; build a :class:`MoELayer` once to reuse it)."""
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
+        raise LayoutError(
+            "topk_ids: expected a [tokens, top_k] integer tensor, got "
+            + (
+                f"shape {list(topk_ids.shape)}"
+                if isinstance(topk_ids, torch.Tensor)
+                else type(topk_ids).__name__
+            )
+        )
+    # The layer's own top_k only routes `forward`; `forward_topk` takes any number of slots
+    # (repeated experts included), as `MoELayer.forward_topk` does.
+    experts = w13.shape[0] if isinstance(w13, torch.Tensor) and w13.dim() == 3 else 1
     layer = MoELayer.from_tensors(  # type: ignore[attr-defined]
         w13,
         w2,
@@ -494,30 +541,42 @@ def fused_moe(
         w2_zero_point=w2_zero_point,
         a13_scale=a13_scale,
         a2_scale=a2_scale,
-        top_k=int(topk_ids.shape[-1]),
+        top_k=max(1, min(int(topk_ids.shape[1]), experts)),
     )
     return layer.forward_topk(hidden_states, topk_weights, topk_ids)
 
 
 # ---- torch.ops.moeq.* custom ops (with fake implementations for torch.compile) ----------------
 
-# Layers by handle for the custom ops (weak: a layer dropped by its owner is freed).
+# Layers by handle for the custom ops (weak: a layer dropped by its owner is freed). Handles
+# count up and are never reused (an `id()` of a freed layer can come back as a new layer's).
 _LAYERS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_NEXT_HANDLE = itertools.count(1)
 
 
 def _register(layer: torch.nn.Module) -> int:
     """A handle for the custom ops: any module with ``_forward_eager`` (``MoELayer``, the CUDA
     layer of ``moeq_rs.cuda``)."""
-    handle = id(layer)
+    handle = next(_NEXT_HANDLE)
     _LAYERS[handle] = layer
     return handle
+
+
+def _layer(handle: int) -> Any:
+    layer = _LAYERS.get(handle)
+    if layer is None:
+        raise LayoutError(
+            f"layer handle {handle}: that MoE layer was freed (a torch.ops.moeq call or compiled "
+            "graph that outlived its layer)"
+        )
+    return layer
 
 
 @torch.library.custom_op("moeq::moe_forward_topk", mutates_args=())
 def _op_forward_topk(
     hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer: int
 ) -> torch.Tensor:
-    return _LAYERS[layer]._forward_topk_eager(hidden_states, topk_weights, topk_ids)
+    return _layer(layer)._forward_topk_eager(hidden_states, topk_weights, topk_ids)
 
 
 @_op_forward_topk.register_fake
@@ -531,9 +590,32 @@ def _(
 def _op_forward(
     hidden_states: torch.Tensor, router_logits: torch.Tensor, layer: int
 ) -> torch.Tensor:
-    return _LAYERS[layer]._forward_eager(hidden_states, router_logits)
+    return _layer(layer)._forward_eager(hidden_states, router_logits)
 
 
 @_op_forward.register_fake
 def _(hidden_states: torch.Tensor, router_logits: torch.Tensor, layer: int) -> torch.Tensor:
     return torch.empty_like(hidden_states)
+
+
+def _wants_grad(*tensors: object) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
+    )
+
+
+def _no_backward(ctx: Any, grad: torch.Tensor) -> None:
+    raise NotImplementedError(
+        "moeq_rs MoE layers are inference-only: torch.ops.moeq.moe_forward[_topk] has no "
+        "backward (run the layer under torch.no_grad() or torch.inference_mode())"
+    )
+
+
+def _no_context(ctx: Any, inputs: Any, output: Any) -> None:
+    pass
+
+
+# Outputs of inputs that need gradients carry a backward that says there is none, eager or
+# compiled alike (rather than torch's generic message, or silently no gradient).
+_op_forward.register_autograd(_no_backward, setup_context=_no_context)
+_op_forward_topk.register_autograd(_no_backward, setup_context=_no_context)

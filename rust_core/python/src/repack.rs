@@ -32,11 +32,21 @@ pub(crate) fn slice<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
     name: &str,
 ) -> PyResult<&'a [T]> {
     use numpy::PyUntypedArrayMethods;
-    let refuse = || layout_error(py, name, "must be a contiguous (row-major) array");
     if !a.is_c_contiguous() {
-        return Err(refuse());
+        return Err(layout_error(
+            py,
+            name,
+            "must be a contiguous (row-major) array",
+        ));
     }
-    a.as_slice().map_err(|_| refuse())
+    // A contiguous array can still start off its element alignment (a byte-offset view).
+    a.as_slice().map_err(|_| {
+        layout_error(
+            py,
+            name,
+            "must be aligned to its element size (a byte-offset view is not; a copy is)",
+        )
+    })
 }
 
 #[pyfunction]

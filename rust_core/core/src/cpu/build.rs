@@ -173,6 +173,14 @@ fn proj(
                             format!("expert {e} is {s}; scales must be finite"),
                         ));
                     }
+                    // Zero has no codes to give and a negative scale flips the expert's input:
+                    // refused, as the checkpoint loader does.
+                    if s <= 0.0 {
+                        return Err(err(
+                            &act_arg(arg),
+                            format!("expert {e} is {s}; static activation scales must be positive"),
+                        ));
+                    }
                     Some(s)
                 }
                 (RawScheme::W8a8Static, None) => {

@@ -33,6 +33,26 @@ pub fn scales(ckpt: &Checkpoint, name: &str) -> Result<Vec<f32>> {
     }
 }
 
+/// Static activation scales (`input_scale`): finite ([`scales`]) and positive. The quantiser
+/// divides by the scale: zero has no codes to give, and a negative scale only comes from a
+/// damaged checkpoint (compressed-tensors stores `max|x| / 127`); either would silently zero or
+/// flip every token routed through the expert.
+pub fn input_scales(ckpt: &Checkpoint, name: &str) -> Result<Vec<f32>> {
+    let v = scales(ckpt, name)?;
+    match v.iter().position(|&x| x <= 0.0) {
+        None => Ok(v),
+        Some(i) => Err(CheckpointError::Tensor {
+            path: ckpt.tensor(name)?.path.to_path_buf(),
+            tensor: name.to_string(),
+            reason: format!(
+                "element {i} is {}; static activation scales must be positive",
+                v[i]
+            ),
+        }
+        .into()),
+    }
+}
+
 /// The first NaN or infinite value and its index.
 pub(crate) fn first_non_finite(v: &[f32]) -> Option<(usize, f32)> {
     v.iter().position(|x| !x.is_finite()).map(|i| (i, v[i]))
@@ -71,7 +91,7 @@ pub fn linear(ckpt: &Checkpoint, m: &ModuleInfo, version: Option<&str>) -> Resul
             let input_scale = if a.is_dynamic() {
                 None
             } else {
-                scales(ckpt, &format!("{name}.input_scale"))?
+                input_scales(ckpt, &format!("{name}.input_scale"))?
                     .first()
                     .copied()
             };

@@ -461,14 +461,16 @@ impl CpuMoe {
         compute: Compute,
     ) -> Result<Vec<f32>> {
         let h = self.hidden;
-        if x.len() != tokens * h {
+        // Checked products: a token count from outside must not wrap to a matching length.
+        if tokens.checked_mul(h) != Some(x.len()) {
             return Err(bad(format!(
                 "hidden_states has {} values, expected [{tokens}, {h}]",
                 x.len()
             )));
         }
         let k = routed.top_k;
-        if routed.ids.len() != tokens * k || routed.weights.len() != tokens * k {
+        let slots = tokens.checked_mul(k);
+        if slots != Some(routed.ids.len()) || slots != Some(routed.weights.len()) {
             return Err(bad(format!(
                 "topk_ids/topk_weights must be [{tokens}, {k}]"
             )));
@@ -575,7 +577,7 @@ impl CpuMoe {
         compute: Compute,
     ) -> Result<Vec<f32>> {
         let e = self.experts.len();
-        if router_logits.len() != tokens * e {
+        if tokens.checked_mul(e) != Some(router_logits.len()) {
             return Err(bad(format!(
                 "router_logits has {} values, expected [{tokens}, {e}]",
                 router_logits.len()

@@ -574,11 +574,11 @@ pub fn load_experts(ckpt: &Checkpoint, g: &CpuGeometry) -> Result<Vec<CpuExpert>
     let sc2 = crate::cpu::load::scales(ckpt, &format!("{p}.w2_weight_scale"))?;
     let (a13, a2) = if g.static_act {
         (
-            Some(crate::cpu::load::scales(
+            Some(crate::cpu::load::input_scales(
                 ckpt,
                 &format!("{p}.w13_input_scale"),
             )?),
-            Some(crate::cpu::load::scales(
+            Some(crate::cpu::load::input_scales(
                 ckpt,
                 &format!("{p}.w2_input_scale"),
             )?),
