@@ -799,7 +799,7 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
         options = {k: stacked.get(k) for k in ("a13_scale", "a2_scale")}
         run = w8a8_moe_unverified
 
-    from .moe import _register
+    from .moe import _copy_layer, _deepcopy_layer, _register
 
     class CudaMoELayerUnverified(torch.nn.Module):
         """One MoE layer on the CUDA kernels (unverified; see load_moe_layer_unverified). Its
@@ -821,6 +821,12 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
                     self._plain[name] = value
             self._renormalize = bool(routing["renormalize"])
             self._handle = _register(self)
+
+        def __copy__(self) -> Any:
+            return _copy_layer(self)
+
+        def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+            return _deepcopy_layer(self, memo)
 
         def forward(self, hidden_states: Any, router_logits: Any) -> Any:
             if torch.compiler.is_compiling():

@@ -147,21 +147,10 @@ class MoELayer(torch.nn.Module):
         self._handle = _register(self)
 
     def __copy__(self) -> MoELayer:
-        # A copy shares the (immutable) native layer but needs a handle of its own: with the
-        # original's, the custom ops would fail once the original is freed.
-        new = self.__class__.__new__(self.__class__)
-        new.__dict__.update(self.__dict__)
-        new._handle = _register(new)
-        return new
+        return _copy_layer(self)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> MoELayer:
-        new = self.__class__.__new__(self.__class__)
-        memo[id(self)] = new
-        for key, value in self.__dict__.items():
-            shared = key == "_core"  # immutable weights; the native object cannot be copied
-            new.__dict__[key] = value if shared else copy.deepcopy(value, memo)
-        new._handle = _register(new)
-        return new
+        return _deepcopy_layer(self, memo)
 
     @classmethod
     def from_checkpoint(
@@ -560,6 +549,27 @@ def _register(layer: torch.nn.Module) -> int:
     handle = next(_NEXT_HANDLE)
     _LAYERS[handle] = layer
     return handle
+
+
+def _copy_layer(layer: Any) -> Any:
+    """``copy.copy`` of a layer with a custom-op handle: the copy shares everything (the native
+    layer is immutable) but needs a handle of its own, or the custom ops would fail once the
+    original is freed."""
+    new = layer.__class__.__new__(layer.__class__)
+    new.__dict__.update(layer.__dict__)
+    new._handle = _register(new)
+    return new
+
+
+def _deepcopy_layer(layer: Any, memo: dict[int, Any]) -> Any:
+    """``copy.deepcopy`` likewise; the native layer (``_core``, which cannot be copied) is
+    shared, as it is immutable."""
+    new = layer.__class__.__new__(layer.__class__)
+    memo[id(layer)] = new
+    for key, value in layer.__dict__.items():
+        new.__dict__[key] = value if key == "_core" else copy.deepcopy(value, memo)
+    new._handle = _register(new)
+    return new
 
 
 def _layer(handle: int) -> Any:
