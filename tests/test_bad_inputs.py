@@ -672,6 +672,14 @@ def test_static_input_scales_must_be_positive(
     with pytest.raises(mq.CheckpointError, match=want):
         mq.repack.repack_checkpoint(dst, tmp_path / "out", target="cpu")
     assert not (tmp_path / "out").exists()
+    # The plans say so up front on both platforms, and the CUDA loader refuses it too.
+    ckpt = mq.open(dst)
+    for platform, sm in (("cpu", None), ("cuda", 90)):
+        layer = mq.plan(ckpt, platform=platform, sm=sm)["moe_layers"][0]
+        assert layer["backend"] is None and re.search(want, layer["error"]), layer["error"]
+    info = next(x for x in ckpt.moe_layers() if x["layer"] == 0)
+    with pytest.raises(mq.CheckpointError, match=f"'{tensor}': .* must be finite and positive"):
+        mq.cuda._int8_stack(ckpt, info)
 
 
 @pytest.mark.parametrize("value", [0.0, -0.02])

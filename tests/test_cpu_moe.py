@@ -2245,10 +2245,13 @@ def test_copies_of_a_layer_have_their_own_custom_op_handle() -> None:
         torch.ops.moeq.moe_forward(x, logits, handle)
 
 
+# torch.compile traces the backward with anomaly detection, which reports the refusal too.
+@pytest.mark.filterwarnings("ignore:Error detected in GeneratedBackwardFor_moeq")
 def test_gradients_are_refused_alike_eager_and_compiled() -> None:
     """Eager calls dropped the autograd history silently while the custom op kept it and
     failed at backward with torch's generic message: both now return an output that needs
-    grad and whose backward says the layer is inference-only; values are unchanged."""
+    grad and whose backward says the layer is inference-only; values are unchanged. Compiled
+    with grad mode on, compilation fails with that reason."""
     w13, w2, s13, s2 = _small_w8a16()
     moe = mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a16", top_k=2)
     x, logits = torch.randn(3, 64), torch.randn(3, 4)
@@ -2265,6 +2268,11 @@ def test_gradients_are_refused_alike_eager_and_compiled() -> None:
     assert torch.equal(moe(xg, logits).detach(), want)
     with torch.no_grad():
         assert not moe(xg, logits).requires_grad
+    # Compiled, the backward is built ahead: the call itself fails, with the same reason.
+    with pytest.raises(Exception, match="inference-only"):
+        torch.compile(moe, fullgraph=True)(xg, logits)
+    with torch.no_grad():
+        assert torch.equal(torch.compile(moe, fullgraph=True)(xg, logits), want)
 
 
 def test_native_sizes_that_would_wrap_are_errors() -> None:

@@ -332,6 +332,10 @@ def test_a_layout_is_refused_where_its_kernels_do_not_run(
         mq.MoELayer.from_checkpoint(tmp_path / "marlin", 1)
     with pytest.raises(mq.UnsupportedSchemeError, match=r"stored in the CPU layout"):
         mq.cuda.load_moe_layer_unverified(tmp_path / "cpu", 1)
+    # A layer that is not a MoE layer names the repacked ones among the MoE layers.
+    for target in ("marlin", "cpu"):
+        with pytest.raises(mq.CheckpointError, match=r"\(MoE layers: \[1, 2\]\)"):
+            mq.MoELayer.from_checkpoint(tmp_path / target, 0)
 
 
 def test_cpu_layout_is_not_repacked_again(

@@ -9,6 +9,7 @@ whatever the machine has.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -653,7 +654,7 @@ def _int8_stack(ckpt: Any, info: dict[str, Any]) -> dict[str, Any]:
     """A W8A8 layer's int8 weights stacked as the W8A8 launcher takes them (CPU tensors)."""
     import torch
 
-    from .errors import UnsupportedSchemeError
+    from .errors import CheckpointError, UnsupportedSchemeError
 
     p = info["prefix"]
     mixtral = p.endswith("block_sparse_moe")
@@ -674,6 +675,13 @@ def _int8_stack(ckpt: Any, info: dict[str, Any]) -> dict[str, Any]:
         v = t(name).float().reshape(-1)
         if v.numel() != 1:
             raise UnsupportedSchemeError(f"{name}: expected one static scale, got {v.numel()}")
+        # As the CPU loader: a zero, negative or non-finite scale quantises every token of the
+        # expert to nothing (or NaN).
+        if not (math.isfinite(v[0].item()) and v[0].item() > 0):
+            raise CheckpointError(
+                f"tensor '{name}': {v[0].item()}; static activation scales must be finite "
+                "and positive"
+            )
         return v[0]
 
     for e in range(info["num_experts"]):

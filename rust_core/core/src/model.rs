@@ -545,23 +545,36 @@ impl Model {
         ))
     }
 
-    /// A W8A8-static expert whose gate and up projections carry different `input_scale`s
-    /// (DESIGN.md: gate and up see the same input and must share one), read from the tensors
-    /// the way the CPU loader reads them; `None` also when a scale cannot be read (the loader
-    /// reports that).
-    pub fn static_scale_conflict(&self, l: &MoeLayer) -> Option<UnsupportedSchemeError> {
-        let first = |m: &ModuleInfo| -> Option<f32> {
-            let view = self.ckpt.tensor(&format!("{}.input_scale", m.name)).ok()?;
-            quant::dequant::float_values(&view).ok()?.first().copied()
-        };
-        l.experts.iter().find_map(|e| {
-            let gate = e.gate.as_ref()?;
-            if !(gate.has_input_scale && e.up.has_input_scale) {
-                return None;
+    /// What the loaders refuse in a W8A8-static layer's activation scales, read from the
+    /// tensors as they read them: a scale that is not finite and positive
+    /// ([`crate::cpu::load::input_scales`]), or an expert whose gate and up projections carry
+    /// different `input_scale`s (DESIGN.md: gate and up see the same input and must share one).
+    /// One scalar per projection, read only for layers with static activation scales.
+    pub fn static_scale_problem(&self, l: &MoeLayer) -> Option<crate::error::Error> {
+        let first = |m: &ModuleInfo| -> std::result::Result<Option<f32>, crate::error::Error> {
+            if !m.has_input_scale {
+                return Ok(None);
             }
-            let (a, b) = (first(gate)?, first(&e.up)?);
-            (a.to_bits() != b.to_bits()).then(|| static_scales_differ(&gate.name, &e.up.name, a, b))
-        })
+            let v = crate::cpu::load::input_scales(&self.ckpt, &format!("{}.input_scale", m.name))?;
+            Ok(v.first().copied())
+        };
+        for e in &l.experts {
+            let scales = (
+                e.gate.as_ref().map(first).transpose(),
+                first(&e.up),
+                first(&e.down),
+            );
+            let (gate, up) = match scales {
+                (Err(err), ..) | (_, Err(err), _) | (.., Err(err)) => return Some(err),
+                (Ok(gate), Ok(up), Ok(_)) => (gate.flatten(), up),
+            };
+            if let (Some(a), Some(b), Some(g)) = (gate, up, &e.gate) {
+                if a.to_bits() != b.to_bits() {
+                    return Some(static_scales_differ(&g.name, &e.up.name, a, b).into());
+                }
+            }
+        }
+        None
     }
 
     /// The JSON document of `moeq inspect --json` (DESIGN.md "Contracts"): checkpoint facts,
@@ -578,7 +591,7 @@ impl Model {
                     self.refuse_unroutable(&mut plan, l.experts.len());
                 }
                 self.refuse_unsupported_part(&mut plan, &l.prefix);
-                if let Some(e) = self.static_scale_conflict(l) {
+                if let Some(e) = self.static_scale_problem(l) {
                     refuse(&mut plan, e.to_string());
                 }
                 let mut v = layer_json(l);

@@ -244,7 +244,14 @@ pub fn moe_layer(model: &Model, layer: usize) -> Result<CpuMoe> {
         .iter()
         .find(|l| l.layer == layer)
         .ok_or_else(|| {
-            let have: Vec<usize> = model.moe_layers().iter().map(|l| l.layer).collect();
+            // Repacked layers are MoE layers too, though not in source form.
+            let mut have: Vec<usize> = model.moe_layers().iter().map(|l| l.layer).collect();
+            if let Some(layout) = model.layout() {
+                have.extend(layout.layers.iter().map(|l| l.layer));
+                have.extend(layout.cpu_layers.iter().map(|l| l.layer));
+            }
+            have.sort_unstable();
+            have.dedup();
             module_error(
                 &format!("layer {layer}"),
                 format!("is not an MoE layer of this checkpoint (MoE layers: {have:?})"),
