@@ -368,11 +368,27 @@ def test_non_finite_scale(
     f = _copy_with_tensor_edited(fixture_path(fixture), dst, tensor, last_is_value)
     last = math.prod(mq.open(dst).tensor_info(tensor)[1]) - 1
     want = rf"{f.name}: tensor '{tensor}': element {last} is {value.replace('nan', 'NaN')}"
-    with pytest.raises(mq.CheckpointError, match=want):
+    _refused_by_cpu_loader_and_repack(dst, tmp_path / "out", mq.CheckpointError, want)
+
+
+def _refused_by_cpu_loader_and_repack(dst: Path, out: Path, error: type, want: str) -> None:
+    """Loading layer 0 of `dst` and repacking it for the CPU raise `error` matching `want`, and
+    the repack leaves nothing at `out`."""
+    with pytest.raises(error, match=want):
         mq.MoELayer.from_checkpoint(dst, 0)
-    with pytest.raises(mq.CheckpointError, match=want):
-        mq.repack.repack_checkpoint(dst, tmp_path / "out", target="cpu")
-    assert not (tmp_path / "out").exists()
+    with pytest.raises(error, match=want):
+        mq.repack.repack_checkpoint(dst, out, target="cpu")
+    assert not out.exists()
+
+
+def _plans_refuse_layer_0(dst: Path, want: str) -> None:
+    """On both platforms, layer 0 of `dst` has no backend and says `want`; the others plan."""
+    for platform, sm in (("cpu", None), ("cuda", 90)):
+        layer, *others = mq.plan(mq.open(dst), platform=platform, sm=sm)["moe_layers"]
+        assert layer["layer"] == 0 and layer["backend"] is None
+        assert re.search(want, layer["error"]), layer["error"]
+        assert any(re.search(want, r["reason"]) for r in layer["rejected_backends"])
+        assert all(other["error"] is None for other in others)
 
 
 def _valid_raw_layer(rng: random.Random) -> tuple[list[torch.Tensor], dict, int, int]:
@@ -624,17 +640,8 @@ def test_gate_and_up_static_input_scales_must_agree(fixture_path, tmp_path: Path
     dst = tmp_path / "m"
     _copy_with_tensor_edited(fixture_path("qwen3_w8a8_static"), dst, f"{up}.input_scale", doubled)
     want = rf"'model.layers.0.mlp.experts.3.gate_proj' and '{up}': static input scales differ"
-    with pytest.raises(mq.UnsupportedSchemeError, match=want):
-        mq.MoELayer.from_checkpoint(dst, 0)
-    with pytest.raises(mq.UnsupportedSchemeError, match=want):
-        mq.repack.repack_checkpoint(dst, tmp_path / "out", target="cpu")
-    assert not (tmp_path / "out").exists()
-    for platform, sm in (("cpu", None), ("cuda", 90)):
-        layer, *others = mq.plan(mq.open(dst), platform=platform, sm=sm)["moe_layers"]
-        assert layer["layer"] == 0 and layer["backend"] is None
-        assert re.search(want, layer["error"]), layer["error"]
-        assert any(re.search(want, r["reason"]) for r in layer["rejected_backends"])
-        assert all(other["error"] is None for other in others)
+    _refused_by_cpu_loader_and_repack(dst, tmp_path / "out", mq.UnsupportedSchemeError, want)
+    _plans_refuse_layer_0(dst, want)
     # The fixture itself plans onto the CPU.
     plan = mq.plan(mq.open(fixture_path("qwen3_w8a8_static")), platform="cpu")
     assert [(x["backend"], x["error"]) for x in plan["moe_layers"]][0] == ("cpu_simd", None)
@@ -667,16 +674,10 @@ def test_static_input_scales_must_be_positive(
         rf"{f.name}: tensor '{tensor}': element 0 is {value:g}; "
         "static activation scales must be positive"
     )
-    with pytest.raises(mq.CheckpointError, match=want):
-        mq.MoELayer.from_checkpoint(dst, 0)
-    with pytest.raises(mq.CheckpointError, match=want):
-        mq.repack.repack_checkpoint(dst, tmp_path / "out", target="cpu")
-    assert not (tmp_path / "out").exists()
+    _refused_by_cpu_loader_and_repack(dst, tmp_path / "out", mq.CheckpointError, want)
     # The plans say so up front on both platforms, and the CUDA loader refuses it too.
+    _plans_refuse_layer_0(dst, want)
     ckpt = mq.open(dst)
-    for platform, sm in (("cpu", None), ("cuda", 90)):
-        layer = mq.plan(ckpt, platform=platform, sm=sm)["moe_layers"][0]
-        assert layer["backend"] is None and re.search(want, layer["error"]), layer["error"]
     info = next(x for x in ckpt.moe_layers() if x["layer"] == 0)
     with pytest.raises(mq.CheckpointError, match=f"'{tensor}': .* must be finite and positive"):
         mq.cuda._int8_stack(ckpt, info)

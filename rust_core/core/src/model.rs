@@ -551,30 +551,25 @@ impl Model {
     /// different `input_scale`s (DESIGN.md: gate and up see the same input and must share one).
     /// One scalar per projection, read only for layers with static activation scales.
     pub fn static_scale_problem(&self, l: &MoeLayer) -> Option<crate::error::Error> {
-        let first = |m: &ModuleInfo| -> std::result::Result<Option<f32>, crate::error::Error> {
+        let first = |m: &ModuleInfo| -> Result<Option<f32>> {
             if !m.has_input_scale {
                 return Ok(None);
             }
             let v = crate::cpu::load::input_scales(&self.ckpt, &format!("{}.input_scale", m.name))?;
             Ok(v.first().copied())
         };
-        for e in &l.experts {
-            let scales = (
-                e.gate.as_ref().map(first).transpose(),
-                first(&e.up),
-                first(&e.down),
-            );
-            let (gate, up) = match scales {
-                (Err(err), ..) | (_, Err(err), _) | (.., Err(err)) => return Some(err),
-                (Ok(gate), Ok(up), Ok(_)) => (gate.flatten(), up),
-            };
-            if let (Some(a), Some(b), Some(g)) = (gate, up, &e.gate) {
-                if a.to_bits() != b.to_bits() {
-                    return Some(static_scales_differ(&g.name, &e.up.name, a, b).into());
+        let check = || -> Result<()> {
+            for e in &l.experts {
+                let gate = e.gate.as_ref().map(first).transpose()?.flatten();
+                let up = first(&e.up)?;
+                first(&e.down)?;
+                if let (Some(g), Some(a), Some(b)) = (&e.gate, gate, up) {
+                    crate::cpu::load::same_static_scale(&g.name, &e.up.name, a, b)?;
                 }
             }
-        }
-        None
+            Ok(())
+        };
+        check().err()
     }
 
     /// The JSON document of `moeq inspect --json` (DESIGN.md "Contracts"): checkpoint facts,
@@ -767,17 +762,6 @@ impl Model {
             }
         }
         doc
-    }
-}
-
-/// Gate and up projections of one expert with different static input scales.
-pub fn static_scales_differ(gate: &str, up: &str, a: f32, b: f32) -> UnsupportedSchemeError {
-    UnsupportedSchemeError {
-        subject: format!("'{gate}' and '{up}'"),
-        reason: format!(
-            "static input scales differ ({a} vs {b}); gate and up see the same input and must \
-             share one"
-        ),
     }
 }
 

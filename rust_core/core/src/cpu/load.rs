@@ -53,6 +53,22 @@ pub fn input_scales(ckpt: &Checkpoint, name: &str) -> Result<Vec<f32>> {
     }
 }
 
+/// Gate and up projections of one expert see the same input, so under static activation
+/// quantisation they must carry one scale (DESIGN.md); different ones are refused, naming both.
+pub fn same_static_scale(gate: &str, up: &str, a: f32, b: f32) -> Result<()> {
+    if a.to_bits() == b.to_bits() {
+        return Ok(());
+    }
+    Err(UnsupportedSchemeError {
+        subject: format!("'{gate}' and '{up}'"),
+        reason: format!(
+            "static input scales differ ({a} vs {b}); gate and up see the same input and must \
+             share one"
+        ),
+    }
+    .into())
+}
+
 /// The first NaN or infinite value and its index.
 pub(crate) fn first_non_finite(v: &[f32]) -> Option<(usize, f32)> {
     v.iter().position(|x| !x.is_finite()).map(|i| (i, v[i]))
@@ -211,10 +227,8 @@ pub fn expert(ckpt: &Checkpoint, e: &ExpertModules, version: Option<&str>) -> Re
         },
     ) = (&gate, &up)
     {
-        if a.to_bits() != b.to_bits() {
-            let gname = e.gate.as_ref().map_or("gate_proj", |g| g.name.as_str());
-            return Err(crate::model::static_scales_differ(gname, &e.up.name, *a, *b).into());
-        }
+        let gname = e.gate.as_ref().map_or("gate_proj", |g| g.name.as_str());
+        same_static_scale(gname, &e.up.name, *a, *b)?;
     }
     Ok(CpuExpert {
         gate,
