@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -1495,12 +1496,19 @@ def test_torch_compile_and_custom_ops(fixture_path: Callable[[str], Path]) -> No
     # The fake implementation gives shapes and dtypes without running the kernels.
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode():
+    with FakeTensorMode() as mode:
         fx = torch.empty(7, 256, dtype=torch.bfloat16)
         out = torch.ops.moeq.moe_forward_topk(
-            fx, torch.empty(7, 2), torch.empty(7, 2, dtype=torch.int64), moe._handle
+            fx,
+            torch.empty(7, 2),
+            torch.empty(7, 2, dtype=torch.int64),
+            mode.from_tensor(moe._handle),
         )
         assert out.shape == (7, 256) and out.dtype == torch.bfloat16
+        # The layer fakes its handle itself (it raised numpy's RuntimeError before).
+        out = moe(fx, torch.empty(7, 8))
+        assert out.shape == (7, 256) and out.dtype == torch.bfloat16
+        assert isinstance(out, torch._subclasses.fake_tensor.FakeTensor)
 
 
 _ISA_SCRIPT = r"""
@@ -1902,7 +1910,10 @@ def test_parking_puts_torch_openmp_threads_to_sleep_during_a_forward() -> None:
     if not _torch_uses_libgomp():
         assert _run_parking_script(MOEQ_NUM_THREADS="2")[:4] == ["main", "False", "other", "False"]
         return
-    out = _run_parking_script(MOEQ_NUM_THREADS="2", OMP_WAIT_POLICY="active", SAMPLE="1")
+    # `always`: no backing off after a costly park (the sampler keeps the machine busy).
+    out = _run_parking_script(
+        MOEQ_NUM_THREADS="2", OMP_WAIT_POLICY="active", SAMPLE="1", MOEQ_PARK_OPENMP="always"
+    )
     assert out[:6] == ["main", "True", "other", "False", "parked_after_torch", "10"]
     parked, unparked = float(out[7]), float(out[9])
     # Unparked, the spinner is always running or waiting to run. Parked, it is seen only
@@ -1967,6 +1978,49 @@ def test_a_forked_child_never_parks_its_inherited_openmp_team() -> None:
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.split() == ["True", "False", "0"]
 
+
+
+_FORK_SIDE_THREAD_SCRIPT = (
+    _layer_script(2, 8, 64, 32, 2)
+    + r"""
+x, lg = torch.randn(3, h, generator=g), torch.randn(3, e, generator=g)
+want = layer(x, lg)
+# A call from another thread starts the pool for threads other than the main one.
+side = threading.Thread(target=layer, args=(x, lg))
+side.start()
+side.join()
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:
+    got = []
+    t = threading.Thread(target=lambda: got.append(torch.equal(layer(x, lg), want)), daemon=True)
+    t.start()
+    t.join(60)
+    os.write(write, f"{got}".encode())
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print(os.read(read, 100).decode(), status)
+"""
+)
+
+
+def test_a_forked_child_runs_forwards_from_other_threads() -> None:
+    """The pool for calls from threads other than the main one was built once per process: a
+    child forked after the parent used it inherited it without its threads, and a forward
+    from any thread but the main one waited forever. The child builds its own."""
+    import os
+    import subprocess
+    import sys
+
+    ran = subprocess.run(
+        [sys.executable, "-c", _FORK_SIDE_THREAD_SCRIPT],
+        env=dict(os.environ, MOEQ_NUM_THREADS="2"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split() == ["[True]", "0"]
 
 _FORK_AFTER_OPEN_SCRIPT = r"""
 import os, sys, time, torch
@@ -2230,7 +2284,7 @@ def test_copies_of_a_layer_have_their_own_custom_op_handle() -> None:
     a = mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a16", top_k=2)
     want = a(x, logits)
     b, d = copy.copy(a), copy.deepcopy(a)
-    assert len({a._handle, b._handle, d._handle}) == 3
+    assert len({int(a._handle), int(b._handle), int(d._handle)}) == 3
     del a
     gc.collect()
     for layer in (b, d):
@@ -2241,8 +2295,97 @@ def test_copies_of_a_layer_have_their_own_custom_op_handle() -> None:
     handle = gone._handle
     del gone
     gc.collect()
-    with pytest.raises(mq.LayoutError, match=f"layer handle {handle}: that MoE layer was freed"):
+    with pytest.raises(
+        mq.LayoutError, match=f"layer handle {int(handle)}: no live MoE layer .* was freed"
+    ):
         torch.ops.moeq.moe_forward(x, logits, handle)
+    with pytest.raises(mq.LayoutError, match="layer: expected a MoE layer's handle"):
+        torch.ops.moeq.moe_forward(x, logits, torch.tensor([1, 2]))
+
+
+def test_layers_of_one_shape_share_one_compiled_graph() -> None:
+    """The handle was an int attribute, which dynamo specialises on: each layer compiled the
+    forward again, and the ninth hit the recompile limit (an error under fullgraph=True, eager
+    from then on otherwise). As a tensor it is a graph input."""
+    from torch._dynamo.utils import counters
+
+    layers = [
+        mq.MoELayer.from_tensors(*_small_w8a16(), scheme="w8a16", top_k=2) for _ in range(10)
+    ]
+    x, logits = torch.randn(3, 64), torch.randn(3, 4)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.inference_mode():
+        for layer in layers:
+            compiled = torch.compile(layer, backend="eager", fullgraph=True)
+            assert torch.equal(compiled(x, logits), layer(x, logits))
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+_OTHER_PROCESS = r"""
+import sys, torch, moeq_rs as mq
+g = torch.Generator().manual_seed(1)
+w13 = torch.randint(-127, 128, (4, 64, 64), dtype=torch.int8, generator=g)
+w2 = torch.randint(-127, 128, (4, 64, 32), dtype=torch.int8, generator=g)
+other = mq.MoELayer.from_tensors(w13, w2, torch.rand(4, 64, 1), torch.rand(4, 64, 1),
+                                 scheme="w8a16", top_k=2)
+program = torch.export.load(sys.argv[1]).module()
+try:
+    program(torch.randn(3, 64), torch.randn(3, 4))
+except mq.LayoutError as e:
+    print("refused:", e)
+"""
+
+
+def test_an_exported_program_does_not_run_another_process_layer(tmp_path: Path) -> None:
+    """Handles counted from 1 in every process, so a saved torch.export program run in another
+    process silently ran whichever layer had its number there. Random handles find no layer
+    there, and the op says why."""
+
+    class Block(torch.nn.Module):
+        def __init__(self, moe: torch.nn.Module) -> None:
+            super().__init__()
+            self.moe = moe
+
+        def forward(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+            return x + self.moe(x, logits)
+
+    moe = mq.MoELayer.from_tensors(*_small_w8a16(), scheme="w8a16", top_k=2)
+    x, logits = torch.randn(3, 64), torch.randn(3, 4)
+    with torch.no_grad():
+        program = torch.export.export(Block(moe), (x, logits))
+        assert torch.equal(program.module()(x, logits), x + moe(x, logits))
+    torch.export.save(program, tmp_path / "moe.pt2")
+    done = subprocess.run(
+        [sys.executable, "-c", _OTHER_PROCESS, str(tmp_path / "moe.pt2")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "refused: layer handle" in done.stdout
+    assert "graph was made in another process" in done.stdout
+
+
+def test_traces_and_tensor_subclasses_go_through_the_op() -> None:
+    """torch.jit.trace of `x + moe(x, logits)` recorded the MoE output as a constant (the
+    eager path bypassed the op), and a tensor subclass reached numpy's RuntimeError."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    moe = mq.MoELayer.from_tensors(*_small_w8a16(), scheme="w8a16", top_k=2)
+    x, logits = torch.randn(3, 64), torch.randn(3, 4)
+
+    class Block(torch.nn.Module):
+        def forward(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+            return x + moe(x, logits)
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit.trace is deprecated
+        traced = torch.jit.trace(Block(), (x, logits))
+    x2 = torch.randn(3, 64)
+    assert torch.equal(traced(x2, logits), x2 + moe(x2, logits))
+    both = moe(TwoTensor(x, x2), logits)
+    assert torch.equal(both.a, moe(x, logits)) and torch.equal(both.b, moe(x2, logits))
 
 
 # torch.compile traces the backward with anomaly detection, which reports the refusal too.

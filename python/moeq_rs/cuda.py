@@ -837,13 +837,13 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
             return _deepcopy_layer(self, memo)
 
         def forward(self, hidden_states: Any, router_logits: Any) -> Any:
-            if torch.compiler.is_compiling():
+            if torch.compiler.is_compiling() or torch.jit.is_tracing():
                 return torch.ops.moeq.moe_forward(hidden_states, router_logits, self._handle)
             return self._forward_eager(hidden_states, router_logits)
 
         def forward_topk(self, hidden_states: Any, topk_weights: Any, topk_ids: Any) -> Any:
             """``sum_k topk_weights[t, k] * expert[topk_ids[t, k]](x_t)``: routed experts only."""
-            if torch.compiler.is_compiling():
+            if torch.compiler.is_compiling() or torch.jit.is_tracing():
                 return torch.ops.moeq.moe_forward_topk(
                     hidden_states, topk_weights, topk_ids, self._handle
                 )

@@ -10,8 +10,8 @@ only. Outputs have the hidden dtype.
 from __future__ import annotations
 
 import copy
-import itertools
 import os
+import random
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -76,6 +76,21 @@ _TORCH_TENSORS_NATIVE = _core.cpu_use_torch_tensors(torch.Tensor)
 # Bound once: an attribute chain costs microseconds per decode step with cold caches. torch.compile
 # recognises the function itself, whatever it is called here.
 _is_compiling = torch.compiler.is_compiling
+_is_tracing = torch.jit.is_tracing
+_Tensor = torch.Tensor
+
+
+def _eager(*tensors: object) -> bool:
+    """Whether a call may skip the custom op: not compiling or ``torch.jit.trace``-ing (a trace
+    that never saw the op recorded the output as a constant), plain tensors (a subclass, a fake
+    tensor among them, needs the op's dispatch: the numpy path cannot read it), and no input
+    that needs gradients."""
+    return (
+        not _is_compiling()
+        and not _is_tracing()
+        and all(type(t) is _Tensor for t in tensors)
+        and not _wants_grad(*tensors)
+    )
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -192,25 +207,40 @@ class MoELayer(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """Routed experts (routing per the model config, routed scaling) plus shared experts."""
-        if not _is_compiling() and not _wants_grad(hidden_states, router_logits):
+        if _eager(hidden_states, router_logits):
             # Eager: skip the custom-op dispatch (tens of microseconds, a third of a decode
-            # step); graphs, fake tensors and inputs that need gradients (whose backward then
-            # says there is none, as in a graph) still go through torch.ops.moeq.moe_forward.
+            # step); graphs, traces, tensor subclasses (fake tensors among them) and inputs that
+            # need gradients (whose backward then says there is none, as in a graph) still go
+            # through torch.ops.moeq.moe_forward.
             return self._forward_eager(hidden_states, router_logits)
         _check(hidden_states, "hidden_states", 2, True)
         _check(router_logits, "router_logits", 2, True)
-        return torch.ops.moeq.moe_forward(hidden_states, router_logits, self._handle)
+        return torch.ops.moeq.moe_forward(
+            hidden_states, router_logits, self._op_handle(hidden_states)
+        )
 
     def forward_topk(
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """``sum_k topk_weights[t, k] * expert[topk_ids[t, k]](x_t)``: routed experts only."""
-        if not _is_compiling() and not _wants_grad(hidden_states, topk_weights):
+        if _eager(hidden_states, topk_weights, topk_ids):
             return self._forward_topk_eager(hidden_states, topk_weights, topk_ids)
         _check(hidden_states, "hidden_states", 2, True)
         _check(topk_weights, "topk_weights", 2, True)
         _check(topk_ids, "topk_ids", 2, False)
-        return torch.ops.moeq.moe_forward_topk(hidden_states, topk_weights, topk_ids, self._handle)
+        return torch.ops.moeq.moe_forward_topk(
+            hidden_states, topk_weights, topk_ids, self._op_handle(hidden_states)
+        )
+
+    def _op_handle(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The handle to pass the custom op: as it is, or under ``FakeTensorMode`` (outside
+        torch.compile, which fakes it itself) as a fake tensor of that mode, which refuses to
+        mix real and fake tensors."""
+        if not _is_compiling():
+            mode = getattr(hidden_states, "fake_mode", None)
+            if mode is not None:
+                return mode.from_tensor(self._handle)
+        return self._handle
 
     def _forward_eager(
         self, hidden_states: torch.Tensor, router_logits: torch.Tensor
@@ -537,18 +567,27 @@ def fused_moe(
 
 # ---- torch.ops.moeq.* custom ops (with fake implementations for torch.compile) ----------------
 
-# Layers by handle for the custom ops (weak: a layer dropped by its owner is freed). Handles
-# count up and are never reused (an `id()` of a freed layer can come back as a new layer's).
+# Layers by handle for the custom ops (weak: a layer dropped by its owner is freed). A layer
+# holds its handle as a 0-d int64 tensor, not an int: torch.compile specialises a graph on a
+# module's int attributes, so each layer recompiled the forward and the ninth hit dynamo's
+# recompile limit (a hard error under fullgraph=True, eager from then on otherwise); a tensor is
+# a graph input, so layers of one shape share one graph. Handles are random 62-bit numbers,
+# never reused in a process: a graph or torch.export program taken to another process (whose
+# layers have other handles) finds no layer and says so, rather than running whichever layer
+# a counter there had given the same number.
 _LAYERS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-_NEXT_HANDLE = itertools.count(1)
+_ISSUE = random.SystemRandom()
 
 
-def _register(layer: torch.nn.Module) -> int:
+def _register(layer: torch.nn.Module) -> torch.Tensor:
     """A handle for the custom ops: any module with ``_forward_eager`` (``MoELayer``, the CUDA
     layer of ``moeq_rs.cuda``)."""
-    handle = next(_NEXT_HANDLE)
+    while True:
+        handle = _ISSUE.getrandbits(62)
+        if handle and handle not in _LAYERS:
+            break
     _LAYERS[handle] = layer
-    return handle
+    return torch.tensor(handle, dtype=torch.int64)
 
 
 def _copy_layer(layer: Any) -> Any:
@@ -567,44 +606,66 @@ def _deepcopy_layer(layer: Any, memo: dict[int, Any]) -> Any:
     new = layer.__class__.__new__(layer.__class__)
     memo[id(layer)] = new
     for key, value in layer.__dict__.items():
-        new.__dict__[key] = value if key == "_core" else copy.deepcopy(value, memo)
+        if key != "_handle":
+            new.__dict__[key] = value if key == "_core" else copy.deepcopy(value, memo)
     new._handle = _register(new)
     return new
 
 
-def _layer(handle: int) -> Any:
-    layer = _LAYERS.get(handle)
+def _layer(handle: torch.Tensor) -> Any:
+    if not (
+        isinstance(handle, torch.Tensor)
+        and handle.dim() == 0
+        and handle.dtype == torch.int64
+        and handle.is_cpu
+    ):
+        raise LayoutError(
+            f"layer: expected a MoE layer's handle (its 0-d int64 CPU tensor `_handle`), got "
+            f"{handle!r}"
+        )
+    number = int(handle)
+    layer = _LAYERS.get(number)
     if layer is None:
         raise LayoutError(
-            f"layer handle {handle}: that MoE layer was freed (a torch.ops.moeq call or compiled "
-            "graph that outlived its layer)"
+            f"layer handle {number}: no live MoE layer of this process has it: the layer was "
+            "freed (a torch.ops.moeq call or compiled graph that outlived its layer), or the "
+            "graph was made in another process (a saved torch.export program cannot carry a "
+            "moeq_rs layer: build the layer and export in the process that runs it)"
         )
     return layer
 
 
 @torch.library.custom_op("moeq::moe_forward_topk", mutates_args=())
 def _op_forward_topk(
-    hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer: int
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    layer: torch.Tensor,
 ) -> torch.Tensor:
     return _layer(layer)._forward_topk_eager(hidden_states, topk_weights, topk_ids)
 
 
 @_op_forward_topk.register_fake
 def _(
-    hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer: int
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    layer: torch.Tensor,
 ) -> torch.Tensor:
     return torch.empty_like(hidden_states)
 
 
 @torch.library.custom_op("moeq::moe_forward", mutates_args=())
 def _op_forward(
-    hidden_states: torch.Tensor, router_logits: torch.Tensor, layer: int
+    hidden_states: torch.Tensor, router_logits: torch.Tensor, layer: torch.Tensor
 ) -> torch.Tensor:
     return _layer(layer)._forward_eager(hidden_states, router_logits)
 
 
 @_op_forward.register_fake
-def _(hidden_states: torch.Tensor, router_logits: torch.Tensor, layer: int) -> torch.Tensor:
+def _(
+    hidden_states: torch.Tensor, router_logits: torch.Tensor, layer: torch.Tensor
+) -> torch.Tensor:
     return torch.empty_like(hidden_states)
 
 

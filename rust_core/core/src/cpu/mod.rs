@@ -20,18 +20,33 @@ pub use moe::{CpuExpert, CpuMoe};
 /// threads (read once; unset, zero or unparsable means one per available CPU). A pool of our
 /// own keeps the thread count ours to set, whatever else in the process uses rayon's global
 /// pool. `None` only if the OS refused the threads; the work then runs on rayon's global pool.
+///
+/// One per process: a child forked after the pool started inherits it without its threads, and
+/// work handed to it there would wait forever (a call from any thread but the adopted one), so
+/// the child builds its own (the parent's stays allocated, unused).
 pub fn pool() -> Option<&'static rayon::ThreadPool> {
-    POOL.get_or_init(|| {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(num_threads())
-            .thread_name(|i| format!("moeq-cpu-{i}"))
-            .build()
-            .ok()
-    })
-    .as_ref()
+    let pid = std::process::id();
+    let mut slot = POOL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    match *slot {
+        Some((owner, p)) if owner == pid => p,
+        _ => {
+            let built = rayon::ThreadPoolBuilder::new()
+                .num_threads(num_threads())
+                .thread_name(|i| format!("moeq-cpu-{i}"))
+                .build()
+                .ok()
+                .map(|p| &*Box::leak(Box::new(p)));
+            *slot = Some((pid, built));
+            built
+        }
+    }
 }
 
-static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
+/// [`pool`] and the process that built it.
+type ProcessPool = Option<(u32, Option<&'static rayon::ThreadPool>)>;
+static POOL: std::sync::Mutex<ProcessPool> = std::sync::Mutex::new(None);
 
 /// The pool that a long-lived thread joined with [`adopt_calling_thread`] (in Python, the
 /// main thread, when it first opens a checkpoint, repacks, builds a layer or runs a forward):
@@ -142,8 +157,11 @@ pub fn on_threads<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 
 /// The number of threads [`on_threads`] runs on, without starting a pool.
 pub fn threads() -> usize {
-    match (OWNER.get(), POOL.get()) {
-        (Some(Some(p)), _) | (_, Some(Some(p))) => p.current_num_threads(),
+    let other = *POOL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    match (OWNER.get(), other) {
+        (Some(Some(p)), _) | (_, Some((_, Some(p)))) => p.current_num_threads(),
         _ => num_threads(),
     }
 }

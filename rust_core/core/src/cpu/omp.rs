@@ -35,9 +35,21 @@ fn parking() -> &'static AtomicBool {
     })
 }
 
-/// Turns parking on or off for later forwards (benchmarks compare the two in one process).
+/// `MOEQ_PARK_OPENMP=always` (read once): park every time, never backing off after costly
+/// parks ([`Backoff`]); for measuring parking itself.
+fn always_park() -> bool {
+    static ALWAYS: OnceLock<bool> = OnceLock::new();
+    *ALWAYS.get_or_init(|| std::env::var("MOEQ_PARK_OPENMP").is_ok_and(|v| v.trim() == "always"))
+}
+
+/// Bumped by [`set_parking`]: a thread's [`Backoff`] from before counts for nothing.
+static PARKING_EPOCH: AtomicU32 = AtomicU32::new(0);
+
+/// Turns parking on or off for later forwards (benchmarks compare the two in one process); any
+/// backing off after costly parks starts afresh.
 pub fn set_parking(on: bool) {
     parking().store(on, Ordering::Relaxed);
+    PARKING_EPOCH.fetch_add(1, Ordering::Relaxed);
 }
 
 /// The process this library was loaded into (0 before then).
@@ -85,6 +97,73 @@ pub fn parked<F: FnOnce() -> R, R>(f: F) -> R {
 /// How many forwards have run parked in this process.
 pub fn parked_regions() -> u64 {
     imp::REGIONS.load(Ordering::Relaxed)
+}
+
+/// Parking's record on a thread. The region ends at the team's barrier, which waits until
+/// every team thread has been scheduled, seen the work done and arrived: tens of microseconds
+/// on an idle machine, but on one whose CPUs other processes keep busy each of those threads
+/// waits for a time slice first, and parking then cost milliseconds per forward (a 0.1 ms
+/// forward took 7-20 ms, a 1.9 ms decode step 3.3-4.2 ms). A park whose region outlasted its
+/// work by more than [`Backoff::COSTLY`] (or a quarter of the work) is followed by forwards
+/// that run unparked, 16 and then twice as many after each costly park in a row (at most
+/// 1024); a park that cost little resets that. `MOEQ_PARK_OPENMP=always` never backs off.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(not(target_os = "linux"), allow(dead_code))]
+struct Backoff {
+    /// Forwards still to run unparked.
+    skip: u32,
+    /// Forwards to skip after the next costly park, halved (0: none yet).
+    last: u32,
+}
+
+#[cfg_attr(not(target_os = "linux"), allow(dead_code))]
+impl Backoff {
+    const NONE: Backoff = Backoff { skip: 0, last: 0 };
+    /// The region's own cost (beyond its work) that counts as costly.
+    const COSTLY: std::time::Duration = std::time::Duration::from_micros(200);
+    const FIRST: u32 = 16;
+    const MOST: u32 = 1024;
+
+    /// The record after a park whose work took `worked` within a region of `total`.
+    fn after(self, worked: std::time::Duration, total: std::time::Duration) -> Backoff {
+        let cost = total.saturating_sub(worked);
+        if cost <= Self::COSTLY.max(worked / 4) {
+            return Self::NONE;
+        }
+        let skip = if self.last == 0 {
+            Self::FIRST
+        } else {
+            self.last.saturating_mul(2).min(Self::MOST)
+        };
+        Backoff { skip, last: skip }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Backoff;
+    use std::time::Duration;
+
+    #[test]
+    fn costly_parks_back_off_and_cheap_ones_reset() {
+        let us = Duration::from_micros;
+        // Cheap: the region's own cost within 200 us, or within a quarter of the work.
+        assert_eq!(Backoff::NONE.after(us(100), us(250)), Backoff::NONE);
+        assert_eq!(Backoff::NONE.after(us(4000), us(4900)), Backoff::NONE);
+        // Costly: 16 unparked forwards, then twice as many after each costly park in a row.
+        let mut b = Backoff::NONE.after(us(100), us(6800));
+        assert_eq!(b, Backoff { skip: 16, last: 16 });
+        let mut seen = vec![b.skip];
+        for _ in 0..8 {
+            b = b.after(us(1900), us(3300));
+            seen.push(b.skip);
+        }
+        assert_eq!(seen, [16, 32, 64, 128, 256, 512, 1024, 1024, 1024]);
+        // One cheap park and the next costly one starts from 16 again.
+        let b = b.after(us(1900), us(1950));
+        assert_eq!(b, Backoff::NONE);
+        assert_eq!(b.after(us(10), us(900)).skip, 16);
+    }
 }
 
 #[cfg(not(target_os = "linux"))]
@@ -294,6 +373,8 @@ mod imp {
         runtime: &'static Runtime,
         /// The thread ids of threads 1..=WATCHED, as they enter (0 for none).
         tids: [AtomicI32; WATCHED],
+        /// How long the work took (written by thread 0 only).
+        worked: UnsafeCell<std::time::Duration>,
     }
 
     /// The region's body: thread 0 runs the work, the others sleep on `done`.
@@ -306,9 +387,17 @@ mod imp {
         if me == 0 {
             // SAFETY: only thread 0 touches `work` and `result`; `parked` reads `result` after
             // GOMP_parallel has returned.
-            let (work, result) = unsafe { (&mut *region.work.get(), &mut *region.result.get()) };
+            let (work, result, worked) = unsafe {
+                (
+                    &mut *region.work.get(),
+                    &mut *region.result.get(),
+                    &mut *region.worked.get(),
+                )
+            };
             if let Some(f) = work.take() {
+                let start = std::time::Instant::now();
                 *result = Some(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
+                *worked = start.elapsed();
             }
             region.done.store(1, Ordering::Release);
             futex(&region.done, libc::FUTEX_WAKE, i32::MAX as u32);
@@ -340,7 +429,23 @@ mod imp {
         }
     }
 
+    thread_local! {
+        /// This thread's [`super::Backoff`], and the [`super::PARKING_EPOCH`] it belongs to.
+        static BACKOFF: std::cell::Cell<(u32, super::Backoff)> =
+            const { std::cell::Cell::new((0, super::Backoff::NONE)) };
+    }
+
     pub(super) fn parked<F: FnOnce() -> R, R>(f: F) -> R {
+        let epoch = super::PARKING_EPOCH.load(Ordering::Relaxed);
+        let backoff = match BACKOFF.get() {
+            (e, b) if e == epoch && !super::always_park() => b,
+            _ => super::Backoff::NONE,
+        };
+        if backoff.skip > 0 {
+            let skip = backoff.skip - 1;
+            BACKOFF.set((epoch, super::Backoff { skip, ..backoff }));
+            return f();
+        }
         let Some((rt, threads)) = team() else {
             return f();
         };
@@ -354,7 +459,9 @@ mod imp {
             done: AtomicU32::new(0),
             runtime: rt,
             tids: Default::default(),
+            worked: UnsafeCell::new(std::time::Duration::ZERO),
         };
+        let start = std::time::Instant::now();
         // SAFETY: `body::<F, R>` reads `data` as the `Region<F, R>` it is, and GOMP_parallel
         // returns only after all the region's threads have finished `body`.
         unsafe {
@@ -365,7 +472,9 @@ mod imp {
                 0,
             )
         };
+        let total = start.elapsed();
         REGIONS.fetch_add(1, Ordering::Relaxed);
+        BACKOFF.set((epoch, backoff.after(region.worked.into_inner(), total)));
         remember(&region.tids.each_ref().map(|t| t.load(Ordering::Relaxed)));
         match region.result.into_inner() {
             Some(Ok(r)) => r,
