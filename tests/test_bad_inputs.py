@@ -701,3 +701,103 @@ def test_from_tensors_static_scales_must_be_positive(arg: str, value: float) -> 
             top_k=2,
             **scales,
         )
+
+
+_SHARED = "model.layers.0.mlp.shared_experts"
+_BF16 = torch.bfloat16
+
+
+def _with_tensors(tmp_path: Path, extra: dict, ignore: list[str] | None = None) -> Path:
+    """The synthetic checkpoint with `extra` tensors added (and `ignore` patterns added to the
+    quantization config's ignore list)."""
+    from safetensors.torch import save_file
+
+    from synth import quant_config, tensors
+
+    qc = quant_config()
+    qc["ignore"] = [*qc.get("ignore", []), *(ignore or [])]
+    path = tmp_path / "ckpt"
+    write_checkpoint(path, qc=qc)
+    ts = tensors()
+    ts.update(extra)
+    save_file(ts, str(path / "model.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize(
+    "shapes,dtype,message",
+    [
+        # (gate, up, down) of a shared expert beside routed experts of hidden 64, I 32.
+        (((32, 64), (32, 64), (64, 48)), _BF16, r"down is \[64, 48\], expected \[64, 32\]"),
+        (((16, 64), (32, 64), (64, 32)), _BF16, r"gate is \[16, 64\] but up is \[32, 64\]"),
+        (((32, 48), (32, 48), (48, 32)), _BF16, "takes 48 inputs but the routed experts take 64"),
+        (((32, 64), (32, 64), (64, 32)), torch.int8, "is stored unquantized as I8"),
+    ],
+)
+def test_mis_sized_shared_experts_are_refused_when_the_checkpoint_opens(
+    tmp_path: Path, shapes: tuple, dtype: torch.dtype, message: str
+) -> None:
+    """A shared expert whose projections did not fit together (or took another hidden size)
+    was planned cpu_simd and loaded, and then the forward panicked in Rust (slice index out of
+    range) or ran with the wrong sizes; one stored as int8 without a quantization scheme was
+    planned but refused by the loader. Now the checkpoint does not open, as for routed
+    experts, and the error names the module."""
+    extra = {
+        f"{_SHARED}.{leaf}.weight": torch.zeros(*shape).to(dtype)
+        for leaf, shape in zip(("gate_proj", "up_proj", "down_proj"), shapes, strict=True)
+    }
+    path = _with_tensors(tmp_path, extra, ignore=[r"re:.*shared_experts.*"])
+    with pytest.raises(mq.CheckpointError, match=message) as e:
+        mq.open(path)
+    assert _SHARED in str(e.value)
+    done = subprocess.run(
+        [sys.executable, "-m", "moeq_rs", "inspect", str(path)], capture_output=True, text=True
+    )
+    assert done.returncode == 1 and done.stderr.startswith("moeq: error:")
+    assert "Traceback" not in done.stderr and "panicked" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "gate,message",
+    [
+        ({"weight": torch.zeros(3, 7, dtype=torch.bfloat16)}, r"is BF16 \[3, 7\]"),
+        (
+            {
+                "weight_packed": torch.zeros(1, 8, dtype=torch.int32),
+                "weight_scale": torch.ones(1, 2, dtype=torch.bfloat16),
+                "weight_shape": torch.tensor([1, 64]),
+            },
+            "has no plain '.weight' tensor",
+        ),
+    ],
+)
+def test_a_shared_expert_gate_the_forward_cannot_read_is_refused(
+    tmp_path: Path, gate: dict, message: str
+) -> None:
+    """The plan promised such a layer (cpu_simd, no error) and the loader then refused it
+    ('holds 21 values', or a misleading 'not in the checkpoint' for a quantized gate)."""
+    extra = {
+        f"{_SHARED}.{leaf}.weight": torch.zeros(*shape, dtype=torch.bfloat16)
+        for leaf, shape in (("gate_proj", (32, 64)), ("up_proj", (32, 64)), ("down_proj", (64, 32)))
+    }
+    extra.update({f"model.layers.0.mlp.shared_expert_gate.{k}": v for k, v in gate.items()})
+    ignore = [r"re:.*shared_experts.*"]
+    if "weight" in gate:
+        ignore.append(r"re:.*shared_expert_gate$")
+    path = _with_tensors(tmp_path, extra, ignore=ignore)
+    with pytest.raises(mq.CheckpointError, match=message):
+        mq.open(path)
+
+
+def test_a_missing_top_k_is_a_plan_error_not_a_load_surprise(tmp_path: Path) -> None:
+    """Without num_experts_per_tok the plan said cpu_simd (and the table 'top-None'), and only
+    the loader refused."""
+    path = _with_tensors(tmp_path, {})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("num_experts_per_tok")
+    (path / "config.json").write_text(json.dumps(cfg))
+    layer = mq.plan(path).layer(0)
+    assert layer["backend"] is None
+    assert "num_experts_per_tok: is missing" in layer["error"]
+    with pytest.raises(mq.MoeqError, match="num_experts_per_tok"):
+        mq.MoELayer.from_checkpoint(path, 0)

@@ -337,12 +337,13 @@ impl Model {
             let shared_experts: Option<ExpertModules> = if d.shared.is_empty() {
                 None
             } else {
-                Some(moe::assemble(
-                    &format!("{}.shared_experts", d.prefix),
-                    &d.shared,
-                    lookup,
-                )?)
+                let s = moe::assemble(&format!("{}.shared_experts", d.prefix), &d.shared, lookup)?;
+                check_shared_expert(&s, hidden_size)?;
+                Some(s)
             };
+            if let Some(g) = &d.shared_expert_gate {
+                check_shared_expert_gate(&ckpt, g, hidden_size)?;
+            }
             moe_layers.push(MoeLayer {
                 layer: d.layer,
                 prefix: d.prefix,
@@ -722,6 +723,24 @@ impl Model {
                     "mixed": false,
                 });
                 add_plan_json(&mut v, &plan);
+                if compat {
+                    if let Some(obj) = v.as_object_mut() {
+                        obj.insert(
+                            "vllm".into(),
+                            json!({
+                                "method": null,
+                                "backend": null,
+                                "error": format!(
+                                    "vLLM loads compressed-tensors checkpoints, not the {} layout \
+                                     moeq repack writes (repack runs its load-time conversion \
+                                     ahead); give vLLM the source checkpoint",
+                                    layout.layout
+                                ),
+                                "notes": [],
+                            }),
+                        );
+                    }
+                }
                 layers.push(v);
             }
             layers.sort_by_key(|l| l.get("layer").and_then(Value::as_u64).unwrap_or(0));
@@ -767,6 +786,64 @@ impl Model {
 
 /// The plan loses its backend (kept among the rejected ones, with `why`), and says `why` in
 /// `error` unless it already has an error.
+/// A shared expert is checked as the routed experts are, when the checkpoint opens: its
+/// projections fit together ([`moe::expert_dims`]) and take the routed experts' hidden size,
+/// and a projection stored unquantized holds BF16, F16 or F32 values (what the forward reads).
+/// Unchecked, a mis-sized one loaded and then panicked in the forward or ran with the wrong
+/// sizes.
+fn check_shared_expert(s: &ExpertModules, hidden_size: usize) -> Result<()> {
+    let owner =
+        s.up.name
+            .strip_suffix(".up_proj")
+            .unwrap_or(&s.up.name)
+            .to_string();
+    let (h, _) = moe::expert_dims(&owner, s)?;
+    if h != hidden_size {
+        return Err(module_error(
+            &owner,
+            format!("takes {h} inputs but the routed experts take {hidden_size}"),
+        ));
+    }
+    for m in s.gate.iter().chain([&s.up, &s.down]) {
+        let plain = matches!(m.weight_dtype, DType::BF16 | DType::F16 | DType::F32);
+        if m.scheme.is_none() && !plain {
+            return Err(module_error(
+                &m.weight_tensor,
+                format!(
+                    "is stored unquantized as {}; the forward reads unquantized weights as BF16, F16 or F32",
+                    m.weight_dtype
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The shared expert gate (Qwen2-MoE's `shared_expert_gate`, a Linear of one output) is read as
+/// a plain `[1, hidden]` float vector: checked when the checkpoint opens, as the plan would
+/// otherwise promise a layer the loader refuses.
+fn check_shared_expert_gate(ckpt: &Checkpoint, module: &str, hidden_size: usize) -> Result<()> {
+    let name = format!("{module}.weight");
+    let Some(info) = ckpt.info(&name) else {
+        return Err(module_error(
+            module,
+            "has no plain '.weight' tensor (is it stored quantized?); the forward reads the \
+             shared expert gate as a [1, hidden] BF16, F16 or F32 vector",
+        ));
+    };
+    if !matches!(info.dtype, DType::BF16 | DType::F16 | DType::F32) || info.numel() != hidden_size {
+        return Err(module_error(
+            &name,
+            format!(
+                "is {} {:?}; the forward reads the shared expert gate as [1, {hidden_size}] \
+                 BF16, F16 or F32",
+                info.dtype, info.shape
+            ),
+        ));
+    }
+    Ok(())
+}
+
 fn refuse(plan: &mut oracle::LayerPlan, why: String) {
     if let Some(b) = plan.backend.take() {
         plan.rejected.push((b, why.clone()));

@@ -653,12 +653,20 @@ impl Routing {
                 format!("\"{s}\" routing is not implemented (softmax or sigmoid)"),
             ));
         }
-        if let Some(k) = self.top_k {
-            if k == 0 || k > experts {
+        match self.top_k {
+            Some(k) if k == 0 || k > experts => {
                 return Err((
                     "num_experts_per_tok",
                     format!("{k} is not between 1 and the layer's {experts} experts"),
                 ));
+            }
+            Some(_) => {}
+            // The forward routes to top_k experts: without it there is no routing to follow.
+            None => {
+                return Err((
+                    "num_experts_per_tok",
+                    "is missing (the number of experts each token is routed to)".into(),
+                ))
             }
         }
         if let Some(groups) = self.n_group {
