@@ -410,6 +410,54 @@ def test_repacked_checkpoint_inspects(fixture_path: Callable[[str], Path], tmp_p
         (out / "config.json").write_text(json.dumps(cfg))
         repack_checkpoint(out, tmp_path / "again")
 
+    # --compat vllm on a repacked checkpoint: the table failed with an internal KeyError and the
+    # JSON lacked the "vllm" entries DESIGN.md promises on every layer.
+    for target, path in (("marlin", out), ("cpu", tmp_path / "c")):
+        if target == "cpu":
+            repack_checkpoint(fixture_path("laguna_mixed_int4_int8"), path, target="cpu")
+        r = cli("inspect", str(path), "--compat", "vllm")
+        assert r.returncode == 0 and "vLLM loads compressed-tensors checkpoints" in r.stdout, r
+        doc = json.loads(cli("inspect", str(path), "--json", "--compat", "vllm").stdout)
+        for layer in doc["moe_layers"]:
+            assert layer["vllm"]["method"] is None and layer["vllm"]["backend"] is None
+            assert f"not the {target} layout" in layer["vllm"]["error"]
+
+
+def test_force_never_deletes_the_source(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """--force replaced an OUT_DIR that was an ancestor of the source directory (deleting the
+    source) or one of its shards (replaced by a directory). Only the source itself was refused."""
+    import shutil
+
+    src = tmp_path / "models" / "src"
+    shutil.copytree(fixture_path("qwen3_w8a16_g128"), src)
+    before = digest(src)
+    for out in (tmp_path / "models", src / "model.safetensors", src):
+        r = cli("repack", str(src), str(out), "--target", "cpu", "--force")
+        assert r.returncode == 1 and r.stderr.startswith("moeq: error:"), r
+        assert "source checkpoint" in r.stderr
+        assert digest(src) == before
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["src"]
+
+
+def test_a_refused_scheme_is_not_repacked_into_an_accepted_one(tmp_path: Path) -> None:
+    """Weights marked dynamic are refused ("not a storage scheme"), but repack converted them,
+    and the output planned and loaded as W4A16. Now --target marlin refuses the layer and
+    --target cpu leaves it in its source form, which is still refused."""
+    qc = quant_config()
+    qc["config_groups"]["group_0"]["weights"]["dynamic"] = True
+    src = tmp_path / "src"
+    write_checkpoint(src, qc=qc, hidden=128, inter=128)
+    r = cli("repack", str(src), str(tmp_path / "m"), "--target", "marlin")
+    assert r.returncode == 1 and "dynamic weight quantization" in r.stderr
+    assert not (tmp_path / "m").exists()
+    repack_checkpoint(src, tmp_path / "c", target="cpu")
+    layer = mq.plan(tmp_path / "c").layer(0)
+    assert layer["method"] == "unsupported" and layer["backend"] is None
+    with pytest.raises(mq.UnsupportedSchemeError, match="dynamic weight quantization"):
+        mq.MoELayer.from_checkpoint(tmp_path / "c", 0)
+
 
 @pytest.mark.parametrize("inter", [96, 160])
 def test_intermediate_padding_matches_reference(tmp_path: Path, inter: int) -> None:

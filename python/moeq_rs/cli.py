@@ -220,6 +220,15 @@ class _ProgressBar:
             print(file=sys.stderr)
 
 
+def _identity(path: str) -> tuple[int, int] | None:
+    """Which directory entry ``path`` names now (device and inode), or None if none."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
 def _cmd_repack(args: argparse.Namespace) -> int:
     from .checkpoint import open as open_checkpoint
     from .repack import parse_size, repack_checkpoint
@@ -227,6 +236,7 @@ def _cmd_repack(args: argparse.Namespace) -> int:
     size = parse_size(args.max_shard_size)
     ckpt = open_checkpoint(args.model_dir)
     bar = _ProgressBar()
+    before = _identity(args.out_dir)
     try:
         r = repack_checkpoint(
             ckpt,
@@ -237,6 +247,17 @@ def _cmd_repack(args: argparse.Namespace) -> int:
             verify=args.verify,
             progress=bar,
         )
+    except KeyboardInterrupt:
+        # The repack checks for Ctrl-C up to the rename that commits OUT_DIR; one that comes
+        # during the rename is raised once it returns, with OUT_DIR complete.
+        if _identity(args.out_dir) not in (None, before):
+            print(
+                f"\nmoeq: interrupted as the repack finished; {args.out_dir} is written and "
+                "complete",
+                file=sys.stderr,
+            )
+            return 130
+        raise
     finally:
         bar.close()
     rate = r["bytes_written"] / 1e6 / max(r["seconds"], 1e-9)

@@ -140,6 +140,21 @@ pub fn repack_marlin(
     repack(model, out_dir, Target::Marlin, opts, progress)
 }
 
+/// Why the oracle refuses a layer's scheme on every platform (its method is `unsupported`),
+/// or `None`.
+fn unsupported_scheme(l: &crate::moe::MoeLayer) -> Option<String> {
+    use crate::oracle::{CpuFeatures, Method, Options, Platform};
+    let plan = crate::oracle::plan_layer(
+        &Model::layer_input(l),
+        Platform::Cpu(CpuFeatures::detect()),
+        Options::default(),
+    );
+    (plan.method == Method::Unsupported).then(|| {
+        plan.error
+            .unwrap_or_else(|| "the scheme is not supported".into())
+    })
+}
+
 /// Repacks `model` into `out_dir` in the `target` layout. The CPU layout prepacks the W8A8
 /// layers and copies every other tensor unchanged.
 pub fn repack(
@@ -183,6 +198,27 @@ pub fn repack(
                     "is the source checkpoint; write elsewhere",
                 ));
             }
+            // Replacing OUT_DIR deletes it: it must hold none of the files being read (an
+            // ancestor of the source directory, or one of its shards, was deleted before).
+            let sources = std::iter::once(b)
+                .chain(
+                    ckpt.files()
+                        .iter()
+                        .filter_map(|f| f.path().canonicalize().ok()),
+                )
+                .chain(ckpt.config_path().canonicalize().ok());
+            for source in sources {
+                if source.starts_with(&a) {
+                    return Err(output_error(
+                        out_dir,
+                        format!(
+                            "holds {} of the source checkpoint, which --force would delete; \
+                             write elsewhere",
+                            source.display()
+                        ),
+                    ));
+                }
+            }
         }
     }
     if opts.max_shard_size == 0 {
@@ -192,6 +228,21 @@ pub fn repack(
     // Decide everything before writing anything.
     let mut layers = Vec::new();
     for l in model.moe_layers() {
+        // A layer whose scheme the oracle refuses (dynamic weight quantization, say) stays as
+        // it is: converted, it would plan and load as a scheme it is not. Marlin refuses it;
+        // the CPU layout leaves it in its source form, which the plan and the loader refuse.
+        if let Some(why) = unsupported_scheme(l) {
+            match target {
+                Target::Marlin => {
+                    return Err(crate::error::UnsupportedSchemeError {
+                        subject: format!("{} (layer {})", l.prefix, l.layer),
+                        reason: why,
+                    }
+                    .into())
+                }
+                Target::Cpu => continue,
+            }
+        }
         // A layer with a part no kernel computes (projection biases): Marlin refuses it; the CPU
         // layout leaves it in its source form, which the CPU loader refuses.
         match (target, model.unsupported_part(&l.prefix)) {
@@ -355,6 +406,8 @@ pub fn repack(
         report("verify", done, written)?;
     }
 
+    // A last chance to stop (Ctrl-C) before the output appears: after this, it is complete.
+    report("commit", done, written)?;
     // Commit: move the finished directory into place.
     if out_dir.exists() || out_dir.is_symlink() {
         let old = parent.join(format!(".{name}.moeq-old-{}", std::process::id()));
