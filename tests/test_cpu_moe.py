@@ -1979,7 +1979,6 @@ def test_a_forked_child_never_parks_its_inherited_openmp_team() -> None:
     assert ran.stdout.split() == ["True", "False", "0"]
 
 
-
 _FORK_SIDE_THREAD_SCRIPT = (
     _layer_script(2, 8, 64, 32, 2)
     + r"""
@@ -2021,6 +2020,7 @@ def test_a_forked_child_runs_forwards_from_other_threads() -> None:
     )
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.split() == ["[True]", "0"]
+
 
 _FORK_AFTER_OPEN_SCRIPT = r"""
 import os, sys, time, torch
@@ -2309,9 +2309,7 @@ def test_layers_of_one_shape_share_one_compiled_graph() -> None:
     from then on otherwise). As a tensor it is a graph input."""
     from torch._dynamo.utils import counters
 
-    layers = [
-        mq.MoELayer.from_tensors(*_small_w8a16(), scheme="w8a16", top_k=2) for _ in range(10)
-    ]
+    layers = [mq.MoELayer.from_tensors(*_small_w8a16(), scheme="w8a16", top_k=2) for _ in range(10)]
     x, logits = torch.randn(3, 64), torch.randn(3, 4)
     torch._dynamo.reset()
     counters.clear()
@@ -2439,3 +2437,27 @@ def test_misaligned_input_is_named_as_misaligned() -> None:
     assert x.is_contiguous()
     with pytest.raises(mq.LayoutError, match="hidden_states: must be aligned to its element size"):
         moe(x, torch.randn(3, 4))
+
+
+def test_the_thread_count_is_bounded_and_bad_values_mean_the_default() -> None:
+    """MOEQ_NUM_THREADS had no upper bound: 100000 spent minutes starting threads. At most
+    four per available CPU; a value that is not a positive integer means one per CPU."""
+    import os
+
+    def threads(value: str) -> int:
+        ran = subprocess.run(
+            [sys.executable, "-c", "import moeq_rs as mq; print(mq.oracle.cpu_threads())"],
+            env=dict(os.environ, MOEQ_NUM_THREADS=value),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert ran.returncode == 0, ran.stderr
+        return int(ran.stdout)
+
+    default = threads("")
+    assert 1 <= default <= (os.cpu_count() or 1)
+    assert threads("1") == 1
+    assert threads("100000") == 4 * default
+    for bad in ("0", "-1", "abc", "99999999999999999999999"):
+        assert threads(bad) == default, bad

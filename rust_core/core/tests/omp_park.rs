@@ -52,6 +52,8 @@ fn a_forward_parks_the_idle_openmp_team_and_gives_back_its_result() {
     // Idle OpenMP threads spin forever, so that a parked one is told apart from an idle one
     // (GOMP_SPINCOUNT would override the policy).
     std::env::set_var("OMP_WAIT_POLICY", "active");
+    // Every forward parks: no backing off after a park that a busy machine made costly.
+    std::env::set_var("MOEQ_PARK_OPENMP", "always");
     std::env::remove_var("GOMP_SPINCOUNT");
     // libgomp spins only briefly when its threads outnumber the CPUs this process may use.
     let spins = std::thread::available_parallelism().map_or(1, |n| n.get()) >= 2;
