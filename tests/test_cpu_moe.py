@@ -2461,3 +2461,25 @@ def test_the_thread_count_is_bounded_and_bad_values_mean_the_default() -> None:
     assert threads("100000") == 4 * default
     for bad in ("0", "-1", "abc", "99999999999999999999999"):
         assert threads(bad) == default, bad
+
+
+def test_module_moves_are_refused_and_dtype_casts_change_nothing() -> None:
+    """.cuda(), .to("cuda") and .to("meta") returned the layer unchanged (its weights are not
+    parameters), so a model moved to the GPU kept running this layer on the CPU unnoticed. A
+    move off the CPU is now a LayoutError (CudaUnavailableError where torch reaches a GPU); a
+    dtype cast changes nothing, the outputs taking the input's dtype as before."""
+    moe = mq.MoELayer.from_tensors(*_small_w8a16(), scheme="w8a16", top_k=2)
+    x, logits = torch.randn(3, 64), torch.randn(3, 4)
+    want = moe(x, logits)
+    assert moe.to(torch.bfloat16) is moe and moe.half() is moe and moe.to("cpu") is moe
+    model = torch.nn.ModuleList([torch.nn.Linear(64, 64), moe])
+    for move in (
+        moe.cuda,
+        lambda: moe.to("cuda:0"),
+        lambda: moe.to("meta"),
+        lambda: model.to("meta"),
+    ):
+        # (LayoutError here; CudaUnavailableError where torch reaches a GPU.)
+        with pytest.raises(mq.MoeqError, match="MoELayer runs on the CPU only"):
+            move()
+    assert torch.equal(moe(x, logits), want)

@@ -502,3 +502,20 @@ def test_bad_max_shard_size_values(
             fixture_path("qwen3_w8a16_g128"), tmp_path / "o", target="cpu", max_shard_size=size
         )
     assert not (tmp_path / "o").exists()
+
+
+def test_a_killed_repack_leaves_nothing_for_long(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A repack killed outright (SIGKILL) cannot remove its hidden temporary directory, and the
+    next run (another pid) left it there for good. The next repack to that OUT_DIR removes what
+    processes that no longer exist left; a live process's stay."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], stdout=-1)
+    dead = int(gone.stdout)
+    stale = [tmp_path / f".out.moeq-tmp-{dead}", tmp_path / f".out.moeq-old-{dead}"]
+    live = tmp_path / f".out.moeq-tmp-{os.getppid()}"
+    for d in (*stale, live):
+        d.mkdir()
+        (d / "model-00001-of-00002.safetensors").write_bytes(b"x" * 1000)
+    repack_checkpoint(fixture_path("qwen3_w8a16_g128"), tmp_path / "out", target="cpu")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", live.name])

@@ -164,6 +164,23 @@ class MoELayer(torch.nn.Module):
     def __copy__(self) -> MoELayer:
         return _copy_layer(self)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> MoELayer:  # noqa: ARG002
+        """What ``.to()``, ``.cuda()``, ``.half()`` and the like do to a module. The weights live
+        in moeq_rs's CPU memory, not in parameters: a dtype changes nothing (outputs take the
+        input's dtype), and a move off the CPU is refused instead of silently not happening."""
+        try:
+            moved = fn(torch.empty(0))
+        except Exception as e:  # a device this torch cannot reach
+            raise LayoutError(f"MoELayer runs on the CPU only; moving it failed: {e}") from None
+        device = moved.device if isinstance(moved, torch.Tensor) else torch.device("cpu")
+        if device.type == "cuda":
+            from .errors import CudaUnavailableError
+
+            raise CudaUnavailableError(_NOT_ON_CUDA_YET.format(device=str(device)))
+        if device.type != "cpu":
+            raise LayoutError(f"MoELayer runs on the CPU only; cannot move it to {device}")
+        return self
+
     def __deepcopy__(self, memo: dict[int, Any]) -> MoELayer:
         return _deepcopy_layer(self, memo)
 

@@ -140,6 +140,58 @@ pub fn repack_marlin(
     repack(model, out_dir, Target::Marlin, opts, progress)
 }
 
+/// Removes what a repack to `parent/name` killed before it could clean up (SIGKILL, a power
+/// loss) left behind: `.<name>.moeq-tmp-<pid>` and `.<name>.moeq-old-<pid>` of processes that
+/// no longer exist (hundreds of MB each, hidden, and never reused: the next run has another
+/// pid). A live process's are left alone: it may be repacking there now.
+fn remove_abandoned(parent: &Path, name: &str) {
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let file = entry.file_name();
+        let Some(rest) = file
+            .to_str()
+            .and_then(|f| f.strip_prefix(&format!(".{name}.moeq-")))
+        else {
+            continue;
+        };
+        let pid = rest
+            .strip_prefix("tmp-")
+            .or_else(|| rest.strip_prefix("old-"))
+            .and_then(|p| p.parse::<u32>().ok());
+        if let Some(pid) = pid {
+            if pid != std::process::id() && !process_exists(pid) {
+                let path = entry.path();
+                let _ = if path.is_dir() && !path.is_symlink() {
+                    std::fs::remove_dir_all(&path)
+                } else {
+                    std::fs::remove_file(&path)
+                };
+            }
+        }
+    }
+}
+
+/// Whether process `pid` exists (on other systems than Unix: assumed to, so nothing is removed).
+fn process_exists(pid: u32) -> bool {
+    #[cfg(unix)]
+    {
+        let Ok(pid) = libc::pid_t::try_from(pid) else {
+            return true;
+        };
+        // SAFETY: signal 0 sends nothing; kill only checks that the process exists (ESRCH when
+        // it does not; EPERM when it exists but is another user's).
+        let r = unsafe { libc::kill(pid, 0) };
+        r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = pid;
+        true
+    }
+}
+
 /// Why the oracle refuses a layer's scheme on every platform (its method is `unsupported`),
 /// or `None`.
 fn unsupported_scheme(l: &crate::moe::MoeLayer) -> Option<String> {
@@ -285,6 +337,7 @@ pub fn repack(
     let plan = Plan::new(specs, opts.max_shard_size);
     let bytes_total: u64 = plan.shards.iter().map(|s| s.size).sum();
 
+    remove_abandoned(&parent, &name);
     let tmp_path = parent.join(format!(".{name}.moeq-tmp-{}", std::process::id()));
     if tmp_path.exists() {
         std::fs::remove_dir_all(&tmp_path).map_err(|e| io(&tmp_path, e))?;
