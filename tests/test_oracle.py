@@ -440,3 +440,28 @@ def test_cli_table_with_compat(fixture_path: Callable[[str], Path]) -> None:
     ]
     assert any("v0.27.0 and v0.27.1" in line for line in lines)
     assert np.any(["cuda_marlin_wna16" in line for line in lines])
+
+
+@pytest.mark.parametrize("sm", [0, 7, 200, 1000, 4294967295])
+def test_an_sm_that_is_no_compute_capability_is_refused(
+    fixture_path: Callable[[str], Path], sm: int
+) -> None:
+    """--sm took any u32: 1000 planned Marlin, 7 planned as a GPU of major version 0."""
+    with pytest.raises(mq.ConfigError, match=f"sm: {sm} is not a compute capability"):
+        mq.plan(fixture_path("qwen3_w8a16_g128"), platform="cuda", sm=sm)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moeq_rs",
+            "inspect",
+            str(fixture_path("qwen3_w8a16_g128")),
+            "--platform",
+            "cuda",
+            "--sm",
+            str(sm),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 1 and r.stderr.startswith(f"moeq: error: arguments: sm: {sm} is not")

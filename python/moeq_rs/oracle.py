@@ -326,8 +326,13 @@ def plan(
 
     if compat not in (None, "vllm"):
         raise ConfigError(f"arguments: compat: {compat!r} is not 'vllm'")
-    if sm is not None and int_in(sm, 0, U32_MAX) is None:
-        raise ConfigError(f"arguments: sm: {sm!r} is not a compute capability (major*10 + minor)")
+    # Compute capabilities so far are 1.0 to 12.x; a number outside 10..=199 (7, 1000) is a
+    # typo, not a GPU, and planned Marlin for 1000.
+    if sm is not None and int_in(sm, 10, 199) is None:
+        raise ConfigError(
+            f"arguments: sm: {sm!r} is not a compute capability (major*10 + minor, 10 to 199: "
+            "90 for sm_90)"
+        )
     if int_in(tp_size, 1, I64_MAX) is None:
         raise ConfigError(f"arguments: tp_size: {tp_size!r} must be an int of at least 1")
     doc = ckpt._core.report_json(platform, as_int(sm), backend, as_int(tp_size), compat == "vllm")
