@@ -2483,3 +2483,40 @@ def test_module_moves_are_refused_and_dtype_casts_change_nothing() -> None:
         with pytest.raises(mq.MoeqError, match="MoELayer runs on the CPU only"):
             move()
     assert torch.equal(moe(x, logits), want)
+
+
+_SCRATCH_SCRIPT = r"""
+import threading, torch, moeq_rs as mq
+g = torch.Generator().manual_seed(5)
+e, h, i = 8, 256, 128
+layer = mq.MoELayer.from_tensors(
+    torch.randint(-127, 128, (e, 2 * i, h), dtype=torch.int8, generator=g),
+    torch.randint(-127, 128, (e, h, i), dtype=torch.int8, generator=g),
+    torch.rand(e, 2 * i, 1, generator=g) * 1e-2, torch.rand(e, h, 1, generator=g) * 1e-2,
+    scheme="w8a8_dynamic", top_k=4)
+x, lg = torch.randn(4096, h, generator=g).bfloat16(), torch.randn(4096, e, generator=g)
+want = layer(x, lg)
+side = threading.Thread(target=layer, args=(x, lg))  # the other threads' pool too
+side.start(); side.join()
+first = mq.oracle.cpu_release_scratch()
+second = mq.oracle.cpu_release_scratch()
+print(first, second, torch.equal(layer(x, lg), want))
+"""
+
+
+def test_spare_scratch_can_be_released() -> None:
+    """Forwards keep their scratch for the next call (hundreds of MB after a long prompt) with
+    no way to free it; mq.oracle.cpu_release_scratch() frees it on every forward thread."""
+    import os
+
+    ran = subprocess.run(
+        [sys.executable, "-c", _SCRATCH_SCRIPT],
+        env=dict(os.environ, MOEQ_NUM_THREADS="2"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ran.returncode == 0, ran.stderr
+    first, second, same = ran.stdout.split()
+    assert int(first) > 4096 * 256 * 2  # at least the bf16 input's widened copy's size
+    assert int(second) == 0 and same == "True"

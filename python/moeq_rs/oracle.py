@@ -26,6 +26,7 @@ __all__ = [
     "cpu_features",
     "cpu_kernel",
     "cpu_park_openmp",
+    "cpu_release_scratch",
     "cpu_threads",
     "make_int8_moe_quant_config",
     "marlin_support_reason",
@@ -148,6 +149,15 @@ def cpu_threads() -> int:
     """Threads the CPU MoE forward runs on: ``MOEQ_NUM_THREADS`` (read once per process), else
     one per available CPU."""
     return _core.cpu_threads()
+
+
+def cpu_release_scratch() -> int:
+    """Frees the CPU forward's spare scratch buffers on all its threads and returns the bytes
+    freed. Forwards keep their scratch (up to 8 buffers of up to 256 MiB per thread and element
+    type) so that the next prefill does not fault it in again; after a long prompt that can be
+    hundreds of MB (about 850 MB for a Qwen3-shape layer at T = 8192). Like
+    ``torch.cuda.empty_cache()``: later forwards allocate again as they need."""
+    return _core.cpu_release_scratch()
 
 
 def cpu_park_openmp(on: bool | None = None) -> bool:

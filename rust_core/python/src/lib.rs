@@ -525,6 +525,12 @@ fn cpu_park_openmp(on: Option<bool>) -> bool {
     moeq_core::cpu::parks_openmp_here()
 }
 
+/// Frees the CPU forward's spare scratch buffers on every thread; the bytes freed.
+#[pyfunction]
+fn cpu_release_scratch(py: Python<'_>) -> usize {
+    py.detach(moeq_core::cpu::release_scratch)
+}
+
 /// How many CPU forwards have run with the OpenMP team parked in this process.
 #[pyfunction]
 fn cpu_parked_regions() -> u64 {
@@ -635,6 +641,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_adopt_calling_thread, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_park_openmp, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_parked_regions, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_release_scratch, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack::cpu_use_torch_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack::_cpu_torch_outputs_alive, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_driver_available, m)?)?;

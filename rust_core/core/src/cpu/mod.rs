@@ -72,9 +72,43 @@ pub fn adopt_calling_thread() -> bool {
         adopted = built.is_some();
         // The initialiser runs on the calling thread: this marks the adopted one.
         IS_ADOPTED.set(adopted);
+        OWNER_PROCESS.store(std::process::id(), std::sync::atomic::Ordering::Relaxed);
         built
     });
     adopted
+}
+
+/// The process that adopted a thread into [`OWNER`] (a forked child has the pool without its
+/// other threads).
+static OWNER_PROCESS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// Frees the spare scratch buffers ([`spare`]) of every forward thread of this process and of
+/// the calling thread; returns the bytes they held. The forward keeps up to 8 buffers of up to
+/// 256 MiB per element type and thread, so that a prefill does not fault its scratch in again
+/// each call: after a long prompt that is hundreds of MB (a Qwen3-shape layer, T = 8192: about
+/// 850 MB), held until the next call reuses it. Pools inherited across a fork (whose other
+/// threads do not exist) are skipped.
+pub fn release_scratch() -> usize {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let freed = AtomicUsize::new(spare::release_here());
+    let pid = std::process::id();
+    let each = |_: rayon::BroadcastContext<'_>| {
+        freed.fetch_add(spare::release_here(), Ordering::Relaxed);
+    };
+    if let Some(Some(p)) = OWNER.get() {
+        if OWNER_PROCESS.load(Ordering::Relaxed) == pid {
+            p.broadcast(each);
+        }
+    }
+    let other = *POOL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some((owner, Some(p))) = other {
+        if owner == pid {
+            p.broadcast(each);
+        }
+    }
+    freed.into_inner()
 }
 
 thread_local! {

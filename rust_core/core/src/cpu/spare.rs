@@ -113,6 +113,23 @@ pub fn give<T: Spare>(v: Vec<T>) {
     });
 }
 
+/// Frees this thread's spare buffers; returns the bytes they held.
+pub fn release_here() -> usize {
+    fn drain<T: Spare>() -> usize {
+        T::with_spares(|s| {
+            s.map_or(0, |s| {
+                let bytes = s
+                    .iter()
+                    .map(|v| v.capacity() * std::mem::size_of::<T>())
+                    .sum();
+                *s = Vec::new();
+                bytes
+            })
+        })
+    }
+    drain::<u8>() + drain::<u16>() + drain::<f32>()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -142,6 +159,9 @@ mod tests {
             give(vec![0f32; 10]);
         }
         assert_eq!(f32::with_spares(|s| s.map(|s| s.len())), Some(KEEP));
+        assert!(release_here() >= KEEP * 10 * 4 + (1 << 20));
+        assert_eq!(f32::with_spares(|s| s.map(|s| s.len())), Some(0));
+        assert_eq!(release_here(), 0);
     }
 
     #[test]
