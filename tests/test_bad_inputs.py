@@ -731,7 +731,6 @@ def _with_tensors(tmp_path: Path, extra: dict, ignore: list[str] | None = None) 
         (((32, 64), (32, 64), (64, 48)), _BF16, r"down is \[64, 48\], expected \[64, 32\]"),
         (((16, 64), (32, 64), (64, 32)), _BF16, r"gate is \[16, 64\] but up is \[32, 64\]"),
         (((32, 48), (32, 48), (48, 32)), _BF16, "takes 48 inputs but the routed experts take 64"),
-        (((32, 64), (32, 64), (64, 32)), torch.int8, "is stored unquantized as I8"),
     ],
 )
 def test_mis_sized_shared_experts_are_refused_when_the_checkpoint_opens(
@@ -739,9 +738,9 @@ def test_mis_sized_shared_experts_are_refused_when_the_checkpoint_opens(
 ) -> None:
     """A shared expert whose projections did not fit together (or took another hidden size)
     was planned cpu_simd and loaded, and then the forward panicked in Rust (slice index out of
-    range) or ran with the wrong sizes; one stored as int8 without a quantization scheme was
-    planned but refused by the loader. Now the checkpoint does not open, as for routed
-    experts, and the error names the module."""
+    range) or ran with the wrong sizes. Now the checkpoint does not open, as for routed
+    experts, and the error names the module. (A shared intermediate size other than the routed
+    experts' is normal, as in Qwen2-MoE, and opens.)"""
     extra = {
         f"{_SHARED}.{leaf}.weight": torch.zeros(*shape).to(dtype)
         for leaf, shape in zip(("gate_proj", "up_proj", "down_proj"), shapes, strict=True)
@@ -757,9 +756,19 @@ def test_mis_sized_shared_experts_are_refused_when_the_checkpoint_opens(
     assert "Traceback" not in done.stderr and "panicked" not in done.stderr
 
 
+def test_a_shared_intermediate_size_of_its_own_opens(tmp_path: Path) -> None:
+    extra = {
+        f"{_SHARED}.{leaf}.weight": torch.zeros(*shape, dtype=_BF16)
+        for leaf, shape in (("gate_proj", (96, 64)), ("up_proj", (96, 64)), ("down_proj", (64, 96)))
+    }
+    path = _with_tensors(tmp_path, extra, ignore=[r"re:.*shared_experts.*"])
+    assert mq.plan(path).layer(0)["backend"] == "cpu_simd"
+
+
 @pytest.mark.parametrize(
     "gate,message",
     [
+        (None, r"down_proj.weight': is stored unquantized as I8"),
         ({"weight": torch.zeros(3, 7, dtype=torch.bfloat16)}, r"is BF16 \[3, 7\]"),
         (
             {
@@ -771,22 +780,30 @@ def test_mis_sized_shared_experts_are_refused_when_the_checkpoint_opens(
         ),
     ],
 )
-def test_a_shared_expert_gate_the_forward_cannot_read_is_refused(
-    tmp_path: Path, gate: dict, message: str
+def test_shared_expert_parts_the_cpu_cannot_read_are_refused_by_its_plan(
+    tmp_path: Path, gate: dict | None, message: str
 ) -> None:
     """The plan promised such a layer (cpu_simd, no error) and the loader then refused it
-    ('holds 21 values', or a misleading 'not in the checkpoint' for a quantized gate)."""
+    ('holds 21 values', or a misleading 'not in the checkpoint' for a quantized gate). The CPU
+    plan now says why; the checkpoint still opens (other platforms and tools read it)."""
     extra = {
-        f"{_SHARED}.{leaf}.weight": torch.zeros(*shape, dtype=torch.bfloat16)
+        f"{_SHARED}.{leaf}.weight": torch.zeros(*shape, dtype=_BF16)
         for leaf, shape in (("gate_proj", (32, 64)), ("up_proj", (32, 64)), ("down_proj", (64, 32)))
     }
-    extra.update({f"model.layers.0.mlp.shared_expert_gate.{k}": v for k, v in gate.items()})
+    if gate is None:
+        extra[f"{_SHARED}.down_proj.weight"] = torch.zeros(64, 32, dtype=torch.int8)
+    else:
+        extra.update({f"model.layers.0.mlp.shared_expert_gate.{k}": v for k, v in gate.items()})
     ignore = [r"re:.*shared_experts.*"]
-    if "weight" in gate:
+    if gate is not None and "weight" in gate:
         ignore.append(r"re:.*shared_expert_gate$")
     path = _with_tensors(tmp_path, extra, ignore=ignore)
+    layer = mq.plan(path).layer(0)
+    assert layer["backend"] is None and re.search(message, layer["error"]), layer
+    cuda = mq.plan(path, platform="cuda", sm=90).layer(0)["error"] or ""
+    assert "shared" not in cuda, cuda  # (it has its own reason: hidden 64 is too small)
     with pytest.raises(mq.CheckpointError, match=message):
-        mq.open(path)
+        mq.MoELayer.from_checkpoint(path, 0)
 
 
 def test_a_missing_top_k_is_a_plan_error_not_a_load_surprise(tmp_path: Path) -> None:

@@ -2483,6 +2483,14 @@ def test_module_moves_are_refused_and_dtype_casts_change_nothing() -> None:
         with pytest.raises(mq.MoeqError, match="MoELayer runs on the CPU only"):
             move()
     assert torch.equal(moe(x, logits), want)
+    # Under another default device the handle (and the dtype-cast probe) stay on the CPU.
+    weights = _small_w8a16()
+    with torch.device("meta"):
+        other = mq.MoELayer.from_tensors(*weights, scheme="w8a16", top_k=2)
+        assert other.half() is other
+    assert other._handle.device.type == "cpu"
+    got = torch.compile(other, backend="eager", fullgraph=True)(x, logits)
+    assert torch.equal(got, mq.MoELayer.from_tensors(*weights, scheme="w8a16", top_k=2)(x, logits))
 
 
 _SCRATCH_SCRIPT = r"""
@@ -2498,6 +2506,12 @@ x, lg = torch.randn(4096, h, generator=g).bfloat16(), torch.randn(4096, e, gener
 want = layer(x, lg)
 side = threading.Thread(target=layer, args=(x, lg))  # the other threads' pool too
 side.start(); side.join()
+# From another thread: the main thread's pool keeps its buffers (only that thread can reach
+# them) and the call returns at once (it waited for the main thread before).
+off_main = []
+t = threading.Thread(target=lambda: off_main.append(mq.oracle.cpu_release_scratch()), daemon=True)
+t.start(); t.join(60)
+assert off_main, "cpu_release_scratch from another thread did not return"
 first = mq.oracle.cpu_release_scratch()
 second = mq.oracle.cpu_release_scratch()
 print(first, second, torch.equal(layer(x, lg), want))

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -509,13 +510,20 @@ def test_a_killed_repack_leaves_nothing_for_long(
 ) -> None:
     """A repack killed outright (SIGKILL) cannot remove its hidden temporary directory, and the
     next run (another pid) left it there for good. The next repack to that OUT_DIR removes what
-    processes that no longer exist left; a live process's stay."""
+    processes that no longer exist left and nobody has written for ten minutes; a live
+    process's stay, and so does a recent one (the pid may be another host's)."""
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], stdout=-1)
     dead = int(gone.stdout)
     stale = [tmp_path / f".out.moeq-tmp-{dead}", tmp_path / f".out.moeq-old-{dead}"]
     live = tmp_path / f".out.moeq-tmp-{os.getppid()}"
-    for d in (*stale, live):
+    recent = tmp_path / f".out.moeq-tmp-{dead + 1 if dead + 1 != os.getppid() else dead + 2}"
+    hour_ago = time.time() - 3600
+    for d in (*stale, live, recent):
         d.mkdir()
-        (d / "model-00001-of-00002.safetensors").write_bytes(b"x" * 1000)
+        f = d / "model-00001-of-00002.safetensors"
+        f.write_bytes(b"x" * 1000)
+        if d != recent:
+            os.utime(f, (hour_ago, hour_ago))
+            os.utime(d, (hour_ago, hour_ago))
     repack_checkpoint(fixture_path("qwen3_w8a16_g128"), tmp_path / "out", target="cpu")
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", live.name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", live.name, recent.name])

@@ -169,7 +169,7 @@ class MoELayer(torch.nn.Module):
         in moeq_rs's CPU memory, not in parameters: a dtype changes nothing (outputs take the
         input's dtype), and a move off the CPU is refused instead of silently not happening."""
         try:
-            moved = fn(torch.empty(0))
+            moved = fn(torch.empty(0, device="cpu"))
         except Exception as e:  # a device this torch cannot reach
             raise LayoutError(f"MoELayer runs on the CPU only; moving it failed: {e}") from None
         device = moved.device if isinstance(moved, torch.Tensor) else torch.device("cpu")
@@ -604,7 +604,8 @@ def _register(layer: torch.nn.Module) -> torch.Tensor:
         if handle and handle not in _LAYERS:
             break
     _LAYERS[handle] = layer
-    return torch.tensor(handle, dtype=torch.int64)
+    # On the CPU whatever torch's default device is (a layer built under `torch.device("cuda")`).
+    return torch.tensor(handle, dtype=torch.int64, device="cpu")
 
 
 def _copy_layer(layer: Any) -> Any:

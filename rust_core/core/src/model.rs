@@ -341,9 +341,6 @@ impl Model {
                 check_shared_expert(&s, hidden_size)?;
                 Some(s)
             };
-            if let Some(g) = &d.shared_expert_gate {
-                check_shared_expert_gate(&ckpt, g, hidden_size)?;
-            }
             moe_layers.push(MoeLayer {
                 layer: d.layer,
                 prefix: d.prefix,
@@ -573,6 +570,46 @@ impl Model {
         check().err()
     }
 
+    /// What the CPU forward cannot read in a layer's shared expert: a projection stored
+    /// unquantized in another dtype than BF16, F16 or F32, or a shared expert gate that is not a
+    /// `[1, hidden]` vector of those (a quantized one, say). A CPU plan refusal and a loader
+    /// error, not an error opening the checkpoint, which other platforms and tools read.
+    pub fn shared_expert_problem(&self, l: &MoeLayer) -> Option<crate::error::Error> {
+        if let Some(s) = &l.shared_experts {
+            for m in s.gate.iter().chain([&s.up, &s.down]) {
+                if m.scheme.is_none() && !plain_float(m.weight_dtype) {
+                    return Some(module_error(
+                        &m.weight_tensor,
+                        format!(
+                            "is stored unquantized as {}; the CPU forward reads unquantized \
+                             weights as BF16, F16 or F32",
+                            m.weight_dtype
+                        ),
+                    ));
+                }
+            }
+        }
+        let module = l.shared_expert_gate.as_ref()?;
+        let name = format!("{module}.weight");
+        let Some(info) = self.ckpt.info(&name) else {
+            return Some(module_error(
+                module,
+                "has no plain '.weight' tensor (is it stored quantized?); the CPU forward reads \
+                 the shared expert gate as a [1, hidden] BF16, F16 or F32 vector",
+            ));
+        };
+        (!plain_float(info.dtype) || info.numel() != l.hidden_size).then(|| {
+            module_error(
+                &name,
+                format!(
+                    "is {} {:?}; the CPU forward reads the shared expert gate as [1, {}] BF16, \
+                     F16 or F32",
+                    info.dtype, info.shape, l.hidden_size
+                ),
+            )
+        })
+    }
+
     /// The JSON document of `moeq inspect --json` (DESIGN.md "Contracts"): checkpoint facts,
     /// the oracle's plan per layer, and with `compat` what vLLM would do.
     pub fn report_json(&self, platform: Platform, opts: Options, compat: bool) -> Value {
@@ -585,6 +622,9 @@ impl Model {
                 let mut plan = oracle::plan_layer(&input, platform, opts);
                 if matches!(platform, Platform::Cpu(_)) {
                     self.refuse_unroutable(&mut plan, l.experts.len());
+                    if let Some(e) = self.shared_expert_problem(l) {
+                        refuse(&mut plan, e.to_string());
+                    }
                 }
                 self.refuse_unsupported_part(&mut plan, &l.prefix);
                 if let Some(e) = self.static_scale_problem(l) {
@@ -784,13 +824,10 @@ impl Model {
     }
 }
 
-/// The plan loses its backend (kept among the rejected ones, with `why`), and says `why` in
-/// `error` unless it already has an error.
 /// A shared expert is checked as the routed experts are, when the checkpoint opens: its
-/// projections fit together ([`moe::expert_dims`]) and take the routed experts' hidden size,
-/// and a projection stored unquantized holds BF16, F16 or F32 values (what the forward reads).
+/// projections fit together ([`moe::expert_dims`]) and take the routed experts' hidden size.
 /// Unchecked, a mis-sized one loaded and then panicked in the forward or ran with the wrong
-/// sizes.
+/// sizes. (Its intermediate size may differ from the routed experts'.)
 fn check_shared_expert(s: &ExpertModules, hidden_size: usize) -> Result<()> {
     let owner =
         s.up.name
@@ -804,46 +841,17 @@ fn check_shared_expert(s: &ExpertModules, hidden_size: usize) -> Result<()> {
             format!("takes {h} inputs but the routed experts take {hidden_size}"),
         ));
     }
-    for m in s.gate.iter().chain([&s.up, &s.down]) {
-        let plain = matches!(m.weight_dtype, DType::BF16 | DType::F16 | DType::F32);
-        if m.scheme.is_none() && !plain {
-            return Err(module_error(
-                &m.weight_tensor,
-                format!(
-                    "is stored unquantized as {}; the forward reads unquantized weights as BF16, F16 or F32",
-                    m.weight_dtype
-                ),
-            ));
-        }
-    }
     Ok(())
 }
 
-/// The shared expert gate (Qwen2-MoE's `shared_expert_gate`, a Linear of one output) is read as
-/// a plain `[1, hidden]` float vector: checked when the checkpoint opens, as the plan would
-/// otherwise promise a layer the loader refuses.
-fn check_shared_expert_gate(ckpt: &Checkpoint, module: &str, hidden_size: usize) -> Result<()> {
-    let name = format!("{module}.weight");
-    let Some(info) = ckpt.info(&name) else {
-        return Err(module_error(
-            module,
-            "has no plain '.weight' tensor (is it stored quantized?); the forward reads the \
-             shared expert gate as a [1, hidden] BF16, F16 or F32 vector",
-        ));
-    };
-    if !matches!(info.dtype, DType::BF16 | DType::F16 | DType::F32) || info.numel() != hidden_size {
-        return Err(module_error(
-            &name,
-            format!(
-                "is {} {:?}; the forward reads the shared expert gate as [1, {hidden_size}] \
-                 BF16, F16 or F32",
-                info.dtype, info.shape
-            ),
-        ));
-    }
-    Ok(())
+/// Whether `dtype` is one the CPU forward reads unquantized weights and the shared expert
+/// gate in.
+fn plain_float(dtype: DType) -> bool {
+    matches!(dtype, DType::BF16 | DType::F16 | DType::F32)
 }
 
+/// The plan loses its backend (kept among the rejected ones, with `why`), and says `why` in
+/// `error` unless it already has an error.
 fn refuse(plan: &mut oracle::LayerPlan, why: String) {
     if let Some(b) = plan.backend.take() {
         plan.rejected.push((b, why.clone()));

@@ -272,6 +272,9 @@ pub fn moe_layer(model: &Model, layer: usize) -> Result<CpuMoe> {
             )
         })?;
     check_layer_config(model, &l.prefix, l.experts.len())?;
+    if let Some(e) = model.shared_expert_problem(l) {
+        return Err(e);
+    }
     let plan = crate::oracle::plan_layer(
         &Model::layer_input(l),
         Platform::Cpu(CpuFeatures::detect()),

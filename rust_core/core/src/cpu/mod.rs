@@ -23,30 +23,48 @@ pub use moe::{CpuExpert, CpuMoe};
 ///
 /// One per process: a child forked after the pool started inherits it without its threads, and
 /// work handed to it there would wait forever (a call from any thread but the adopted one), so
-/// the child builds its own (the parent's stays allocated, unused).
+/// the child builds its own (the parent's stays allocated, unused). No lock: a fork while
+/// another thread held one would leave the child a lock that nobody releases.
 pub fn pool() -> Option<&'static rayon::ThreadPool> {
+    use std::sync::atomic::Ordering;
     let pid = std::process::id();
-    let mut slot = POOL
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    match *slot {
-        Some((owner, p)) if owner == pid => p,
-        _ => {
-            let built = rayon::ThreadPoolBuilder::new()
-                .num_threads(num_threads())
-                .thread_name(|i| format!("moeq-cpu-{i}"))
-                .build()
-                .ok()
-                .map(|p| &*Box::leak(Box::new(p)));
-            *slot = Some((pid, built));
-            built
+    loop {
+        let current = POOL.load(Ordering::Acquire);
+        if let Some((owner, p)) = process_pool(current) {
+            if owner == pid {
+                return Some(p);
+            }
         }
+        let built = rayon::ThreadPoolBuilder::new()
+            .num_threads(num_threads())
+            .thread_name(|i| format!("moeq-cpu-{i}"))
+            .build()
+            .ok()?;
+        let mine = Box::into_raw(Box::new((pid, built)));
+        if POOL
+            .compare_exchange(current, mine, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            // SAFETY: `mine` came from Box::into_raw just above; published, it is never freed.
+            return Some(unsafe { &(*mine).1 });
+        }
+        // Another thread published first: ours was never shared, so it is dropped (its
+        // threads exit) and the loop takes the published one.
+        // SAFETY: `mine` came from Box::into_raw above and was not published.
+        drop(unsafe { Box::from_raw(mine) });
     }
 }
 
-/// [`pool`] and the process that built it.
-type ProcessPool = Option<(u32, Option<&'static rayon::ThreadPool>)>;
-static POOL: std::sync::Mutex<ProcessPool> = std::sync::Mutex::new(None);
+/// [`pool`] and the process that built it: published once per process, never freed.
+static POOL: std::sync::atomic::AtomicPtr<(u32, rayon::ThreadPool)> =
+    std::sync::atomic::AtomicPtr::new(std::ptr::null_mut());
+
+/// The published [`POOL`] entry `p` (null for none).
+fn process_pool(p: *mut (u32, rayon::ThreadPool)) -> Option<(u32, &'static rayon::ThreadPool)> {
+    // SAFETY: a non-null `POOL` value was published by `pool` from Box::into_raw and is never
+    // freed, so it stays valid for the rest of the process.
+    unsafe { p.as_ref() }.map(|(owner, pool)| (*owner, pool))
+}
 
 /// The pool that a long-lived thread joined with [`adopt_calling_thread`] (in Python, the
 /// main thread, when it first opens a checkpoint, repacks, builds a layer or runs a forward):
@@ -83,7 +101,8 @@ pub fn adopt_calling_thread() -> bool {
 static OWNER_PROCESS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 /// Frees the spare scratch buffers ([`spare`]) of every forward thread of this process and of
-/// the calling thread; returns the bytes they held. The forward keeps up to 8 buffers of up to
+/// the calling thread; returns the bytes they held. Called on another thread than the adopted
+/// one (Python's main thread), the adopted pool's threads keep theirs. The forward keeps up to 8 buffers of up to
 /// 256 MiB per element type and thread, so that a prefill does not fault its scratch in again
 /// each call: after a long prompt that is hundreds of MB (a Qwen3-shape layer, T = 8192: about
 /// 850 MB), held until the next call reuses it. Pools inherited across a fork (whose other
@@ -95,15 +114,15 @@ pub fn release_scratch() -> usize {
     let each = |_: rayon::BroadcastContext<'_>| {
         freed.fetch_add(spare::release_here(), Ordering::Relaxed);
     };
+    // The adopted thread is one of its pool's workers, and only it runs its own share of a
+    // broadcast: from any other thread this would wait until that thread next entered the
+    // pool, maybe forever. So its pool is reached from that thread only.
     if let Some(Some(p)) = OWNER.get() {
-        if OWNER_PROCESS.load(Ordering::Relaxed) == pid {
+        if IS_ADOPTED.get() && OWNER_PROCESS.load(Ordering::Relaxed) == pid {
             p.broadcast(each);
         }
     }
-    let other = *POOL
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    if let Some((owner, Some(p))) = other {
+    if let Some((owner, p)) = process_pool(POOL.load(Ordering::Acquire)) {
         if owner == pid {
             p.broadcast(each);
         }
@@ -195,11 +214,9 @@ pub fn on_threads<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 
 /// The number of threads [`on_threads`] runs on, without starting a pool.
 pub fn threads() -> usize {
-    let other = *POOL
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let other = process_pool(POOL.load(std::sync::atomic::Ordering::Acquire));
     match (OWNER.get(), other) {
-        (Some(Some(p)), _) | (_, Some((_, Some(p)))) => p.current_num_threads(),
+        (Some(Some(p)), _) | (_, Some((_, p))) => p.current_num_threads(),
         _ => num_threads(),
     }
 }

@@ -143,7 +143,9 @@ pub fn repack_marlin(
 /// Removes what a repack to `parent/name` killed before it could clean up (SIGKILL, a power
 /// loss) left behind: `.<name>.moeq-tmp-<pid>` and `.<name>.moeq-old-<pid>` of processes that
 /// no longer exist (hundreds of MB each, hidden, and never reused: the next run has another
-/// pid). A live process's are left alone: it may be repacking there now.
+/// pid). A live process's are left alone: it may be repacking there now; and so is anything
+/// written in the last ten minutes, since a pid names a process only on this machine and in
+/// this PID namespace (another container or host may be writing to a shared volume).
 fn remove_abandoned(parent: &Path, name: &str) {
     let Ok(entries) = std::fs::read_dir(parent) else {
         return;
@@ -161,7 +163,10 @@ fn remove_abandoned(parent: &Path, name: &str) {
             .or_else(|| rest.strip_prefix("old-"))
             .and_then(|p| p.parse::<u32>().ok());
         if let Some(pid) = pid {
-            if pid != std::process::id() && !process_exists(pid) {
+            if pid != std::process::id()
+                && !process_exists(pid)
+                && untouched_for(&entry.path(), 600)
+            {
                 let path = entry.path();
                 let _ = if path.is_dir() && !path.is_symlink() {
                     std::fs::remove_dir_all(&path)
@@ -170,6 +175,24 @@ fn remove_abandoned(parent: &Path, name: &str) {
                 };
             }
         }
+    }
+}
+
+/// Whether nothing in `path` (it, or an entry directly inside it) was modified in the last
+/// `seconds` seconds. Unreadable times count as recent.
+fn untouched_for(path: &Path, seconds: u64) -> bool {
+    let recent = |m: std::io::Result<std::fs::Metadata>| {
+        m.and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_none_or(|age| age.as_secs() < seconds)
+    };
+    if recent(std::fs::symlink_metadata(path)) {
+        return false;
+    }
+    match std::fs::read_dir(path) {
+        Ok(entries) => !entries.flatten().any(|e| recent(e.metadata())),
+        Err(_) => true,
     }
 }
 
@@ -243,8 +266,10 @@ pub fn repack(
                 "already exists (pass --force to replace it)",
             ));
         }
-        if let (Ok(a), Ok(b)) = (out_dir.canonicalize(), ckpt.dir().canonicalize()) {
-            if a == b {
+        // The entry that the commit replaces: a symlink OUT_DIR is replaced, not followed.
+        let entry = parent.canonicalize().map(|p| p.join(&name));
+        if let (Ok(a), Ok(b)) = (entry, ckpt.dir().canonicalize()) {
+            if a == b || out_dir.canonicalize().is_ok_and(|t| t == b) {
                 return Err(output_error(
                     out_dir,
                     "is the source checkpoint; write elsewhere",
