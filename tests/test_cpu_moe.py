@@ -1964,19 +1964,22 @@ def test_a_forked_child_never_parks_its_inherited_openmp_team() -> None:
     """A child forked after torch ran a parallel operator inherits libgomp's record of the
     parent's team but not its threads: a parallel region there would wait forever. Its forward
     runs unparked and returns."""
+    assert _two_thread_script(_FORK_SCRIPT) == ["True", "False", "0"]
+
+
+def _two_thread_script(script: str) -> list[str]:
+    """The words `script` prints, run in a fresh process with MOEQ_NUM_THREADS=2."""
     import os
-    import subprocess
-    import sys
 
     ran = subprocess.run(
-        [sys.executable, "-c", _FORK_SCRIPT],
+        [sys.executable, "-c", script],
         env=dict(os.environ, MOEQ_NUM_THREADS="2"),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=180,
     )
     assert ran.returncode == 0, ran.stderr
-    assert ran.stdout.split() == ["True", "False", "0"]
+    return ran.stdout.split()
 
 
 _FORK_SIDE_THREAD_SCRIPT = (
@@ -2007,19 +2010,7 @@ def test_a_forked_child_runs_forwards_from_other_threads() -> None:
     """The pool for calls from threads other than the main one was built once per process: a
     child forked after the parent used it inherited it without its threads, and a forward
     from any thread but the main one waited forever. The child builds its own."""
-    import os
-    import subprocess
-    import sys
-
-    ran = subprocess.run(
-        [sys.executable, "-c", _FORK_SIDE_THREAD_SCRIPT],
-        env=dict(os.environ, MOEQ_NUM_THREADS="2"),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert ran.returncode == 0, ran.stderr
-    assert ran.stdout.split() == ["[True]", "0"]
+    assert _two_thread_script(_FORK_SIDE_THREAD_SCRIPT) == ["[True]", "0"]
 
 
 _FORK_AFTER_OPEN_SCRIPT = r"""
@@ -2521,16 +2512,6 @@ print(first, second, torch.equal(layer(x, lg), want))
 def test_spare_scratch_can_be_released() -> None:
     """Forwards keep their scratch for the next call (hundreds of MB after a long prompt) with
     no way to free it; mq.oracle.cpu_release_scratch() frees it on every forward thread."""
-    import os
-
-    ran = subprocess.run(
-        [sys.executable, "-c", _SCRATCH_SCRIPT],
-        env=dict(os.environ, MOEQ_NUM_THREADS="2"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert ran.returncode == 0, ran.stderr
-    first, second, same = ran.stdout.split()
+    first, second, same = _two_thread_script(_SCRATCH_SCRIPT)
     assert int(first) > 4096 * 256 * 2  # at least the bf16 input's widened copy's size
     assert int(second) == 0 and same == "True"
