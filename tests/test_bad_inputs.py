@@ -818,3 +818,19 @@ def test_a_missing_top_k_is_a_plan_error_not_a_load_surprise(tmp_path: Path) -> 
     assert "num_experts_per_tok: is missing" in layer["error"]
     with pytest.raises(mq.MoeqError, match="num_experts_per_tok"):
         mq.MoELayer.from_checkpoint(path, 0)
+
+
+@pytest.mark.parametrize(
+    "old,new",
+    [("experts.1.gate_proj.", "experts.01.gate_proj."), ("experts.1.gate_proj.", "experts.1.w1.")],
+)
+def test_a_projection_named_twice_is_refused(tmp_path: Path, old: str, new: str) -> None:
+    """`experts.1` beside `experts.01`, or `gate_proj` beside Mixtral's `w1`, name one
+    projection twice: one copy was silently dropped (which one depended on name order)."""
+    from synth import tensors
+
+    twins = {k.replace(old, new): v.clone() for k, v in tensors().items() if old in k}
+    assert twins
+    path = _with_tensors(tmp_path, twins)
+    with pytest.raises(mq.CheckpointError, match="is the same projection of expert 1 as"):
+        mq.open(path)

@@ -962,12 +962,23 @@ pub fn discover(
             let e: usize = e
                 .parse()
                 .map_err(|_| module_error(m, "expert index does not fit in an integer"))?;
-            by_prefix
+            // Two names for one projection (`experts.1` and `experts.01`, or `gate_proj` beside
+            // Mixtral's `w1`): one copy was silently dropped.
+            if let Some(first) = by_prefix
                 .entry(prefix)
                 .or_default()
                 .entry(e)
                 .or_default()
-                .insert(role, m.as_str());
+                .insert(role, m.as_str())
+            {
+                return Err(module_error(
+                    m,
+                    format!(
+                        "is the same projection of expert {e} as '{first}'; the checkpoint \
+                         must name each projection once"
+                    ),
+                ));
+            }
         } else if let Some(prefix) = split_dense(m) {
             if let Some(l) = layer_index(prefix) {
                 dense_layers.push((l, layer_stack(prefix)));
