@@ -167,6 +167,28 @@ def test_interrupted_write_leaves_nothing(
     assert list(tmp_path.iterdir()) == [], "nothing may be left beside or at OUT_DIR"
 
 
+@pytest.mark.parametrize("stage", ["verify", "commit"])
+def test_an_interrupt_while_verifying_or_before_the_commit_leaves_nothing(
+    fixture_path: Callable[[str], Path], tmp_path: Path, stage: str
+) -> None:
+    """--verify reported progress (and so checked for Ctrl-C) only once it was done, tens of
+    seconds on a large checkpoint; it now does after each layer. The last check comes just
+    before the rename that commits OUT_DIR."""
+    src = fixture_path("qwen3_w4a16_g128_sym")
+    out = tmp_path / "out"
+    seen: list[str] = []
+
+    def progress(at: str, done: int, total: int, written: int, wtotal: int) -> None:
+        seen.append(at)
+        if at == stage and (stage == "commit" or seen.count("verify") == 2):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        repack_checkpoint(src, out, verify=True, progress=progress)
+    assert seen.count("verify") == 2 if stage == "verify" else seen[-1] == "commit"
+    assert list(tmp_path.iterdir()) == [], "nothing may be left beside or at OUT_DIR"
+
+
 def test_interrupt_from_signal(fixture_path: Callable[[str], Path], tmp_path: Path) -> None:
     # A real SIGINT mid-run: the progress callback sees it and the CLI exits 130, cleanly.
     # Python leaves SIGINT ignored when it starts with it ignored (a job started with `&`

@@ -480,7 +480,14 @@ pub fn repack(
 
     let mut verified = 0;
     if opts.verify {
-        verified = verify(model, &layers, &copied, &tmp.path, &shard_names)?;
+        verified = verify(
+            model,
+            &layers,
+            &copied,
+            &tmp.path,
+            &shard_names,
+            &mut || report("verify", done, written),
+        )?;
         report("verify", done, written)?;
     }
 
@@ -615,12 +622,15 @@ fn copy_side_files(src: &Path, dst: &Path) -> Result<()> {
 
 /// Reads the written shards back and checks every expert projection dequantises to the same bits
 /// as the source, and every copied tensor is byte-identical. Returns the modules checked.
+/// `tick` runs after each layer (a Ctrl-C check and progress: verifying a large checkpoint takes
+/// tens of seconds).
 fn verify(
     model: &Model,
     layers: &[Job<'_>],
     copied: &[String],
     dir: &Path,
     shards: &[String],
+    tick: &mut dyn FnMut() -> Result<()>,
 ) -> Result<usize> {
     let files: Vec<SafetensorsFile> = shards
         .iter()
@@ -651,6 +661,7 @@ fn verify(
     }
     let mut checked = 0;
     for job in layers {
+        tick()?;
         let (l, g) = match job {
             Job::Marlin(l, g) => (l, g),
             Job::Cpu(l, g) if g.activation.is_none() => {
