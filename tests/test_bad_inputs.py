@@ -124,6 +124,24 @@ def test_missing_shard(tmp_path: Path) -> None:
     ):
         mq.open(c)
 
+    # A shard that is there but not a file said "does not exist" too.
+    (c / "model-00002-of-00003.safetensors").mkdir()
+    with pytest.raises(
+        mq.CheckpointError, match="model-00002-of-00003.safetensors', which is not a regular file"
+    ):
+        mq.open(c)
+
+
+def test_plan_layer_takes_a_layer_index(tmp_path: Path) -> None:
+    """`Plan.layer("0")` said decoder layer 0 is not an MoE layer (a KeyError), though it is."""
+    plan = mq.plan(write_checkpoint(tmp_path / "m"))
+    assert plan.layer(0)["layer"] == 0
+    for bad in ("0", 0.0, False, -1):
+        with pytest.raises(mq.ConfigError, match="is not a decoder layer index"):
+            plan.layer(bad)  # type: ignore[arg-type]
+    with pytest.raises(KeyError, match="decoder layer 9 is not an MoE layer"):
+        plan.layer(9)
+
 
 def test_index_names_missing_tensor(tmp_path: Path) -> None:
     c = write_checkpoint(tmp_path / "m", shards=2)

@@ -308,6 +308,10 @@ class Plan(dict):  # type: ignore[type-arg]
 
     def layer(self, index: int) -> dict[str, Any]:
         """The plan of decoder layer ``index``."""
+        if int_in(index, 0, I64_MAX) is None:
+            from .errors import ConfigError
+
+            raise ConfigError(f"layer: {index!r} is not a decoder layer index (an int >= 0)")
         for layer in self["moe_layers"]:
             if layer["layer"] == index:
                 return layer

@@ -146,9 +146,14 @@ impl Checkpoint {
                     None => {
                         return Err(CheckpointError::Index {
                             path: index_path.clone(),
-                            reason: format!("names shard '{n}' which does not exist"),
+                            // The scan opened regular `.safetensors` files only.
+                            reason: if p.exists() {
+                                format!("names shard '{n}', which is not a regular file")
+                            } else {
+                                format!("names shard '{n}' which does not exist")
+                            },
                         }
-                        .into())
+                        .into());
                     }
                 }
             }
