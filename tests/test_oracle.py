@@ -96,13 +96,18 @@ def test_check_moe_marlin_supports_layer() -> None:
 # ---- plans of every fixture -----------------------------------------------------------------
 
 
-def inspect(path: Path, *args: str) -> dict[str, Any]:
-    r = subprocess.run(
-        [sys.executable, "-m", "moeq_rs", "inspect", str(path), "--json", *args],
+def run_inspect(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`moeq inspect PATH ARGS...` in a fresh process."""
+    return subprocess.run(
+        [sys.executable, "-m", "moeq_rs", "inspect", str(path), *args],
         capture_output=True,
         text=True,
         check=False,
     )
+
+
+def inspect(path: Path, *args: str) -> dict[str, Any]:
+    r = run_inspect(path, "--json", *args)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -391,19 +396,7 @@ def test_plan_api(fixture_path: Callable[[str], Path]) -> None:
 
 
 def test_cli_rejects_sm_without_cuda(fixture_path: Callable[[str], Path]) -> None:
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "moeq_rs",
-            "inspect",
-            str(fixture_path("qwen3_w8a16_g128")),
-            "--sm",
-            "90",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    r = run_inspect(fixture_path("qwen3_w8a16_g128"), "--sm", "90")
     assert r.returncode == 1 and r.stderr.startswith("moeq: error: --sm needs --platform cuda")
 
 
@@ -449,19 +442,5 @@ def test_an_sm_that_is_no_compute_capability_is_refused(
     """--sm took any u32: 1000 planned Marlin, 7 planned as a GPU of major version 0."""
     with pytest.raises(mq.ConfigError, match=f"sm: {sm} is not a compute capability"):
         mq.plan(fixture_path("qwen3_w8a16_g128"), platform="cuda", sm=sm)
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "moeq_rs",
-            "inspect",
-            str(fixture_path("qwen3_w8a16_g128")),
-            "--platform",
-            "cuda",
-            "--sm",
-            str(sm),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    r = run_inspect(fixture_path("qwen3_w8a16_g128"), "--platform", "cuda", "--sm", str(sm))
     assert r.returncode == 1 and r.stderr.startswith(f"moeq: error: arguments: sm: {sm} is not")

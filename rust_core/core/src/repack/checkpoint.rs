@@ -150,12 +150,10 @@ fn remove_abandoned(parent: &Path, name: &str) {
     let Ok(entries) = std::fs::read_dir(parent) else {
         return;
     };
+    let ours = format!(".{name}.moeq-");
     for entry in entries.flatten() {
         let file = entry.file_name();
-        let Some(rest) = file
-            .to_str()
-            .and_then(|f| f.strip_prefix(&format!(".{name}.moeq-")))
-        else {
+        let Some(rest) = file.to_str().and_then(|f| f.strip_prefix(ours.as_str())) else {
             continue;
         };
         let pid = rest
