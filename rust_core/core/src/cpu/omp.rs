@@ -385,8 +385,8 @@ mod imp {
         // SAFETY: an OpenMP API call on a thread of the region.
         let me = unsafe { (region.runtime.thread_num)() };
         if me == 0 {
-            // SAFETY: only thread 0 touches `work` and `result`; `parked` reads `result` after
-            // GOMP_parallel has returned.
+            // SAFETY: only thread 0 touches `work`, `result` and `worked`; `parked` reads
+            // `result` and `worked` after GOMP_parallel has returned.
             let (work, result, worked) = unsafe {
                 (
                     &mut *region.work.get(),
