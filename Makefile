@@ -8,7 +8,7 @@ export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 BASE_DEPS := "numpy>=1.24" "torch>=2.4" "safetensors>=0.4" "maturin>=1.9.4,<2" "pytest>=8"
-TEST_DEPS := "compressed-tensors==0.20.1" "transformers==5.24.0" "ruff>=0.6"
+TEST_DEPS := "compressed-tensors==0.20.1" "transformers==5.24.0" "ruff>=0.6" "mypy==2.4.1"
 DEMO_MODEL := examples/tiny-moe-int4-int8
 
 .PHONY: demo test build venv rust-checks py-checks fuzz bench bench-vllm clean check-aarch64 check-amx-emulated
@@ -47,6 +47,9 @@ rust-checks: $(VENV)/.base-deps
 py-checks: $(VENV)/.test-deps build
 	$(VENV)/bin/ruff check python tests bench examples scripts
 	$(VENV)/bin/ruff format --check python tests bench examples scripts
+	# The package's annotations, and the native module's stub against the built module.
+	$(VENV)/bin/mypy python/moeq_rs
+	$(PY) -m mypy.stubtest moeq_rs._core
 	MOEQ_REQUIRE_NVRTC=1 MOEQ_NO_DISK_CACHE=1 $(PY) -m pytest -q
 
 test: rust-checks py-checks

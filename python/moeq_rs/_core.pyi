@@ -2,13 +2,51 @@
 
 from collections.abc import Callable
 from os import PathLike
-from typing import Any
+from typing import Any, final
 
 import numpy as np
 from numpy.typing import NDArray
 
 __version__: str
+__all__ = [
+    "wna16_scale_kind",
+    "int8_moe_quant_kind",
+    "marlin_support_reason",
+    "cpu_features",
+    "cpu_kernel",
+    "cpu_bf16_dot",
+    "cpu_dot_peak",
+    "cpu_threads",
+    "cpu_adopt_calling_thread",
+    "cpu_park_openmp",
+    "cpu_parked_regions",
+    "cpu_release_scratch",
+    "cpu_use_torch_tensors",
+    "_cpu_torch_outputs_alive",
+    "cuda_driver_available",
+    "cuda_compile_kernels",
+    "cuda_nvrtc_version",
+    "_cuda_launch",
+    "gptq_marlin_repack",
+    "gptq_marlin_unrepack",
+    "gptq_marlin_moe_repack",
+    "marlin_permute_scales_u16",
+    "marlin_permute_scales_u32",
+    "marlin_unpermute_scales_u16",
+    "marlin_unpermute_scales_u32",
+    "marlin_permute_bias_u16",
+    "marlin_permute_bias_u32",
+    "marlin_unpermute_bias_u16",
+    "marlin_unpermute_bias_u32",
+    "marlin_zero_points",
+    "marlin_zero_points_inverse",
+    "CpuMoeLayer",
+    "__version__",
+    "Checkpoint",
+    "TensorBuffer",
+]
 
+@final
 class TensorBuffer:
     """Read-only view of one tensor inside a mapped file (numpy array interface)."""
 
@@ -21,6 +59,7 @@ class TensorBuffer:
     @property
     def __array_interface__(self) -> dict[str, Any]: ...
 
+@final
 class Checkpoint:
     @staticmethod
     def open(path: str | PathLike[str]) -> Checkpoint: ...
@@ -137,6 +176,7 @@ def _cuda_launch(
     nvrtc_dirs: list[str],
 ) -> None: ...
 
+@final
 class CpuMoeLayer:
     @staticmethod
     def from_checkpoint(ckpt: Checkpoint, layer: int) -> CpuMoeLayer: ...

@@ -77,7 +77,7 @@ class Checkpoint:
     def __init__(self, core: _core.Checkpoint) -> None:
         self._core = core
         # Bound directly: listing views of thousands of tensors should cost one call each.
-        self.view = core.tensor_buffer
+        self.view = core.tensor_buffer  # type: ignore[method-assign]
         self._config: dict[str, Any] | None = None
         self._summary: dict[str, Any] | None = None
         self._routing_warned = False  # see moe.warn_unchecked_family

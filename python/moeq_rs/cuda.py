@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 from . import _core
@@ -30,7 +31,7 @@ __all__ = [
 def nvrtc_dirs() -> list[str]:
     """Directories of the nvidia pip wheels that may hold ``libnvrtc`` (CUDA 13 and 12 layouts)."""
     try:
-        import nvidia  # type: ignore[import-not-found]
+        import nvidia  # type: ignore[import-not-found,import-untyped,unused-ignore]
     except ImportError:
         return []
     out = []
@@ -772,7 +773,9 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
         raise LayoutError("config.json: no num_experts_per_tok (top_k)")
     warn_unchecked_family(ckpt)
     dev = torch.device(device)
-    if info["method"] == "wna16":
+    hidden_size, num_experts, method = info["hidden_size"], info["num_experts"], info["method"]
+    run: Callable[..., Any]
+    if method == "wna16":
         geo, tensors = ckpt.marlin_layer(layer)
         p = geo["prefix"]
 
@@ -817,8 +820,8 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
 
         def __init__(self) -> None:
             super().__init__()
-            self.layer, self.method, self.top_k = layer, info["method"], top_k
-            self.hidden_size, self.num_experts = info["hidden_size"], info["num_experts"]
+            self.layer, self.method, self.top_k = layer, method, top_k
+            self.hidden_size, self.num_experts = hidden_size, num_experts
             self._tensor_names: list[str] = []
             self._plain: dict[str, Any] = {}
             for name, value in {**args, **options}.items():

@@ -47,16 +47,18 @@ def wna16_scale_kind(num_bits: int, group_size: int | None) -> str:
     """
     from .errors import UnsupportedSchemeError
 
-    if int_in(num_bits, 0, U32_MAX) is None:
+    bits = int_in(num_bits, 0, U32_MAX)
+    if bits is None:
         raise UnsupportedSchemeError(
             f"wna16_scale_kind: num_bits {num_bits!r} is not a weight-only MoE width (4 or 8)"
         )
-    if group_size is not None and int_in(group_size, -(I64_MAX + 1), I64_MAX) is None:
+    group = None if group_size is None else int_in(group_size, -(I64_MAX + 1), I64_MAX)
+    if group_size is not None and group is None:
         raise UnsupportedSchemeError(
             f"wna16_scale_kind: group_size {group_size!r} is invalid "
             "(a positive group size, or -1/None for channelwise)"
         )
-    return _core.wna16_scale_kind(as_int(num_bits), as_int(group_size))
+    return _core.wna16_scale_kind(bits, group)
 
 
 def marlin_support_reason(
@@ -72,17 +74,16 @@ def marlin_support_reason(
         "hidden_size": hidden_size,
         "intermediate_size_per_partition": intermediate_size_per_partition,
     }
+    checked = []
     for name, value in sizes.items():
-        if int_in(value, 0, I64_MAX) is None:
+        size = int_in(value, 0, I64_MAX)
+        if size is None:
             raise LayoutError(f"{name}: {value!r} is not a size (an int >= 0)")
-    if group_size is not None and int_in(group_size, -(I64_MAX + 1), I64_MAX) is None:
+        checked.append(size)
+    group = None if group_size is None else int_in(group_size, -(I64_MAX + 1), I64_MAX)
+    if group_size is not None and group is None:
         raise LayoutError(f"group_size: {group_size!r} is not a 64-bit int (or None)")
-    return _core.marlin_support_reason(
-        as_int(hidden_size),
-        as_int(intermediate_size_per_partition),
-        as_int(group_size),
-        allow_tile_padding,
-    )
+    return _core.marlin_support_reason(checked[0], checked[1], group, allow_tile_padding)
 
 
 def check_moe_marlin_supports_layer(
@@ -347,7 +348,8 @@ def plan(
             f"arguments: sm: {sm!r} is not a compute capability (major*10 + minor, 10 to 199: "
             "90 for sm_90)"
         )
-    if int_in(tp_size, 1, I64_MAX) is None:
+    tp = int_in(tp_size, 1, I64_MAX)
+    if tp is None:
         raise ConfigError(f"arguments: tp_size: {tp_size!r} must be an int of at least 1")
-    doc = ckpt._core.report_json(platform, as_int(sm), backend, as_int(tp_size), compat == "vllm")
+    doc = ckpt._core.report_json(platform, as_int(sm), backend, tp, compat == "vllm")
     return Plan(json.loads(doc))
