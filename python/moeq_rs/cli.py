@@ -367,6 +367,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("MOEQ_DEBUG"):
             raise
         _fail(f"internal error: {type(e).__name__}: {e} (set MOEQ_DEBUG=1 for a traceback)")
+    except BaseException as e:
+        # A Rust panic reaches Python as pyo3's PanicException, a BaseException (so that
+        # `except Exception` does not swallow it); here it is a bug to report, in one line.
+        if type(e).__name__ != "PanicException" or os.environ.get("MOEQ_DEBUG"):
+            raise
+        _fail(
+            f"internal error (a bug in moeq_rs): Rust panic: {e} (set MOEQ_DEBUG=1 for a traceback)"
+        )
 
 
 if __name__ == "__main__":

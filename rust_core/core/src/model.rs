@@ -61,6 +61,10 @@ pub struct RepackedLayer {
     pub weights: Option<crate::scheme::QuantArgs>,
 }
 
+/// The largest size or index a repacked layout's entry may state: far above any model's, and
+/// small enough that the products of three of them (`[E, 2I, H]`) cannot overflow.
+const MAX_LAYOUT_SIZE: usize = 1 << 20;
+
 fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
     let file = ckpt.config_path();
     let Some(root) = ckpt.config().as_object() else {
@@ -98,9 +102,19 @@ fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
         let f = crate::scheme::json::Field::new(&file, format!("moeq.layers[{i}]"), Some(v));
         let o = f.object()?;
         let need_u = |k: &str| -> Result<usize> {
-            o.opt_u64(k)?
-                .map(|v| v as usize)
-                .ok_or_else(|| o.field(k).invalid("missing"))
+            let v = o.opt_u64(k)?.ok_or_else(|| o.field(k).invalid("missing"))?;
+            usize::try_from(v)
+                .ok()
+                .filter(|&v| v <= MAX_LAYOUT_SIZE)
+                .ok_or_else(|| o.field(k).invalid(format!("{v} is too large")))
+        };
+        // A size the stored tensors are checked against: a zero would let every tensor be
+        // empty whatever the other sizes say (and the loader then sizes buffers by them).
+        let need_size = |k: &str| -> Result<usize> {
+            match need_u(k)? {
+                0 => Err(o.field(k).invalid("0 is not a size (at least 1)")),
+                v => Ok(v),
+            }
         };
         if layout == "cpu" {
             let args = |k: &str, role| -> Result<crate::scheme::QuantArgs> {
@@ -116,9 +130,9 @@ fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
                     .opt_str("prefix")?
                     .ok_or_else(|| o.field("prefix").invalid("missing"))?
                     .to_string(),
-                experts: need_u("num_experts")?,
-                hidden: need_u("hidden_size")?,
-                intermediate: need_u("intermediate_size")?,
+                experts: need_size("num_experts")?,
+                hidden: need_size("hidden_size")?,
+                intermediate: need_size("intermediate_size")?,
                 static_act: o.opt_bool("static_act_scales")?.unwrap_or(false),
                 weights: args("weights", crate::scheme::ArgsRole::Weights)?,
                 activation: match o.field("activation").opt_object()? {
@@ -150,11 +164,14 @@ fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
                 .opt_str("prefix")?
                 .ok_or_else(|| o.field("prefix").invalid("missing"))?
                 .to_string(),
-            experts: need_u("num_experts")?,
-            hidden: need_u("hidden_size")?,
-            intermediate: need_u("intermediate_size")?,
-            intermediate_padded: need_u("intermediate_size_padded")?,
-            bits: need_u("num_bits")? as u32,
+            experts: need_size("num_experts")?,
+            hidden: need_size("hidden_size")?,
+            intermediate: need_size("intermediate_size")?,
+            intermediate_padded: need_size("intermediate_size_padded")?,
+            bits: match need_u("num_bits")? {
+                b @ (4 | 8) => b as u32,
+                b => return Err(o.field("num_bits").invalid(format!("{b} is not 4 or 8"))),
+            },
             group_size: o.opt_i64("group_size")?.unwrap_or(-1),
             symmetric: o.opt_bool("symmetric")?.unwrap_or(true),
             act_order: o.opt_bool("act_order")?.unwrap_or(false),

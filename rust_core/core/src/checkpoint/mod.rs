@@ -356,13 +356,11 @@ fn read_index<'a>(index_path: &Path, bytes: &'a [u8]) -> Result<(Vec<String>, We
             pair[0].0
         )));
     }
-    let mut shards: Vec<String> = Vec::new();
-    for (_, f) in &entries {
-        if !shards.iter().any(|s| s == f) {
-            shards.push(f.to_string());
-        }
-    }
-    shards.sort();
+    // Sorted and deduplicated in n log n: an index naming a shard per tensor (a broken or
+    // hostile one) must fail fast, not take minutes.
+    let mut shards: Vec<String> = entries.iter().map(|(_, f)| f.to_string()).collect();
+    shards.sort_unstable();
+    shards.dedup();
     if shards.is_empty() {
         return Err(index_err("weight_map: is empty".into()));
     }

@@ -1098,9 +1098,17 @@ pub fn assemble(
     })
 }
 
-/// Checks shapes within one expert: gate and up are `[I, H]`, down is `[H, I]`.
+/// Checks shapes within one expert: gate and up are `[I, H]`, down is `[H, I]`, both sizes
+/// positive (a zero-byte `[I, 0]` projection would otherwise plan a layer whose forward sizes
+/// its buffers by an `I` no stored byte backs).
 pub fn expert_dims(owner: &str, e: &ExpertModules) -> Result<(usize, usize)> {
     let (i, h) = (e.up.out_features, e.up.in_features);
+    if i == 0 || h == 0 {
+        return Err(module_error(
+            owner,
+            format!("up is [{i}, {h}]; an expert's hidden and intermediate sizes must be positive"),
+        ));
+    }
     if let Some(g) = &e.gate {
         if (g.out_features, g.in_features) != (i, h) {
             return Err(module_error(

@@ -287,7 +287,10 @@ pub fn analyze(
                 [o, i] if *o > 0 && *i > 0 => (*o as usize, *i as usize),
                 _ => return Err(module_error(module, format!("weight_shape holds {dims:?}, expected two positive sizes [out, in]"))),
             };
-            let words = (in_f * bits).div_ceil(32);
+            // (A product that wrapped would let a huge recorded width pass as a small one.)
+            let Some(words) = in_f.checked_mul(bits).map(|b| b.div_ceil(32)) else {
+                return Err(module_error(module, format!("weight_shape [{out_f}, {in_f}] is too large")));
+            };
             if wp.shape.as_slice() != [out_f, words] {
                 return Err(module_error(
                     module,
