@@ -54,7 +54,7 @@ py-checks: $(VENV)/.test-deps build
 
 test: rust-checks py-checks
 
-# The core crate on aarch64 (scalar kernels), its tests run under qemu. Needs
+# The core crate on aarch64 (scalar and NEON kernels), its tests run under qemu. Needs
 # `rustup target add aarch64-unknown-linux-gnu` and the Debian packages gcc-aarch64-linux-gnu
 # and qemu-user. Not part of `make test`: CI machines lack those tools.
 check-aarch64:
@@ -63,7 +63,7 @@ check-aarch64:
 	CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu" \
 	cargo test --release --target aarch64-unknown-linux-gnu -p moeq-core --locked
 
-# Our AMX tiles on an emulated Sapphire Rapids (Bochs + Linux; ~5 minutes, downloads from Debian).
+# Our AMX tiles on an emulated Sapphire Rapids (Bochs + Linux; ~6 minutes, downloads from Debian).
 check-amx-emulated:
 	scripts/amx_emulated.sh
 

@@ -466,6 +466,19 @@ def test_cuda_layer_loader_names_what_it_cannot_run(fixture_path, name: str, mat
         mq.cuda.load_moe_layer_unverified(ckpt, 99, device="cpu")
 
 
+def test_cuda_layer_loader_without_the_gpu_is_cuda_unavailable(fixture_path) -> None:
+    # Moving the weights raised torch's bare RuntimeError ("Found no NVIDIA driver"), which
+    # `except mq.MoeqError` missed.
+    import torch
+
+    ckpt = mq.open(fixture_path("qwen3_w4a16_g128_sym"))
+    device = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU, on any machine
+    with pytest.raises(mq.CudaUnavailableError, match=rf"'{device}': torch sees"):
+        mq.cuda.load_moe_layer_unverified(ckpt, 0, device=device)
+    with pytest.raises(mq.LayoutError, match="'nowhere' is not a torch device"):
+        mq.cuda.load_moe_layer_unverified(ckpt, 0, device="nowhere")
+
+
 def test_cuda_layer_loader_refuses_other_activations_and_routers(fixture_path, tmp_path) -> None:
     """A checkpoint whose experts are not SiLU-gated, or whose family routes otherwise, is
     refused, naming hidden_act and model_type, rather than run as a SiLU top-k MoE."""

@@ -167,6 +167,28 @@ def test_interrupted_write_leaves_nothing(
     assert list(tmp_path.iterdir()) == [], "nothing may be left beside or at OUT_DIR"
 
 
+@pytest.mark.parametrize("target", ["marlin", "cpu"])
+def test_progress_ends_at_its_totals(
+    fixture_path: Callable[[str], Path], tmp_path: Path, target: str
+) -> None:
+    """The byte total counted the shards' headers, which `written` (tensor bytes) never does:
+    the bar ended below 100%."""
+    events: list[tuple[str, int, int, int, int]] = []
+
+    def progress(*event: Any) -> None:
+        events.append(event)
+
+    out = tmp_path / "out"
+    repack_checkpoint(fixture_path("qwen3_w4a16_g128_sym"), out, target=target, progress=progress)
+    stage, done, total, written, wtotal = events[-1]
+    assert (stage, done, written) == ("commit", total, wtotal)
+    data = sum(
+        t.nbytes for t in mq.open(out).views().values()
+    )  # every tensor of the output, written once
+    assert written == data
+    assert all(e[3] <= e[4] for e in events)
+
+
 @pytest.mark.parametrize("stage", ["verify", "commit"])
 def test_an_interrupt_while_verifying_or_before_the_commit_leaves_nothing(
     fixture_path: Callable[[str], Path], tmp_path: Path, stage: str

@@ -152,6 +152,22 @@ def test_zero_points_match_numpy_reference(bits: int) -> None:
     np.testing.assert_array_equal(r.marlin_zero_points_inverse(got, g, n, bits), zp)
 
 
+@pytest.mark.parametrize("dtype", [np.int64, np.uint8, np.int16, np.uint32])
+def test_zero_points_are_int32_words_whatever_the_codes_dtype(dtype: type) -> None:
+    # int64 codes (numpy's and torch's default integers) came back as int64 bit patterns of
+    # half the documented width, uint8 ones as 4x as many bytes.
+    g, n = 2, 128
+    zp = rng.integers(0, 16, size=(g, n))
+    want = zero_points(zp.astype(np.int32), 4)
+    got = r.marlin_zero_points(zp.astype(dtype), g, n, 4)
+    assert got.dtype == np.int32 and got.shape == (g, n * 4 // 32)
+    np.testing.assert_array_equal(got, want)
+    got_t = r.marlin_zero_points(torch.from_numpy(zp.astype(dtype)), g, n, 4)
+    assert got_t.dtype == torch.int32
+    np.testing.assert_array_equal(got_t.numpy(), want)
+    np.testing.assert_array_equal(r.marlin_zero_points_inverse(got_t, g, n, 4).numpy(), zp)
+
+
 def test_bias() -> None:
     b = torch.randn(256).to(torch.bfloat16)
     got = r.marlin_permute_bias(b)

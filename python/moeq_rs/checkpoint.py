@@ -177,7 +177,8 @@ class Checkpoint:
         ``P.w13_weight_scale``, ..., with ``P = <prefix>.experts``), and its geometry
         (``experts``, ``hidden``, ``intermediate``, ``intermediate_padded``, ``bits``,
         ``group_size``, ``symmetric``, ``act_order``, ``scale_dtype``, ``prefix``). Raises
-        :class:`moeq_rs.UnsupportedSchemeError` for layers Marlin cannot hold."""
+        :class:`moeq_rs.UnsupportedSchemeError` for layers whose scheme the Marlin layout cannot
+        hold; limits of the kernels (see the plan's ``cuda`` backends) are not checked here."""
         index = int_in(layer, 0, I64_MAX)
         if index is None:
             raise LayoutError(f"layer: {layer!r} is not a decoder layer index (an int >= 0)")

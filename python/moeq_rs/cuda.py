@@ -728,7 +728,7 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
     import torch
 
     from .checkpoint import as_checkpoint
-    from .errors import LayoutError, UnsupportedSchemeError
+    from .errors import CudaUnavailableError, LayoutError, UnsupportedSchemeError
     from .moe import warn_unchecked_family
 
     ckpt = as_checkpoint(path_or_checkpoint)
@@ -772,7 +772,19 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
     if not top_k:
         raise LayoutError("config.json: no num_experts_per_tok (top_k)")
     warn_unchecked_family(ckpt)
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise LayoutError(f"device: {device!r} is not a torch device ({e})") from None
+    # Checked here: moving the weights would otherwise raise torch's own RuntimeError. (A CPU
+    # device builds the module with its launch arguments, for tests; its forward needs a GPU.)
+    if dev.type == "cuda" and (
+        not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()
+    ):
+        raise CudaUnavailableError(
+            f"device {str(dev)!r}: torch sees {torch.cuda.device_count()} CUDA device(s) "
+            "(no driver, or no such GPU)"
+        )
     hidden_size, num_experts, method = info["hidden_size"], info["num_experts"], info["method"]
     run: Callable[..., Any]
     if method == "wna16":

@@ -14,6 +14,7 @@ __all__ = [
     "UnsupportedSchemeError",
     "LayoutError",
     "CudaUnavailableError",
+    "UncheckedRoutingWarning",
 ]
 
 

@@ -193,7 +193,10 @@ class MoELayer(torch.nn.Module):
     ) -> MoELayer:
         """Load decoder layer ``layer`` (its routed experts, router parameters and shared
         experts). Raises :class:`moeq_rs.UnsupportedSchemeError` when the oracle does not plan
-        the layer onto the CPU backend, with the oracle's reason."""
+        the layer onto the CPU backend, with the oracle's reason; another
+        :class:`moeq_rs.MoeqError` for bad input (``ConfigError`` for routing settings such as a
+        top-k above the expert count, ``CheckpointError`` for a layer with no MoE block or a
+        non-positive static scale, ``CudaUnavailableError`` for a CUDA device)."""
         from .checkpoint import as_checkpoint
 
         _require_cpu(device)

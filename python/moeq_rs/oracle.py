@@ -147,8 +147,8 @@ def cpu_dot_peak(
 
 
 def cpu_threads() -> int:
-    """Threads the CPU MoE forward runs on: ``MOEQ_NUM_THREADS`` (read once per process), else
-    one per available CPU."""
+    """Threads the CPU MoE forward runs on: ``MOEQ_NUM_THREADS`` (read once per process; at
+    most four per available CPU), else one per available CPU."""
     return _core.cpu_threads()
 
 
@@ -157,7 +157,9 @@ def cpu_release_scratch() -> int:
     freed. Forwards keep their scratch (up to 8 buffers of up to 256 MiB per thread and element
     type) so that the next prefill does not fault it in again; after a long prompt that can be
     hundreds of MB (about 850 MB for a Qwen3-shape layer at T = 8192). Like
-    ``torch.cuda.empty_cache()``: later forwards allocate again as they need."""
+    ``torch.cuda.empty_cache()``: later forwards allocate again as they need. Called from a
+    thread other than Python's main one, it frees only the buffers of the pool that serves such
+    threads: the main thread's pool is reached from the main thread only."""
     return _core.cpu_release_scratch()
 
 

@@ -1,9 +1,10 @@
 """Marlin repacking with vLLM's names and argument order.
 
 numpy in -> numpy out, torch in -> torch out (same device), contiguous or not. Weights are int32
-(uint32 accepted); scales, zero points and biases keep their dtype, and any 2- or 4-byte dtype is
-accepted (bf16 may arrive as its uint16 bit pattern). Byte reference: vLLM main @7cfb97e33791,
-the "newer main" behaviour of ``reference/marlin_layout.md``. Shape and dtype problems raise
+(uint32 accepted); scales and biases keep their dtype, and any 2- or 4-byte dtype is accepted
+(bf16 may arrive as its uint16 bit pattern); zero-point codes of any integer dtype pack to int32
+words. Byte reference: vLLM main @7cfb97e33791, the "newer main" behaviour of
+``../shared/reference/marlin_layout.md``. Shape and dtype problems raise
 :class:`moeq_rs.LayoutError` naming the rule (``size_n=200 is not a positive multiple of 64``).
 """
 
@@ -82,8 +83,10 @@ def _is_torch(x: Any) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "detach")
 
 
-def _to_numpy(x: Any, name: str) -> tuple[np.ndarray, Callable[[np.ndarray], Any]]:
-    """A contiguous numpy view of ``x`` and a function turning a result back into x's kind."""
+def _to_numpy(x: Any, name: str) -> tuple[np.ndarray, Callable[..., Any]]:
+    """A contiguous numpy view of ``x`` and a function turning a result back into x's kind:
+    ``back(out)`` views it as x's dtype (results in x's own dtype cross as raw bits),
+    ``back(out, keep=True)`` keeps the result's dtype (results of a fixed dtype)."""
     if _is_torch(x):
         import torch
 
@@ -94,16 +97,20 @@ def _to_numpy(x: Any, name: str) -> tuple[np.ndarray, Callable[[np.ndarray], Any
             t = t.view(torch.int16)
         arr = t.numpy()
 
-        def back(out: np.ndarray) -> Any:
+        def back(out: np.ndarray, keep: bool = False) -> Any:
             r = torch.from_numpy(out)
-            if r.dtype != dtype:
+            if not keep and r.dtype != dtype:
                 r = r.view(dtype)
             return r.to(device)
 
         return arr, back
     if isinstance(x, np.ndarray):
         arr = np.ascontiguousarray(x)
-        return arr, lambda out: out.view(arr.dtype) if out.dtype != arr.dtype else out
+
+        def back_np(out: np.ndarray, keep: bool = False) -> np.ndarray:
+            return out if keep or out.dtype == arr.dtype else out.view(arr.dtype)
+
+        return arr, back_np
     raise LayoutError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}")
 
 
@@ -249,7 +256,9 @@ def marlin_zero_points(zp: Any, size_k: int, size_n: int, num_bits: int) -> Any:
         raise LayoutError("zp: codes must be unsigned (0 .. 2**num_bits - 1)")
     codes = np.ascontiguousarray(arr.reshape(-1), dtype=np.uint32)
     out = _core.marlin_zero_points(codes, size_k, size_n, num_bits)
-    return back(out.view(np.int32).reshape(size_k, size_n * num_bits // 32))
+    # int32 words whatever the codes' integer dtype (int64 codes came back as int64 bit
+    # patterns of half the width).
+    return back(out.view(np.int32).reshape(size_k, size_n * num_bits // 32), keep=True)
 
 
 @_primitive

@@ -358,7 +358,9 @@ pub fn repack(
         }
     }
     let plan = Plan::new(specs, opts.max_shard_size);
-    let bytes_total: u64 = plan.shards.iter().map(|s| s.size).sum();
+    // Tensor bytes only, as `written` counts them (the shard sizes include their headers, so
+    // the progress never reached its total).
+    let bytes_total: u64 = plan.slots.values().map(|s| s.nbytes).sum();
 
     remove_abandoned(&parent, &name);
     let tmp_path = parent.join(format!(".{name}.moeq-tmp-{}", std::process::id()));
