@@ -2294,6 +2294,28 @@ def test_copies_of_a_layer_have_their_own_custom_op_handle() -> None:
         torch.ops.moeq.moe_forward(x, logits, torch.tensor([1, 2]))
 
 
+def test_pickling_a_layer_is_a_clear_error(tmp_path) -> None:
+    """pickle reached the native object's bare TypeError ("cannot pickle
+    'moeq_rs._core.CpuMoeLayer'"); torch.save of a model holding a layer is the common case."""
+    import io
+    import pickle
+
+    w13, w2, s13, s2 = _small_w8a16()
+    layer = mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a16", top_k=2)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), layer)
+    for dump in (pickle.dumps, lambda m: torch.save(m, io.BytesIO())):
+        with pytest.raises(mq.LayoutError, match="MoELayer cannot be pickled.*from_checkpoint"):
+            dump(model)
+    # The weights of the rest of the model still save, and the layer still runs.
+    torch.save(model[0].state_dict(), tmp_path / "linear.pt")
+    x, logits = torch.randn(3, 64), torch.randn(3, 4)
+    assert layer(x, logits).shape == (3, 64)
+
+
+def test_lazy_names_are_listed() -> None:
+    assert {"MoELayer", "fused_moe", "open", "plan"} <= set(dir(mq))
+
+
 def test_layers_of_one_shape_share_one_compiled_graph() -> None:
     """The handle was an int attribute, which dynamo specialises on: each layer compiled the
     forward again, and the ninth hit the recompile limit (an error under fullgraph=True, eager

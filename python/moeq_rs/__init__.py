@@ -31,6 +31,11 @@ def __getattr__(name: str):  # type: ignore[no-untyped-def]
     raise AttributeError(f"module 'moeq_rs' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    # The lazy names above too, so that completion and dir() list them.
+    return sorted({*globals(), "MoELayer", "fused_moe"})
+
+
 __all__ = [
     "Checkpoint",
     "CheckpointError",

@@ -184,6 +184,15 @@ class MoELayer(torch.nn.Module):
     def __deepcopy__(self, memo: dict[int, Any]) -> MoELayer:
         return _deepcopy_layer(self, memo)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # pickle (torch.save of a model, spawn/forkserver children) reached the native object's
+        # bare "TypeError: cannot pickle 'moeq_rs._core.CpuMoeLayer'".
+        raise LayoutError(
+            "MoELayer cannot be pickled: its packed weights live in moeq_rs's native memory, not "
+            "in tensors. Build it where it is used (MoELayer.from_checkpoint(path, layer) in the "
+            "other process; forked children inherit it)"
+        )
+
     @classmethod
     def from_checkpoint(
         cls,
