@@ -1670,6 +1670,64 @@ print("ok", len(seen["a"]) + len(seen["b"]) + len(again))
 """
 
 
+@pytest.mark.parametrize("how", ["set_", "resize_", "write"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inputs_changed_by_another_thread_during_a_forward(how: str, dtype: torch.dtype) -> None:
+    """The forward read the input tensor after releasing the GIL: another Python thread that
+    `set_` or `resize_`d it then made the forward read freed memory (a segfault, or garbage
+    once the memory was reused). Inputs are copied first, so the result is the one of the
+    tensor as it was at the call."""
+    import sys
+    import threading
+
+    e, h, i, t = 8, 1024, 64, 4096  # x is 16 MiB: its own mapping, unmapped when freed
+    g = torch.Generator().manual_seed(0)
+    moe = mq.MoELayer.from_tensors(
+        torch.randint(-127, 128, (e, 2 * i, h), dtype=torch.int8, generator=g),
+        torch.randint(-127, 128, (e, h, i), dtype=torch.int8, generator=g),
+        torch.rand(e, 2 * i, 1, generator=g) / 1e3,
+        torch.rand(e, h, 1, generator=g) / 1e3,
+        scheme="w8a16",
+        top_k=8,
+    )
+    logits = torch.randn(t, e, generator=g)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(10)  # this thread keeps the GIL until the forward releases it
+    try:
+        for _ in range(3):
+            x = torch.randn(t, h, generator=g).to(dtype)
+            want = moe(x.clone(), logits)
+            go = threading.Event()
+
+            def other(x: torch.Tensor = x, go: threading.Event = go) -> None:
+                go.wait()
+                if how == "set_":
+                    x.set_()
+                elif how == "resize_":
+                    x.resize_(4 * t, h)
+                else:
+                    x.fill_(1e30)
+
+            th = threading.Thread(target=other)
+            th.start()
+            go.set()
+            # The other thread may also run before the call reads x (the GIL can change hands
+            # earlier): then x is as it left it, empty or resized (a LayoutError naming the
+            # argument) or filled.
+            try:
+                got = moe(x, logits)
+            except mq.LayoutError as err:
+                assert how != "write" and re.search("hidden_states|router_logits", str(err))
+                th.join()
+                continue
+            th.join()
+            assert torch.equal(got, want) or (
+                how == "write" and torch.equal(got, moe(torch.full_like(x, 1e30), logits))
+            )
+    finally:
+        sys.setswitchinterval(interval)
+
+
 def test_forward_from_other_threads_equals_the_owner_thread() -> None:
     """The main thread becomes one of the forward's threads when it builds the layer; other
     threads (a short-lived one before its first forward, two running at the same time as it)

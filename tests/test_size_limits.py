@@ -8,6 +8,7 @@ import struct
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -183,3 +184,54 @@ def test_cli_reports_a_rust_panic_in_one_line(
     monkeypatch.setenv("MOEQ_DEBUG", "1")
     with pytest.raises(PanicException):
         cli.main(["inspect", str(tmp_path)])
+
+
+@pytest.mark.parametrize("intermediate", [2**62, 2**63 + 8, 16])
+def test_native_layer_sizes_must_match_the_arrays(intermediate: int) -> None:
+    # A direct native call takes its sizes apart from the arrays: 2**62 rows looped for hours
+    # before any length was compared, and 2 * intermediate wrapped past 2**63.
+    from moeq_rs import _core
+
+    i8, f = np.zeros(16, np.int8), np.ones(16, np.float32)
+    none = {"w13_u32": None, "w13_zp_i8": None, "w13_zp_u32": None, "a13": None}
+    none2 = {"w2_u32": None, "w2_zp_i8": None, "w2_zp_u32": None, "a2": None}
+    start = time.monotonic()
+    with pytest.raises(mq.LayoutError, match=r"w13: holds 16 values, not the"):
+        _core.CpuMoeLayer.from_tensors(
+            "w8a16", 1, 1, intermediate, -1, w13_i8=i8, w13_scale=f, **none,
+            w2_i8=i8, w2_scale=f, **none2, top_k=1, renormalize=True,
+        )  # fmt: skip
+    assert time.monotonic() - start < 10
+
+
+def _with_f4_tensor(src: Path, dst: Path, nbytes: int) -> bytes:
+    """``src`` with a packed F4 tensor of ``2 * nbytes`` values appended; returns its bytes."""
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    raw = (dst / "model.safetensors").read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    hdr, data = json.loads(raw[8 : 8 + n]), raw[8 + n :]
+    payload = bytes(range(256)) * (nbytes // 256)
+    hdr["zz.weight"] = {
+        "dtype": "F4",
+        "shape": [2 * nbytes],
+        "data_offsets": [len(data), len(data) + nbytes],
+    }
+    h = json.dumps(hdr).encode()
+    h += b" " * (-(8 + len(h)) % 8)
+    (dst / "model.safetensors").write_bytes(struct.pack("<Q", len(h)) + h + data + payload)
+    return payload
+
+
+def test_sub_byte_tensors_are_views_of_their_packed_bytes(tmp_path: Path) -> None:
+    # F4 and F6 were exported as one byte per value: an array twice the tensor's size (F4),
+    # whose reads ran past the mapping (a segfault) or into the next tensor's bytes.
+    payload = _with_f4_tensor(write_checkpoint(tmp_path / "src"), tmp_path / "f4", 1 << 20)
+    ck = mq.open(tmp_path / "f4")
+    view = ck.view("zz.weight")
+    assert (view.dtype, view.shape, view.nbytes) == ("F4", [2 << 20], 1 << 20)
+    a = ck.tensor("zz.weight")
+    assert a.dtype == np.uint8 and a.shape == (1 << 20,) and not a.flags.writeable
+    assert a.tobytes() == payload
+    assert int(a.astype(np.int64).sum()) == sum(payload)

@@ -131,8 +131,9 @@ class Checkpoint:
         """A tensor by name.
 
         numpy (default): a read-only zero-copy view of the mapped bytes; BF16 and FP8 arrive as
-        their unsigned bit patterns (numpy has no such dtypes). torch: a tensor of the real dtype
-        (a copy, so it is writable).
+        their unsigned bit patterns (numpy has no such dtypes), the sub-byte F4 and F6 as their
+        packed bytes (a flat uint8 array of ``nbytes``). torch: a tensor of the real dtype (a
+        copy, so it is writable).
         """
         buf = self._core.tensor_buffer(name)
         arr = np.asarray(buf)

@@ -142,10 +142,12 @@ impl CpuMoeLayer {
         router_logits: PyReadonlyArrayDyn<'py, f32>,
         bf16: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let l = contiguous(py, &router_logits, "router_logits")?;
+        // A copy: the forward runs without the GIL (see `Hidden::run`).
+        let l = contiguous(py, &router_logits, "router_logits")?.to_vec();
         let moe = Arc::clone(&self.moe);
         let h = self.moe.hidden;
-        Hidden::of(py, hidden_states)?.run(py, bf16, tokens, h, |x, c| moe.forward(x, tokens, l, c))
+        Hidden::of(py, hidden_states)?
+            .run(py, bf16, tokens, h, |x, c| moe.forward(x, tokens, &l, c))
     }
 
     /// The weighted sum of the routed experts only.
@@ -213,14 +215,14 @@ impl CpuMoeLayer {
         }
         let tokens = x.rows;
         let moe = Arc::clone(&self.moe);
-        // SAFETY: no Python code runs from the exports above to the end of the forward, and
-        // callers may not resize or write an argument from another thread meanwhile (the
-        // contract of torch operators that release the GIL; see `View::values`).
+        // SAFETY: no Python code runs from the exports above until the values are copied (in
+        // `run_torch`, before the GIL is released), and this thread holds the GIL meanwhile, so
+        // no other Python thread can resize, re-point or write the tensors under the views.
         let (x, logits) = unsafe { (x.values(), l.values()) };
+        let logits = owned(widen(logits));
         run_torch(py, x, tokens, h, move |x, c| {
-            let l = widen(logits);
-            let out = moe.forward(x, tokens, &l, c);
-            recycle(l);
+            let out = moe.forward(x, tokens, &logits, c);
+            moeq_core::cpu::spare::give(logits);
             out
         })
         .map(Some)
@@ -259,7 +261,8 @@ impl CpuMoeLayer {
             return Ok(None);
         }
         let (tokens, k) = (x.rows, w.cols);
-        // SAFETY: as in `forward_torch`.
+        // SAFETY: as in `forward_torch` (the weights and ids are copied below, `x` in
+        // `run_torch`, all before the GIL is released).
         let (x, w, ids) = unsafe { (x.values(), w.values(), ids.values()) };
         let expert = |v: i64| u32::try_from(v).ok();
         let ids: Option<Vec<u32>> = match ids {
@@ -283,9 +286,11 @@ impl CpuMoeLayer {
     }
 }
 
-/// Runs `f` on `x` widened to f32, without the GIL and in one parked region for the
-/// conversions and the forward, and returns its `[tokens, h]` output as a torch tensor of
-/// `x`'s dtype. bf16 input computes as for bf16 (see `compute`), other dtypes as f32.
+/// Runs `f` on `x` widened to f32 and returns its `[tokens, h]` output as a torch tensor of
+/// `x`'s dtype. bf16 input computes as for bf16 (see `compute`), other dtypes as f32. `x` is
+/// copied (widened) while the GIL is held and `f` runs without it: another Python thread may
+/// resize, re-point or write the tensor as soon as the GIL is released (a read of it after that
+/// read freed memory), so nothing of it is read then.
 fn run_torch<'py>(
     py: Python<'py>,
     x: Values<'_>,
@@ -295,31 +300,31 @@ fn run_torch<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     use moeq_core::cpu::kernels::f32_to_bf16_bits;
     use moeq_core::cpu::spare::give;
+    let kind = Narrow::of(&x);
+    let wide = owned(widen(x));
     let out = py
         .detach(|| {
             moeq_core::cpu::with_openmp_parked(|| {
-                let bf16 = matches!(x, Values::Bf16(_));
-                let wide = widen(x);
-                let y = f(&wide, compute(bf16));
-                recycle(wide);
-                y.map(|y| match x {
-                    Values::Bf16(_) => {
+                let y = f(&wide, compute(kind == Narrow::Bf16));
+                give(wide);
+                y.map(|y| match kind {
+                    Narrow::Bf16 => {
                         let bits = f32_to_bf16_bits(&y);
                         give(y);
                         Narrowed::Bf16(bits)
                     }
-                    Values::F16(_) => {
+                    Narrow::F16 => {
                         let mut v = vec![half::f16::ZERO; y.len()];
                         v.convert_from_f32_slice(&y);
                         give(y);
                         Narrowed::F16(v)
                     }
-                    Values::F64(_) => {
+                    Narrow::F64 => {
                         let v = y.iter().map(|&v| f64::from(v)).collect();
                         give(y);
                         Narrowed::F64(v)
                     }
-                    _ => Narrowed::F32(y),
+                    Narrow::F32 => Narrowed::F32(y),
                 })
             })
         })
@@ -329,6 +334,26 @@ fn run_torch<'py>(
         Narrowed::Bf16(v) => dlpack::tensor(py, v, tokens, h),
         Narrowed::F16(v) => dlpack::tensor(py, v, tokens, h),
         Narrowed::F64(v) => dlpack::tensor(py, v, tokens, h),
+    }
+}
+
+/// The dtype an output goes back to: the input's.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Narrow {
+    F32,
+    Bf16,
+    F16,
+    F64,
+}
+
+impl Narrow {
+    fn of(v: &Values<'_>) -> Narrow {
+        match v {
+            Values::Bf16(_) => Narrow::Bf16,
+            Values::F16(_) => Narrow::F16,
+            Values::F64(_) => Narrow::F64,
+            _ => Narrow::F32,
+        }
     }
 }
 
@@ -365,10 +390,16 @@ fn widen(v: Values<'_>) -> Cow<'_, [f32]> {
     }
 }
 
-/// A converted buffer back to this thread's spares for the next call.
-fn recycle(v: Cow<'_, [f32]>) {
-    if let Cow::Owned(v) = v {
-        moeq_core::cpu::spare::give(v);
+/// `v` in a buffer of this thread's spares (a copy when it is borrowed): what a forward reads
+/// once the GIL is released, when caller-owned memory may change or go away.
+fn owned(v: Cow<'_, [f32]>) -> Vec<f32> {
+    match v {
+        Cow::Owned(v) => v,
+        Cow::Borrowed(b) => {
+            let mut out = moeq_core::cpu::spare::take(b.len(), 0f32);
+            out.copy_from_slice(b);
+            out
+        }
     }
 }
 
@@ -431,21 +462,26 @@ impl<'py> Hidden<'py> {
         use moeq_core::cpu::kernels::{bf16_bits_to_f32, f32_to_bf16_bits};
         use moeq_core::cpu::spare::give;
         match self {
+            // The input is copied (widened) before the GIL is released: another Python thread
+            // may write the array once it is (a data race on the values read).
             Hidden::F32(a) => {
-                let x = contiguous(py, a, "hidden_states")?;
+                let x = owned(Cow::Borrowed(contiguous(py, a, "hidden_states")?));
                 let out = py
-                    .detach(|| f(x, compute(bf16)))
+                    .detach(|| {
+                        let out = f(&x, compute(bf16));
+                        give(x);
+                        out
+                    })
                     .map_err(|e| to_py(py, e))?;
                 rows(py, out, tokens, h)
             }
             Hidden::Bf16Bits(a) => {
-                let bits = contiguous(py, a, "hidden_states")?;
+                let x = bf16_bits_to_f32(contiguous(py, a, "hidden_states")?);
                 let out = py
                     .detach(|| {
-                        // One parked region for the conversions and the forward, not three.
+                        // One parked region for the conversion back and the forward.
                         moeq_core::cpu::with_openmp_parked(|| {
                             // Both f32 buffers go back to this thread's spares for the next call.
-                            let x = bf16_bits_to_f32(bits);
                             let out = f(&x, compute(true)).map(|o| {
                                 let bits = f32_to_bf16_bits(&o);
                                 give(o);

@@ -76,9 +76,20 @@ impl TensorBuffer {
             .map
             .get(self.start..self.start + self.len)
             .unwrap_or(&[]);
+        // Sub-byte dtypes (F4, F6) pack several values per byte: exported as their `len` raw
+        // bytes, flat. As one byte per value (their shape with `|u1`) the array claimed more
+        // bytes than the tensor has, and reading it ran past the mapping.
+        let bits = self.dtype.bit_size();
+        let elems: usize = self.shape.iter().product();
+        let whole = bits >= 8 && elems.checked_mul(bits / 8) == Some(data.len());
+        let (shape, typestr) = if whole {
+            (self.shape.to_vec(), self.dtype.numpy_typestr())
+        } else {
+            (vec![data.len()], "|u1")
+        };
         let d = PyDict::new(py);
-        d.set_item("shape", pyo3::types::PyTuple::new(py, self.shape.iter())?)?;
-        d.set_item("typestr", self.dtype.numpy_typestr())?;
+        d.set_item("shape", pyo3::types::PyTuple::new(py, shape)?)?;
+        d.set_item("typestr", typestr)?;
         // Read-only: the mapping is private and mapped without write permission.
         d.set_item("data", (data.as_ptr() as usize, true))?;
         d.set_item("version", 3)?;
