@@ -23,7 +23,8 @@ $(VENV)/.base-deps: | $(PY)
 	$(PY) -m pip install -q --no-cache-dir $(BASE_DEPS)
 	touch $@
 
-$(VENV)/.test-deps: $(VENV)/.base-deps
+# (Also after the Makefile changes, which may add a dependency: pip skips what is installed.)
+$(VENV)/.test-deps: $(VENV)/.base-deps Makefile
 	$(PY) -m pip install -q --no-cache-dir $(TEST_DEPS)
 	touch $@
 

@@ -1670,15 +1670,17 @@ print("ok", len(seen["a"]) + len(seen["b"]) + len(again))
 """
 
 
-@pytest.mark.parametrize("how", ["set_", "resize_", "write"])
+@pytest.mark.parametrize("how", ["set_", "resize_"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inputs_changed_by_another_thread_during_a_forward(how: str, dtype: torch.dtype) -> None:
     """The forward read the input tensor after releasing the GIL: another Python thread that
     `set_` or `resize_`d it then made the forward read freed memory (a segfault, or garbage
     once the memory was reused). Inputs are copied first, so the result is the one of the
-    tensor as it was at the call."""
+    tensor as it was at the call. (The other thread waits 10 ms: a torch operator already
+    running when the call starts may change the tensor under any reader, torch's own too.)"""
     import sys
     import threading
+    import time
 
     e, h, i, t = 8, 1024, 64, 4096  # x is 16 MiB: its own mapping, unmapped when freed
     g = torch.Generator().manual_seed(0)
@@ -1701,29 +1703,25 @@ def test_inputs_changed_by_another_thread_during_a_forward(how: str, dtype: torc
 
             def other(x: torch.Tensor = x, go: threading.Event = go) -> None:
                 go.wait()
+                time.sleep(0.01)
                 if how == "set_":
                     x.set_()
-                elif how == "resize_":
-                    x.resize_(4 * t, h)
                 else:
-                    x.fill_(1e30)
+                    x.resize_(4 * t, h)
 
             th = threading.Thread(target=other)
             th.start()
             go.set()
-            # The other thread may also run before the call reads x (the GIL can change hands
-            # earlier): then x is as it left it, empty or resized (a LayoutError naming the
-            # argument) or filled.
+            # On a loaded machine the other thread may still come first: then x is empty or
+            # resized when the call reads it, a LayoutError naming the argument.
             try:
                 got = moe(x, logits)
             except mq.LayoutError as err:
-                assert how != "write" and re.search("hidden_states|router_logits", str(err))
+                assert re.search("hidden_states|router_logits", str(err))
                 th.join()
                 continue
             th.join()
-            assert torch.equal(got, want) or (
-                how == "write" and torch.equal(got, moe(torch.full_like(x, 1e30), logits))
-            )
+            assert torch.equal(got, want)
     finally:
         sys.setswitchinterval(interval)
 
@@ -2362,8 +2360,9 @@ def test_pickling_a_layer_is_a_clear_error(tmp_path) -> None:
     layer = mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a16", top_k=2)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), layer)
     for dump in (pickle.dumps, lambda m: torch.save(m, io.BytesIO())):
-        with pytest.raises(mq.LayoutError, match="MoELayer cannot be pickled.*from_checkpoint"):
+        with pytest.raises(mq.MoeqError, match="MoELayer cannot be pickled.*from_checkpoint") as e:
             dump(model)
+        assert isinstance(e.value, TypeError)  # what pickling probes catch
     # The weights of the rest of the model still save, and the layer still runs.
     torch.save(model[0].state_dict(), tmp_path / "linear.pt")
     x, logits = torch.randn(3, 64), torch.randn(3, 4)

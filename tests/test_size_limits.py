@@ -94,14 +94,38 @@ def _cpu_layout(tmp_path: Path, hidden: int, inter: int) -> Path:
     ("hidden", "inter", "want"),
     [
         (0, 2**40, r"moeq\.layers\[0\]\.hidden_size.*0 is not a size"),
-        (0, 2**63, r"moeq\.layers\[0\]\.hidden_size.*0 is not a size"),
     ],
 )
 def test_cpu_layout_sizes_are_checked(tmp_path: Path, hidden: int, inter: int, want: str) -> None:
     # hidden 0 made every stored tensor empty, so the shape check passed for any intermediate
-    # size; loading the layer then aborted on a 4 TB allocation (2**63: a panic).
+    # size; loading the layer then aborted on a 4 TB allocation.
     with pytest.raises(mq.ConfigError, match=want):
         mq.open(_cpu_layout(tmp_path, hidden, inter))
+
+
+@pytest.mark.parametrize("target", ["cpu", "marlin"])
+@pytest.mark.parametrize(
+    ("key", "value", "want"),
+    [
+        ("intermediate_size", 2**20 + 1, r"too large \(at most 1048576\)"),
+        ("hidden_size", 2**64 - 1, "too large"),
+        ("num_experts", 0, "0 is not a size"),
+        ("intermediate_size", 0, "0 is not a size"),
+        ("layer", 2**21, "too large"),
+    ],
+)
+def test_repacked_layout_sizes_are_bounded(
+    tmp_path: Path, target: str, key: str, value: int, want: str
+) -> None:
+    # Sizes are checked before the stored tensors are compared with them (whose shapes the
+    # layout computes from the sizes: 2 * I wrapped for I near 2**63).
+    out = tmp_path / target
+    mq.repack.repack_checkpoint(write_checkpoint(tmp_path / "src"), out, target=target)
+    config = json.loads((out / "config.json").read_text())
+    config["moeq"]["layers"][0][key] = value
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(mq.ConfigError, match=rf"moeq\.layers\[0\]\.{key}: .*{want}"):
+        mq.open(out)
 
 
 @pytest.mark.parametrize("bits", [0, 33, 64, 2**32 + 4])
@@ -235,3 +259,6 @@ def test_sub_byte_tensors_are_views_of_their_packed_bytes(tmp_path: Path) -> Non
     assert a.dtype == np.uint8 and a.shape == (1 << 20,) and not a.flags.writeable
     assert a.tobytes() == payload
     assert int(a.astype(np.int64).sum()) == sum(payload)
+    t = ck.tensor("zz.weight", framework="torch")
+    assert t.dtype == torch.float4_e2m1fn_x2 and t.shape == (1 << 20,)
+    assert t.view(torch.uint8).numpy().tobytes() == payload

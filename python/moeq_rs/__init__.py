@@ -22,9 +22,12 @@ from .oracle import Plan, plan
 __version__: str = _core.__version__
 
 
+# MoELayer subclasses torch.nn.Module: these import torch only when they are asked for.
+_LAZY = ("MoELayer", "fused_moe")
+
+
 def __getattr__(name: str):  # type: ignore[no-untyped-def]
-    # MoELayer subclasses torch.nn.Module: import torch only when it is asked for.
-    if name in ("MoELayer", "fused_moe"):
+    if name in _LAZY:
         from . import moe
 
         return getattr(moe, name)
@@ -33,7 +36,7 @@ def __getattr__(name: str):  # type: ignore[no-untyped-def]
 
 def __dir__() -> list[str]:
     # The lazy names above too, so that completion and dir() list them.
-    return sorted({*globals(), "MoELayer", "fused_moe"})
+    return sorted({*globals(), *_LAZY})
 
 
 __all__ = [

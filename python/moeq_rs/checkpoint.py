@@ -37,6 +37,9 @@ _TORCH_DTYPES = {
     "U64": "uint64",
     "F8_E4M3": "float8_e4m3fn",
     "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
+    # One byte holding two values: the flat packed bytes the numpy side gives.
+    "F4": "float4_e2m1fn_x2",
     "C64": "complex64",
 }
 
@@ -133,7 +136,8 @@ class Checkpoint:
         numpy (default): a read-only zero-copy view of the mapped bytes; BF16 and FP8 arrive as
         their unsigned bit patterns (numpy has no such dtypes), the sub-byte F4 and F6 as their
         packed bytes (a flat uint8 array of ``nbytes``). torch: a tensor of the real dtype (a
-        copy, so it is writable).
+        copy, so it is writable; F4 as ``float4_e2m1fn_x2``, one byte per pair, flat), or a
+        ``TypeError`` for a dtype this torch lacks (F6).
         """
         buf = self._core.tensor_buffer(name)
         arr = np.asarray(buf)

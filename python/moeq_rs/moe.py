@@ -22,7 +22,7 @@ import torch
 from . import _core
 from ._args import I64_MAX, as_int, int_in
 from ._threads import adopt_main_thread
-from .errors import LayoutError, UncheckedRoutingWarning
+from .errors import LayoutError, MoeqError, UncheckedRoutingWarning
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -148,6 +148,10 @@ def warn_unchecked_family(ckpt: Any) -> None:
     )
 
 
+class _NotPicklable(MoeqError, TypeError):
+    """Pickling a layer: a MoeqError and, as Python's convention wants, a TypeError."""
+
+
 class MoELayer(torch.nn.Module):
     """A quantized MoE layer on the CPU (``device="cpu"``)."""
 
@@ -186,8 +190,9 @@ class MoELayer(torch.nn.Module):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # pickle (torch.save of a model, spawn/forkserver children) reached the native object's
-        # bare "TypeError: cannot pickle 'moeq_rs._core.CpuMoeLayer'".
-        raise LayoutError(
+        # bare "TypeError: cannot pickle 'moeq_rs._core.CpuMoeLayer'". Still a TypeError, as
+        # pickling probes expect of what does not pickle.
+        raise _NotPicklable(
             "MoELayer cannot be pickled: its packed weights live in moeq_rs's native memory, not "
             "in tensors. Build it where it is used (MoELayer.from_checkpoint(path, layer) in the "
             "other process; forked children inherit it)"

@@ -74,16 +74,17 @@ def marlin_support_reason(
         "hidden_size": hidden_size,
         "intermediate_size_per_partition": intermediate_size_per_partition,
     }
-    checked = []
+    checked = {}
     for name, value in sizes.items():
         size = int_in(value, 0, I64_MAX)
         if size is None:
             raise LayoutError(f"{name}: {value!r} is not a size (an int >= 0)")
-        checked.append(size)
+        checked[name] = size
     group = None if group_size is None else int_in(group_size, -(I64_MAX + 1), I64_MAX)
     if group_size is not None and group is None:
         raise LayoutError(f"group_size: {group_size!r} is not a 64-bit int (or None)")
-    return _core.marlin_support_reason(checked[0], checked[1], group, allow_tile_padding)
+    hidden, intermediate = checked["hidden_size"], checked["intermediate_size_per_partition"]
+    return _core.marlin_support_reason(hidden, intermediate, group, allow_tile_padding)
 
 
 def check_moe_marlin_supports_layer(

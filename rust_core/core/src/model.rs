@@ -106,7 +106,10 @@ fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
             usize::try_from(v)
                 .ok()
                 .filter(|&v| v <= MAX_LAYOUT_SIZE)
-                .ok_or_else(|| o.field(k).invalid(format!("{v} is too large")))
+                .ok_or_else(|| {
+                    o.field(k)
+                        .invalid(format!("{v} is too large (at most {MAX_LAYOUT_SIZE})"))
+                })
         };
         // A size the stored tensors are checked against: a zero would let every tensor be
         // empty whatever the other sizes say (and the loader then sizes buffers by them).

@@ -216,8 +216,9 @@ impl CpuMoeLayer {
         let tokens = x.rows;
         let moe = Arc::clone(&self.moe);
         // SAFETY: no Python code runs from the exports above until the values are copied (in
-        // `run_torch`, before the GIL is released), and this thread holds the GIL meanwhile, so
-        // no other Python thread can resize, re-point or write the tensors under the views.
+        // `run_torch`, before the GIL is released), and callers may not resize, `set_` or write
+        // an argument from another thread meanwhile (the contract of torch's own operators,
+        // which run without the GIL; see `View::values`).
         let (x, logits) = unsafe { (x.values(), l.values()) };
         let logits = owned(widen(logits));
         run_torch(py, x, tokens, h, move |x, c| {
@@ -288,9 +289,10 @@ impl CpuMoeLayer {
 
 /// Runs `f` on `x` widened to f32 and returns its `[tokens, h]` output as a torch tensor of
 /// `x`'s dtype. bf16 input computes as for bf16 (see `compute`), other dtypes as f32. `x` is
-/// copied (widened) while the GIL is held and `f` runs without it: another Python thread may
-/// resize, re-point or write the tensor as soon as the GIL is released (a read of it after that
-/// read freed memory), so nothing of it is read then.
+/// copied (widened) before the GIL is released and `f` runs without it: a Python thread that
+/// resized or re-pointed the tensor once the GIL was free made the forward read freed memory,
+/// so `x` is read only during the copy. The conversions and the forward share one parked
+/// region.
 fn run_torch<'py>(
     py: Python<'py>,
     x: Values<'_>,
@@ -301,34 +303,33 @@ fn run_torch<'py>(
     use moeq_core::cpu::kernels::f32_to_bf16_bits;
     use moeq_core::cpu::spare::give;
     let kind = Narrow::of(&x);
-    let wide = owned(widen(x));
-    let out = py
-        .detach(|| {
-            moeq_core::cpu::with_openmp_parked(|| {
-                let y = f(&wide, compute(kind == Narrow::Bf16));
-                give(wide);
-                y.map(|y| match kind {
-                    Narrow::Bf16 => {
-                        let bits = f32_to_bf16_bits(&y);
-                        give(y);
-                        Narrowed::Bf16(bits)
-                    }
-                    Narrow::F16 => {
-                        let mut v = vec![half::f16::ZERO; y.len()];
-                        v.convert_from_f32_slice(&y);
-                        give(y);
-                        Narrowed::F16(v)
-                    }
-                    Narrow::F64 => {
-                        let v = y.iter().map(|&v| f64::from(v)).collect();
-                        give(y);
-                        Narrowed::F64(v)
-                    }
-                    Narrow::F32 => Narrowed::F32(y),
-                })
+    let out = moeq_core::cpu::with_openmp_parked(|| {
+        let wide = owned(widen(x));
+        py.detach(|| {
+            let y = f(&wide, compute(kind == Narrow::Bf16));
+            give(wide);
+            y.map(|y| match kind {
+                Narrow::Bf16 => {
+                    let bits = f32_to_bf16_bits(&y);
+                    give(y);
+                    Narrowed::Bf16(bits)
+                }
+                Narrow::F16 => {
+                    let mut v = vec![half::f16::ZERO; y.len()];
+                    v.convert_from_f32_slice(&y);
+                    give(y);
+                    Narrowed::F16(v)
+                }
+                Narrow::F64 => {
+                    let v = y.iter().map(|&v| f64::from(v)).collect();
+                    give(y);
+                    Narrowed::F64(v)
+                }
+                Narrow::F32 => Narrowed::F32(y),
             })
         })
-        .map_err(|e| to_py(py, e))?;
+    })
+    .map_err(|e| to_py(py, e))?;
     match out {
         Narrowed::F32(v) => dlpack::tensor(py, v, tokens, h),
         Narrowed::Bf16(v) => dlpack::tensor(py, v, tokens, h),
@@ -396,8 +397,8 @@ fn owned(v: Cow<'_, [f32]>) -> Vec<f32> {
     match v {
         Cow::Owned(v) => v,
         Cow::Borrowed(b) => {
-            let mut out = moeq_core::cpu::spare::take(b.len(), 0f32);
-            out.copy_from_slice(b);
+            let mut out = moeq_core::cpu::spare::take_empty(b.len());
+            out.extend_from_slice(b);
             out
         }
     }
@@ -476,22 +477,22 @@ impl<'py> Hidden<'py> {
                 rows(py, out, tokens, h)
             }
             Hidden::Bf16Bits(a) => {
-                let x = bf16_bits_to_f32(contiguous(py, a, "hidden_states")?);
-                let out = py
-                    .detach(|| {
-                        // One parked region for the conversion back and the forward.
-                        moeq_core::cpu::with_openmp_parked(|| {
-                            // Both f32 buffers go back to this thread's spares for the next call.
-                            let out = f(&x, compute(true)).map(|o| {
-                                let bits = f32_to_bf16_bits(&o);
-                                give(o);
-                                bits
-                            });
-                            give(x);
-                            out
-                        })
+                let bits = contiguous(py, a, "hidden_states")?;
+                // One parked region for both conversions and the forward.
+                let out = moeq_core::cpu::with_openmp_parked(|| {
+                    let x = bf16_bits_to_f32(bits);
+                    py.detach(|| {
+                        // Both f32 buffers go back to this thread's spares for the next call.
+                        let out = f(&x, compute(true)).map(|o| {
+                            let bits = f32_to_bf16_bits(&o);
+                            give(o);
+                            bits
+                        });
+                        give(x);
+                        out
                     })
-                    .map_err(|e| to_py(py, e))?;
+                })
+                .map_err(|e| to_py(py, e))?;
                 rows(py, out, tokens, h)
             }
         }

@@ -212,17 +212,17 @@ impl<'a> View<'a> {
     /// The tensor's values, borrowed.
     ///
     /// # Safety
-    /// The slice is used only while this thread holds the GIL, and no Python code runs
-    /// between [`view`] and its last use: then no other thread can resize, `set_`, free or
-    /// write the tensor meanwhile. (Callers copy what a forward reads before releasing the GIL:
-    /// another Python thread that resized the input then made the forward read freed memory.)
+    /// No Python code runs between [`view`] and the slice's last use, and no other thread
+    /// resizes, `set_`s, frees or writes the tensor meanwhile: the contract of torch's own
+    /// operators, which run without the GIL. (Callers copy the values before they release the
+    /// GIL themselves, so that the window is the copy, not the whole forward.)
     pub(crate) unsafe fn values(&self) -> Values<'a> {
         let len = self.rows * self.cols;
         // SAFETY: `view` made `data` non-null and aligned for `elem`, and, unless `len` is 0
         // (then it is a dangling pointer, as an empty slice may have), the start of `len`
         // contiguous elements of type `elem` in a CPU tensor; the borrow of the Python object
-        // (lifetime 'a) keeps the tensor alive, and the caller's contract (the GIL held, no
-        // Python code run) keeps its storage in place and unwritten while the slice is used. `half::f16` is a
+        // (lifetime 'a) keeps the tensor alive, and the caller's contract keeps its storage
+        // in place and unwritten while the slice is used. `half::f16` is a
         // `repr(transparent)` u16.
         unsafe {
             match self.elem {

@@ -260,32 +260,6 @@ pub fn from_raw(
             "experts, hidden and intermediate sizes must be positive".into(),
         ));
     }
-    // The stored values must be what the sizes say, checked before any loop runs over the
-    // sizes: the sizes of a direct native call need not come from the arrays (2^62 rows
-    // looped for hours, `2 * intermediate` wrapped).
-    let stored = |w: &RawWeights<'_>| match w {
-        RawWeights::Int8(q) => Some(q.len()),
-        RawWeights::Int4Packed(p) => p.len().checked_mul(8),
-    };
-    for (arg, w, n, k) in [
-        ("w13", &w13.weights, intermediate.checked_mul(2), hidden),
-        ("w2", &w2.weights, Some(hidden), intermediate),
-    ] {
-        let want = n
-            .and_then(|n| n.checked_mul(experts))
-            .and_then(|v| v.checked_mul(k));
-        if want.is_none() || want != stored(w) {
-            return Err(err(
-                arg,
-                format!(
-                    "holds {} values, not the {} that E={experts}, H={hidden}, I={intermediate} \
-                     make",
-                    stored(w).map_or("too many".into(), |v| v.to_string()),
-                    want.map_or("(overflowing)".into(), |v| v.to_string()),
-                ),
-            ));
-        }
-    }
     if top_k == 0 || top_k > experts {
         return Err(err(
             "top_k",
@@ -311,6 +285,32 @@ pub fn from_raw(
             "w13",
             "int4 packing needs hidden and intermediate multiples of 8".into(),
         ));
+    }
+    // The stored values must be what the sizes say, checked before any loop runs over the
+    // sizes: the sizes of a direct native call need not come from the arrays (2^62 rows
+    // looped for hours, `2 * intermediate` wrapped).
+    let stored = |w: &RawWeights<'_>| match w {
+        RawWeights::Int8(q) => Some(q.len()),
+        RawWeights::Int4Packed(p) => p.len().checked_mul(8),
+    };
+    for (arg, w, n, k) in [
+        ("w13", &w13.weights, intermediate.checked_mul(2), hidden),
+        ("w2", &w2.weights, Some(hidden), intermediate),
+    ] {
+        let want = n
+            .and_then(|n| n.checked_mul(experts))
+            .and_then(|v| v.checked_mul(k));
+        if want.is_none() || want != stored(w) {
+            return Err(err(
+                arg,
+                format!(
+                    "holds {} values, not the {} that E={experts}, H={hidden}, I={intermediate} \
+                     make",
+                    stored(w).map_or("too many".into(), |v| v.to_string()),
+                    want.map_or("(overflowing)".into(), |v| v.to_string()),
+                ),
+            ));
+        }
     }
     let mut list = Vec::with_capacity(experts);
     for e in 0..experts {
