@@ -262,3 +262,26 @@ def test_sub_byte_tensors_are_views_of_their_packed_bytes(tmp_path: Path) -> Non
     t = ck.tensor("zz.weight", framework="torch")
     assert t.dtype == torch.float4_e2m1fn_x2 and t.shape == (1 << 20,)
     assert t.view(torch.uint8).numpy().tobytes() == payload
+
+
+@pytest.mark.parametrize("value", [-1, 2**64, 1e300, 2.5, "2", True])
+def test_declared_expert_count_must_be_a_count(tmp_path: Path, value: object) -> None:
+    # A value that was not an unsigned integer was skipped, and with it the check that the
+    # checkpoint holds the experts the config declares.
+    d = write_checkpoint(tmp_path / "m")
+    config = json.loads((d / "config.json").read_text())
+    config["num_experts"] = value
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(mq.ConfigError, match=r"config\.json: num_experts: "):
+        mq.open(d)
+
+
+@pytest.mark.parametrize("value", [2, 2.0, [2, 2]])
+def test_declared_expert_counts_that_are_accepted(tmp_path: Path, value: object) -> None:
+    # An integral float is a count (Python's json writes one that went through a float); a
+    # list (a count per modality, ERNIE-4.5-VL) is passed over.
+    d = write_checkpoint(tmp_path / "m")
+    config = json.loads((d / "config.json").read_text())
+    config["num_experts"] = value
+    (d / "config.json").write_text(json.dumps(config))
+    assert mq.open(d).summary()["moe_layers"][0]["num_experts"] == 2

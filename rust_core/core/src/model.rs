@@ -271,7 +271,7 @@ impl Model {
                 .ok_or_else(|| module_error(name, "is not a Linear module with a 2-D weight"))
         };
         let config = ckpt.config();
-        let configured = moe::configured_num_experts(config);
+        let configured = moe::configured_num_experts(&ckpt.config_path(), config)?;
         // (where config.json says it, e.g. `text_config.hidden_size`, and the value)
         let hidden_cfg = moe::cfg_at(config, "hidden_size")
             .and_then(|(at, v)| Some((at, usize::try_from(v.as_u64()?).ok()?)));

@@ -153,12 +153,6 @@ pub fn cfg_at<'a>(config: &'a Value, key: &str) -> Option<(String, &'a Value)> {
     })
 }
 
-fn cfg_usize(config: &Value, keys: &[&str]) -> Option<usize> {
-    keys.iter()
-        .find_map(|k| cfg(config, k).and_then(Value::as_u64))
-        .and_then(|v| usize::try_from(v).ok())
-}
-
 /// The first of `keys` the config sets (at the top level, else in `text_config`), as a typed
 /// field whose errors name its key path.
 fn cfg_field<'a>(file: &'a Path, config: &'a Value, keys: &[&str]) -> Field<'a> {
@@ -846,17 +840,22 @@ pub fn find_correction_bias(ckpt: &Checkpoint, layer_prefix: &str) -> Option<Str
     .find(|name| ckpt.contains(name))
 }
 
-/// The expert count `config.json` declares, if any.
-pub fn configured_num_experts(config: &Value) -> Option<usize> {
-    cfg_usize(
-        config,
-        &[
-            "num_local_experts",
-            "num_experts",
-            "n_routed_experts",
-            "moe_num_experts",
-        ],
-    )
+/// The expert count `config.json` declares, if any: the first of its spellings that is set,
+/// which must be a count (`-1`, `2**64` or `"8"` was ignored, so nothing was checked). A list
+/// is passed over: ERNIE-4.5-VL's `moe_num_experts` lists a count per modality.
+pub fn configured_num_experts(file: &Path, config: &Value) -> Result<Option<usize>> {
+    for key in [
+        "num_local_experts",
+        "num_experts",
+        "n_routed_experts",
+        "moe_num_experts",
+    ] {
+        match cfg_at(config, key) {
+            Some((_, Value::Array(_))) | None => {}
+            Some((path, v)) => return count(&Field::new(file, path, Some(v))),
+        }
+    }
+    Ok(None)
 }
 
 /// Finds every `<prefix>.experts.<e>.<proj>` module, grouped by prefix.
