@@ -361,3 +361,40 @@ def test_exact_dequantize_rounds_to_the_bit_exact_one(
     assert exact.dtype == torch.float32
     assert torch.equal(exact.to(rounded.dtype).view(torch.int16), rounded.view(torch.int16))
     assert not torch.equal(exact, rounded.float()), "exact values keep the unrounded bits"
+
+
+def test_a_target_repeated_across_groups_goes_to_the_last_group(fixture_path, tmp_path) -> None:
+    """A MiniMax-style hybrid: FP8 on "Linear", then W4A16 on "Linear" plus the experts. CT and
+    vLLM key targets by their string, so the later group wins for every Linear; the whole
+    checkpoint was refused as ambiguous (naming whichever attention module came first)."""
+    import shutil
+
+    d = tmp_path / "hybrid"
+    shutil.copytree(fixture_path("qwen3_w4a16_g128_sym"), d)
+    config = json.loads((d / "config.json").read_text())
+    qc = config["quantization_config"]
+    w4 = next(iter(qc["config_groups"].values()))
+    fp8 = {
+        "targets": ["Linear"],
+        "format": "float-quantized",
+        "weights": {"type": "float", "num_bits": 8, "strategy": "block",
+                    "block_structure": [128, 128], "symmetric": True, "dynamic": False},
+        "input_activations": {"type": "float", "num_bits": 8, "strategy": "token",
+                              "symmetric": True, "dynamic": True},
+    }  # fmt: skip
+    experts = r"re:.*mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"
+    qc["format"] = "mixed-precision"
+    qc["config_groups"] = {"group_0": fp8, "group_1": {**w4, "targets": ["Linear", experts]}}
+    (d / "config.json").write_text(json.dumps(config))
+    ckpt = mq.open(d)
+    assert ckpt.scheme("model.layers.0.mlp.experts.0.down_proj")["group"] == "group_1"
+    plan = mq.plan(ckpt, platform="cuda", sm=90)
+    assert [(x["method"], x["backend"]) for x in plan.layers] == [
+        ("wna16", "cuda_marlin_wna16")
+    ] * len(plan.layers)
+    # Swapped, the FP8 group is last: attention then resolves to FP8, which its stored
+    # W4A16 tensors do not fit (the experts' regex still gives them W4A16).
+    qc["config_groups"] = {"group_1": {**w4, "targets": ["Linear", experts]}, "group_0": fp8}
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(mq.CheckpointError, match=r"self_attn\..*float-quantized weights"):
+        mq.open(d)

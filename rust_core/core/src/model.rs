@@ -249,6 +249,11 @@ impl Model {
                 (smod::module_class(m, slots) == crate::scheme::ModuleClass::Linear)
                     .then(|| smod::analyze(&ckpt, &config_file, quant.as_ref(), m, slots))
             })
+            // Every result, then the first error in name order: a parallel collect into a
+            // Result stops at whichever error a thread meets first, so the module an error
+            // named changed from run to run.
+            .collect::<Vec<Result<_>>>()
+            .into_iter()
             .collect::<Result<_>>()?;
         let names: Vec<String> = table.names().map(str::to_string).collect();
         drop(table);

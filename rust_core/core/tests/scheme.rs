@@ -204,6 +204,32 @@ fn overlapping_regexes_with_different_schemes_are_ambiguous() {
 }
 
 #[test]
+fn a_target_given_by_several_groups_resolves_to_the_last() {
+    // CT and vLLM key their target maps by the target string, so a repeated "Linear", name or
+    // regex goes to the last group that gives it (a MiniMax hybrid: FP8 on "Linear", then
+    // W4A16 on "Linear" plus the experts). It was refused as ambiguous.
+    let q = parse(json!({
+        "config_groups": {
+            "fp8": {"targets": ["Linear", "re:.*down_proj"],
+                    "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}},
+            "w4": {"targets": ["Linear", "re:.*down_proj", "x.q_proj"],
+                   "weights": {"num_bits": 4, "group_size": 128}},
+            "w8": {"targets": ["x.q_proj"], "weights": {"num_bits": 8, "group_size": 128}}
+        }
+    }))
+    .unwrap();
+    let f = Path::new("config.json");
+    let r = |m: &str| {
+        q.resolve(f, m, ModuleClass::Linear)
+            .unwrap()
+            .map(|(s, t)| (s.name.clone(), t))
+    };
+    assert_eq!(r("x.k_proj"), Some(("w4".into(), MatchTier::Class)));
+    assert_eq!(r("x.down_proj"), Some(("w4".into(), MatchTier::Regex)));
+    assert_eq!(r("x.q_proj"), Some(("w8".into(), MatchTier::Name)));
+}
+
+#[test]
 fn unsupported_regex_is_a_config_error_naming_the_target() {
     let e = parse(
         json!({"config_groups": {"g": {"targets": ["re:(?<=x)y"], "weights": {"num_bits": 4}}}}),

@@ -411,8 +411,12 @@ impl QuantizationConfig {
     }
 
     /// Resolves the scheme of `module` with compressed-tensors' precedence: ignore first, then
-    /// exact name > regex > class; within one tier, groups that disagree are an error (CT and
-    /// vLLM would resolve such overlaps differently).
+    /// exact name > regex > class. Within one tier, groups giving the same target (`"Linear"`
+    /// in two groups, one name or regex twice) resolve to the last of them, as CT and vLLM key
+    /// their maps by the target (a checkpoint such as a MiniMax hybrid, FP8 on `"Linear"`
+    /// then W4A16 on `"Linear"` plus the experts, loads in both); different targets whose
+    /// winners disagree (two overlapping regexes) are an error, since CT orders those
+    /// alphabetically and vLLM by the config.
     pub fn resolve(
         &self,
         file: &Path,
@@ -450,10 +454,33 @@ impl QuantizationConfig {
                 (MatchTier::Class, by_class())
             }
         };
-        let Some(first) = matched.first() else {
+        // The last group per target string (the name, the regex, or "Linear"), in the order of
+        // each target's first group.
+        let mut winners: Vec<(&str, &Scheme)> = Vec::new();
+        for g in matched {
+            let key = match tier {
+                MatchTier::Regex => g
+                    .targets
+                    .iter()
+                    .find_map(|t| match t {
+                        Target::Regex { pattern, re } if re.is_match(module) => {
+                            Some(pattern.as_str())
+                        }
+                        _ => None,
+                    })
+                    .unwrap_or(""),
+                // Every name-tier match is the module's own name, every class-tier one "Linear".
+                MatchTier::Name | MatchTier::Class => "",
+            };
+            match winners.iter_mut().find(|(k, _)| *k == key) {
+                Some(w) => w.1 = g,
+                None => winners.push((key, g)),
+            }
+        }
+        let Some(&(_, first)) = winners.first() else {
             return Ok(None);
         };
-        if let Some(other) = matched.iter().find(|g| !g.same_quantization(first)) {
+        if let Some((_, other)) = winners.iter().find(|(_, g)| !g.same_quantization(first)) {
             return Err(Error::Config(ConfigError {
                 file: file.to_path_buf(),
                 key: "quantization_config.config_groups".into(),
