@@ -4,7 +4,6 @@ checkpoint opens, never a Rust panic, an abort on a huge allocation, or minutes 
 from __future__ import annotations
 
 import json
-import struct
 import time
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import torch
 
 import moeq_rs as mq
 from moeq_rs import cli
-from synth import quant_config, write_checkpoint
+from synth import quant_config, read_raw, write_checkpoint, write_raw
 
 PREFIX = "model.layers.0.mlp.experts"
 
@@ -22,9 +21,7 @@ PREFIX = "model.layers.0.mlp.experts"
 def _write_header_only(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:
     """A safetensors file whose tensors all hold zero bytes (shapes with a zero dimension)."""
     hdr = {k: {"dtype": t, "shape": s, "data_offsets": [0, 0]} for k, (t, s) in tensors.items()}
-    h = json.dumps(hdr).encode()
-    h += b" " * (-(8 + len(h)) % 8)
-    path.write_bytes(struct.pack("<Q", len(h)) + h)
+    write_raw(path, hdr, b"")
 
 
 def test_experts_of_zero_hidden_size_are_refused(tmp_path: Path) -> None:
@@ -233,18 +230,14 @@ def _with_f4_tensor(src: Path, dst: Path, nbytes: int) -> bytes:
     dst.mkdir()
     for f in src.iterdir():
         (dst / f.name).write_bytes(f.read_bytes())
-    raw = (dst / "model.safetensors").read_bytes()
-    n = struct.unpack("<Q", raw[:8])[0]
-    hdr, data = json.loads(raw[8 : 8 + n]), raw[8 + n :]
+    hdr, data = read_raw(dst / "model.safetensors")
     payload = bytes(range(256)) * (nbytes // 256)
     hdr["zz.weight"] = {
         "dtype": "F4",
         "shape": [2 * nbytes],
         "data_offsets": [len(data), len(data) + nbytes],
     }
-    h = json.dumps(hdr).encode()
-    h += b" " * (-(8 + len(h)) % 8)
-    (dst / "model.safetensors").write_bytes(struct.pack("<Q", len(h)) + h + data + payload)
+    write_raw(dst / "model.safetensors", hdr, data + payload)
     return payload
 
 

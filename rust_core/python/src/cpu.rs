@@ -10,7 +10,7 @@ use moeq_core::cpu::CpuMoe;
 use numpy::{IntoPyArray, PyReadonlyArray1, PyReadonlyArrayDyn};
 use pyo3::prelude::*;
 
-use crate::dlpack::{self, Values};
+use crate::dlpack::{self, Elem, Values};
 use crate::repack::{layout_error, slice as contiguous};
 use crate::{parallel, to_py, Checkpoint};
 
@@ -302,30 +302,31 @@ fn run_torch<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     use moeq_core::cpu::kernels::f32_to_bf16_bits;
     use moeq_core::cpu::spare::give;
-    let kind = Narrow::of(&x);
+    let elem = x.elem();
     let out = moeq_core::cpu::with_openmp_parked(|| {
         let wide = owned(widen(x));
         py.detach(|| {
-            let y = f(&wide, compute(kind == Narrow::Bf16));
+            let y = f(&wide, compute(elem == Elem::Bf16));
             give(wide);
-            y.map(|y| match kind {
-                Narrow::Bf16 => {
+            y.map(|y| match elem {
+                Elem::Bf16 => {
                     let bits = f32_to_bf16_bits(&y);
                     give(y);
                     Narrowed::Bf16(bits)
                 }
-                Narrow::F16 => {
+                Elem::F16 => {
                     let mut v = vec![half::f16::ZERO; y.len()];
                     v.convert_from_f32_slice(&y);
                     give(y);
                     Narrowed::F16(v)
                 }
-                Narrow::F64 => {
+                Elem::F64 => {
                     let v = y.iter().map(|&v| f64::from(v)).collect();
                     give(y);
                     Narrowed::F64(v)
                 }
-                Narrow::F32 => Narrowed::F32(y),
+                // F32 (integer values never reach here: callers check `Elem::is_float`).
+                _ => Narrowed::F32(y),
             })
         })
     })
@@ -335,26 +336,6 @@ fn run_torch<'py>(
         Narrowed::Bf16(v) => dlpack::tensor(py, v, tokens, h),
         Narrowed::F16(v) => dlpack::tensor(py, v, tokens, h),
         Narrowed::F64(v) => dlpack::tensor(py, v, tokens, h),
-    }
-}
-
-/// The dtype an output goes back to: the input's.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Narrow {
-    F32,
-    Bf16,
-    F16,
-    F64,
-}
-
-impl Narrow {
-    fn of(v: &Values<'_>) -> Narrow {
-        match v {
-            Values::Bf16(_) => Narrow::Bf16,
-            Values::F16(_) => Narrow::F16,
-            Values::F64(_) => Narrow::F64,
-            _ => Narrow::F32,
-        }
     }
 }
 

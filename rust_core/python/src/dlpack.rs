@@ -208,6 +208,20 @@ pub(crate) enum Values<'a> {
     I64(&'a [i64]),
 }
 
+impl Values<'_> {
+    /// The element type of these values.
+    pub(crate) fn elem(&self) -> Elem {
+        match self {
+            Values::F32(_) => Elem::F32,
+            Values::Bf16(_) => Elem::Bf16,
+            Values::F16(_) => Elem::F16,
+            Values::F64(_) => Elem::F64,
+            Values::I32(_) => Elem::I32,
+            Values::I64(_) => Elem::I64,
+        }
+    }
+}
+
 impl<'a> View<'a> {
     /// The tensor's values, borrowed.
     ///
