@@ -6,28 +6,39 @@ access to its MoE layers, schemes, tensors and bit-exact dequantised weights.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from . import _core, cuda, oracle, repack
+from ._deps import have_torch, missing_torch
 from .checkpoint import Checkpoint, open
 from .errors import (
     CheckpointError,
     ConfigError,
     CudaUnavailableError,
     LayoutError,
+    MissingDependencyError,
     MoeqError,
     UncheckedRoutingWarning,
     UnsupportedSchemeError,
 )
 from .oracle import Plan, plan
 
+if TYPE_CHECKING:
+    from .moe import MoELayer as MoELayer
+    from .moe import fused_moe as fused_moe
+
 __version__: str = _core.__version__
 
 
-# MoELayer subclasses torch.nn.Module: these import torch only when they are asked for.
+# MoELayer subclasses torch.nn.Module: these import torch only when they are asked for, and
+# are listed (dir(), `import *`) only where torch is installed.
 _LAZY = ("MoELayer", "fused_moe")
 
 
 def __getattr__(name: str):  # type: ignore[no-untyped-def]
     if name in _LAZY:
+        if not have_torch():
+            raise missing_torch(f"moeq_rs.{name}")
         from . import moe
 
         return getattr(moe, name)
@@ -35,8 +46,8 @@ def __getattr__(name: str):  # type: ignore[no-untyped-def]
 
 
 def __dir__() -> list[str]:
-    # The lazy names above too, so that completion and dir() list them.
-    return sorted({*globals(), *_LAZY})
+    # The lazy names too, so that completion and dir() list them.
+    return sorted({*globals(), *__all__})
 
 
 __all__ = [
@@ -45,8 +56,7 @@ __all__ = [
     "ConfigError",
     "CudaUnavailableError",
     "LayoutError",
-    "MoELayer",
-    "fused_moe",
+    "MissingDependencyError",
     "MoeqError",
     "UncheckedRoutingWarning",
     "UnsupportedSchemeError",
@@ -58,3 +68,5 @@ __all__ = [
     "plan",
     "Plan",
 ]
+if have_torch():
+    __all__ += _LAZY

@@ -11,6 +11,7 @@ import numpy as np
 
 from . import _core
 from ._args import I64_MAX, int_in
+from ._deps import need_torch
 from ._threads import adopt_main_thread
 from .errors import ConfigError, LayoutError
 
@@ -47,11 +48,50 @@ _TORCH_DTYPES = {
 # into the real dtype on the torch side.
 _BIT_PATTERN = {"BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4"}
 
+# The numpy dtype of each dtype the native module returns computed tensors in (dequantized
+# weights, Marlin tensors): the bit pattern where numpy lacks the dtype, as `tensor` gives it.
+_NUMPY_DTYPES = {
+    "BF16": "uint16",
+    "F16": "float16",
+    "F32": "float32",
+    "F64": "float64",
+    "I8": "int8",
+    "U8": "uint8",
+    "I16": "int16",
+    "I32": "int32",
+    "I64": "int64",
+    "BOOL": "bool",
+    "U16": "uint16",
+    "U32": "uint32",
+    "U64": "uint64",
+    "F8_E4M3": "uint8",
+    "F8_E5M2": "uint8",
+    "F8_E8M0": "uint8",
+}
+
+
+def _wants_torch(framework: str, what: str) -> bool:
+    """Whether ``framework`` asks for torch tensors (torch then must be installed)."""
+    if framework in ("numpy", "np"):
+        return False
+    if framework in ("torch", "pt"):
+        need_torch(what)
+        return True
+    raise ConfigError(f"arguments: framework: {framework!r} is not 'numpy' or 'torch'")
+
+
+def _array(data: Any, dtype: str, shape: Any) -> np.ndarray:
+    """A numpy array over the bytes the native module returned."""
+    np_dtype = _NUMPY_DTYPES.get(dtype)
+    if np_dtype is None:
+        raise TypeError(f"dtype {dtype} has no numpy equivalent")
+    return np.frombuffer(data, dtype=np_dtype).reshape(shape)
+
 
 def _tensor(data: Any, dtype: str, shape: Any) -> torch.Tensor:
     """A torch tensor over the bytes the native module returned (empty data gives an empty
     tensor: ``frombuffer`` refuses zero-length buffers)."""
-    import torch
+    torch = need_torch("a torch tensor")
 
     if len(data) == 0:
         return torch.empty(shape, dtype=_torch_dtype(dtype))
@@ -59,7 +99,7 @@ def _tensor(data: Any, dtype: str, shape: Any) -> torch.Tensor:
 
 
 def _torch_dtype(name: str) -> torch.dtype:
-    import torch
+    torch = need_torch("a torch tensor")
 
     attr = _TORCH_DTYPES.get(name)
     dt = getattr(torch, attr, None) if attr else None
@@ -139,18 +179,16 @@ class Checkpoint:
         copy, so it is writable; F4 as ``float4_e2m1fn_x2``, one byte per pair, flat), or a
         ``TypeError`` for a dtype this torch lacks (F6).
         """
+        as_torch = _wants_torch(framework, "Checkpoint.tensor(framework='torch')")
         buf = self._core.tensor_buffer(name)
         arr = np.asarray(buf)
-        if framework in ("numpy", "np"):
+        if not as_torch:
             return arr
-        if framework in ("torch", "pt"):
-            import torch
-
-            t = torch.from_numpy(arr.copy())
-            if buf.dtype in _BIT_PATTERN:
-                t = t.view(_torch_dtype(buf.dtype))
-            return t
-        raise ConfigError(f"arguments: framework: {framework!r} is not 'numpy' or 'torch'")
+        torch = need_torch("Checkpoint.tensor(framework='torch')")
+        t = torch.from_numpy(arr.copy())
+        if buf.dtype in _BIT_PATTERN:
+            t = t.view(_torch_dtype(buf.dtype))
+        return t
 
     def module(self, module: str) -> dict[str, Any]:
         """Facts of a Linear module: scheme, sizes, which quantization tensors it has."""
@@ -167,28 +205,36 @@ class Checkpoint:
             return None
         return {k: m[k] for k in ("group", "format", "weight", "activation")}
 
-    def dequantize(self, module: str, exact: bool = False) -> torch.Tensor:
+    def dequantize(self, module: str, exact: bool = False, framework: Framework = "torch") -> Any:
         """The module's weight ``[out_features, in_features]`` in the scale dtype, bit-exact with
         compressed-tensors' own decompression. Unquantized modules come back as stored.
 
         ``exact=True``: ``(q - zp) * scale`` as float32 without the final rounding to the scale
-        dtype (what the CPU kernels compute with)."""
+        dtype (what the CPU kernels compute with). ``framework="numpy"``: a numpy array instead
+        of a torch tensor (no torch needed; bf16 as its uint16 bit pattern, as :meth:`tensor`)."""
+        as_torch = _wants_torch(framework, "Checkpoint.dequantize (framework='torch')")
         data, dtype, shape = self._core.dequantize(module, exact)
-        return _tensor(data, dtype, shape)
+        return _tensor(data, dtype, shape) if as_torch else _array(data, dtype, shape)
 
-    def marlin_layer(self, layer: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    def marlin_layer(
+        self, layer: int, framework: Framework = "torch"
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Decoder layer ``layer``'s MoE tensors in the Marlin layout, in memory: exactly what
         ``moeq repack --target marlin`` writes for it (``P.w13_weight_packed``,
         ``P.w13_weight_scale``, ..., with ``P = <prefix>.experts``), and its geometry
         (``experts``, ``hidden``, ``intermediate``, ``intermediate_padded``, ``bits``,
         ``group_size``, ``symmetric``, ``act_order``, ``scale_dtype``, ``prefix``). Raises
         :class:`moeq_rs.UnsupportedSchemeError` for layers whose scheme the Marlin layout cannot
-        hold; limits of the kernels (see the plan's ``cuda`` backends) are not checked here."""
+        hold; limits of the kernels (see the plan's ``cuda`` backends) are not checked here.
+        ``framework="numpy"``: numpy arrays instead of torch tensors (bf16 scales as uint16 bit
+        patterns)."""
         index = int_in(layer, 0, I64_MAX)
         if index is None:
             raise LayoutError(f"layer: {layer!r} is not a decoder layer index (an int >= 0)")
+        as_torch = _wants_torch(framework, "Checkpoint.marlin_layer (framework='torch')")
         geometry, tensors = self._core.marlin_layer(index)
-        return geometry, {name: _tensor(data, dtype, shape) for name, dtype, shape, data in tensors}
+        convert = _tensor if as_torch else _array
+        return geometry, {name: convert(data, dtype, shape) for name, dtype, shape, data in tensors}
 
     def __repr__(self) -> str:
         layers = self.summary()["moe_layers"]

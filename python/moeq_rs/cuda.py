@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _core
+from ._deps import need_torch
 
 __all__ = [
     "compile_kernels",
@@ -302,7 +303,7 @@ def w8a8_moe_unverified(
     ``[E, 2I]`` / ``[E, H]``; H and I multiples of 4; E <= 1024. Activations are quantised per
     token (dynamic), or with each expert's static ``a13_scale`` / ``a2_scale`` (f32 ``[E]``, both
     or neither). ``gemm``: ``"imma"`` (tensor cores, ``mma.sync`` s8) or ``"dp4a"``."""
-    import torch
+    torch = need_torch("moeq_rs.cuda.w8a8_moe_unverified")
 
     from .errors import LayoutError
 
@@ -473,7 +474,7 @@ def wna16_moe_unverified(
     g_idx and sort indices int32 ``[E, K]`` (their ranges are checked with a sync, except while
     a CUDA graph is captured). ``intermediate_size`` is the unpadded I: it picks the scale table
     of w13, as the repack did."""
-    import torch
+    torch = need_torch("moeq_rs.cuda.wna16_moe_unverified")
 
     from .errors import LayoutError, UnsupportedSchemeError
 
@@ -725,6 +726,7 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
     passes. Softmax top-k routing only; layers with shared experts, sigmoid or grouped routing,
     routed scaling, logit soft-capping or mixed schemes raise
     :class:`moeq_rs.UnsupportedSchemeError` with the reason."""
+    need_torch("moeq_rs.cuda.load_moe_layer_unverified")
     import torch
 
     from .checkpoint import as_checkpoint

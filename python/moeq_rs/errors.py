@@ -14,6 +14,7 @@ __all__ = [
     "UnsupportedSchemeError",
     "LayoutError",
     "CudaUnavailableError",
+    "MissingDependencyError",
     "UncheckedRoutingWarning",
 ]
 
@@ -40,6 +41,12 @@ class LayoutError(MoeqError, ValueError):
 
 class CudaUnavailableError(MoeqError, RuntimeError):
     """The CUDA path was requested but no usable driver or device is present."""
+
+
+class MissingDependencyError(MoeqError, ImportError):
+    """A feature needs an optional package that is not installed (torch: the MoE layers, torch
+    tensors out of a checkpoint, the CUDA path). The message names the feature and the package
+    to install."""
 
 
 class UncheckedRoutingWarning(UserWarning):
