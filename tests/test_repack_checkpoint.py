@@ -571,3 +571,113 @@ def test_a_killed_repack_leaves_nothing_for_long(
             os.utime(d, (hour_ago, hour_ago))
     repack_checkpoint(fixture_path("qwen3_w8a16_g128"), tmp_path / "out", target="cpu")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", live.name, recent.name])
+
+
+def test_force_replaces_only_an_empty_dir_or_an_earlier_repack(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """--force deleted whatever OUT_DIR named: a mistyped `moeq repack src models --force`
+    deleted a directory of other checkpoints. It now replaces a symlink, an empty directory or
+    an earlier repack output only."""
+    src = fixture_path("qwen3_w8a16_g128")
+    models = tmp_path / "models"
+    (models / "other").mkdir(parents=True)
+    (models / "other" / "weights.bin").write_bytes(b"precious")
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("precious")
+    for out in (models, a_file):
+        r = cli("repack", str(src), str(out), "--target", "cpu", "--force")
+        assert r.returncode == 1 and "so --force will not delete it" in r.stderr, r
+    assert (models / "other" / "weights.bin").read_bytes() == b"precious"
+    assert a_file.read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models", "notes.txt"]
+    # An earlier output is replaced (a different target, so its contents change).
+    out = tmp_path / "out"
+    assert cli("repack", str(src), str(out), "--target", "cpu").returncode == 0
+    r = cli("repack", str(src), str(out), "--target", "marlin", "--force")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "config.json").read_text())["moeq"]["layout"] == "marlin"
+
+
+def test_an_output_that_appears_during_the_repack_is_not_replaced(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """OUT_DIR was checked at the start only: two repacks to one OUT_DIR without --force both
+    succeeded, the second replacing the first's output."""
+    src = fixture_path("qwen3_w8a16_g128")
+    out = tmp_path / "out"
+
+    def progress(stage: str, *_: int) -> None:
+        if stage == "layers" and not out.exists():
+            out.mkdir()
+            (out / "theirs.txt").write_text("theirs")
+
+    with pytest.raises(mq.CheckpointError, match="appeared while the repack ran"):
+        repack_checkpoint(src, out, target="cpu", progress=progress)
+    assert [p.name for p in out.iterdir()] == ["theirs.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "temporary files left"
+
+
+def test_sigterm_during_repack_leaves_nothing(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """SIGTERM and SIGHUP (`timeout`, `docker stop`, a closed terminal) killed the CLI with
+    the temporary directory of a half-written checkpoint left beside OUT_DIR. They now stop a
+    repack as Ctrl-C does, and the exit status is 128 + the signal."""
+    src = fixture_path("qwen3_w8a16_g128")
+    for sig in ("SIGTERM", "SIGHUP"):
+        out = tmp_path / sig / "out"
+        out.parent.mkdir()
+        script = (
+            "import os, signal, sys\n"
+            "import moeq_rs.cli as cli\n"
+            "call = cli._ProgressBar.__call__\n"
+            "def progress(self, stage, *a):\n"
+            f"    if stage == 'layers': os.kill(os.getpid(), signal.{sig})\n"
+            "    return call(self, stage, *a)\n"
+            "cli._ProgressBar.__call__ = progress\n"
+            f"sys.exit(cli.main(['repack', {str(src)!r}, {str(out)!r}, '--target', 'cpu']))\n"
+        )
+        r = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+        )
+        signum = {"SIGTERM": 15, "SIGHUP": 1}[sig]
+        assert r.returncode == 128 + signum, (r.returncode, r.stderr)
+        assert "interrupted; nothing was written" in r.stderr
+        assert list(out.parent.iterdir()) == [], "partial output left"
+
+
+def test_nothing_to_repack_is_an_error(tmp_path: Path) -> None:
+    """A checkpoint without MoE layers was 'repacked' into a copy marked as repacked (which
+    could then never be repacked); it is refused."""
+    import torch
+    from safetensors.torch import save_file
+
+    src = tmp_path / "dense"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    save_file(
+        {"model.layers.0.mlp.gate_proj.weight": torch.zeros(64, 64, dtype=torch.bfloat16)},
+        str(src / "model.safetensors"),
+    )
+    for target in ("cpu", "marlin"):
+        r = cli("repack", str(src), str(tmp_path / target), "--target", target)
+        assert r.returncode == 1 and "no MoE layers: there is nothing to repack" in r.stderr, r
+        assert not (tmp_path / target).exists()
+
+
+def test_paths_the_terminal_cannot_encode_are_escaped(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """With an ASCII stdout and a non-ASCII OUT_DIR, the repack wrote its output and then
+    failed (exit 1, 'internal error: UnicodeEncodeError') printing the path."""
+    src = fixture_path("qwen3_w8a16_g128")
+    out = tmp_path / "\u00f6ut"
+    r = subprocess.run(
+        [sys.executable, "-m", "moeq_rs", "repack", str(src), str(out), "--target", "cpu"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONIOENCODING": "ascii"},
+    )
+    assert r.returncode == 0, r.stderr
+    assert "\\xf6ut" in r.stdout and (out / "config.json").exists()

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -247,16 +249,17 @@ def _cmd_repack(args: argparse.Namespace) -> int:
             verify=args.verify,
             progress=bar,
         )
-    except KeyboardInterrupt:
-        # The repack checks for Ctrl-C up to the rename that commits OUT_DIR; one that comes
-        # during the rename is raised once it returns, with OUT_DIR complete.
+    except KeyboardInterrupt as e:
+        # The repack checks for Ctrl-C (or SIGTERM, SIGHUP) up to the rename that commits
+        # OUT_DIR; one that comes during the rename is raised once it returns, with OUT_DIR
+        # complete.
         if _identity(args.out_dir) not in (None, before):
             print(
                 f"\nmoeq: interrupted as the repack finished; {args.out_dir} is written and "
                 "complete",
                 file=sys.stderr,
             )
-            return 130
+            return 128 + e.signum if isinstance(e, _Terminated) else 130
         raise
     finally:
         bar.close()
@@ -345,9 +348,37 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (`timeout`, `docker stop`, a closed terminal), raised where Ctrl-C
+    would be, so that a repack stops the same way: nothing left behind."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_terminated(signum: int, _frame: object) -> None:
+    raise _Terminated(signum)
+
+
+def _prepare_process() -> None:
+    # Paths a terminal's encoding cannot show are escaped rather than failing the command
+    # after its work is done.
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")
+    if threading.current_thread() is threading.main_thread():
+        for name in ("SIGTERM", "SIGHUP"):
+            sig = getattr(signal, name, None)
+            if sig is not None and signal.getsignal(sig) == signal.SIG_DFL:
+                signal.signal(sig, _raise_terminated)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
+    _prepare_process()
     try:
         return int(args.func(args))
     except MoeqError as e:
@@ -360,9 +391,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141
     except OSError as e:
         _fail(f"{e.filename or ''}: {e.strerror or e}".lstrip(": "))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("\nmoeq: interrupted; nothing was written", file=sys.stderr)
-        return 130
+        return 128 + e.signum if isinstance(e, _Terminated) else 130
     except Exception as e:  # noqa: BLE001 - the CLI must never print a traceback
         if os.environ.get("MOEQ_DEBUG"):
             raise

@@ -176,6 +176,39 @@ fn remove_abandoned(parent: &Path, name: &str) {
     }
 }
 
+/// Why `--force` must not replace the existing `out_dir`, or None where it may: a symlink (the
+/// link is replaced, not what it points to), an empty directory, or an earlier `moeq repack`
+/// output (its `config.json` has a `"moeq"` object). Anything else may be someone's data: a
+/// mistyped OUT_DIR once deleted a directory of models.
+fn not_replaceable(out_dir: &Path) -> Option<String> {
+    if out_dir.is_symlink() {
+        return None;
+    }
+    if !out_dir.is_dir() {
+        return Some("is a file, not a directory".into());
+    }
+    let empty = match std::fs::read_dir(out_dir) {
+        Ok(mut entries) => entries.next().is_none(),
+        Err(e) => return Some(format!("cannot be listed ({e})")),
+    };
+    if empty {
+        return None;
+    }
+    let config = out_dir.join(CONFIG_FILE);
+    // (A config.json too large to be one is not ours; it is not read.)
+    let written_by_us = std::fs::metadata(&config)
+        .is_ok_and(|m| m.len() <= 1 << 24)
+        .then(|| std::fs::read(&config).ok())
+        .flatten()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .is_some_and(|v| v.get("moeq").is_some_and(|m| m.is_object()));
+    (!written_by_us).then(|| {
+        "is neither empty nor a checkpoint written by moeq repack (no \"moeq\" entry in its \
+         config.json)"
+            .into()
+    })
+}
+
 /// Whether nothing in `path` (it, or an entry directly inside it) was modified in the last
 /// `seconds` seconds. Unreadable times count as recent.
 fn untouched_for(path: &Path, seconds: u64) -> bool {
@@ -295,9 +328,28 @@ pub fn repack(
                 }
             }
         }
+        if let Some(why) = not_replaceable(out_dir) {
+            return Err(output_error(
+                out_dir,
+                format!(
+                    "{why}, so --force will not delete it; remove it yourself or write elsewhere"
+                ),
+            ));
+        }
     }
     if opts.max_shard_size == 0 {
         return Err(output_error(out_dir, "max shard size must be positive"));
+    }
+
+    // A copy of a model without MoE layers is not a repacked checkpoint anyone wants, and
+    // once marked as one it could never be repacked again. (A MoE whose layers the layout
+    // leaves in source form, mixed per-expert schemes say, still loads from the output.)
+    if model.moe_layers().is_empty() {
+        return Err(crate::error::UnsupportedSchemeError {
+            subject: ckpt.dir().display().to_string(),
+            reason: "has no MoE layers: there is nothing to repack".into(),
+        }
+        .into());
     }
 
     // Decide everything before writing anything.
@@ -495,6 +547,20 @@ pub fn repack(
     report("commit", done, written)?;
     // Commit: move the finished directory into place.
     if out_dir.exists() || out_dir.is_symlink() {
+        // Something appeared at OUT_DIR while we wrote (another repack, say): replace it only
+        // as the checks at the start would have.
+        if !opts.force {
+            return Err(output_error(
+                out_dir,
+                "appeared while the repack ran (pass --force to replace it)",
+            ));
+        }
+        if let Some(why) = not_replaceable(out_dir) {
+            return Err(output_error(
+                out_dir,
+                format!("appeared while the repack ran and {why}; not replaced"),
+            ));
+        }
         let old = parent.join(format!(".{name}.moeq-old-{}", std::process::id()));
         std::fs::rename(out_dir, &old).map_err(|e| io(out_dir, e))?;
         if let Err(e) = std::fs::rename(&tmp.path, out_dir) {
