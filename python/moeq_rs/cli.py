@@ -99,13 +99,16 @@ def _print_table(summary: dict[str, Any], compat: bool) -> None:
     groups = f", groups {r['topk_group']}/{r['n_group']}" if r["n_group"] else ""
     cap = r.get("logit_softcapping")
     softcap = f", logits softcapped at {cap}" if cap else ""
-    print(
-        f"routing:  {r['scoring_func']} top-{r['top_k']}"
-        f"{' renormalised' if r['renormalize'] else ''}{groups}"
-        f"{f', scaled x{scaling}' if scaling != 1.0 else ''}"
-        f"{softcap}"
-        f"{'' if r.get('family_checked', True) else ' (model family not checked: see README)'}"
-    )
+    if r["top_k"] is None:
+        print("routing:  - (no MoE layers)")
+    else:
+        print(
+            f"routing:  {r['scoring_func']} top-{r['top_k']}"
+            f"{' renormalised' if r['renormalize'] else ''}{groups}"
+            f"{f', scaled x{scaling}' if scaling != 1.0 else ''}"
+            f"{softcap}"
+            f"{'' if r.get('family_checked', True) else ' (model family not checked: see README)'}"
+        )
     if r.get("family_defaults"):
         print(f"          (the family's defaults for {', '.join(r['family_defaults'])})")
     if summary["dense_layers"]:
@@ -274,6 +277,17 @@ def _cmd_repack(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        # argparse names the flag: "argument --tp-size: ..."
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="moeq", description="Inspect and prepare quantized MoE checkpoints.")
     from . import __version__
@@ -309,7 +323,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tp-size",
-        type=int,
+        type=_positive_int,
         default=1,
         metavar="N",
         help="tensor-parallel size the plan assumes (default 1)",

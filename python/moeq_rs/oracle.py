@@ -160,7 +160,9 @@ def cpu_release_scratch() -> int:
     hundreds of MB (about 850 MB for a Qwen3-shape layer at T = 8192). Like
     ``torch.cuda.empty_cache()``: later forwards allocate again as they need. Called from a
     thread other than Python's main one, it frees only the buffers of the pool that serves such
-    threads: the main thread's pool is reached from the main thread only."""
+    threads: the main thread's pool is reached from the main thread only. Each calling thread
+    also keeps its own buffers (of T x H values), which only a call on that thread,
+    or the thread's exit, frees."""
     return _core.cpu_release_scratch()
 
 

@@ -295,9 +295,11 @@ def parse_size(text: str | int) -> int:
     try:
         value = float(num)
     except ValueError:
-        value = -1.0
-    if unit not in units or not math.isfinite(value) or not 1 <= value * units[unit] <= U64_MAX:
+        value = math.nan
+    if unit not in units or not math.isfinite(value) or not value * units[unit] <= U64_MAX:
         raise bad
+    if value * units[unit] < 1:
+        raise LayoutError(f"max shard size: {text!r} is less than one byte (use e.g. 5GB, 500MB)")
     return int(value * units[unit])
 
 

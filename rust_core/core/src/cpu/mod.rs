@@ -156,9 +156,19 @@ pub fn num_threads() -> usize {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     std::env::var("MOEQ_NUM_THREADS")
         .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .filter(|&n| n > 0)
+        .and_then(|v| requested_threads(&v))
         .map_or(cpus, |n| n.min(cpus.saturating_mul(4)))
+}
+
+/// The positive thread count a `MOEQ_NUM_THREADS` value asks for, or None. A count too large
+/// for `usize` asks for the most (then capped), like any other large count, rather than
+/// being read as no count at all.
+fn requested_threads(value: &str) -> Option<usize> {
+    match value.trim().parse::<usize>() {
+        Ok(n) => (n > 0).then_some(n),
+        Err(e) if *e.kind() == std::num::IntErrorKind::PosOverflow => Some(usize::MAX),
+        Err(_) => None,
+    }
 }
 
 /// Whether the forward's calls on this thread park its idle OpenMP threads ([`omp::parked`]):
@@ -227,4 +237,20 @@ pub fn threads() -> usize {
 pub fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     // Parking applies only on the adopted thread, which `on_threads` runs `f` on as it is.
     on_threads(|| with_openmp_parked(f))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::requested_threads;
+
+    #[test]
+    fn thread_counts_from_the_environment() {
+        assert_eq!(requested_threads("3"), Some(3));
+        assert_eq!(requested_threads(" 16\n"), Some(16));
+        // Too large for usize: the most, which num_threads then caps.
+        assert_eq!(requested_threads("99999999999999999999"), Some(usize::MAX));
+        for not_a_count in ["0", "-1", "2.5", "abc", "", "-99999999999999999999"] {
+            assert_eq!(requested_threads(not_a_count), None, "{not_a_count:?}");
+        }
+    }
 }
