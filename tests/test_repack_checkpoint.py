@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ from marlin_ref import ct_moe_to_marlin
 
 import moeq_rs as mq
 from moeq_rs.repack import repack_checkpoint
-from synth import GROUP, quant_config, write_checkpoint
+from synth import GROUP, quant_config, read_raw, write_checkpoint
 
 WNA16 = [
     "qwen3_w4a16_g128_sym",
@@ -688,3 +689,48 @@ def test_paths_the_terminal_cannot_encode_are_escaped(
     )
     assert r.returncode == 0, r.stderr
     assert "\\xf6ut" in r.stdout and (out / "config.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "target"),
+    [
+        ("qwen3_w4a16_g128_sym", "marlin"),
+        ("qwen3_w4a16_actorder", "cpu"),
+        ("qwen3_w8a8_dynamic", "cpu"),
+    ],
+)
+def test_verify_catches_a_changed_byte(
+    fixture_path: Callable[[str], Path], tmp_path: Path, name: str, target: str
+) -> None:
+    """--verify compares what was written with the source: one expert byte changed in the
+    written shard (after the write, before the verify reads it) fails the repack, naming the
+    module, and nothing is left at OUT_DIR. (Each verify path: Marlin, CPU weight-only, CPU
+    W8A8.)"""
+    src = fixture_path(name)
+    out = tmp_path / "out"
+    changed: list[str] = []
+
+    def progress(stage: str, *_: int) -> None:
+        if stage != "verify" or changed:
+            return
+        (tmp,) = tmp_path.glob(".out.moeq-tmp-*")
+        for shard in sorted(tmp.glob("*.safetensors")):
+            header, _ = read_raw(shard)
+            tensor = next((t for t in header if t.endswith("experts.w13_weight_packed")), None)
+            if tensor is None:
+                continue
+            begin, end = header[tensor]["data_offsets"]
+            base = 8 + struct.unpack("<Q", shard.read_bytes()[:8])[0]
+            at = base + (begin + end) // 2
+            with shard.open("r+b") as f:
+                f.seek(at)
+                byte = f.read(1)[0]
+                f.seek(at)
+                f.write(bytes([byte ^ 0x5A]))
+            changed.append(tensor)
+            return
+
+    with pytest.raises(mq.LayoutError, match="differs between the source and the"):
+        repack_checkpoint(src, out, target=target, verify=True, progress=progress)
+    assert changed, "no stacked w13 tensor found to change"
+    assert not out.exists() and list(tmp_path.iterdir()) == []

@@ -5,6 +5,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use rayon::prelude::*;
 use serde_json::{json, Value};
 
 use super::moe_layer::{convert_layer, dequantize_marlin, geometry, FetchedTensor, MarlinGeometry};
@@ -690,6 +691,14 @@ fn copy_side_files(src: &Path, dst: &Path) -> Result<()> {
 /// as the source, and every copied tensor is byte-identical. Returns the modules checked.
 /// `tick` runs after each layer (a Ctrl-C check and progress: verifying a large checkpoint takes
 /// tens of seconds).
+/// A tensor of the written shards, read where it is stored.
+fn find_stored<'f>(files: &'f [SafetensorsFile], name: &str) -> Option<FetchedTensor<'f>> {
+    files.iter().find_map(|f| {
+        f.find(name)
+            .map(|t| (t.dtype, t.shape.to_vec(), f.view(t).bytes))
+    })
+}
+
 fn verify(
     model: &Model,
     layers: &[Job<'_>],
@@ -702,12 +711,7 @@ fn verify(
         .iter()
         .map(|s| SafetensorsFile::open(&dir.join(s)).map_err(Error::from))
         .collect::<Result<_>>()?;
-    let find = |name: &str| -> Option<FetchedTensor> {
-        files.iter().find_map(|f| {
-            f.find(name)
-                .map(|t| (t.dtype, t.shape.to_vec(), f.view(t).bytes.to_vec()))
-        })
-    };
+    let find = |name: &str| find_stored(&files, name);
     let mismatch = |what: &str| -> Error {
         LayoutError {
             subject: "verify".into(),
@@ -726,6 +730,7 @@ fn verify(
         }
     }
     let mut checked = 0;
+    let threads = rayon::current_num_threads().max(1);
     for job in layers {
         tick()?;
         let (l, g) = match job {
@@ -754,15 +759,24 @@ fn verify(
                 .find(|(n, _)| n == name)
                 .and_then(|(_, v)| v.clone())
         };
-        for (e, x) in l.experts.iter().enumerate() {
-            for (role, m) in x.modules() {
+        // A thread's worth of experts at a time, their projections in parallel; between
+        // batches, a chance to stop (Ctrl-C).
+        let experts: Vec<_> = l.experts.iter().enumerate().collect();
+        for batch in experts.chunks(threads) {
+            tick()?;
+            let modules: Vec<_> = batch
+                .iter()
+                .flat_map(|&(e, x)| x.modules().map(move |(role, m)| (e, role, m)))
+                .collect();
+            modules.par_iter().try_for_each(|&(e, role, m)| {
                 let want = model.dequantize(&m.name)?;
                 let got = dequantize_marlin(&lookup, g, e, role.name())?;
                 if got.data != want.data || got.shape != want.shape || got.dtype != want.dtype {
                     return Err(mismatch(&m.name));
                 }
-                checked += 1;
-            }
+                Ok(())
+            })?;
+            checked += modules.len();
         }
     }
     Ok(checked)
@@ -770,11 +784,11 @@ fn verify(
 
 /// The CPU layout of one layer against the source: every feature's unpacked codes equal the
 /// source int8 row, its code sum and scale equal the source's. Returns the modules checked.
-fn verify_cpu(
+fn verify_cpu<'f>(
     model: &Model,
     l: &crate::moe::MoeLayer,
     g: &super::cpu::CpuGeometry,
-    find: &dyn Fn(&str) -> Option<FetchedTensor>,
+    find: &dyn Fn(&str) -> Option<FetchedTensor<'f>>,
 ) -> Result<usize> {
     use crate::cpu::packed::PackedI8;
     let ckpt = model.checkpoint();
@@ -802,7 +816,7 @@ fn verify_cpu(
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect()
     };
-    let (s13, s2, c13, c2) = (ints(&s13.2), ints(&s2.2), floats(&c13.2), floats(&c2.2));
+    let (s13, s2, c13, c2) = (ints(s13.2), ints(s2.2), floats(c13.2), floats(c2.2));
     let (h, i) = (g.hidden, g.intermediate);
     let e_count = g.experts.max(1);
     let (w13_len, w2_len) = (w13.2.len() / e_count, w2.2.len() / e_count);
@@ -875,50 +889,62 @@ fn verify_cpu_weight_only(
     use crate::cpu::linear::Linear;
     let out = Checkpoint::open(dir)?;
     let experts = super::cpu::load_experts(&out, g)?;
-    let mut checked = 0;
+    let mut pairs = Vec::new();
     for (x, ex) in l.experts.iter().zip(&experts) {
         let lins = [ex.gate.as_ref(), Some(&ex.up), Some(&ex.down)];
-        for ((_, m), lin) in x.modules().zip(lins.into_iter().flatten()) {
-            let fail = || -> Error {
-                LayoutError {
-                    subject: "verify".into(),
-                    reason: format!("{} differs between the source and the CPU layout", m.name),
-                }
-                .into()
-            };
-            let Linear::WeightOnly { n, k, w, perm } = lin else {
-                return Err(fail());
-            };
-            let (n, k) = (*n, *k);
-            let want = model.dequantize(&m.name)?;
-            let width = want.dtype.bit_size() / 8;
-            if want.shape != [n, k] || want.data.len() != n * k * width {
-                return Err(fail());
-            }
-            let group_starts = w.group_starts();
-            for j in 0..n {
-                let (q, scale, zp) = w.row(j);
-                let mut gi = 0;
-                for c in 0..k {
-                    while gi + 1 < group_starts.len() && group_starts[gi + 1] <= c {
-                        gi += 1;
-                    }
-                    let z = zp.as_ref().map_or(0f32, |z| f32::from(z[gi]));
-                    let v = (f32::from(q[c]) - z) * scale[gi];
-                    let bytes: Vec<u8> = match want.dtype {
-                        DType::BF16 => half::bf16::from_f32(v).to_le_bytes().to_vec(),
-                        DType::F16 => half::f16::from_f32(v).to_le_bytes().to_vec(),
-                        _ => v.to_le_bytes().to_vec(),
-                    };
-                    let orig = perm.as_ref().map_or(c, |p| p[c] as usize);
-                    let at = (j * k + orig) * width;
-                    if want.data.get(at..at + width) != Some(bytes.as_slice()) {
-                        return Err(fail());
-                    }
-                }
-            }
-            checked += 1;
-        }
+        pairs.extend(x.modules().map(|(_, m)| m).zip(lins.into_iter().flatten()));
     }
+    pairs.par_iter().try_for_each(|&(m, lin)| -> Result<()> {
+        let fail = || -> Error {
+            LayoutError {
+                subject: "verify".into(),
+                reason: format!("{} differs between the source and the CPU layout", m.name),
+            }
+            .into()
+        };
+        let Linear::WeightOnly { n, k, w, perm } = lin else {
+            return Err(fail());
+        };
+        let (n, k) = (*n, *k);
+        let want = model.dequantize(&m.name)?;
+        let width = want.dtype.bit_size() / 8;
+        if want.shape != [n, k] || want.data.len() != n * k * width {
+            return Err(fail());
+        }
+        let group_starts = w.group_starts();
+        let mut enc = [0u8; 4];
+        for j in 0..n {
+            let (q, scale, zp) = w.row(j);
+            let mut gi = 0;
+            for c in 0..k {
+                while gi + 1 < group_starts.len() && group_starts[gi + 1] <= c {
+                    gi += 1;
+                }
+                let z = zp.as_ref().map_or(0f32, |z| f32::from(z[gi]));
+                let v = (f32::from(q[c]) - z) * scale[gi];
+                let bytes: &[u8] = match want.dtype {
+                    DType::BF16 => {
+                        enc[..2].copy_from_slice(&half::bf16::from_f32(v).to_le_bytes());
+                        &enc[..2]
+                    }
+                    DType::F16 => {
+                        enc[..2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+                        &enc[..2]
+                    }
+                    _ => {
+                        enc = v.to_le_bytes();
+                        &enc
+                    }
+                };
+                let orig = perm.as_ref().map_or(c, |p| p[c] as usize);
+                let at = (j * k + orig) * width;
+                if want.data.get(at..at + width) != Some(bytes) {
+                    return Err(fail());
+                }
+            }
+        }
+        Ok(())
+    })?;
+    let checked = pairs.len();
     Ok(checked)
 }

@@ -24,8 +24,9 @@ pub const MARLIN_GROUPS: [i64; 4] = [-1, 32, 64, 128];
 /// Receives `(expert, stacked tensor name, that expert's bytes)`.
 pub type ExpertSink<'a> = dyn FnMut(usize, &str, &[u8]) -> Result<()> + 'a;
 
-/// A stored tensor looked up by name: dtype, shape and bytes.
-pub type FetchedTensor = (DType, Vec<usize>, Vec<u8>);
+/// A stored tensor looked up by name: dtype, shape and its bytes where they are stored (a
+/// verify reads them in place: copying whole stacked tensors per expert made it quadratic).
+pub type FetchedTensor<'a> = (DType, Vec<usize>, &'a [u8]);
 
 /// The Marlin geometry of one layer, known before any byte is converted.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -605,8 +606,8 @@ pub fn convert_layer(
 
 /// Dequantises expert `e`'s `role` projection ("gate", "up" or "down") from the Marlin tensors of
 /// a layer: `[out, in]` in the scale dtype, with the same arithmetic as compressed-tensors.
-pub fn dequantize_marlin(
-    tensors: &dyn Fn(&str) -> Option<FetchedTensor>,
+pub fn dequantize_marlin<'a>(
+    tensors: &(dyn Fn(&str) -> Option<FetchedTensor<'a>> + Sync),
     geo: &MarlinGeometry,
     expert: usize,
     role: &str,
