@@ -734,3 +734,29 @@ def test_verify_catches_a_changed_byte(
         repack_checkpoint(src, out, target=target, verify=True, progress=progress)
     assert changed, "no stacked w13 tensor found to change"
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_side_files_are_copied_but_not_other_weight_formats(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A served model needs its tokenizer and generation config beside the weights; the
+    source's weights in other formats are its unconverted weights, which a loader could pick
+    up instead of the repacked shards, so they stay behind (as do subdirectories)."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(fixture_path("qwen3_w8a16_g128"), src)
+    side = {"tokenizer.json": "{}", "generation_config.json": '{"do_sample": false}'}
+    other = ["pytorch_model.bin", "pytorch_model.bin.index.json", "consolidated.pth", "m.gguf"]
+    for name, text in side.items():
+        (src / name).write_text(text)
+    for name in other:
+        (src / name).write_bytes(b"weights")
+    (src / "original").mkdir()
+    (src / "original" / "params.json").write_text("{}")
+    out = tmp_path / "out"
+    assert cli("repack", str(src), str(out), "--target", "cpu").returncode == 0
+    for name, text in side.items():
+        assert (out / name).read_text() == text
+    for name in [*other, "original"]:
+        assert not (out / name).exists(), name

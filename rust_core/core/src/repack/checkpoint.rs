@@ -663,7 +663,19 @@ fn write_json(path: &Path, v: &Value) -> Result<()> {
     std::fs::write(path, text + "\n").map_err(|e| io(path, e))
 }
 
-/// Copies the other top-level files of the source (tokenizer, generation config, ...).
+/// Weights in formats other than safetensors: the source's unconverted weights, which a loader
+/// could pick up beside the repacked shards (and often as large as the checkpoint).
+fn other_weight_format(file: &str) -> bool {
+    (file.starts_with("pytorch_model")
+        && (file.ends_with(".bin") || file.ends_with(".bin.index.json")))
+        || [".pt", ".pth", ".ckpt", ".gguf", ".onnx"]
+            .iter()
+            .any(|ext| file.ends_with(ext))
+        || matches!(file, "tf_model.h5" | "flax_model.msgpack")
+}
+
+/// Copies the other top-level files of the source (tokenizer, generation config, ...), not
+/// subdirectories, nor weights in other formats ([`other_weight_format`]).
 fn copy_side_files(src: &Path, dst: &Path) -> Result<()> {
     let mut entries: Vec<PathBuf> = std::fs::read_dir(src)
         .map_err(|e| io(src, e))?
@@ -679,6 +691,7 @@ fn copy_side_files(src: &Path, dst: &Path) -> Result<()> {
             || file == INDEX_FILE
             || file.ends_with(".safetensors")
             || file.starts_with('.')
+            || other_weight_format(&file)
         {
             continue;
         }
@@ -687,10 +700,6 @@ fn copy_side_files(src: &Path, dst: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Reads the written shards back and checks every expert projection dequantises to the same bits
-/// as the source, and every copied tensor is byte-identical. Returns the modules checked.
-/// `tick` runs after each layer (a Ctrl-C check and progress: verifying a large checkpoint takes
-/// tens of seconds).
 /// A tensor of the written shards, read where it is stored.
 fn find_stored<'f>(files: &'f [SafetensorsFile], name: &str) -> Option<FetchedTensor<'f>> {
     files.iter().find_map(|f| {
@@ -699,6 +708,10 @@ fn find_stored<'f>(files: &'f [SafetensorsFile], name: &str) -> Option<FetchedTe
     })
 }
 
+/// Reads the written shards back and checks every expert projection dequantises to the same bits
+/// as the source, and every copied tensor is byte-identical. Returns the modules checked.
+/// `tick` runs before each layer and each batch of a layer's experts (a Ctrl-C check and
+/// progress: verifying a large checkpoint takes tens of seconds).
 fn verify(
     model: &Model,
     layers: &[Job<'_>],
