@@ -760,3 +760,12 @@ def test_side_files_are_copied_but_not_other_weight_formats(
         assert (out / name).read_text() == text
     for name in [*other, "original"]:
         assert not (out / name).exists(), name
+
+
+def test_an_unwritable_parent_is_reported_as_out_dir(fixture_path: Callable[[str], Path]) -> None:
+    """The error named the hidden temporary directory (`/x/.out.moeq-tmp-PID`), a path the user
+    never typed. (/proc refuses new entries even to root, whom permissions would not stop.)"""
+    r = cli("repack", str(fixture_path("qwen3_w8a16_g128")), "/proc/moeq_out", "--target", "cpu")
+    assert r.returncode == 1, r
+    assert r.stderr.startswith("moeq: error: /proc/moeq_out: cannot write in /proc"), r.stderr
+    assert "moeq-tmp" not in r.stderr

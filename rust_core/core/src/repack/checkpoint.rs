@@ -420,7 +420,13 @@ pub fn repack(
     if tmp_path.exists() {
         std::fs::remove_dir_all(&tmp_path).map_err(|e| io(&tmp_path, e))?;
     }
-    std::fs::create_dir(&tmp_path).map_err(|e| io(&tmp_path, e))?;
+    // (The error names OUT_DIR, which the user typed, rather than the hidden directory.)
+    std::fs::create_dir(&tmp_path).map_err(|e| {
+        output_error(
+            out_dir,
+            format!("cannot write in {}: {e}", parent.display()),
+        )
+    })?;
     let mut tmp = TempDir {
         path: tmp_path.clone(),
         committed: false,
