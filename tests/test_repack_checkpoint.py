@@ -652,6 +652,21 @@ def test_sigterm_during_repack_leaves_nothing(
         assert list(out.parent.iterdir()) == [], "partial output left"
 
 
+def test_main_in_process_restores_the_signal_handlers(
+    fixture_path: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`moeq_rs.cli.main` called in a process that goes on leaves its SIGTERM/SIGHUP handling
+    as it was (its handlers turn the signals into an interrupt for the command only)."""
+    import signal
+
+    from moeq_rs.cli import main
+
+    before = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)]
+    assert main(["inspect", str(fixture_path("qwen3_w8a16_g128")), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["moe_layers"]
+    assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)] == before
+
+
 def test_nothing_to_repack_is_an_error(tmp_path: Path) -> None:
     """A checkpoint without MoE layers was 'repacked' into a copy marked as repacked (which
     could then never be repacked); it is refused."""

@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from .errors import MoeqError
@@ -375,24 +375,33 @@ def _raise_terminated(signum: int, _frame: object) -> None:
     raise _Terminated(signum)
 
 
-def _prepare_process() -> None:
+def _prepare_process() -> Callable[[], None]:
+    """Sets the process up for a command; returns what undoes the signal handlers (for
+    callers of :func:`main` in a process that goes on)."""
     # Paths a terminal's encoding cannot show are escaped rather than failing the command
     # after its work is done.
     for stream in (sys.stdout, sys.stderr):
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
             reconfigure(errors="backslashreplace")
+    previous: list[tuple[int, Any]] = []
     if threading.current_thread() is threading.main_thread():
         for name in ("SIGTERM", "SIGHUP"):
             sig = getattr(signal, name, None)
             if sig is not None and signal.getsignal(sig) == signal.SIG_DFL:
-                signal.signal(sig, _raise_terminated)
+                previous.append((sig, signal.signal(sig, _raise_terminated)))
+
+    def restore() -> None:
+        for sig, handler in previous:
+            signal.signal(sig, handler)
+
+    return restore
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
-    _prepare_process()
+    restore = _prepare_process()
     try:
         return int(args.func(args))
     except MoeqError as e:
@@ -420,6 +429,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _fail(
             f"internal error (a bug in moeq_rs): Rust panic: {e} (set MOEQ_DEBUG=1 for a traceback)"
         )
+    finally:
+        restore()
 
 
 if __name__ == "__main__":
