@@ -2594,3 +2594,38 @@ def test_spare_scratch_can_be_released() -> None:
     first, second, same = _two_thread_script(_SCRATCH_SCRIPT)
     assert int(first) > 4096 * 256 * 2  # at least the bf16 input's widened copy's size
     assert int(second) == 0 and same == "True"
+
+
+def test_fused_moe_compiles_with_fullgraph() -> None:
+    """`mq.fused_moe` built a layer in Python on every call, which dynamo cannot trace:
+    `torch.compile(fullgraph=True)` failed ("Attempted to call function marked as skipped")
+    and without fullgraph it broke the graph. It runs as torch.ops.moeq.fused_moe now, for
+    weight-only and static W8A8 (number scales) alike, with the eager result's bits."""
+    w13, w2, s13, s2 = _small_w8a16()
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    w, ids = torch.full((5, 2), 0.5), torch.randint(0, 4, (5, 2))
+
+    def weight_only(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return mq.fused_moe(x, w13, w2, s13, s2, w, ids, scheme="w8a16") * 2
+
+    def static(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return mq.fused_moe(
+            x, w13, w2, s13[..., 0], s2[..., 0], w, ids, scheme="w8a8_static",
+            a13_scale=0.02, a2_scale=torch.tensor(0.01),
+        )  # fmt: skip
+
+    for fn in (weight_only, static):
+        want = fn(x, w, ids)
+        torch._dynamo.reset()
+        got = torch.compile(fn, backend="eager", fullgraph=True)(x, w, ids)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want), fn.__name__
+    # The op is what ran, and its fake gives the output's shape and dtype.
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = torch.ops.moeq.fused_moe(
+            mode.from_tensor(x), *(mode.from_tensor(t) for t in (w13, w2, s13, s2, w, ids)),
+            "w8a16", -1, None, None, None, None,
+        )  # fmt: skip
+    assert fake.shape == x.shape and fake.dtype == x.dtype
+    args = (x, w13, w2, s13, s2, w, ids, "w8a16", -1, None, None, None, None)
+    checks = torch.library.opcheck(torch.ops.moeq.fused_moe.default, args)
+    assert set(checks.values()) == {"SUCCESS"}, checks

@@ -570,7 +570,9 @@ def fused_moe(
     a2_scale=None,
 ) -> torch.Tensor:
     """Functional form: the weighted sum of the routed experts for raw tensors (the layer is built
-    for this call; build a :class:`MoELayer` once to reuse it)."""
+    for this call; build a :class:`MoELayer` once to reuse it). With torch tensors (and numbers
+    for the static input scales) it runs as ``torch.ops.moeq.fused_moe``, so ``torch.compile``
+    traces it, also with ``fullgraph=True``."""
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
         raise LayoutError(
             "topk_ids: expected a [tokens, top_k] integer tensor, got "
@@ -580,6 +582,47 @@ def fused_moe(
                 else type(topk_ids).__name__
             )
         )
+    # A number for a static input scale crosses as a 0-d float64 tensor (its exact value).
+    a13, a2 = (
+        torch.tensor(float(s), dtype=torch.float64)
+        if isinstance(s, (int, float)) and not isinstance(s, bool)
+        else s
+        for s in (a13_scale, a2_scale)
+    )
+    optional = (w13_zero_point, w2_zero_point, a13, a2)
+    required = (hidden_states, w13, w2, w13_scale, w2_scale, topk_weights)
+    if (
+        all(isinstance(v, torch.Tensor) for v in required)
+        and all(v is None or isinstance(v, torch.Tensor) for v in optional)
+        and isinstance(scheme, str)
+        and type(group_size) is int
+    ):
+        return torch.ops.moeq.fused_moe(
+            hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, scheme,
+            group_size, *optional,
+        )  # fmt: skip
+    # Anything else (numpy weights, a bad argument) goes the checked way, which names it.
+    return _fused_moe_eager(
+        hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, scheme,
+        group_size, w13_zero_point, w2_zero_point, a13_scale, a2_scale,
+    )  # fmt: skip
+
+
+def _fused_moe_eager(
+    hidden_states: Any,
+    w13: Any,
+    w2: Any,
+    w13_scale: Any,
+    w2_scale: Any,
+    topk_weights: Any,
+    topk_ids: torch.Tensor,
+    scheme: Any,
+    group_size: Any,
+    w13_zero_point: Any,
+    w2_zero_point: Any,
+    a13_scale: Any,
+    a2_scale: Any,
+) -> torch.Tensor:
     # The layer's own top_k only routes `forward`; `forward_topk` takes any number of slots
     # (repeated experts included), as `MoELayer.forward_topk` does.
     experts = w13.shape[0] if isinstance(w13, torch.Tensor) and w13.dim() == 3 else 1
@@ -704,6 +747,47 @@ def _(
     return torch.empty_like(hidden_states)
 
 
+@torch.library.custom_op("moeq::fused_moe", mutates_args=())
+def _op_fused_moe(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    scheme: str,
+    group_size: int,
+    w13_zero_point: torch.Tensor | None,
+    w2_zero_point: torch.Tensor | None,
+    a13_scale: torch.Tensor | None,
+    a2_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    return _fused_moe_eager(
+        hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, scheme,
+        group_size, w13_zero_point, w2_zero_point, a13_scale, a2_scale,
+    )  # fmt: skip
+
+
+@_op_fused_moe.register_fake
+def _(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    scheme: str,
+    group_size: int,
+    w13_zero_point: torch.Tensor | None,
+    w2_zero_point: torch.Tensor | None,
+    a13_scale: torch.Tensor | None,
+    a2_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    return torch.empty_like(hidden_states)
+
+
 def _wants_grad(*tensors: object) -> bool:
     return torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
@@ -725,3 +809,4 @@ def _no_context(ctx: Any, inputs: Any, output: Any) -> None:
 # compiled alike (rather than torch's generic message, or silently no gradient).
 _op_forward.register_autograd(_no_backward, setup_context=_no_context)
 _op_forward_topk.register_autograd(_no_backward, setup_context=_no_context)
+_op_fused_moe.register_autograd(_no_backward, setup_context=_no_context)
