@@ -374,7 +374,6 @@ pub fn from_raw(
         },
         top_k,
         correction_bias: None,
-        scratch: Default::default(),
     };
     moe.consolidate();
     Ok(moe)

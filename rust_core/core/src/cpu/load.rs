@@ -381,7 +381,6 @@ fn assemble(
         routing: model.routing().clone(),
         top_k,
         correction_bias,
-        scratch: Default::default(),
     };
     moe.consolidate();
     Ok(moe)

@@ -109,10 +109,11 @@ static OWNER_PROCESS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU3
 /// threads do not exist) are skipped.
 pub fn release_scratch() -> usize {
     use std::sync::atomic::{AtomicUsize, Ordering};
-    let freed = AtomicUsize::new(spare::release_here());
+    let here = || spare::release_here() + moe::release_gate_up_here();
+    let freed = AtomicUsize::new(here());
     let pid = std::process::id();
     let each = |_: rayon::BroadcastContext<'_>| {
-        freed.fetch_add(spare::release_here(), Ordering::Relaxed);
+        freed.fetch_add(here(), Ordering::Relaxed);
     };
     // The adopted thread is one of its pool's workers, and only it runs its own share of a
     // broadcast: from any other thread this would wait until that thread next entered the

@@ -47,6 +47,17 @@ thread_local! {
         const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
+/// Frees this thread's gate/up buffers ([`GATE_UP`]); returns the bytes they held.
+pub(super) fn release_gate_up_here() -> usize {
+    GATE_UP.with(|cell| {
+        cell.try_borrow_mut().map_or(0, |mut b| {
+            let bytes = (b.0.capacity() + b.1.capacity()) * std::mem::size_of::<f32>();
+            *b = (Vec::new(), Vec::new());
+            bytes
+        })
+    })
+}
+
 /// `v` with length `n`; old contents are kept (callers overwrite every value), or NaN under
 /// `MOEQ_POISON_SCRATCH=1` ([`super::spare::poisoning`]).
 fn sized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
@@ -69,36 +80,6 @@ fn offer_both(offer: bool, a: impl FnOnce() + Send, b: impl FnOnce() + Send) {
     } else {
         a();
         b();
-    }
-}
-
-/// A buffer reused across calls (whichever call gets it; a concurrent call allocates).
-#[derive(Default)]
-pub struct Scratch(std::sync::Mutex<Vec<f32>>);
-
-impl Scratch {
-    fn take(&self) -> Vec<f32> {
-        self.0
-            .try_lock()
-            .map(|mut v| std::mem::take(&mut *v))
-            .unwrap_or_default()
-    }
-    fn put(&self, v: Vec<f32>) {
-        if let Ok(mut slot) = self.0.try_lock() {
-            *slot = v;
-        }
-    }
-}
-
-impl Clone for Scratch {
-    fn clone(&self) -> Scratch {
-        Scratch::default()
-    }
-}
-
-impl std::fmt::Debug for Scratch {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Scratch")
     }
 }
 
@@ -139,6 +120,12 @@ impl Job<'_> {
                 .unwrap_or_default()
         });
         self.forward_whole_with(&mut u, &mut g, y, offer);
+        // Not kept beyond the spares' size limit (one prefill expert of all tokens held
+        // hundreds of MB per thread for the life of the process).
+        let bytes = (u.capacity() + g.capacity()) * std::mem::size_of::<f32>();
+        if bytes > super::spare::MAX_BYTES {
+            return;
+        }
         GATE_UP.with(|cell| {
             if let Ok(mut b) = cell.try_borrow_mut() {
                 // Keep the larger pair (a nested expert may have put its own back).
@@ -367,8 +354,6 @@ pub struct CpuMoe {
     pub routing: Routing,
     pub top_k: usize,
     pub correction_bias: Option<Vec<f32>>,
-    /// The routed experts' outputs of the last call, reused by the next.
-    pub scratch: Scratch,
 }
 
 fn bad(reason: String) -> crate::error::Error {
@@ -521,7 +506,11 @@ impl CpuMoe {
             starts.push(total);
             total += j.m * h;
         }
-        let mut buf = self.scratch.take();
+        // In this thread's spares, not the layer's: a layer kept its largest call's buffer
+        // (tokens x top_k x hidden floats, 2.5 GB at T = 32768 for Qwen3's shape) for its
+        // whole life, one per layer of the model, beyond the spares' size limit and out of
+        // `release_scratch`'s reach.
+        let mut buf = super::spare::take_any(total, 0f32);
         run_experts(&jobs, true, sized(&mut buf, total));
         drop(jobs);
         if let Some(p) = pre {
@@ -552,7 +541,7 @@ impl CpuMoe {
                     super::kernels::add_scaled(dst, &buf[at..at + h], w, i == 0);
                 }
             });
-        self.scratch.put(buf);
+        super::spare::give(buf);
         Ok(out)
     }
 

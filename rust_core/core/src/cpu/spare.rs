@@ -9,7 +9,7 @@ use std::cell::RefCell;
 /// Spare buffers kept per thread and element type.
 const KEEP: usize = 8;
 /// Buffers larger than this are freed rather than kept (bytes).
-const MAX_BYTES: usize = 256 << 20;
+pub(crate) const MAX_BYTES: usize = 256 << 20;
 
 /// Element types with a per-thread spare list.
 pub trait Spare: Copy + 'static {
