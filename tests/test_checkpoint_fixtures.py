@@ -398,3 +398,20 @@ def test_a_target_repeated_across_groups_goes_to_the_last_group(fixture_path, tm
     (d / "config.json").write_text(json.dumps(config))
     with pytest.raises(mq.CheckpointError, match=r"self_attn\..*float-quantized weights"):
         mq.open(d)
+
+
+def test_asking_for_a_router_says_what_it_is() -> None:
+    """`scheme`/`dequantize` of a router said "no such Linear module in the checkpoint"
+    although its weight is right there: routers (and embeddings, norms) are not quantizable
+    Linear modules, and the error now says so and where their weight is."""
+    from pathlib import Path
+
+    ck = mq.open(Path(__file__).resolve().parent.parent / "examples" / "tiny-moe-int4-int8")
+    gate = "model.layers.1.mlp.gate"
+    assert ck.tensor(f"{gate}.weight").shape == (8, 256)
+    for call in (ck.scheme, ck.dequantize):
+        with pytest.raises(mq.CheckpointError, match="not a quantizable Linear module") as e:
+            call(gate)
+        assert f"'{gate}.weight' as stored with Checkpoint.tensor" in str(e.value)
+    with pytest.raises(mq.CheckpointError, match="no such Linear module"):
+        ck.scheme("model.layers.1.mlp.nothing")

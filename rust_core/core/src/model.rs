@@ -454,10 +454,21 @@ impl Model {
     pub fn module(&self, name: &str) -> Result<&ModuleInfo> {
         let found = find_module(&self.modules, name);
         found.ok_or_else(|| {
+            let weight = format!("{name}.weight");
+            let reason = if self.checkpoint().contains(&weight) {
+                // Routers, embeddings and norms have a weight but are never quantized.
+                format!(
+                    "not a quantizable Linear module (a router, embedding or norm, which \
+                     compressed-tensors leaves unquantized); read '{weight}' as stored with \
+                     Checkpoint.tensor"
+                )
+            } else {
+                "no such Linear module in the checkpoint (expected tensors '<module>.weight' or '<module>.weight_packed')"
+                    .into()
+            };
             CheckpointError::Module {
                 module: name.to_string(),
-                reason: "no such Linear module in the checkpoint (expected tensors '<module>.weight' or '<module>.weight_packed')"
-                    .into(),
+                reason,
             }
             .into()
         })
