@@ -131,7 +131,10 @@ def test_inputs_the_native_path_declines(fixture_path: Callable[[str], Path]) ->
     with pytest.raises(mq.LayoutError, match="not an expert"):
         moe.forward_topk(x, w, torch._neg_view(-(ids + e)))
     # An id past the last expert is read, and refused by the forward itself.
-    with pytest.raises(mq.LayoutError, match=r"topk_ids\[0, 0\] = \d+ is not an expert"):
+    with pytest.raises(
+        mq.LayoutError,
+        match=rf"topk_ids\[0, 0\] = \d+ is not an expert \(the layer has {e}, ids 0 to {e - 1}\)",
+    ):
         core.forward_topk_torch(x, w, ids + e)
 
 

@@ -468,9 +468,10 @@ impl CpuMoe {
             .find(|(_, &id)| id as usize >= e_count)
         {
             return Err(bad(format!(
-                "topk_ids[{}, {}] = {bad_id} is not an expert (0..{e_count})",
+                "topk_ids[{}, {}] = {bad_id} is not an expert (the layer has {e_count}, ids 0 to {})",
                 i / k.max(1),
-                i % k.max(1)
+                i % k.max(1),
+                e_count.saturating_sub(1)
             )));
         }
         // Group (token, slot) pairs by expert.
