@@ -2620,6 +2620,9 @@ def test_fused_moe_compiles_with_fullgraph() -> None:
             a13_scale=0.02, a2_scale=torch.tensor(0.01),
         )  # fmt: skip
 
+    # An argument the op cannot carry still gets the checked path's error, naming it.
+    with pytest.raises(mq.LayoutError, match="group_size"):
+        mq.fused_moe(x, w13, w2, s13, s2, w, ids, scheme="w8a16", group_size=2**70)
     for fn in (weight_only, static):
         want = fn(x, w, ids)
         torch._dynamo.reset()

@@ -122,3 +122,25 @@ def test_numpy_dequantize_equals_torch() -> None:
     for k, v in t_t.items():
         raw = v.view(torch.int16).numpy().view(np.uint16) if v.dtype == torch.bfloat16 else v
         assert np.array_equal(t_n[k], np.asarray(raw)), k
+
+
+def test_numpy_dequantize_of_unquantized_modules_in_every_stored_dtype(tmp_path: Path) -> None:
+    """Unquantized modules come back as stored, so `framework="numpy"` must map every stored
+    dtype as `tensor()` does (complex64 raised a TypeError)."""
+    from safetensors.torch import save_file
+
+    dtypes = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64]
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 16}')
+    save_file(
+        {
+            f"model.layers.{i}.mlp.up_proj.weight": torch.randn(8, 16).to(dt)
+            for i, dt in enumerate(dtypes)
+        },
+        str(tmp_path / "model.safetensors"),
+    )
+    ck = mq.open(tmp_path)
+    for i in range(len(dtypes)):
+        module = f"model.layers.{i}.mlp.up_proj"
+        got = ck.dequantize(module, framework="numpy")
+        want = ck.tensor(f"{module}.weight")
+        assert got.dtype == want.dtype and np.array_equal(got, want), module

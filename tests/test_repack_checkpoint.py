@@ -684,6 +684,9 @@ def test_nothing_to_repack_is_an_error(tmp_path: Path) -> None:
         r = cli("repack", str(src), str(tmp_path / target), "--target", target)
         assert r.returncode == 1 and "no MoE layers: there is nothing to repack" in r.stderr, r
         assert not (tmp_path / target).exists()
+    # A flag value out of range names the flag.
+    r = cli("inspect", str(src), "--tp-size", "99999999999999999999999")
+    assert r.returncode == 1 and "argument --tp-size: " in r.stderr and "too large" in r.stderr
     # (inspect printed "top-None" as its routing)
     r = cli("inspect", str(src))
     assert r.returncode == 0 and "routing:  - (no MoE layers)" in r.stdout, r

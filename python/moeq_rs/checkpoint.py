@@ -67,7 +67,10 @@ _NUMPY_DTYPES = {
     "F8_E4M3": "uint8",
     "F8_E5M2": "uint8",
     "F8_E8M0": "uint8",
+    "C64": "complex64",
 }
+# Sub-byte dtypes come as their packed bytes, flat, as `tensor` gives them.
+_PACKED = {"F4", "F6_E2M3", "F6_E3M2"}
 
 
 def _wants_torch(framework: str, what: str) -> bool:
@@ -82,6 +85,8 @@ def _wants_torch(framework: str, what: str) -> bool:
 
 def _array(data: Any, dtype: str, shape: Any) -> np.ndarray:
     """A numpy array over the bytes the native module returned."""
+    if dtype in _PACKED:
+        return np.frombuffer(data, dtype=np.uint8)
     np_dtype = _NUMPY_DTYPES.get(dtype)
     if np_dtype is None:
         raise TypeError(f"dtype {dtype} has no numpy equivalent")

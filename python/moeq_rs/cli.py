@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from ._args import I64_MAX
 from .errors import MoeqError
 
 __all__ = ["main"]
@@ -270,10 +271,16 @@ def _cmd_repack(args: argparse.Namespace) -> int:
     verified = (
         f"; verified {r['verified_modules']} expert projections bit for bit" if args.verify else ""
     )
-    print(
-        f"wrote {r['out_dir']}: {r['layers']} MoE layers, {r['tensors']} tensors, "
-        f"{r['bytes_written'] / 1e6:.1f} MB in {r['seconds']:.2f} s ({rate:.1f} MB/s){verified}"
-    )
+    try:
+        print(
+            f"wrote {r['out_dir']}: {r['layers']} MoE layers, {r['tensors']} tensors, "
+            f"{r['bytes_written'] / 1e6:.1f} MB in {r['seconds']:.2f} s ({rate:.1f} MB/s)"
+            f"{verified}"
+        )
+    except KeyboardInterrupt as e:
+        # The output is committed: saying "nothing was written" would be false.
+        print(f"\nmoeq: interrupted; {args.out_dir} is written and complete", file=sys.stderr)
+        return 128 + e.signum if isinstance(e, _Terminated) else 130
     return 0
 
 
@@ -282,9 +289,11 @@ def _positive_int(text: str) -> int:
         value = int(text)
     except ValueError:
         value = 0
+    # argparse names the flag: "argument --tp-size: ..."
     if value < 1:
-        # argparse names the flag: "argument --tp-size: ..."
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    if value > I64_MAX:
+        raise argparse.ArgumentTypeError(f"{text!r} is too large (at most {I64_MAX})")
     return value
 
 

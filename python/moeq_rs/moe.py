@@ -596,6 +596,7 @@ def fused_moe(
         and all(v is None or isinstance(v, torch.Tensor) for v in optional)
         and isinstance(scheme, str)
         and type(group_size) is int
+        and abs(group_size) <= I64_MAX
     ):
         return torch.ops.moeq.fused_moe(
             hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, scheme,
@@ -796,8 +797,9 @@ def _wants_grad(*tensors: object) -> bool:
 
 def _no_backward(ctx: Any, grad: torch.Tensor) -> None:
     raise NotImplementedError(
-        "moeq_rs MoE layers are inference-only: torch.ops.moeq.moe_forward[_topk] has no "
-        "backward (run the layer under torch.no_grad() or torch.inference_mode())"
+        "moeq_rs MoE layers are inference-only: the torch.ops.moeq ops (moe_forward[_topk], "
+        "fused_moe) have no backward (run them under torch.no_grad() or "
+        "torch.inference_mode())"
     )
 
 

@@ -677,7 +677,9 @@ fn other_weight_format(file: &str) -> bool {
         || [".pt", ".pth", ".ckpt", ".gguf", ".onnx"]
             .iter()
             .any(|ext| file.ends_with(ext))
-        || matches!(file, "tf_model.h5" | "flax_model.msgpack")
+        || ["tf_model", "flax_model"]
+            .iter()
+            .any(|p| file.starts_with(p))
 }
 
 /// Copies the other top-level files of the source (tokenizer, generation config, ...), not
