@@ -628,13 +628,16 @@ def test_sigterm_during_repack_leaves_nothing(
 ) -> None:
     """SIGTERM and SIGHUP (`timeout`, `docker stop`, a closed terminal) killed the CLI with
     the temporary directory of a half-written checkpoint left beside OUT_DIR. They now stop a
-    repack as Ctrl-C does, and the exit status is 128 + the signal."""
+    repack as Ctrl-C does, and the exit status is 128 + the signal. A signal the process was
+    started ignoring (`nohup` ignores SIGHUP) stays ignored: the repack runs to the end."""
     src = fixture_path("qwen3_w8a16_g128")
-    for sig in ("SIGTERM", "SIGHUP"):
-        out = tmp_path / sig / "out"
+    for sig, start_as in [("SIGTERM", "SIG_DFL"), ("SIGHUP", "SIG_DFL"), ("SIGHUP", "SIG_IGN")]:
+        out = tmp_path / f"{sig}-{start_as}" / "out"
         out.parent.mkdir()
         script = (
             "import os, signal, sys\n"
+            # As the test runner may itself run under nohup (SIGHUP ignored, inherited).
+            f"signal.signal(signal.{sig}, signal.{start_as})\n"
             "import moeq_rs.cli as cli\n"
             "call = cli._ProgressBar.__call__\n"
             "def progress(self, stage, *a):\n"
@@ -646,6 +649,9 @@ def test_sigterm_during_repack_leaves_nothing(
         r = subprocess.run(
             [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
         )
+        if start_as == "SIG_IGN":
+            assert r.returncode == 0 and (out / "config.json").exists(), r.stderr
+            continue
         signum = {"SIGTERM": 15, "SIGHUP": 1}[sig]
         assert r.returncode == 128 + signum, (r.returncode, r.stderr)
         assert "interrupted; nothing was written" in r.stderr

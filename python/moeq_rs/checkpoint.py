@@ -189,7 +189,8 @@ class Checkpoint:
         arr = np.asarray(buf)
         if not as_torch:
             return arr
-        torch = need_torch("Checkpoint.tensor(framework='torch')")
+        import torch  # (installed: `_wants_torch` checked)
+
         t = torch.from_numpy(arr.copy())
         if buf.dtype in _BIT_PATTERN:
             t = t.view(_torch_dtype(buf.dtype))

@@ -180,7 +180,7 @@ fn remove_abandoned(parent: &Path, name: &str) {
 /// Why `--force` must not replace the existing `out_dir`, or None where it may: a symlink (the
 /// link is replaced, not what it points to), an empty directory, or an earlier `moeq repack`
 /// output (its `config.json` has a `"moeq"` object). Anything else may be someone's data: a
-/// mistyped OUT_DIR once deleted a directory of models.
+/// mistyped OUT_DIR would have deleted a directory of models.
 fn not_replaceable(out_dir: &Path) -> Option<String> {
     if out_dir.is_symlink() {
         return None;
