@@ -49,25 +49,11 @@ _TORCH_DTYPES = {
 _BIT_PATTERN = {"BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4"}
 
 # The numpy dtype of each dtype the native module returns computed tensors in (dequantized
-# weights, Marlin tensors): the bit pattern where numpy lacks the dtype, as `tensor` gives it.
+# weights, Marlin tensors): torch's name where numpy has it, else the bit pattern, as `tensor`
+# gives it.
 _NUMPY_DTYPES = {
-    "BF16": "uint16",
-    "F16": "float16",
-    "F32": "float32",
-    "F64": "float64",
-    "I8": "int8",
-    "U8": "uint8",
-    "I16": "int16",
-    "I32": "int32",
-    "I64": "int64",
-    "BOOL": "bool",
-    "U16": "uint16",
-    "U32": "uint32",
-    "U64": "uint64",
-    "F8_E4M3": "uint8",
-    "F8_E5M2": "uint8",
-    "F8_E8M0": "uint8",
-    "C64": "complex64",
+    name: ("uint16" if name == "BF16" else "uint8") if name in _BIT_PATTERN else torch_name
+    for name, torch_name in _TORCH_DTYPES.items()
 }
 # Sub-byte dtypes come as their packed bytes, flat, as `tensor` gives them.
 _PACKED = {"F4", "F6_E2M3", "F6_E3M2"}
