@@ -263,7 +263,7 @@ def _cmd_repack(args: argparse.Namespace) -> int:
                 "complete",
                 file=sys.stderr,
             )
-            return 128 + e.signum if isinstance(e, _Terminated) else 130
+            return _interrupted_status(e)
         raise
     finally:
         bar.close()
@@ -280,7 +280,7 @@ def _cmd_repack(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as e:
         # The output is committed: saying "nothing was written" would be false.
         print(f"\nmoeq: interrupted; {args.out_dir} is written and complete", file=sys.stderr)
-        return 128 + e.signum if isinstance(e, _Terminated) else 130
+        return _interrupted_status(e)
     return 0
 
 
@@ -380,6 +380,11 @@ class _Terminated(KeyboardInterrupt):
         self.signum = signum
 
 
+def _interrupted_status(e: KeyboardInterrupt) -> int:
+    """The exit status of a command stopped by `e`: 128 + the signal, as shells report it."""
+    return 128 + e.signum if isinstance(e, _Terminated) else 128 + signal.SIGINT
+
+
 def _raise_terminated(signum: int, _frame: object) -> None:
     raise _Terminated(signum)
 
@@ -425,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _fail(f"{e.filename or ''}: {e.strerror or e}".lstrip(": "))
     except KeyboardInterrupt as e:
         print("\nmoeq: interrupted; nothing was written", file=sys.stderr)
-        return 128 + e.signum if isinstance(e, _Terminated) else 130
+        return _interrupted_status(e)
     except Exception as e:  # noqa: BLE001 - the CLI must never print a traceback
         if os.environ.get("MOEQ_DEBUG"):
             raise

@@ -300,13 +300,14 @@ pub fn from_raw(
         let want = n
             .and_then(|n| n.checked_mul(experts))
             .and_then(|v| v.checked_mul(k));
-        if want.is_none() || want != stored(w) {
+        let have = stored(w);
+        if want.is_none() || want != have {
             return Err(err(
                 arg,
                 format!(
                     "holds {} values, not the {} that E={experts}, H={hidden}, I={intermediate} \
                      make",
-                    stored(w).map_or("too many".into(), |v| v.to_string()),
+                    have.map_or("too many".into(), |v| v.to_string()),
                     want.map_or("(overflowing)".into(), |v| v.to_string()),
                 ),
             ));
