@@ -32,7 +32,7 @@ checked against the torch loop's.
 
     MOEQ_NUM_THREADS=2 .venv/bin/python bench/moe_cpu.py [--rounds N] [--shapes qwen3,...]
         [--tokens 1,16,...] [--scheme w8a8_dynamic|w8a16|w4a16] [--flush numpy|torch]
-        [--compare-parking]
+        [--compare-parking] [--threads 2]
 """
 
 from __future__ import annotations
@@ -228,6 +228,9 @@ def main() -> None:
     ap.add_argument("--scheme", default="w8a8_dynamic", choices=("w8a8_dynamic", "w8a16", "w4a16"))
     ap.add_argument("--flush", choices=("numpy", "torch"), default="numpy")
     ap.add_argument("--compare-parking", action="store_true")
+    ap.add_argument(
+        "--threads", type=int, default=2, help="threads for every contender (MOEQ_NUM_THREADS)"
+    )
     args = ap.parse_args()
     # Checked before anything runs: a typo in the last shape should not cost the earlier ones.
     unknown = [n for n in args.shapes.split(",") if n not in SHAPES]
@@ -241,9 +244,18 @@ def main() -> None:
         ap.error(f"--tokens: {args.tokens!r} is not a comma-separated list of counts >= 1")
     if args.rounds < 1:
         ap.error("--rounds: must be at least 1")
+    if args.threads < 1:
+        ap.error("--threads: must be at least 1")
+    # Every contender on the same threads: ours take MOEQ_NUM_THREADS (unset: every CPU), which
+    # must be set before the first moeq_rs call, so it is checked rather than set here.
+    if mq.oracle.cpu_threads() != args.threads:
+        ap.error(
+            f"moeq_rs would run on {mq.oracle.cpu_threads()} threads, torch on {args.threads}: "
+            f"run with MOEQ_NUM_THREADS={args.threads}"
+        )
     global FLUSH_WITH_TORCH
     FLUSH_WITH_TORCH = args.flush == "torch"
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     parking = os.environ.get("MOEQ_PARK_OPENMP", "1").strip() != "0"
 
     bw = read_bandwidth()
@@ -273,9 +285,11 @@ def main() -> None:
             if peak
             else f"{kind} peak: no probe for this kernel family; "
         )
+        + f"moeq_rs {mq.oracle.cpu_threads()} threads; "
         + f"torch {torch.__version__} bf16 eager, {torch.get_num_threads()} threads; "
         + f"vLLM CPU kernels: {vllm_desc}; flush with {args.flush}; "
-        f"parking torch's OpenMP threads: {'off' if not parking else 'on'}"
+        f"parking torch's OpenMP threads: {'off' if not parking else 'on'}; "
+        "the BW bound counts the touched experts' weight codes (not their scales)"
     )
     print(
         f"{'shape':9} {'T':>5} {'moeq ms':>9} {'torch ms':>9} {'speedup':>8} "
@@ -299,6 +313,7 @@ def main() -> None:
             )
         for t in tokens:
             ours, theirs, ratios, hits, floors, peers, vs_peer = [], [], [], [], [], [], []
+            of_read = []
             unparked_times, park_gain = [], []
             # One untimed call each first: the first call at a new size faults in its
             # buffers' pages (for us ~0.2 s at T=1024), which no steady state pays.
@@ -308,6 +323,13 @@ def main() -> None:
             want = torch_moe(x, logits, tw13, tw2, k).float()
             if peer is not None:
                 got = peer(x, logits).float()
+                if vllm and vllm[1] == "int8":
+                    # The same int8 weights, scales and routing as our layer, both quantising
+                    # activations per token: the outputs must agree up to that rounding.
+                    mine = layer(x, logits).float()
+                    err = float((got - mine).norm() / mine.norm())
+                    if not err < 3e-2:
+                        raise SystemExit(f"vLLM's int8 MoE disagrees with ours: rel L2 {err:.3g}")
                 if vllm and vllm[1] == "bf16":
                     # Same bf16 weights and routing as the torch loop: the outputs must agree
                     # up to bf16 rounding, or the timing compares different work.
@@ -344,6 +366,7 @@ def main() -> None:
                     took[label] = time.perf_counter() - t0
                 a = took["ours"]
                 ours.append(a)
+                of_read.append(floors[-1] / a)
                 theirs.append(took["torch"])
                 ratios.append(took["torch"] / a)
                 if "vllm" in took:
@@ -361,7 +384,8 @@ def main() -> None:
             print(
                 f"{name:9} {t:>5} {mo * 1e3:9.2f} {statistics.median(theirs) * 1e3:9.2f} "
                 f"{statistics.median(ratios):8.2f} {statistics.median(hits):>11.0f} "
-                f"{100 * bound / mo:12.0f}% {floor * 1e3:9.2f} {100 * floor / mo:9.0f}% "
+                f"{100 * bound / mo:12.0f}% {floor * 1e3:9.2f} "
+                f"{100 * statistics.median(of_read):9.0f}% "
                 f"{of_peak}"
                 + (
                     f" {statistics.median(peers) * 1e3:9.2f} {statistics.median(vs_peer):8.2f}"

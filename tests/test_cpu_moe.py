@@ -1609,6 +1609,101 @@ def test_outputs_and_scratch_are_fully_written(
     assert np.array_equal(runs["1"], runs["0"])
 
 
+_CHUNK_SCRIPT = r"""
+import sys, numpy as np, torch, moeq_rs as mq
+out = {}
+for n, case in enumerate(sys.argv[1].split(",")):
+    path, layer = case.rsplit(":", 1)
+    moe = mq.MoELayer.from_checkpoint(path, int(layer))
+    g = torch.Generator().manual_seed(11)
+    got = []
+    for t, dtype in ((37, torch.float32), (13, torch.bfloat16), (3, torch.float32)):
+        x = torch.randn(t, moe.hidden_size, generator=g).to(dtype)
+        logits = torch.randn(t, moe.num_experts, generator=g)
+        got.append(moe(x, logits).float().numpy().ravel())
+        ids = torch.randint(0, moe.num_experts, (t, 2), generator=g)
+        weights = torch.rand(t, 2, generator=g)
+        got.append(moe.forward_topk(x, weights, ids).float().numpy().ravel())
+    out[str(n)] = np.concatenate(got)
+np.savez(sys.argv[2], **out)
+"""
+
+
+def test_long_calls_split_into_chunks_give_the_same_outputs(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """MOEQ_CHUNK_TOKENS splits a call into chunks of that many tokens (bounding its memory),
+    each a forward of its own tokens: every fixture scheme, routing, shared experts, forward
+    and forward_topk, fp32 and bf16, with a chunk that does not divide the token count. W8A8
+    and unquantized outputs equal the call whole bit for bit; weight-only ones differ in the
+    last bits only (their tiles depend on each expert's row count, as for any two call
+    sizes). Under MOEQ_POISON_SCRATCH=1, so a row no chunk wrote would show as NaN."""
+    import os
+    import subprocess
+    import sys
+
+    cases = ",".join(f"{fixture_path(name)}:{layer}" for name, layer, _ in CASES)
+    runs = {}
+    for chunk in ("0", "5"):
+        dst = tmp_path / f"chunk{chunk}.npz"
+        subprocess.run(
+            [sys.executable, "-c", _CHUNK_SCRIPT, cases, str(dst)],
+            env=dict(os.environ, MOEQ_CHUNK_TOKENS=chunk, MOEQ_POISON_SCRATCH="1"),
+            check=True,
+        )
+        runs[chunk] = np.load(dst)
+    for n, (name, layer, mode) in enumerate(CASES):
+        whole, split = runs["0"][str(n)], runs["5"][str(n)]
+        assert np.isfinite(split).all() and np.abs(split).max() > 0, (name, layer)
+        if mode == "w8a8" or name == "qwen3_unquantized":
+            assert np.array_equal(split, whole), (name, layer)
+        else:
+            rel = np.linalg.norm(split - whole) / np.linalg.norm(whole)
+            assert rel < 1e-5, (name, layer, rel)
+
+
+_CHUNK_MEMORY_SCRIPT = r"""
+import resource, torch
+from moeq_rs.moe import MoELayer
+g = torch.Generator().manual_seed(3)
+e, h, i, k, t = 8, 512, 128, 8, 16384
+w13 = torch.randint(-128, 128, (e, 2 * i, h), dtype=torch.int8, generator=g)
+w2 = torch.randint(-128, 128, (e, h, i), dtype=torch.int8, generator=g)
+layer = MoELayer.from_tensors(w13, w2, torch.rand(e, 2 * i, 1, generator=g) * 1e-2,
+                              torch.rand(e, h, 1, generator=g) * 1e-2, scheme="w8a8_dynamic",
+                              top_k=k)
+layer(torch.randn(4, h), torch.randn(4, e))
+x, logits = torch.randn(t, h, generator=g), torch.randn(t, e, generator=g)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+y = layer(x, logits)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+assert torch.isfinite(y).all()
+print((after - before) / 1024)
+"""
+
+
+def test_chunks_bound_a_long_calls_memory() -> None:
+    """A 16384-token call of a top-8 layer (hidden 512) holds 256 MiB of routed output rows
+    (and 128 MiB of gate/up rows) whole; in chunks of 1024 tokens its peak grows by a small
+    part of that."""
+    import os
+    import subprocess
+    import sys
+
+    growth = {}
+    for chunk in ("0", "1024"):
+        ran = subprocess.run(
+            [sys.executable, "-c", _CHUNK_MEMORY_SCRIPT],
+            env=dict(os.environ, MOEQ_CHUNK_TOKENS=chunk, MOEQ_NUM_THREADS="2"),
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        growth[chunk] = float(ran.stdout.split()[-1])
+    assert growth["0"] > 300, growth
+    assert growth["1024"] < growth["0"] - 200, growth
+
+
 def test_every_cpu_kernel_gives_identical_int8_results(tmp_path: Path) -> None:
     """W8A8 (dynamic and static), W8A16 and W4A16 outputs with fp32 activations are
     bit-identical whichever kernel family runs (integer accumulators equal, same epilogue; the

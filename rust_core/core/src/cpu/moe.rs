@@ -446,13 +446,7 @@ impl CpuMoe {
         compute: Compute,
     ) -> Result<Vec<f32>> {
         let h = self.hidden;
-        // Checked products: a token count from outside must not wrap to a matching length.
-        if tokens.checked_mul(h) != Some(x.len()) {
-            return Err(bad(format!(
-                "hidden_states has {} values, expected [{tokens}, {h}]",
-                x.len()
-            )));
-        }
+        self.check_hidden(x, tokens)?;
         let k = routed.top_k;
         let slots = tokens.checked_mul(k);
         if slots != Some(routed.ids.len()) || slots != Some(routed.weights.len()) {
@@ -474,12 +468,46 @@ impl CpuMoe {
                 e_count.saturating_sub(1)
             )));
         }
+        let chunk = chunk_tokens(k, h);
+        Ok(in_chunks(tokens, chunk, h, |at| {
+            let x = &x[at.start * h..at.end * h];
+            let ids = &routed.ids[at.start * k..at.end * k];
+            let weights = &routed.weights[at.start * k..at.end * k];
+            self.routed_sum(x, at.len(), ids, weights, k, compute)
+        }))
+    }
+
+    fn check_hidden(&self, x: &[f32], tokens: usize) -> Result<()> {
+        let h = self.hidden;
+        // Checked product: a token count from outside must not wrap to a matching length.
+        if tokens.checked_mul(h) != Some(x.len()) {
+            return Err(bad(format!(
+                "hidden_states has {} values, expected [{tokens}, {h}]",
+                x.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// [`Self::forward_topk`] of checked arguments (`ids` all experts of the layer), in one
+    /// pass over the experts: each weight byte is read once.
+    fn routed_sum(
+        &self,
+        x: &[f32],
+        tokens: usize,
+        ids: &[u32],
+        weights: &[f32],
+        k: usize,
+        compute: Compute,
+    ) -> Vec<f32> {
+        let h = self.hidden;
+        let e_count = self.experts.len();
         // Group (token, slot) pairs by expert.
         let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e_count];
         for t in 0..tokens {
             for j in 0..k {
-                let e = routed.ids[t * k + j] as usize;
-                by_expert[e].push((t, routed.weights[t * k + j]));
+                let e = ids[t * k + j] as usize;
+                by_expert[e].push((t, weights[t * k + j]));
             }
         }
         let active: Vec<usize> = (0..e_count).filter(|&e| !by_expert[e].is_empty()).collect();
@@ -510,7 +538,7 @@ impl CpuMoe {
         // In this thread's spares, not the layer's: a layer kept its largest call's buffer
         // (tokens x top_k x hidden floats, 2.5 GB at T = 32768 for Qwen3's shape) for its
         // whole life, one per layer of the model, beyond the spares' size limit and out of
-        // `release_scratch`'s reach.
+        // `release_scratch`'s reach. Long calls come here in chunks that fit those spares.
         let mut buf = super::spare::take_any(total, 0f32);
         run_experts(&jobs, true, sized(&mut buf, total));
         drop(jobs);
@@ -543,7 +571,7 @@ impl CpuMoe {
                 }
             });
         super::spare::give(buf);
-        Ok(out)
+        out
     }
 
     /// Routes with the model's router logits, runs the routed experts (routed scaling included)
@@ -573,15 +601,44 @@ impl CpuMoe {
                 router_logits.len()
             )));
         }
+        self.check_hidden(x, tokens)?;
+        let h = self.hidden;
+        let chunk = chunk_tokens(self.top_k, h);
+        Ok(in_chunks(tokens, chunk, h, |at| {
+            let x = &x[at.start * h..at.end * h];
+            self.routed_and_shared(
+                x,
+                at.len(),
+                &router_logits[at.start * e..at.end * e],
+                compute,
+            )
+        }))
+    }
+
+    /// [`Self::forward`] of checked arguments.
+    fn routed_and_shared(
+        &self,
+        x: &[f32],
+        tokens: usize,
+        router_logits: &[f32],
+        compute: Compute,
+    ) -> Vec<f32> {
         let routed = route(
             router_logits,
-            e,
+            self.experts.len(),
             &self.routing,
             self.top_k,
             self.correction_bias.as_deref(),
             true,
         );
-        let mut out = self.forward_topk_in_pool(x, tokens, &routed, compute)?;
+        let mut out = self.routed_sum(
+            x,
+            tokens,
+            &routed.ids,
+            &routed.weights,
+            routed.top_k,
+            compute,
+        );
         if let Some(shared) = &self.shared {
             let s = shared.forward(x, tokens, true, compute);
             let h = self.hidden;
@@ -605,8 +662,65 @@ impl CpuMoe {
                 }
             }
         }
-        Ok(out)
+        out
     }
+}
+
+/// Tokens per chunk of a long forward: `MOEQ_CHUNK_TOKENS` (read once; 0: never split), else
+/// as many as keep a chunk's routed output rows (`top_k x hidden` floats per token) within the
+/// spares' size limit (4096 tokens at Qwen3-30B-A3B's shape). A chunk reads every weight once,
+/// so a call of several chunks reads them again per chunk; at these sizes the arithmetic
+/// dominates, and memory stays bounded instead of growing with the prompt.
+pub fn chunk_tokens(top_k: usize, hidden: usize) -> usize {
+    static SET: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let set = *SET.get_or_init(|| {
+        std::env::var("MOEQ_CHUNK_TOKENS")
+            .ok()
+            .and_then(|v| requested_chunk(&v))
+    });
+    match set {
+        Some(0) => usize::MAX,
+        Some(n) => n,
+        None => {
+            let row_bytes = top_k.max(1).saturating_mul(hidden.max(1)).saturating_mul(4);
+            (super::spare::MAX_BYTES / row_bytes).max(1)
+        }
+    }
+}
+
+/// The chunk a `MOEQ_CHUNK_TOKENS` value asks for (0: none), or None for a value that is not a
+/// count (then the default applies, as for `MOEQ_NUM_THREADS`); a count too large for `usize`
+/// asks for no splitting.
+fn requested_chunk(value: &str) -> Option<usize> {
+    match value.trim().parse::<usize>() {
+        Ok(n) => Some(n),
+        Err(e) if *e.kind() == std::num::IntErrorKind::PosOverflow => Some(0),
+        Err(_) => None,
+    }
+}
+
+/// `f` over `tokens` in ranges of `chunk`, its `[len, h]` results stacked into one `[tokens, h]`
+/// output; a call of one chunk returns `f`'s result as it is.
+fn in_chunks(
+    tokens: usize,
+    chunk: usize,
+    h: usize,
+    mut f: impl FnMut(std::ops::Range<usize>) -> Vec<f32>,
+) -> Vec<f32> {
+    let chunk = chunk.max(1);
+    if tokens <= chunk {
+        return f(0..tokens);
+    }
+    let mut out = super::spare::take_any(tokens * h, 0f32);
+    let mut start = 0;
+    while start < tokens {
+        let end = tokens.min(start.saturating_add(chunk));
+        let part = f(start..end);
+        out[start * h..end * h].copy_from_slice(&part);
+        super::spare::give(part);
+        start = end;
+    }
+    out
 }
 
 #[cfg(test)]
@@ -689,6 +803,80 @@ mod tests {
                 want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                 "{scheme:?}"
             );
+        }
+    }
+
+    /// A long call split into chunks equals the call whole, bit for bit, for dynamic W8A8
+    /// (each token's activations are quantised on their own, and each token's sum runs over
+    /// its experts in the same order whatever the chunk); every row is written.
+    #[test]
+    fn chunked_calls_equal_the_call_whole() {
+        let (e, h, i, k, tokens) = (6usize, 64usize, 32usize, 2usize, 23usize);
+        let s13: Vec<f32> = (0..e * 2 * i).map(|v| 1e-3 * (1 + v % 5) as f32).collect();
+        let s2: Vec<f32> = (0..e * h).map(|v| 1e-3 * (1 + v % 7) as f32).collect();
+        let codes = SampleCodes::new(false, e, h, i);
+        let (a, b) = codes.raw();
+        let proj = |w, s| RawProj {
+            weights: w,
+            scales: s,
+            zero_points: None,
+            act_scales: None,
+        };
+        let moe = from_raw(
+            RawScheme::W8a8Dynamic,
+            e,
+            h,
+            i,
+            -1,
+            proj(a, &s13),
+            proj(b, &s2),
+            k,
+            true,
+        )
+        .expect("a valid layer");
+        let x: Vec<f32> = (0..tokens * h)
+            .map(|v| ((v * 37) % 101) as f32 / 25.0 - 2.0)
+            .collect();
+        let ids: Vec<u32> = (0..tokens * k)
+            .map(|j| ((j * 5 + j / 3) % e) as u32)
+            .collect();
+        let weights: Vec<f32> = (0..tokens * k)
+            .map(|j| 0.1 + (j % 9) as f32 / 10.0)
+            .collect();
+        let sum = |at: std::ops::Range<usize>| {
+            moe.routed_sum(
+                &x[at.start * h..at.end * h],
+                at.len(),
+                &ids[at.start * k..at.end * k],
+                &weights[at.start * k..at.end * k],
+                k,
+                Compute::F32,
+            )
+        };
+        let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let whole = crate::cpu::in_pool(|| in_chunks(tokens, tokens, h, sum));
+        assert_eq!(whole.len(), tokens * h);
+        assert!(whole.iter().all(|v| v.is_finite()) && whole.iter().any(|v| *v != 0.0));
+        for chunk in [1, 3, 7, 22] {
+            let mut calls = 0;
+            let got = crate::cpu::in_pool(|| {
+                in_chunks(tokens, chunk, h, |at| {
+                    calls += 1;
+                    sum(at)
+                })
+            });
+            assert_eq!(calls, tokens.div_ceil(chunk), "chunk {chunk}");
+            assert_eq!(bits(&got), bits(&whole), "chunk {chunk}");
+        }
+    }
+
+    #[test]
+    fn chunk_sizes_from_the_environment() {
+        assert_eq!(requested_chunk("4096"), Some(4096));
+        assert_eq!(requested_chunk(" 0\n"), Some(0));
+        assert_eq!(requested_chunk("99999999999999999999"), Some(0));
+        for not_a_count in ["-1", "2.5", "abc", ""] {
+            assert_eq!(requested_chunk(not_a_count), None, "{not_a_count:?}");
         }
     }
 }
