@@ -869,3 +869,188 @@ fn vllm_wna16_backend_priority_rows() {
         .unwrap()
         .contains("All MoE projections need to have same"));
 }
+
+fn spelled_act_order(mut a: QuantArgs) -> QuantArgs {
+    a.actorder = Some(ActOrder::Group);
+    a.spelling.actorder = Some("group".into());
+    a
+}
+
+fn arm() -> Platform {
+    Platform::Cpu(CpuFeatures {
+        neon: true,
+        ..CpuFeatures::default()
+    })
+}
+
+fn amx() -> Platform {
+    Platform::Cpu(CpuFeatures {
+        amx_int8: true,
+        ..CpuFeatures::default()
+    })
+}
+
+fn verdict(input: &LayerInput, p: Platform) -> (Option<String>, Option<String>, Option<String>) {
+    let v = vllm_layer(input, p, 1);
+    (v.method, v.backend, v.error)
+}
+
+#[test]
+fn vllm_w4a8_takes_the_fp8_method_on_sm90_and_the_arm_cpu_kernel_elsewhere() {
+    let w4a8 = w8a8(w(4, 128, true), token(true));
+    // SM 9.0 exactly: `_is_fp8_w4a8_sm90` ranks before the int8 rule and ignores the type.
+    let v = vllm_layer(&layer(w4a8.clone()), cuda(90), 1);
+    assert_eq!(
+        (
+            v.method.as_deref(),
+            v.backend.as_deref(),
+            v.error.as_deref()
+        ),
+        (
+            Some("CompressedTensorsW4A8Fp8MoEMethod"),
+            Some("CUTLASS"),
+            None
+        )
+    );
+    assert!(v.notes.iter().any(|n| n.contains("quantized to fp8")));
+    let (_, _, e) = verdict(&layer(w8a8(w(4, 64, true), token(true))), cuda(90));
+    assert_eq!(
+        e.as_deref(),
+        Some("AssertionError: Only group size 128 supported for W4A8 MoE")
+    );
+    let (_, _, e) = verdict(&layer_of(vec![w4a8.clone(); 8], 2048, 640), cuda(90));
+    assert!(e
+        .unwrap()
+        .contains("intermediate_size_per_partition=640 must be divisible by 256"));
+    // Asymmetric activations miss the fp8 rule and reach the int8 one.
+    let (m, _, e) = verdict(&layer(w8a8(w(4, 128, true), token(false))), cuda(90));
+    assert_eq!(m.as_deref(), Some("CompressedTensorsW4A8Int8MoEMethod"));
+    assert!(e
+        .unwrap()
+        .starts_with("NotImplementedError: W4A8 Int8 MoE is only supported on CPU"));
+    // Any other GPU: the int8 method, whose only kernel is the Arm CPU one.
+    for p in [cuda(89), cuda(100)] {
+        let (m, b, e) = verdict(&layer(w4a8.clone()), p);
+        assert_eq!(m.as_deref(), Some("CompressedTensorsW4A8Int8MoEMethod"));
+        assert_eq!(b, None);
+        assert!(e.unwrap().contains("only supported on CPU platforms"));
+    }
+    for p in [cpu(), amx()] {
+        let (_, _, e) = verdict(&layer(w4a8.clone()), p);
+        assert!(e
+            .unwrap()
+            .starts_with("NotImplementedError: No W4A8 Int8 MoE backend"));
+    }
+    assert_eq!(
+        verdict(&layer(w4a8.clone()), arm()).1.as_deref(),
+        Some("CPU_INT4")
+    );
+    // Its group check comes first, on every platform.
+    let (_, _, e) = verdict(&layer_of(vec![w4a8; 8], 2048, 704), arm());
+    assert!(e
+        .unwrap()
+        .starts_with("ValueError: Group size (128) must evenly divide"));
+}
+
+#[test]
+fn vllm_wna16_non_marlin_backends_assert_grouped_weights_without_act_order() {
+    // The CPU kernel takes int4 channelwise and act-order keys; the method's asserts refuse.
+    let (_, b, e) = verdict(&layer(wna16(w(4, -1, true))), amx());
+    assert_eq!(b.as_deref(), Some("CPU"));
+    assert!(e.unwrap().starts_with("AssertionError (channelwise"));
+    let (_, b, e) = verdict(&layer(wna16(spelled_act_order(w(4, 128, true)))), amx());
+    assert_eq!(b.as_deref(), Some("CPU"));
+    assert!(e.unwrap().starts_with("AssertionError (act-order"));
+    // FlashInfer on SM10x the same.
+    let (_, b, e) = verdict(&layer(wna16(spelled_act_order(w(4, 32, true)))), cuda(100));
+    assert_eq!(b.as_deref(), Some("FLASHINFER_TRTLLM"));
+    assert!(e.unwrap().starts_with("AssertionError (act-order"));
+    // Act-order that Marlin refuses (hidden not a multiple of 128) and Triton skips: Humming.
+    let (_, b, e) = verdict(
+        &layer_of(vec![wna16(spelled_act_order(w(8, 64, true))); 8], 192, 768),
+        cuda(90),
+    );
+    assert_eq!(b.as_deref(), Some("HUMMING"));
+    assert!(e.unwrap().starts_with("AssertionError (act-order"));
+}
+
+#[test]
+fn vllm_wna16_humming_takes_other_bit_widths_and_triton_has_no_capability_check() {
+    assert_eq!(
+        verdict(&layer(wna16(w(3, 128, true))), cuda(90)),
+        (
+            Some("CompressedTensorsWNA16MoEMethod".into()),
+            Some("HUMMING".into()),
+            None
+        )
+    );
+    let (_, b, e) = verdict(&layer(wna16(w(5, -1, true))), cuda(80));
+    assert_eq!(b.as_deref(), Some("HUMMING"));
+    assert!(e.unwrap().starts_with("AssertionError (channelwise"));
+    // Below SM 7.5 neither Marlin nor Humming runs, Triton does.
+    assert!(verdict(&layer(wna16(w(3, 128, true))), cuda(70))
+        .2
+        .unwrap()
+        .starts_with("NotImplementedError"));
+    for bits in [4, 8] {
+        assert_eq!(
+            verdict(&layer(wna16(w(bits, 128, true))), cuda(70))
+                .1
+                .as_deref(),
+            Some("TRITON")
+        );
+    }
+    // Asymmetric int8 has no backend: Humming's generic rule wants a (1, g > 0) scale.
+    assert!(verdict(&layer(wna16(w(8, 128, false))), cuda(90))
+        .2
+        .unwrap()
+        .starts_with("NotImplementedError"));
+}
+
+#[test]
+fn vllm_wna16_create_weights_errors() {
+    // Marlin refuses a shard of 704 (DeepSeek-V2-Lite at TP 2) at group 128; Triton is chosen and the shard check fails.
+    let input = layer_of(vec![wna16(w(4, 128, true)); 8], 2048, 1408);
+    let v = vllm_layer(&input, cuda(90), 2);
+    assert_eq!(v.backend.as_deref(), Some("TRITON"));
+    let e = v.error.unwrap();
+    assert!(e.starts_with("ValueError: CompressedTensors WNA16 MoE with static group scales"));
+    assert!(
+        e.contains("(704)") && e.contains("use a compatible TP size"),
+        "{e}"
+    );
+    assert_eq!(vllm_layer(&input, cuda(90), 1).error, None);
+    // Asymmetric channelwise int4 on Marlin: zero points of a 6-row shard straddle an int32.
+    let v = vllm_layer(
+        &layer_of(vec![wna16(w(4, -1, false)); 8], 2048, 6),
+        cuda(90),
+        1,
+    );
+    assert_eq!(v.backend.as_deref(), Some("MARLIN"));
+    assert!(v
+        .error
+        .unwrap()
+        .contains("must be divisible by packed_factor (8)"));
+}
+
+#[test]
+fn vllm_int8_w8a8_backends_beyond_triton() {
+    // Triton's padded-expert limit: Humming takes the layer.
+    let v = vllm_layer(
+        &layer_of(vec![w8a8(w(8, -1, true), token(true)); 1024], 2048, 768),
+        cuda(90),
+        1,
+    );
+    assert_eq!((v.backend.as_deref(), v.error), (Some("HUMMING"), None));
+    // Arm CPUs have an int8 W8A8 kernel of their own.
+    assert_eq!(
+        verdict(&layer(w8a8(w(8, -1, true), token(true))), arm())
+            .1
+            .as_deref(),
+        Some("CPU")
+    );
+    assert!(verdict(&layer(w8a8(w(8, -1, true), token(true))), cuda(70))
+        .2
+        .unwrap()
+        .starts_with("NotImplementedError"));
+}

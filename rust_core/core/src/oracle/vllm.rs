@@ -156,16 +156,19 @@ fn vllm_scheme(
             );
         }
         let i_pp = input.shape.intermediate / tp_size.max(1);
+        // Priority [TRITON, HUMMING, CPU]; Humming (a default dependency of vLLM's CUDA
+        // build) takes what Triton's expert limit refuses.
         match platform {
             Platform::Cuda { sm } if sm >= 75 => {
                 if input.shape.num_experts.div_ceil(32) * 32 < 1024 {
                     v.backend = Some("TRITON".into());
                 } else {
-                    v.error = Some("NotImplementedError: No Int8 MoE backend supports the deployment configuration.".into());
+                    v.backend = Some("HUMMING".into());
                 }
             }
+            // CPUExpertsInt8 (x86 with AMX) or ArmCPUExpertsInt8.
             Platform::Cpu(f)
-                if f.amx_int8
+                if (f.amx_int8 || f.neon)
                     && input.shape.hidden.is_multiple_of(32)
                     && i_pp.is_multiple_of(32) =>
             {
@@ -177,18 +180,31 @@ fn vllm_scheme(
         }
         return v;
     }
+    // Row 7: on SM 9.0 exactly, grouped int4 weights with 8-bit dynamic per-token symmetric
+    // activations take the fp8 W4A8 method, whatever the activations' type
+    // (`_is_fp8_w4a8` never checks it).
+    if matches!(platform, Platform::Cuda { sm: 90 })
+        && w.num_bits == 4
+        && a.num_bits == 8
+        && w.strategy == Strategy::Group
+        && a.strategy == Strategy::Token
+        && w.symmetric
+        && a.symmetric
+        && !w.is_dynamic()
+        && a.is_dynamic()
+    {
+        return vllm_w4a8_fp8(w, a, input, tp_size);
+    }
     // Row 8: int4 weights with int8 dynamic token activations.
     if w.num_bits == 4
         && matches!(w.strategy, Strategy::Group | Strategy::Channel)
         && a.num_bits == 8
         && a.strategy == Strategy::Token
+        && !w.is_dynamic()
         && a.is_dynamic()
         && w.symmetric
     {
-        return VllmVerdict {
-            method: Some("CompressedTensorsW4A8Int8MoEMethod".into()),
-            ..VllmVerdict::default()
-        };
+        return vllm_w4a8_int8(w, input, platform, tp_size);
     }
     verdict_error(
         None,
@@ -235,71 +251,188 @@ fn vllm_wna16(
             "actorder \"dynamic\" counts as act-order for Marlin's shape check but not for Triton or g_idx sorting: g_idx may be dropped".into(),
         );
     }
-    let backend: Result<&str, String> = match platform {
-        Platform::Cpu(f) => {
-            if int4_sym && !g32 && f.amx_int8 {
-                Ok("CPU")
-            } else {
-                Err(String::new())
-            }
-        }
+    let chosen = match platform {
+        Platform::Cpu(f) => (int4_sym && !g32 && f.amx_int8).then_some("CPU"),
         Platform::Cuda { sm } => {
+            // Priority [FLASHINFER_TRTLLM, MARLIN, BATCHED_MARLIN, TRITON, HUMMING, EMULATION].
             let marlin_key = matches!(w.num_bits, 4 | 8) && (w.symmetric || w.num_bits == 4);
-            if (100..110).contains(&sm) && int4_sym && g32 {
-                Ok("FLASHINFER_TRTLLM")
-            } else if sm >= 75 && marlin_key && w.spelling.group_size_null {
+            if sm >= 75 && marlin_key && w.spelling.group_size_null {
                 return verdict_error(
                     Some(method),
                     "TypeError: '<=' not supported between instances of 'NoneType' and 'int' (group_size null reaches check_moe_marlin_supports_config; vLLM #52713, fixed after the snapshot by #53163)".into(),
                 );
+            }
+            if (100..110).contains(&sm) && int4_sym && g32 {
+                Some("FLASHINFER_TRTLLM")
             } else if sm >= 75
                 && marlin_key
                 && marlin_support_reason(input.shape.hidden, i_pp, g, !is_actorder).is_none()
             {
-                Ok("MARLIN")
+                Some("MARLIN")
+            } else if marlin_key
+                && !actorder_string_is_group(w)
+                && input.shape.num_experts.div_ceil(32) * 32 < 1024
+            {
+                // Triton's WNA16 experts run on any CUDA device (no capability check).
+                Some("TRITON")
+            } else if sm >= 75 && humming_accepts(w) {
+                Some("HUMMING")
+            } else if w.num_bits == 4 {
+                Some("EMULATION")
             } else {
-                let triton_key = matches!(w.num_bits, 4 | 8) && (w.symmetric || w.num_bits == 4);
-                let triton = sm >= 75
-                    && triton_key
-                    && !actorder_string_is_group(w)
-                    && input.shape.num_experts.div_ceil(32) * 32 < 1024;
-                let emulation = w.num_bits == 4;
-                let chosen = if triton {
-                    Some("TRITON")
-                } else if emulation {
-                    Some("EMULATION")
-                } else {
-                    None
-                };
-                match chosen {
-                    Some(b) if w.strategy != Strategy::Group => {
-                        v.backend = Some(b.into());
-                        v.error = Some(format!(
-                            "AssertionError (channelwise weights are Marlin-only; {b} was selected because Marlin rejected the layer)"
-                        ));
-                        return v;
-                    }
-                    Some(b) if actorder_string_is_group(w) => {
-                        v.backend = Some(b.into());
-                        v.error = Some("AssertionError: act-order is Marlin-only".into());
-                        return v;
-                    }
-                    Some(b) => Ok(b),
-                    None => Err(String::new()),
-                }
+                None
             }
         }
     };
-    match backend {
-        Ok(b) => v.backend = Some(b.into()),
-        Err(_) => {
-            v.error = Some(
-                "NotImplementedError: No WNA16 MoE backend supports the deployment configuration."
-                    .into(),
-            )
+    let Some(b) = chosen else {
+        v.error = Some(
+            "NotImplementedError: No WNA16 MoE backend supports the deployment configuration."
+                .into(),
+        );
+        return v;
+    };
+    v.backend = Some(b.into());
+    // The method's asserts for every backend but Marlin.
+    if b != "MARLIN" {
+        if w.strategy != Strategy::Group {
+            v.error = Some(format!(
+                "AssertionError (channelwise weights are Marlin-only; the {b} backend was selected)"
+            ));
+            return v;
+        }
+        if actorder_string_is_group(w) {
+            v.error = Some(format!(
+                "AssertionError (act-order is Marlin-only; the {b} backend was selected)"
+            ));
+            return v;
         }
     }
+    v.error = wna16_create_weights_error(w, input.shape.hidden, i_pp);
     v
+}
+
+/// Humming's WNA16 weight keys: int4 and int8 symmetric at any group size (its explicit
+/// list), or an unsigned integer type of 2-8 bits with per-channel or `(1, g > 0)` scales,
+/// which admits asymmetric int4 only at group 32 (its other keys carry a `(1, -1)` scale).
+fn humming_accepts(w: &QuantArgs) -> bool {
+    if w.symmetric {
+        (2..=8).contains(&w.num_bits)
+    } else {
+        w.num_bits == 4 && w.strategy == Strategy::Group && w.group_size == 32
+    }
+}
+
+/// The ValueErrors of `CompressedTensorsWNA16MoEMethod.create_weights` (grouped scales that
+/// do not tile the hidden size or a tensor-parallel shard; packed zero points that would
+/// straddle an int32 of a shard).
+fn wna16_create_weights_error(w: &QuantArgs, hidden: usize, i_pp: usize) -> Option<String> {
+    let g = w.group_size;
+    if w.strategy == Strategy::Group && g > 0 {
+        let g_us = usize::try_from(g).unwrap_or(usize::MAX);
+        if !hidden.is_multiple_of(g_us) {
+            return Some(format!(
+                "ValueError: CompressedTensors WNA16 MoE requires hidden_size ({hidden}) to be divisible by group_size ({g})."
+            ));
+        }
+        // Only group act-order loads w2's scales whole.
+        let load_full_w2 = actorder_string_is_group(w);
+        if !load_full_w2 && !i_pp.is_multiple_of(g_us) {
+            return Some(format!(
+                "ValueError: CompressedTensors WNA16 MoE with static group scales requires the MoE intermediate size per tensor-parallel partition ({i_pp}) to be divisible by group_size ({g}). Scale groups would otherwise cross TP shard boundaries; use a compatible TP size or enable expert parallelism."
+            ));
+        }
+    }
+    if !w.symmetric {
+        let packed = (32 / w.num_bits.max(1)) as usize;
+        if !(2 * i_pp).is_multiple_of(packed) {
+            return Some(format!(
+                "ValueError: CompressedTensors WNA16 MoE: gate+up output channels per TP rank (2 * intermediate_size_per_partition = {}) must be divisible by packed_factor ({packed}).",
+                2 * i_pp
+            ));
+        }
+        if !hidden.is_multiple_of(packed) {
+            return Some(format!(
+                "ValueError: CompressedTensors WNA16 MoE: hidden_size ({hidden}) must be divisible by packed_factor ({packed}) for correct ZP unpacking."
+            ));
+        }
+    }
+    None
+}
+
+/// `CompressedTensorsW4A8Fp8MoEMethod` (SM 9.0 only): its asserts, then its CUTLASS kernel's
+/// shape asserts in `create_weights`.
+fn vllm_w4a8_fp8(w: &QuantArgs, a: &QuantArgs, input: &LayerInput, tp_size: usize) -> VllmVerdict {
+    let method = "CompressedTensorsW4A8Fp8MoEMethod";
+    let mut v = VllmVerdict {
+        method: Some(method.into()),
+        ..VllmVerdict::default()
+    };
+    if a.qtype == QuantType::Int {
+        v.notes.push(
+            "the checkpoint's int8 activations are quantized to fp8 instead: on SM 9.0 vLLM's W4A8 rule does not check the activation type".into(),
+        );
+    }
+    let i_pp = input.shape.intermediate / tp_size.max(1);
+    let hidden = input.shape.hidden;
+    v.error = if actorder_string_is_group(w) {
+        Some("AssertionError (act-order is not supported by the W4A8 method)".into())
+    } else if w.group_size != 128 {
+        Some("AssertionError: Only group size 128 supported for W4A8 MoE".into())
+    } else if !hidden.is_multiple_of(256) {
+        Some(format!(
+            "AssertionError: hidden_size={hidden} must be divisible by 256"
+        ))
+    } else if !i_pp.is_multiple_of(256) {
+        Some(format!(
+            "AssertionError: intermediate_size_per_partition={i_pp} must be divisible by 256"
+        ))
+    } else {
+        v.backend = Some("CUTLASS".into());
+        None
+    };
+    v
+}
+
+/// `CompressedTensorsW4A8Int8MoEMethod`: its group check, then a backend, which only Arm CPUs
+/// have (`CPUExpertsInt4`).
+fn vllm_w4a8_int8(
+    w: &QuantArgs,
+    input: &LayerInput,
+    platform: Platform,
+    tp_size: usize,
+) -> VllmVerdict {
+    let method = "CompressedTensorsW4A8Int8MoEMethod";
+    let i_pp = input.shape.intermediate / tp_size.max(1);
+    let hidden = input.shape.hidden;
+    let g = if w.spelling.group_size_null {
+        -1
+    } else {
+        w.group_size
+    };
+    if g != -1 {
+        let divides = |n: usize| usize::try_from(g).is_ok_and(|g| g > 0 && n.is_multiple_of(g));
+        if !divides(hidden) || !divides(i_pp) {
+            return verdict_error(
+                Some(method),
+                format!("ValueError: Group size ({g}) must evenly divide both hidden size ({hidden}) and intermediate size per partition ({i_pp})."),
+            );
+        }
+    }
+    match platform {
+        Platform::Cuda { .. } => verdict_error(
+            Some(method),
+            "NotImplementedError: W4A8 Int8 MoE is only supported on CPU platforms".into(),
+        ),
+        Platform::Cpu(f) if !f.neon => verdict_error(
+            Some(method),
+            "NotImplementedError: No W4A8 Int8 MoE backend supports the deployment configuration. (its CPU kernel runs on Arm only)".into(),
+        ),
+        Platform::Cpu(_) => VllmVerdict {
+            method: Some(method.into()),
+            backend: Some("CPU_INT4".into()),
+            ..VllmVerdict::default()
+        },
+    }
 }
 
 /// Known vLLM regressions that concern a layer's scheme (any of its experts).
