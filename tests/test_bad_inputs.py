@@ -127,7 +127,13 @@ def test_missing_shard(tmp_path: Path) -> None:
     # A shard that is there but not a file said "does not exist" too.
     (c / "model-00002-of-00003.safetensors").mkdir()
     with pytest.raises(
-        mq.CheckpointError, match="model-00002-of-00003.safetensors', which is not a regular file"
+        mq.CheckpointError, match="model-00002-of-00003.safetensors', which is a directory"
+    ):
+        mq.open(c)
+    (c / "model-00002-of-00003.safetensors").rmdir()
+    (c / "model-00002-of-00003.safetensors").symlink_to(tmp_path / "gone.safetensors")
+    with pytest.raises(
+        mq.CheckpointError, match="00003.safetensors', which is a broken symbolic link"
     ):
         mq.open(c)
 
@@ -254,6 +260,27 @@ def test_no_weights(tmp_path: Path) -> None:
         mq.open(tmp_path)
 
 
+def test_weights_or_config_that_are_not_files(ckpt: Path, tmp_path: Path) -> None:
+    """A dangling model.safetensors symlink said "no weights found", and a config.json that is
+    a directory or a dangling symlink "config.json not found": each now says what is there."""
+    weights = st(ckpt)
+    weights.rename(tmp_path / "moved.safetensors")
+    weights.symlink_to(tmp_path / "gone.safetensors")
+    with pytest.raises(mq.CheckpointError, match="model.safetensors: is a broken symbolic link"):
+        mq.open(ckpt)
+    weights.unlink()
+    (tmp_path / "moved.safetensors").rename(weights)
+    config = ckpt / "config.json"
+    config.unlink()
+    config.mkdir()
+    with pytest.raises(mq.CheckpointError, match="config.json: is a directory, not a file"):
+        mq.open(ckpt)
+    config.rmdir()
+    config.symlink_to(tmp_path / "gone.json")
+    with pytest.raises(mq.CheckpointError, match="config.json: is a broken symbolic link"):
+        mq.open(ckpt)
+
+
 def test_invalid_config_json(ckpt: Path) -> None:
     (ckpt / "config.json").write_text("{not json")
     with pytest.raises(mq.ConfigError, match="config.json"):
@@ -324,6 +351,24 @@ def test_cli_stops_quietly_when_the_reader_goes_away() -> None:
     finally:
         os.close(write)
     assert (r.returncode, r.stderr) == (141, "")
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["inspect", "--help"]])
+def test_cli_help_and_version_report_a_failed_write(argv: list[str]) -> None:
+    """argparse ignores a failed write of its help or version text: `moeq --version >
+    /dev/full` exited 0 having written nothing. It is now an error, and a readable stdout still
+    gets the text."""
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(
+            [sys.executable, "-m", "moeq_rs", *argv], stdout=full, stderr=subprocess.PIPE, text=True
+        )
+    assert (r.returncode, r.stderr.strip()) == (
+        1,
+        "moeq: error: cannot write to stdout: No space left on device",
+    )
+    ok = subprocess.run([sys.executable, "-m", "moeq_rs", *argv], capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.strip() and not ok.stderr
 
 
 def _copy_with_tensor_edited(src: Path, dst: Path, name: str, edit) -> Path:  # type: ignore[no-untyped-def]

@@ -227,6 +227,23 @@ def test_gptq_pack_reference_roundtrip() -> None:
             ),
             "expected int32 packed words",
         ),
+        # bf16 tensors cross as int16 bits: named as bf16, and not taken as integer codes.
+        (
+            lambda: r.gptq_marlin_repack(
+                torch.zeros(32, 64, dtype=torch.bfloat16), None, 256, 64, 4
+            ),
+            "qweight: expected int32 packed words, got dtype torch.bfloat16",
+        ),
+        (
+            lambda: r.marlin_zero_points(torch.zeros(2, 64, dtype=torch.bfloat16), 2, 64, 4),
+            "zp: expected integer codes, got dtype torch.bfloat16",
+        ),
+        (
+            lambda: r.gptq_marlin_repack(
+                random_qweight(256, 64, 4), torch.zeros(256, dtype=torch.bfloat16), 256, 64, 4
+            ),
+            "perm: expected an integer array, got dtype torch.bfloat16",
+        ),
         (
             lambda: r.marlin_permute_scales(np.zeros((2, 100), np.float16), 256, 100, 128),
             "size_n=100",

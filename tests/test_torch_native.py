@@ -186,3 +186,35 @@ def test_native_outputs_own_their_memory(fixture_path: Callable[[str], Path]) ->
     del view
     gc.collect()
     assert _core._cpu_torch_outputs_alive() == alive
+
+
+def test_custom_ops_are_registered_by_importing_moeq_rs_after_torch() -> None:
+    """`import torch, moeq_rs` is enough to call torch.ops.moeq.* (they were registered only
+    once moeq_rs.moe was imported); `import moeq_rs` alone still does not import torch."""
+    import subprocess
+    import sys
+
+    ran = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import torch, moeq_rs, sys\n"
+            "print(sorted(n for n in ('fused_moe', 'moe_forward', 'moe_forward_topk')"
+            " if hasattr(torch.ops.moeq, n)))\n"
+            "print('moeq_rs.moe' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert ran.stdout.split("\n")[:2] == [
+        "['fused_moe', 'moe_forward', 'moe_forward_topk']",
+        "True",
+    ]
+    alone = subprocess.run(
+        [sys.executable, "-c", "import sys, moeq_rs; print('torch' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert alone.stdout.strip() == "False"

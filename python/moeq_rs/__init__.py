@@ -70,3 +70,16 @@ __all__ = [
 ]
 if have_torch():
     __all__ += _LAZY
+
+
+def _register_ops_if_torch_is_loaded() -> None:
+    """Registers the ``torch.ops.moeq`` custom ops now when the process has imported torch
+    already, so that ``import torch, moeq_rs`` is enough to call them; a process without torch
+    (the ``moeq`` command line) does not pay torch's import."""
+    import sys
+
+    if sys.modules.get("torch") is not None:
+        from . import moe  # noqa: F401
+
+
+_register_ops_if_torch_is_loaded()

@@ -13,15 +13,28 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ._args import I64_MAX
 from .errors import MoeqError
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
 
 __all__ = ["main"]
 
 
 class _Parser(argparse.ArgumentParser):
+    def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
+        # argparse's own ignores a failed write, so `moeq --help > /dev/full` exited 0 with
+        # nothing written; here the OSError reaches main.
+        if message:
+            out = file if file is not None else sys.stderr
+            out.write(message)
+            flush = getattr(out, "flush", None)
+            if flush is not None:
+                flush()
+
     def error(self, message: str) -> NoReturn:
         # One line, like every other moeq error; `moeq -h` shows the usage.
         _fail(
@@ -414,7 +427,15 @@ def _prepare_process() -> Callable[[], None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except OSError as err:
+        # --help or --version could not write their text (a full disk, say).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _fail(f"cannot write to stdout: {err.strerror or err}")
     restore = _prepare_process()
     try:
         return int(args.func(args))

@@ -114,9 +114,16 @@ def _to_numpy(x: Any, name: str) -> tuple[np.ndarray, Callable[..., Any]]:
     raise LayoutError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}")
 
 
-def _words(arr: np.ndarray, name: str) -> np.ndarray:
+def _dtype_name(source: Any, arr: np.ndarray) -> str:
+    """The dtype to name in a message: the caller's (a bf16 tensor crosses as int16 bits)."""
+    return str(source.dtype) if _is_torch(source) else str(arr.dtype)
+
+
+def _words(arr: np.ndarray, name: str, source: Any = None) -> np.ndarray:
     if arr.dtype not in (np.int32, np.uint32):
-        raise LayoutError(f"{name}: expected int32 packed words, got dtype {arr.dtype}")
+        raise LayoutError(
+            f"{name}: expected int32 packed words, got dtype {_dtype_name(source, arr)}"
+        )
     return arr.reshape(-1).view(np.uint32)
 
 
@@ -126,8 +133,8 @@ def _perm(perm: Any, name: str = "perm") -> np.ndarray:
     arr, _ = _to_numpy(perm, name)
     if arr.size == 0:
         return np.zeros(0, dtype=np.uint32)
-    if arr.dtype.kind not in "iu":
-        raise LayoutError(f"{name}: expected an integer array, got dtype {arr.dtype}")
+    if arr.dtype.kind not in "iu" or _dtype_name(perm, arr) == "torch.bfloat16":
+        raise LayoutError(f"{name}: expected an integer array, got dtype {_dtype_name(perm, arr)}")
     if arr.min() < 0:
         raise LayoutError(f"{name}: holds a negative index")
     return np.ascontiguousarray(arr.reshape(-1), dtype=np.uint32)
@@ -145,7 +152,9 @@ def gptq_marlin_repack(qweight: Any, perm: Any, size_k: int, size_n: int, num_bi
     ``[size_k]`` (row k of the result is row perm[k] of the input)."""
     q, back = _to_numpy(qweight, "qweight")
     _check_ndim(q, 2, "qweight", "[size_k/pack_factor, size_n]")
-    out = _core.gptq_marlin_repack(_words(q, "qweight"), _perm(perm), size_k, size_n, num_bits)
+    out = _core.gptq_marlin_repack(
+        _words(q, "qweight", qweight), _perm(perm), size_k, size_n, num_bits
+    )
     pf = 32 // num_bits
     return back(out.view(np.int32).reshape(size_k // 16, size_n * 16 // pf))
 
@@ -154,7 +163,9 @@ def gptq_marlin_repack(qweight: Any, perm: Any, size_k: int, size_n: int, num_bi
 def gptq_marlin_unrepack(marlin_q: Any, perm: Any, size_k: int, size_n: int, num_bits: int) -> Any:
     """The inverse of :func:`gptq_marlin_repack`: the GPTQ ``qweight`` in original row order."""
     q, back = _to_numpy(marlin_q, "marlin_q")
-    out = _core.gptq_marlin_unrepack(_words(q, "marlin_q"), _perm(perm), size_k, size_n, num_bits)
+    out = _core.gptq_marlin_unrepack(
+        _words(q, "marlin_q", marlin_q), _perm(perm), size_k, size_n, num_bits
+    )
     return back(out.view(np.int32).reshape(size_k // (32 // num_bits), size_n))
 
 
@@ -166,7 +177,7 @@ def gptq_marlin_moe_repack(qweight: Any, perm: Any, size_k: int, size_n: int, nu
     _check_ndim(q, 3, "qweight", "[E, size_k/pack_factor, size_n]")
     experts = q.shape[0]
     out = _core.gptq_marlin_moe_repack(
-        _words(q, "qweight"), _perm(perm), experts, size_k, size_n, num_bits
+        _words(q, "qweight", qweight), _perm(perm), experts, size_k, size_n, num_bits
     )
     pf = 32 // num_bits
     return back(out.view(np.int32).reshape(experts, size_k // 16, size_n * 16 // pf))
@@ -250,8 +261,8 @@ def marlin_zero_points(zp: Any, size_k: int, size_n: int, num_bits: int) -> Any:
     """Zero-point codes ``[size_k=G, size_n=N]`` (unsigned, < 2**num_bits) to the Marlin packed
     layout int32 ``[G, N * num_bits / 32]``."""
     arr, back = _to_numpy(zp, "zp")
-    if arr.dtype.kind not in "iu":
-        raise LayoutError(f"zp: expected integer codes, got dtype {arr.dtype}")
+    if arr.dtype.kind not in "iu" or _dtype_name(zp, arr) == "torch.bfloat16":
+        raise LayoutError(f"zp: expected integer codes, got dtype {_dtype_name(zp, arr)}")
     if arr.size and (arr.min() < 0):
         raise LayoutError("zp: codes must be unsigned (0 .. 2**num_bits - 1)")
     codes = np.ascontiguousarray(arr.reshape(-1), dtype=np.uint32)
@@ -265,7 +276,7 @@ def marlin_zero_points(zp: Any, size_k: int, size_n: int, num_bits: int) -> Any:
 def marlin_zero_points_inverse(zp: Any, size_k: int, size_n: int, num_bits: int) -> Any:
     """The inverse of :func:`marlin_zero_points`: int32 codes ``[size_k, size_n]``."""
     arr, back = _to_numpy(zp, "zp")
-    out = _core.marlin_zero_points_inverse(_words(arr, "zp"), size_k, size_n, num_bits)
+    out = _core.marlin_zero_points_inverse(_words(arr, "zp", zp), size_k, size_n, num_bits)
     return back(out.view(np.int32).reshape(size_k, size_n))
 
 

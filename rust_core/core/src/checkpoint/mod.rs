@@ -96,9 +96,10 @@ impl Checkpoint {
         }
         let config_path = dir.join(CONFIG_FILE);
         if !config_path.is_file() {
+            let reason = not_a_file(&config_path).unwrap_or("config.json not found");
             return Err(CheckpointError::Io {
                 path: config_path,
-                source: std::io::Error::new(std::io::ErrorKind::NotFound, "config.json not found"),
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, reason),
             }
             .into());
         }
@@ -147,10 +148,9 @@ impl Checkpoint {
                         return Err(CheckpointError::Index {
                             path: index_path.clone(),
                             // The scan opened regular `.safetensors` files only.
-                            reason: if p.exists() {
-                                format!("names shard '{n}', which is not a regular file")
-                            } else {
-                                format!("names shard '{n}' which does not exist")
+                            reason: match not_a_file(&p) {
+                                Some(what) => format!("names shard '{n}', which {what}"),
+                                None => format!("names shard '{n}' which does not exist"),
                             },
                         }
                         .into());
@@ -160,6 +160,12 @@ impl Checkpoint {
             (opened, Some(weight_map))
         } else if single_path.is_file() {
             (vec![SafetensorsFile::open(&single_path)?], None)
+        } else if let Some(what) = not_a_file(&single_path) {
+            return Err(CheckpointError::Io {
+                path: single_path,
+                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, what),
+            }
+            .into());
         } else {
             return Err(CheckpointError::NoWeights {
                 dir: dir.to_path_buf(),
@@ -439,6 +445,20 @@ fn check_index(
 }
 
 /// The `*.safetensors` files of a sharded checkpoint directory, sorted.
+/// Why `path`, which is there but is not a readable regular file, cannot be read as one; None
+/// when nothing is at `path`.
+fn not_a_file(path: &Path) -> Option<&'static str> {
+    let link = std::fs::symlink_metadata(path).ok()?;
+    Some(match std::fs::metadata(path) {
+        Ok(m) if m.is_dir() => "is a directory, not a file",
+        Ok(_) => "is not a regular file",
+        Err(_) if link.file_type().is_symlink() => {
+            "is a broken symbolic link (its target does not exist)"
+        }
+        Err(_) => "cannot be read",
+    })
+}
+
 fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let mut out = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(|e| io_err(dir, e))? {
