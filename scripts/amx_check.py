@@ -8,9 +8,14 @@ self-tested against the scalar GEMM at first use; this runs them on real hardwar
 processes (the kernel family is chosen once per process) it runs one W8A8 layer under
 ``MOEQ_CPU_ISA=scalar``, ``avx512_vnni`` and unset (AMX where usable), checks that all three
 give the same bits (decode and prefill shapes), that the unset run reports ``amx_int8`` when the
-CPU has it, and times a Qwen3-30B-A3B-shaped layer (H2048 I768 E128 k8) at T=256 and T=1024
-with VNNI and with AMX. Exit status 0 when every check passes, the CPU has no AMX, or the OS
-refuses tile state (then the VNNI fallback is checked and the AMX check is reported skipped).
+CPU has it. Then, with VNNI and with AMX, on one thread per physical core (unless
+``MOEQ_NUM_THREADS`` is set): the int8 instruction's peak (``mq.oracle.cpu_dot_peak``), the
+streaming read rate, and a Qwen3-30B-A3B-shaped layer (H2048 I768 E128 k8) at T=1024 and 4096
+and a cache-resident one, each with its median and best time, GMAC/s, share of the peak, the
+time its weights take at the read rate, and how many GEMM calls ran on the AMX tiles. It first
+prints the CPU model and topology. Exit status 0 when every check passes, the CPU has no AMX,
+or the OS refuses tile state (then the VNNI fallback is checked and the AMX check is reported
+skipped).
 """
 
 from __future__ import annotations
@@ -30,6 +35,13 @@ import sys, time, numpy as np, torch
 import moeq_rs as mq
 torch.manual_seed(0)
 g = torch.Generator().manual_seed(1)
+
+
+def _timed(f):
+    t0 = time.perf_counter()
+    f()
+    return time.perf_counter() - t0
+
 def w8a8(e, h, i, k, s):
     return mq.MoELayer.from_tensors(
         torch.randint(-127, 128, (e, 2 * i, h), dtype=torch.int8, generator=g),
@@ -46,20 +58,80 @@ for t in (1, 5, 37, 300):
 np.save(sys.argv[1], np.concatenate(outs))
 times = []
 if len(sys.argv) > 2:
-    e, h, i, k = 128, 2048, 768, 8
-    big = w8a8(e, h, i, k, 1e-3)
-    for t in (256, 1024):
-        x = torch.randn(t, h, dtype=torch.bfloat16, generator=g)
-        big(x, torch.randn(t, e, generator=g))
-        best = float("inf")
-        for _ in range(5):
-            logits = torch.randn(t, e, generator=g)
-            t0 = time.perf_counter()
-            big(x, logits)
-            best = min(best, time.perf_counter() - t0)
-        times.append(f"T={t} {best * 1e3:.2f} ms")
-print(mq.oracle.cpu_kernel(), mq.oracle.cpu_threads(), "; ".join(times))
+    threads = mq.oracle.cpu_threads()
+    torch.set_num_threads(threads)
+    peak = mq.oracle.cpu_dot_peak("int8")
+    times.append(f"peak {peak[0]} {peak[1]:.0f} GMAC/s" if peak else "peak: no probe")
+    # Streaming read on the same threads: the floor for a call that reads every weight once.
+    buf = torch.ones(2**28, dtype=torch.float32)
+    bw = max(buf.numel() * 4 / _timed(buf.sum) for _ in range(5))
+    del buf
+    times.append(f"read {bw / 1e9:.1f} GB/s")
+
+    def timed_layer(name, e, h, i, k, tokens, reps):
+        layer = w8a8(e, h, i, k, 1e-3)
+        weight_bytes = e * 3 * h * i
+        for t in tokens:
+            x = torch.randn(t, h, dtype=torch.bfloat16, generator=g)
+            layer(x, torch.randn(t, e, generator=g))
+            calls = mq._core.cpu_amx_calls()
+            took = sorted(
+                _timed(lambda: layer(x, torch.randn(t, e, generator=g))) for _ in range(reps)
+            )
+            med = took[len(took) // 2]
+            macs = t * k * 3 * h * i
+            line = (
+                f"{name} T={t}: median {med * 1e3:.2f} ms, min {took[0] * 1e3:.2f} ms, "
+                f"{macs / med / 1e9:.0f} GMAC/s"
+            )
+            if peak:
+                line += f" ({100 * macs / med / 1e9 / peak[1]:.0f}% of peak)"
+            line += (
+                f", weights {weight_bytes / 1e6:.0f} MB take {weight_bytes / bw * 1e3:.2f} ms"
+                f" at the read rate, amx calls {mq._core.cpu_amx_calls() - calls}"
+            )
+            times.append(line)
+
+    # Qwen3-30B-A3B's shape: ~64 and ~256 rows per expert (weights read from DRAM each call);
+    # then a layer whose weights stay in the last-level cache (four experts, every token to
+    # one: ~256 rows each): the kernel's own rate with DRAM out of the way.
+    timed_layer("qwen3", 128, 2048, 768, 8, (1024, 4096), 7)
+    timed_layer("cache-resident", 4, 2048, 768, 1, (1024,), 15)
+print(mq.oracle.cpu_kernel(), mq.oracle.cpu_threads(), " | ".join(times))
 """
+
+
+def topology() -> tuple[str, int]:
+    """The CPU model, sockets, physical cores, logical CPUs, NUMA nodes and kernel, in one
+    line; and the physical core count (logical CPUs where sysfs does not say)."""
+    model = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores: set[tuple[str, str]] = set()
+    for cpu in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology"):
+        try:
+            cores.add(
+                (
+                    (cpu / "physical_package_id").read_text().strip(),
+                    (cpu / "core_id").read_text().strip(),
+                )
+            )
+        except OSError:
+            pass
+    logical = os.cpu_count() or 1
+    physical = len(cores) or logical
+    sockets = len({s for s, _ in cores}) or 1
+    nodes = len(list(Path("/sys/devices/system/node").glob("node[0-9]*")))
+    line = (
+        f"{model}; {sockets} socket(s), {physical} physical cores, {logical} logical CPUs, "
+        f"{nodes or '?'} NUMA node(s); Linux {os.uname().release}"
+    )
+    return line, physical
 
 
 def run(out: Path, isa: str | None, timed: bool) -> tuple[np.ndarray, str, str]:
@@ -79,7 +151,11 @@ def run(out: Path, isa: str | None, timed: bool) -> tuple[np.ndarray, str, str]:
 
 def main() -> int:
     features = mq.oracle.cpu_features()
+    machine, physical = topology()
+    print("amx_check:", machine)
     print("amx_check: cpu features", features, "kernel", mq.oracle.cpu_kernel())
+    # One thread per physical core: two hyperthreads share one core's tile unit.
+    os.environ.setdefault("MOEQ_NUM_THREADS", str(physical))
     if "amx_int8" not in features:
         print("amx_check: no AMX-INT8 on this CPU; nothing to check")
         return 0
@@ -90,7 +166,10 @@ def main() -> int:
         for isa in ("scalar", "avx512_vnni", None):
             timed = isa != "scalar"
             got, line, err = run(Path(tmp) / f"{isa}.npy", isa, timed)
-            print(f"amx_check: MOEQ_CPU_ISA={isa}: {line}")
+            head, *parts = line.split(" | ")
+            print(f"amx_check: MOEQ_CPU_ISA={isa}: {head}")
+            for part in parts:
+                print(f"amx_check:     {part}")
             results[isa] = (got, line.split()[0])
             stderr += err
     ref = results["scalar"][0]

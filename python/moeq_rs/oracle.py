@@ -137,8 +137,9 @@ def cpu_dot_peak(
     ``(instruction, GMAC/s)`` of the instruction the dispatch uses for ``kind`` (``"int8"``:
     W8A8; ``"bf16"``: weight-only layers with bf16 inputs where :func:`cpu_bf16_dot`;
     ``"f32"``: weight-only layers otherwise), issued back to back from registers on
-    ``threads`` threads (default :func:`cpu_threads`). ``None`` where there is no probe: the
-    scalar and NEON paths, and AMX tiles. ``bench/moe_cpu.py`` divides a layer's rate by it."""
+    ``threads`` threads (default :func:`cpu_threads`); on AMX, ``tdpbusd`` on full tiles.
+    ``None`` where there is no probe: the scalar and NEON paths. ``bench/moe_cpu.py`` divides a
+    layer's rate by it."""
     # `kind` is checked natively (ValueError); negative or non-int counts here, before pyo3's
     # conversion would raise OverflowError or TypeError.
     most = 4 * (os.cpu_count() or 1)

@@ -242,6 +242,13 @@ fn moe_layer(rng: &mut Rng) -> Result<(), String> {
         println!("moe w8a8 T={t} outputs={} fnv={:016x}", y.len(), h.0);
         println!("amx moe T={t} amx_calls={calls}");
     }
+    if isa().amx() {
+        // The compute-peak probe's tile loop (`mq.oracle.cpu_dot_peak("int8")` on AMX): a few
+        // rounds, enough to show its instructions run (its speed means nothing here).
+        // SAFETY: `isa()` reports AMX only once `amx::usable()` granted and self-tested it.
+        unsafe { moeq_core::cpu::amx::peak_loop(2) };
+        println!("amx peak loop ran");
+    }
     Ok(())
 }
 
@@ -338,6 +345,9 @@ fn amx_gaps(report: &str) -> Vec<String> {
         if idle && due {
             gaps.push(format!("AMX did not run: {l}"));
         }
+    }
+    if report.contains("family amx_int8") && !report.lines().any(|l| l == "amx peak loop ran") {
+        gaps.push("the peak probe's tile loop did not run".into());
     }
     match report.lines().find(|l| l.starts_with("stress ")) {
         Some(l) if l.contains(" mismatches=0 ") && !l.ends_with(" amx_calls=0") => {}

@@ -480,7 +480,7 @@ fn cpu_bf16_dot() -> bool {
 /// The compute limit of the CPU kernels' products (`kind`: `"int8"`, `"bf16"` or `"f32"`):
 /// the instruction and its multiply-adds per second (GMAC/s) on `threads` threads (default:
 /// the forward's), measured now with the GIL released; `None` where there is no probe for it
-/// (scalar, NEON, AMX tiles).
+/// (scalar, NEON).
 #[pyfunction]
 #[pyo3(signature = (kind, threads = None))]
 fn cpu_dot_peak(
@@ -540,6 +540,13 @@ fn cpu_park_openmp(on: Option<bool>) -> bool {
 #[pyfunction]
 fn cpu_release_scratch(py: Python<'_>) -> usize {
     py.detach(moeq_core::cpu::release_scratch)
+}
+
+/// int8 GEMM calls (one per expert panel and thread) that ran on the AMX tiles in this process:
+/// proof that AMX ran, for `scripts/amx_check.py`.
+#[pyfunction]
+fn cpu_amx_calls() -> u64 {
+    moeq_core::cpu::amx::hardware_calls()
 }
 
 /// How many CPU forwards have run with the OpenMP team parked in this process.
@@ -653,6 +660,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_park_openmp, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_parked_regions, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_release_scratch, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_amx_calls, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack::cpu_use_torch_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack::_cpu_torch_outputs_alive, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_driver_available, m)?)?;

@@ -319,7 +319,7 @@ impl TileOps for Model {
 }
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-pub use hw::{usable, Hw};
+pub use hw::{peak_loop, usable, Hw, PEAK_MACS_PER_ISSUE};
 
 /// AMX tiles are used on x86-64 Linux only (the permission request is Linux's).
 #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
@@ -433,6 +433,51 @@ mod hw {
                 options(nostack),
             )
         };
+    }
+
+    /// Multiply-adds of one `tdpbusd` on full tiles: 16 rows x 16 features x 64 inputs.
+    pub const PEAK_MACS_PER_ISSUE: usize = TILE_ROWS * 16 * KSTEP;
+
+    /// `4 * rounds` back-to-back `tdpbusd` into four independent accumulator tiles from
+    /// operands held in tiles (no memory traffic but the 64-byte configuration): the
+    /// instruction's throughput limit, for [`crate::cpu::peak`].
+    ///
+    /// # Safety
+    /// [`usable`] returned true in this process.
+    pub unsafe fn peak_loop(rounds: usize) {
+        if rounds == 0 {
+            return;
+        }
+        let cfg = ALL_FULL.bytes().as_ptr();
+        // SAFETY: the caller's contract: the CPU has AMX-INT8 with palette 1 of 8 full tiles
+        // and the OS granted tile state. Nothing is read but the configuration and nothing
+        // written; tile state is configured and released inside this one block.
+        unsafe {
+            asm!(
+                "ldtilecfg [{cfg}]",
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                "tilezero tmm4",
+                "tilezero tmm5",
+                "tilezero tmm6",
+                "tilezero tmm7",
+                "2:",
+                "tdpbusd tmm0, tmm4, tmm6",
+                "tdpbusd tmm1, tmm4, tmm7",
+                "tdpbusd tmm2, tmm5, tmm6",
+                "tdpbusd tmm3, tmm5, tmm7",
+                "dec {n}",
+                "jnz 2b",
+                "tilerelease",
+                cfg = in(reg) cfg,
+                n = inout(reg) rounds => _,
+                out("tmm0") _, out("tmm1") _, out("tmm2") _, out("tmm3") _,
+                out("tmm4") _, out("tmm5") _, out("tmm6") _, out("tmm7") _,
+                options(nostack),
+            );
+        }
     }
 
     impl TileOps for Hw {

@@ -26,13 +26,17 @@ const CHAINS: usize = 12;
 
 /// The instruction the kernels use for `dot` under the current dispatch (`isa()`, capped by
 /// `MOEQ_CPU_ISA`, and `bf16_dot()`) and the multiply-adds one issue performs; `None` where
-/// this probe has no loop for it: the scalar and NEON paths, and AMX tiles (`None` rather
-/// than the AVX-512 VNNI rate, which would understate an AMX machine's limit several times).
+/// this probe has no loop for it: the scalar and NEON paths.
 pub fn instruction(dot: Dot) -> Option<(&'static str, usize)> {
     #[cfg(target_arch = "x86_64")]
     {
         let isa = isa();
         match dot {
+            #[cfg(target_os = "linux")]
+            Dot::Int8 if isa.amx() => {
+                Some(("tdpbusd (AMX tiles)", super::amx::PEAK_MACS_PER_ISSUE))
+            }
+            #[cfg(not(target_os = "linux"))]
             Dot::Int8 if isa.amx() => None,
             Dot::Int8 if isa.vnni() => Some(("vpdpbusd zmm", 64)),
             Dot::Int8 if isa.avx_vnni() => Some(("vpdpbusd ymm (AVX-VNNI)", 32)),
@@ -57,8 +61,13 @@ pub fn instruction(dot: Dot) -> Option<(&'static str, usize)> {
 pub fn measure(dot: Dot, threads: usize) -> Option<(&'static str, f64)> {
     let (name, macs) = instruction(dot)?;
     let threads = threads.max(1);
-    // Issues per thread and run: ~10 ms at 2 issues per cycle and 2 GHz.
-    let rounds = 40_000_000 / CHAINS;
+    // Issues per thread and run: ~10 ms at 2 issues per cycle and 2 GHz; a tile product
+    // (16,384 multiply-adds) issues about once per 16 cycles, so ~1 ms of those.
+    let rounds = if macs > 1024 {
+        40_000_000 / CHAINS / 256
+    } else {
+        40_000_000 / CHAINS
+    };
     // Runs in the first ~0.1 s of a Python process came out at half the rate of the later
     // ones on this machine's VM (the other CPU still busy after the imports): hence a warm-up
     // and runs until the best settles, not a fixed few.
@@ -95,9 +104,16 @@ fn run(dot: Dot, rounds: usize) -> f64 {
     {
         let isa = isa();
         // SAFETY: each arm runs only where the dispatch found its instruction's features on
-        // this CPU (the tests the kernels themselves dispatch on).
+        // this CPU (the tests the kernels themselves dispatch on); `isa()` reports AMX only
+        // once `amx::usable()` found the tiles granted and self-tested.
         unsafe {
             match dot {
+                // CHAINS issues per round, four per pass of the tile loop.
+                #[cfg(target_os = "linux")]
+                Dot::Int8 if isa.amx() => {
+                    super::amx::peak_loop(rounds * CHAINS / 4);
+                    return 0.0;
+                }
                 Dot::Int8 if isa.vnni() => return x86::vnni512(rounds),
                 Dot::Int8 if isa.avx_vnni() => return x86::vnni256(rounds),
                 Dot::Int8 if isa.avx2_int8() => return x86::madd256(rounds),
