@@ -218,3 +218,42 @@ def test_custom_ops_are_registered_by_importing_moeq_rs_after_torch() -> None:
         check=True,
     )
     assert alone.stdout.strip() == "False"
+
+
+def test_function_transforms_and_scripting_are_refused_by_name(
+    fixture_path: Callable[[str], Path],
+) -> None:
+    """Forward-mode AD dropped a dual input's tangent without a word; torch.func's vmap
+    failed in a numpy conversion and its grad with torch's message about the op's autograd
+    function; torch.jit.script on an internal line. Each now says what is not supported, and
+    plain tensors inside a dual level still run."""
+    import warnings
+
+    from torch.autograd import forward_ad
+
+    moe = mq.MoELayer.from_checkpoint(fixture_path("qwen3_w8a8_dynamic"), 0)
+    x = torch.randn(3, moe.hidden_size)
+    logits = torch.randn(3, moe.num_experts)
+    weights, ids = torch.rand(3, 2), torch.randint(0, moe.num_experts, (3, 2))
+    want = moe(x, logits)
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(x, torch.ones_like(x))
+        for call in (lambda: moe(dual, logits), lambda: moe.forward_topk(dual, weights, ids)):
+            with pytest.raises(NotImplementedError, match="no forward-mode derivative"):
+                call()
+        assert torch.equal(moe(x, logits), want)
+    for transform, says in (
+        (lambda: torch.vmap(moe)(x[None], logits[None]), "torch.func transforms"),
+        (lambda: torch.func.grad(lambda a: moe(a, logits).sum())(x), "torch.func transforms"),
+        # jvp is forward-mode AD on dual tensors.
+        (
+            lambda: torch.func.jvp(lambda a: moe(a, logits), (x,), (torch.ones_like(x),)),
+            "forward-mode derivative",
+        ),
+    ):
+        with pytest.raises(NotImplementedError, match=says):
+            transform()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        with pytest.raises(NotImplementedError, match="torch.jit.script cannot compile"):
+            torch.jit.script(moe)

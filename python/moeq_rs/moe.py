@@ -78,6 +78,7 @@ _TORCH_TENSORS_NATIVE = _core.cpu_use_torch_tensors(torch.Tensor)
 _is_compiling = torch.compiler.is_compiling
 _is_tracing = torch.jit.is_tracing
 _Tensor = torch.Tensor
+_forward_ad = torch.autograd.forward_ad
 
 
 def _eager(*tensors: object) -> bool:
@@ -85,12 +86,43 @@ def _eager(*tensors: object) -> bool:
     that never saw the op recorded the output as a constant), plain tensors (a subclass, a fake
     tensor among them, needs the op's dispatch: the numpy path cannot read it), and no input
     that needs gradients."""
+    if _forward_ad._current_level >= 0:
+        _refuse_dual_tensors(tensors)
     return (
         not _is_compiling()
         and not _is_tracing()
         and all(type(t) is _Tensor for t in tensors)
         and not _wants_grad(*tensors)
     )
+
+
+_NO_TRANSFORMS = (
+    "moeq_rs MoE layers run on plain tensors: an input has no storage of its own, as inside "
+    "torch.func transforms (vmap, grad, jvp), which these layers do not support"
+)
+_is_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
+
+
+def _refuse_transforms(*tensors: object) -> None:
+    """On the custom op's path outside torch.compile: a dual tensor or a torch.func wrapper
+    (whose inputs reach the op with ``requires_grad``) gets this library's message, not torch's
+    about the op's autograd function."""
+    if _forward_ad._current_level >= 0:
+        _refuse_dual_tensors(tensors)
+    if any(isinstance(t, torch.Tensor) and _is_functorch_wrapped(t) for t in tensors):
+        raise NotImplementedError(_NO_TRANSFORMS)
+
+
+def _refuse_dual_tensors(tensors: tuple[object, ...]) -> None:
+    """Forward-mode AD (inside ``forward_ad.dual_level()``): a dual input's tangent would be
+    dropped without a word (the output carried none), so it is refused, as torch refuses ops
+    without a forward derivative."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None:
+            raise NotImplementedError(
+                "moeq_rs MoE layers have no forward-mode derivative: an input is a dual tensor "
+                "(torch.autograd.forward_ad); run the layer on its primal"
+            )
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -108,7 +140,17 @@ def _f32(t: torch.Tensor):  # type: ignore[no-untyped-def]
         t = t.detach()
     if t.dtype != torch.float32:
         t = t.to(torch.float32)
-    return t.numpy()
+    return _numpy(t)
+
+
+def _numpy(t: torch.Tensor):  # type: ignore[no-untyped-def]
+    try:
+        return t.numpy()
+    except RuntimeError as e:
+        if "storage" not in str(e):
+            raise
+        # torch.func's vmap, grad and jvp pass wrapper tensors with no storage of their own.
+        raise NotImplementedError(_NO_TRANSFORMS) from None
 
 
 def _hidden(t: torch.Tensor):  # type: ignore[no-untyped-def]
@@ -118,7 +160,7 @@ def _hidden(t: torch.Tensor):  # type: ignore[no-untyped-def]
         t = _plain(t)
         if t.requires_grad:
             t = t.detach()
-        return t.view(torch.int16).numpy()
+        return _numpy(t.view(torch.int16))
     return _f32(t)
 
 
@@ -188,6 +230,13 @@ class MoELayer(torch.nn.Module):
     def __deepcopy__(self, memo: dict[int, Any]) -> MoELayer:
         return _deepcopy_layer(self, memo)
 
+    def __prepare_scriptable__(self) -> Any:
+        # torch.jit.script failed on an internal line (`_eager(*tensors)`), not on the layer.
+        raise NotImplementedError(
+            "torch.jit.script cannot compile a moeq_rs MoELayer (its forward is native code, "
+            "not TorchScript): use torch.compile, torch.export or torch.jit.trace"
+        )
+
     def __reduce_ex__(self, protocol: Any) -> Any:
         # pickle (torch.save of a model, spawn/forkserver children) reached the native object's
         # bare "TypeError: cannot pickle 'moeq_rs._core.CpuMoeLayer'". Still a TypeError, as
@@ -249,6 +298,8 @@ class MoELayer(torch.nn.Module):
             return self._forward_eager(hidden_states, router_logits)
         _check(hidden_states, "hidden_states", 2, True)
         _check(router_logits, "router_logits", 2, True)
+        if not _is_compiling():
+            _refuse_transforms(hidden_states, router_logits)
         return torch.ops.moeq.moe_forward(
             hidden_states, router_logits, self._op_handle(hidden_states)
         )
@@ -262,6 +313,8 @@ class MoELayer(torch.nn.Module):
         _check(hidden_states, "hidden_states", 2, True)
         _check(topk_weights, "topk_weights", 2, True)
         _check(topk_ids, "topk_ids", 2, False)
+        if not _is_compiling():
+            _refuse_transforms(hidden_states, topk_weights, topk_ids)
         return torch.ops.moeq.moe_forward_topk(
             hidden_states, topk_weights, topk_ids, self._op_handle(hidden_states)
         )
@@ -598,6 +651,8 @@ def fused_moe(
         and type(group_size) is int
         and abs(group_size) <= I64_MAX
     ):
+        if not _is_compiling():
+            _refuse_transforms(*required, topk_ids, *optional)
         return torch.ops.moeq.fused_moe(
             hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, scheme,
             group_size, *optional,

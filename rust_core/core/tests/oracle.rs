@@ -1054,3 +1054,72 @@ fn vllm_int8_w8a8_backends_beyond_triton() {
         .unwrap()
         .starts_with("NotImplementedError"));
 }
+
+fn null_group(mut a: QuantArgs) -> QuantArgs {
+    a.spelling.group_size_null = true;
+    a
+}
+
+fn ungated(mut input: LayerInput) -> LayerInput {
+    for e in &mut input.experts {
+        e.gate = None;
+    }
+    input
+}
+
+#[test]
+fn vllm_group_size_null_type_errors_follow_the_hidden_size() {
+    // Marlin's reason is computed first on every CUDA device, and compares the raw group
+    // size only once hidden % 128 == 0 (the `and` short-circuits).
+    for sm in [70, 80, 90] {
+        let (_, _, e) = verdict(&layer(wna16(null_group(w(4, -1, true)))), cuda(sm));
+        assert!(e.unwrap().starts_with("TypeError: '<='"), "sm {sm}");
+    }
+    let (_, _, e) = verdict(&layer(wna16(null_group(w(3, -1, true)))), cuda(80));
+    assert!(e.unwrap().starts_with("TypeError: '<='"));
+    // hidden 2880: Marlin refuses without comparing; Triton takes int4, then the channel assert.
+    let odd = |s| layer_of(vec![wna16(s); 8], 2880, 768);
+    let (_, b, e) = verdict(&odd(null_group(w(4, -1, true))), cuda(80));
+    assert_eq!(b.as_deref(), Some("TRITON"));
+    assert!(e.unwrap().starts_with("AssertionError (channelwise"));
+    // ... and 3 bits reach Humming's weight-key check, which compares it.
+    let (_, _, e) = verdict(&odd(null_group(w(3, -1, true))), cuda(80));
+    assert!(e.unwrap().starts_with("TypeError: '>'"));
+    // No Marlin on the CPU: the CPU kernel takes int4 channelwise, whose assert then fires.
+    let (_, b, e) = verdict(&layer(wna16(null_group(w(4, -1, true)))), amx());
+    assert_eq!(b.as_deref(), Some("CPU"));
+    assert!(e.unwrap().starts_with("AssertionError (channelwise"));
+}
+
+#[test]
+fn vllm_emulation_and_cpu_int4_limits() {
+    // The int4 emulation experts inherit Triton's padded-expert limit.
+    let many = layer_of(vec![wna16(w(4, 128, true)); 1024], 2048, 768);
+    assert!(verdict(&many, cuda(70))
+        .2
+        .unwrap()
+        .starts_with("NotImplementedError: No WNA16"));
+    // CPUExpertsInt4 (Arm): per-channel or groups of 32/64/128, gated experts only.
+    for (g, ok) in [(-1, true), (32, true), (64, true), (128, true), (16, false)] {
+        let w4a8 = layer(w8a8(w(4, g, true), token(true)));
+        let (_, b, e) = verdict(&w4a8, arm());
+        if ok {
+            assert_eq!((b.as_deref(), e), (Some("CPU_INT4"), None), "group {g}");
+        } else {
+            assert!(
+                e.unwrap().starts_with("NotImplementedError: No W4A8 Int8"),
+                "group {g}"
+            );
+        }
+    }
+    let (_, _, e) = verdict(&ungated(layer(w8a8(w(4, 128, true), token(true)))), arm());
+    assert!(e.unwrap().starts_with("NotImplementedError: No W4A8 Int8"));
+    // CUTLASS's W4A8 experts need gated experts too.
+    let (_, _, e) = verdict(
+        &ungated(layer(w8a8(w(4, 128, true), token(true)))),
+        cuda(90),
+    );
+    assert!(e
+        .unwrap()
+        .contains("does not support no act_and_mul MLP layer"));
+}

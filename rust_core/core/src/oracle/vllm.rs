@@ -256,7 +256,11 @@ fn vllm_wna16(
         Platform::Cuda { sm } => {
             // Priority [FLASHINFER_TRTLLM, MARLIN, BATCHED_MARLIN, TRITON, HUMMING, EMULATION].
             let marlin_key = matches!(w.num_bits, 4 | 8) && (w.symmetric || w.num_bits == 4);
-            if sm >= 75 && marlin_key && w.spelling.group_size_null {
+            let null = w.spelling.group_size_null;
+            let padded_experts_ok = input.shape.num_experts.div_ceil(32) * 32 < 1024;
+            // Marlin's incompatibility reason is computed before any device or weight-key
+            // check, and compares the raw group_size once the hidden size is a multiple of 128.
+            if null && input.shape.hidden.is_multiple_of(128) {
                 return verdict_error(
                     Some(method),
                     "TypeError: '<=' not supported between instances of 'NoneType' and 'int' (group_size null reaches check_moe_marlin_supports_config; vLLM #52713, fixed after the snapshot by #53163)".into(),
@@ -269,15 +273,19 @@ fn vllm_wna16(
                 && marlin_support_reason(input.shape.hidden, i_pp, g, !is_actorder).is_none()
             {
                 Some("MARLIN")
-            } else if marlin_key
-                && !actorder_string_is_group(w)
-                && input.shape.num_experts.div_ceil(32) * 32 < 1024
-            {
+            } else if marlin_key && !actorder_string_is_group(w) && padded_experts_ok {
                 // Triton's WNA16 experts run on any CUDA device (no capability check).
                 Some("TRITON")
+            } else if sm >= 75 && null && !matches!(w.num_bits, 4 | 8) {
+                // Humming's weight-key check builds a (1, group_size) scale shape.
+                return verdict_error(
+                    Some(method),
+                    "TypeError: '>' not supported between instances of 'NoneType' and 'int' (group_size null reaches Humming's weight-key check)".into(),
+                );
             } else if sm >= 75 && humming_accepts(w) {
                 Some("HUMMING")
-            } else if w.num_bits == 4 {
+            } else if w.num_bits == 4 && padded_experts_ok {
+                // The int4 emulation experts are Triton experts, with its expert limit.
                 Some("EMULATION")
             } else {
                 None
@@ -346,7 +354,7 @@ fn wna16_create_weights_error(w: &QuantArgs, hidden: usize, i_pp: usize) -> Opti
         let packed = (32 / w.num_bits.max(1)) as usize;
         if !(2 * i_pp).is_multiple_of(packed) {
             return Some(format!(
-                "ValueError: CompressedTensors WNA16 MoE: gate+up output channels per TP rank (2 * intermediate_size_per_partition = {}) must be divisible by packed_factor ({packed}).",
+                "ValueError: CompressedTensors WNA16 MoE: gate+up output channels per TP rank (2 * intermediate_size_per_partition = {}) must be divisible by packed_factor ({packed}). Use a TP size where 2 * intermediate_size is divisible by {packed}.",
                 2 * i_pp
             ));
         }
@@ -372,12 +380,17 @@ fn vllm_w4a8_fp8(w: &QuantArgs, a: &QuantArgs, input: &LayerInput, tp_size: usiz
             "the checkpoint's int8 activations are quantized to fp8 instead: on SM 9.0 vLLM's W4A8 rule does not check the activation type".into(),
         );
     }
+    v.notes
+        .push("CUTLASS's W4A8 experts need a bf16 model (dtype); fp16 fails to load".into());
     let i_pp = input.shape.intermediate / tp_size.max(1);
     let hidden = input.shape.hidden;
+    let gated = input.experts.first().is_some_and(|e| e.gate.is_some());
     v.error = if actorder_string_is_group(w) {
         Some("AssertionError (act-order is not supported by the W4A8 method)".into())
     } else if w.group_size != 128 {
         Some("AssertionError: Only group size 128 supported for W4A8 MoE".into())
+    } else if !gated {
+        Some("NotImplementedError: W4A8 MoE backend CUTLASS does not support the deployment configuration: kernel does not support no act_and_mul MLP layer.".into())
     } else if !hidden.is_multiple_of(256) {
         Some(format!(
             "AssertionError: hidden_size={hidden} must be divisible by 256"
@@ -418,20 +431,31 @@ fn vllm_w4a8_int8(
             );
         }
     }
+    let unsupported = || {
+        let mut v = verdict_error(
+            Some(method),
+            "NotImplementedError: No W4A8 Int8 MoE backend supports the deployment configuration."
+                .into(),
+        );
+        v.notes.push("vLLM's only W4A8 int8 kernel (CPUExpertsInt4) runs on Arm CPUs, for gated experts with per-channel or group 32/64/128 scales".into());
+        v
+    };
+    let gated = input.experts.first().is_some_and(|e| e.gate.is_some());
     match platform {
         Platform::Cuda { .. } => verdict_error(
             Some(method),
             "NotImplementedError: W4A8 Int8 MoE is only supported on CPU platforms".into(),
         ),
-        Platform::Cpu(f) if !f.neon => verdict_error(
-            Some(method),
-            "NotImplementedError: No W4A8 Int8 MoE backend supports the deployment configuration. (its CPU kernel runs on Arm only)".into(),
-        ),
-        Platform::Cpu(_) => VllmVerdict {
+        // CPUExpertsInt4's weight keys: per channel, or groups of 32, 64 or 128.
+        Platform::Cpu(f) if f.neon && gated && matches!(g, -1 | 32 | 64 | 128) => VllmVerdict {
             method: Some(method.into()),
             backend: Some("CPU_INT4".into()),
+            notes: vec![
+                "CPUExpertsInt4 takes softmax routing only (Default, Renormalize): grouped or sigmoid routing fails to load".into(),
+            ],
             ..VllmVerdict::default()
         },
+        Platform::Cpu(_) => unsupported(),
     }
 }
 
