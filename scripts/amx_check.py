@@ -1,7 +1,7 @@
 """AMX check of the CPU int8 MoE path, for a host whose CPU may have AMX-INT8 (Intel Sapphire
 Rapids and later; the GPU host, say). Needs only moeq_rs, torch and numpy (no Rust toolchain):
 
-    python scripts/amx_check.py      (scripts/gpu_check.sh runs it first)
+    python scripts/amx_check.py      (scripts/gpu_check.sh runs it after the GPU checks)
 
 Our AMX tiles are tested against an exact model of the instructions on every machine, and
 self-tested against the scalar GEMM at first use; this runs them on real hardware. In fresh
@@ -75,9 +75,9 @@ if len(sys.argv) > 2:
             x = torch.randn(t, h, dtype=torch.bfloat16, generator=g)
             layer(x, torch.randn(t, e, generator=g))
             calls = mq._core.cpu_amx_calls()
-            took = sorted(
-                _timed(lambda: layer(x, torch.randn(t, e, generator=g))) for _ in range(reps)
-            )
+            # Different routing each call, drawn before the timer.
+            logits = [torch.randn(t, e, generator=g) for _ in range(reps)]
+            took = sorted(_timed(lambda: layer(x, r)) for r in logits)
             med = took[len(took) // 2]
             macs = t * k * 3 * h * i
             line = (
@@ -103,7 +103,8 @@ print(mq.oracle.cpu_kernel(), mq.oracle.cpu_threads(), " | ".join(times))
 
 def topology() -> tuple[str, int]:
     """The CPU model, sockets, physical cores, logical CPUs, NUMA nodes and kernel, in one
-    line; and the physical core count (logical CPUs where sysfs does not say)."""
+    line; and the physical core count (logical CPUs where sysfs does not say). Cores and
+    CPUs are those this process may run on."""
     model = "?"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -113,7 +114,11 @@ def topology() -> tuple[str, int]:
     except OSError:
         pass
     cores: set[tuple[str, str]] = set()
+    # Only the CPUs this process may run on (taskset, cgroups).
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     for cpu in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology"):
+        if allowed is not None and int(cpu.parent.name[3:]) not in allowed:
+            continue
         try:
             cores.add(
                 (
@@ -123,7 +128,7 @@ def topology() -> tuple[str, int]:
             )
         except OSError:
             pass
-    logical = os.cpu_count() or 1
+    logical = len(allowed) if allowed else (os.cpu_count() or 1)
     physical = len(cores) or logical
     sockets = len({s for s, _ in cores}) or 1
     nodes = len(list(Path("/sys/devices/system/node").glob("node[0-9]*")))

@@ -3,7 +3,7 @@
 1. environment: driver, NVRTC, arch; every kernel variant compiles for the device's arch;
 2. W8A8 MoE (mq.cuda.w8a8_moe_unverified: IMMA and dp4a GEMMs, dynamic and static scales)
    against the CPU path (itself tested against an fp64 emulation) for M in {1, 16, 64, 256}
-   tokens, fp32/fp16/bf16 activations;
+   tokens, fp32/fp16/bf16 activations, and at H = 100, I = 36 (the GEMMs' tail guards);
 3. WNA16 MoE on the Marlin layout (mq.cuda.wna16_moe_unverified, the mma.sync kernel) against
    an fp32 torch reference (dequantised weights + matmul) for int4/int8, grouped/channelwise,
    zero points and act-order, fp16/bf16, M in {1, 16, 64, 256}; the Marlin tensors come from
@@ -14,7 +14,8 @@
 6. a benchmark: ratios against torch bf16 (a per-expert loop) and against copy bandwidth, for
    W8A8 and W4A16 (Qwen3-30B-A3B shape).
 
-Prints one line per check and exits non-zero if any check fails.
+Prints one line per check and exits non-zero if any check fails; stops at the first CUDA
+fault (which leaves the context unusable), naming the check that caused it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,18 @@ def check(name: str, ok: bool, detail: str = "") -> None:
     print(f"{'PASS' if ok else 'FAIL'} {name} {detail}", flush=True)
     if not ok:
         FAILED.append(name)
+
+
+def failed(name: str, ex: BaseException) -> None:
+    """A check that raised. A CUDA fault (an illegal address, a launch failure) leaves the
+    process's CUDA context unusable, so every later check would fail with the same error:
+    stop at the first, which names the check that caused it."""
+    check(name, False, repr(ex))
+    text = f"{type(ex).__name__} {ex}"
+    if "AcceleratorError" in text or "CUDA error" in text or "CUDA_ERROR" in text:
+        print(f"gpu_check: stopping: a CUDA fault in '{name}' broke the context", flush=True)
+        print("FAILED:", FAILED)
+        sys.exit(1)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -86,6 +99,45 @@ def torch_bf16_moe(
         hh = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
         out.index_add_(0, tok, (hh @ w2[ex].T) * w[tok, slot, None].to(x.dtype))
     return out
+
+
+def w8a8_edge_checks(dev: torch.device) -> None:
+    """W8A8 shapes whose K and N are not multiples of the GEMMs' tiles (H = 100, I = 36: K
+    of 100 and 36, N of 72 and 100), so the kernels' tail guards and zero fills run."""
+    e, h, i, k = 6, 100, 36, 2
+    w13, w2, s13, s2 = layer(e, h, i, seed=3)
+    gw = [t.to(dev) for t in (w13, s13, w2, s2)]
+    a13, a2 = torch.rand(e) * 0.02 + 0.01, torch.rand(e) * 0.01 + 0.005
+    for static in (False, True):
+        extra = {"a13_scale": a13, "a2_scale": a2} if static else {}
+        ref_layer = mq.MoELayer.from_tensors(
+            w13,
+            w2,
+            s13[..., None],
+            s2[..., None],
+            scheme="w8a8_static" if static else "w8a8_dynamic",
+            top_k=k,
+            **extra,
+        )
+        for gemm in ("imma", "dp4a"):
+            for m in (1, 17):
+                name = f"w8a8 {gemm}{' static' if static else ''} H=100 I=36 M={m}"
+                x, logits = torch.randn(m, h), torch.randn(m, e)
+                want = ref_layer(x, logits)
+                try:
+                    got = mq.cuda.w8a8_moe_unverified(
+                        x.to(dev),
+                        logits.to(dev),
+                        *gw,
+                        top_k=k,
+                        gemm=gemm,
+                        **{key: v.to(dev) for key, v in extra.items()},
+                    )
+                    torch.cuda.synchronize()
+                    err = rel(got.float(), want)
+                    check(name, err <= 2e-3, f"rel L2 {err:.2e} (<= 2e-3)")
+                except Exception as ex:  # noqa: BLE001 - report and go on
+                    failed(name, ex)
 
 
 def wna16_checks(dev: torch.device) -> None:
@@ -145,7 +197,7 @@ def wna16_checks(dev: torch.device) -> None:
                     err = rel(got.float(), want)
                     check(f"{name} {dtype} M={m}", err <= 1e-2, f"rel L2 {err:.2e} (<= 1e-2)")
                 except Exception as ex:  # noqa: BLE001 - report and go on
-                    check(f"{name} {dtype} M={m}", False, repr(ex))
+                    failed(f"{name} {dtype} M={m}", ex)
 
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "out"
@@ -202,7 +254,7 @@ def layer_checks(dev: torch.device) -> None:
             err = rel(compiled.float(), want)
             check(f"layer {name} torch.compile", err <= 1e-2, f"rel L2 {err:.2e}")
         except Exception as ex:  # noqa: BLE001 - report and go on
-            check(f"layer {name}", False, repr(ex))
+            failed(f"layer {name}", ex)
 
 
 def wna16_bench(dev: torch.device, copy_bw: float, timed) -> None:  # type: ignore[no-untyped-def]
@@ -243,7 +295,7 @@ def wna16_bench(dev: torch.device, copy_bw: float, timed) -> None:  # type: igno
         try:
             a, b = timed(ours), timed(ref, 5)
         except Exception as ex:  # noqa: BLE001
-            check(f"wna16 bench T={t}", False, repr(ex))
+            failed(f"wna16 bench T={t}", ex)
             continue
         touched = min(e, t * k) * 3 * i * h // 2
         print(
@@ -316,8 +368,9 @@ def main() -> int:
                         err = rel(got.float(), want)
                         check(f"{kind} {dtype} M={m}", err <= tol, f"rel L2 {err:.2e} (<= {tol})")
                     except Exception as ex:  # noqa: BLE001 - report and go on
-                        check(f"{kind} {dtype} M={m}", False, repr(ex))
+                        failed(f"{kind} {dtype} M={m}", ex)
 
+    w8a8_edge_checks(dev)
     wna16_checks(dev)
     layer_checks(dev)
 
@@ -332,20 +385,27 @@ def main() -> int:
         side.synchronize()
         check("non-default stream", rel(got.float(), want) <= 1e-2)
     except Exception as ex:  # noqa: BLE001
-        check("non-default stream", False, repr(ex))
+        failed("non-default stream", ex)
     try:
-        static_x, static_l = x.clone(), logits.clone()
+        # Captured on other inputs, replayed on x and logits copied into the same buffers: the
+        # replay must read them (and equal an eager call on them bit for bit).
+        static_x, static_l = torch.randn_like(x), torch.randn_like(logits)
         mq.cuda.w8a8_moe_unverified(static_x, static_l, *gw[:2], *gw[2:], top_k=k)  # warm up
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             captured = mq.cuda.w8a8_moe_unverified(static_x, static_l, *gw[:2], *gw[2:], top_k=k)
         static_x.copy_(x)
+        static_l.copy_(logits)
         graph.replay()
         torch.cuda.synchronize()
-        check("graph capture + replay", rel(captured.float(), want) <= 1e-2)
+        eager = mq.cuda.w8a8_moe_unverified(x, logits, *gw[:2], *gw[2:], top_k=k)
+        err = rel(captured.float(), want)
+        same = torch.equal(captured, eager)
+        detail = f"rel L2 {err:.2e}, equal to eager: {same}"
+        check("graph capture + replay", err <= 1e-2 and same, detail)
     except Exception as ex:  # noqa: BLE001
-        check("graph capture + replay", False, repr(ex))
+        failed("graph capture + replay", ex)
 
     # Benchmark: Qwen3-30B-A3B shape, T in {1, 1024}.
     e, h, i, k = 128, 2048, 768, 8

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of the CUDA path, for a machine with one NVIDIA GPU (driver, torch with CUDA and
 # Python; no Rust toolchain, no network). Build the wheel on the development machine first:
-#     .venv/bin/maturin build --release -m rust_core/python/Cargo.toml -o dist
+#     rm -rf dist && .venv/bin/maturin build --release -m rust_core/python/Cargo.toml -o dist
 # then, on the GPU machine, from the repository root:
 #     bash scripts/gpu_check.sh
 # (with the `run` tool: carry ["dist", "tests/fixtures/out/qwen3_w8a8_dynamic", ...]; the
@@ -9,7 +9,7 @@
 # It installs dist/moeq_rs-*.whl into a temporary directory (no dependencies pulled) and runs
 # scripts/gpu_check.py: kernel compilation for the device's arch, W8A8 MoE correctness against
 # the CPU path, WNA16 (Marlin layout, mma.sync) correctness against an fp32 torch reference, a
-# non-default stream, CUDA graph capture and replay, and benchmarks; first scripts/amx_check.py
+# non-default stream, CUDA graph capture and replay, and benchmarks; then scripts/amx_check.py
 # (the CPU int8 path's AMX tiles, when this host's CPU has them). Output
 # also goes to $OUT/gpu_check.log when OUT is set. Exit status: 0 when every check passes.
 set -uo pipefail
@@ -27,11 +27,12 @@ if [ -z "$wheel" ]; then
 fi
 "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$wheel" || exit 2
 export PYTHONPATH="$WORK/site" MOEQ_CACHE_DIR="$WORK/kcache" PYTHONUNBUFFERED=1
-# The GPU host's CPU may have AMX: run the CPU int8 path's AMX tiles there too.
-timeout 240 "$PY" scripts/amx_check.py
-amx_rc=$?
+# The GPU first (the machine's scarce time is its GPU's); then, since the GPU host's CPU may
+# have AMX, the CPU int8 path's AMX tiles.
 timeout 280 "$PY" scripts/gpu_check.py
 rc=$?
+timeout 150 "$PY" scripts/amx_check.py
+amx_rc=$?
 [ "$rc" -eq 0 ] && rc=$amx_rc
 echo "gpu_check: ${SECONDS}s, exit $rc"
 exit $rc

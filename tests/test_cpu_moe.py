@@ -4,6 +4,7 @@ zero points and scales (W8A8: DESIGN.md's activation quantisation, emulated exac
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -440,6 +441,7 @@ def test_shared_expert_gate_scales_the_shared_output(
     dst = _edited_copy(src, tmp_path / "m", tensors=add_gates, config=lambda c: c.update(cfg))
     ckpt = mq.open(dst)
     routing = ckpt.summary()["routing"]
+    calls = {}
     for layer in layers:
         info = next(x for x in ckpt.moe_layers() if x["layer"] == layer)
         moe = mq.MoELayer.from_checkpoint(ckpt, layer)
@@ -454,6 +456,28 @@ def test_shared_expert_gate_scales_the_shared_output(
         got = moe(x, logits)
         assert rel_l2(got, routed + gate * shared) <= 1e-4
         assert rel_l2(got, routed + shared) > 1e-2  # the gate made a difference
+        calls[layer] = (x, logits, got)
+    # The same calls split into chunks of 4 tokens (a process of its own: the size is read
+    # once): each token's gate comes from its own row, in whichever chunk it lands.
+    torch.save(calls, tmp_path / "calls.pt")
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, torch, moeq_rs as mq\n"
+            "calls = torch.load(sys.argv[2])\n"
+            "torch.save({l: mq.MoELayer.from_checkpoint(sys.argv[1], l)(x, r)"
+            " for l, (x, r, _) in calls.items()}, sys.argv[3])",
+            str(dst),
+            str(tmp_path / "calls.pt"),
+            str(tmp_path / "split.pt"),
+        ],
+        env=dict(os.environ, MOEQ_CHUNK_TOKENS="4"),
+        check=True,
+    )
+    split = torch.load(tmp_path / "split.pt")
+    for layer, (_, _, got) in calls.items():
+        assert rel_l2(split[layer], got) <= 1e-5
 
 
 def test_ernie_routing_softmax_with_moe_statics_bias(
@@ -1664,6 +1688,7 @@ def test_long_calls_split_into_chunks_give_the_same_outputs(
 
 _CHUNK_MEMORY_SCRIPT = r"""
 import torch
+import moeq_rs as mq
 from moeq_rs.moe import MoELayer
 
 
@@ -1682,13 +1707,23 @@ layer = MoELayer.from_tensors(w13, w2, torch.rand(e, 2 * i, 1, generator=g) * 1e
                               top_k=k)
 layer(torch.randn(4, h), torch.randn(4, e))
 x, logits = torch.randn(t, h, generator=g), torch.randn(t, e, generator=g)
-before = status("VmRSS")
-# The peak from here on: "5" resets the high-water mark to the current size (Linux >= 4.0).
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
-y = layer(x, logits)
-assert torch.isfinite(y).all()
-print(status("VmHWM") - before)
+ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+weights = torch.rand(t, k, generator=g)
+
+
+def growth(call):
+    # From empty spares: what one call kept would serve the next.
+    mq.oracle.cpu_release_scratch()
+    before = status("VmRSS")
+    # The peak from here on: "5" resets the high-water mark to the current size (Linux >= 4.0).
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    y = call()
+    assert torch.isfinite(y).all()
+    return status("VmHWM") - before
+
+
+print(growth(lambda: layer(x, logits)), growth(lambda: layer.forward_topk(x, weights, ids)))
 """
 
 
@@ -1698,12 +1733,12 @@ print(status("VmHWM") - before)
 def test_chunks_bound_a_long_calls_memory() -> None:
     """A 16384-token call of a top-8 layer (hidden 512) holds 256 MiB of routed output rows
     (and 128 MiB of gate/up rows) whole; in chunks of 1024 tokens its peak grows by a small
-    part of that."""
+    part of that: forward and forward_topk alike."""
     import os
     import subprocess
     import sys
 
-    growth = {}
+    growth: dict[str, list[float]] = {}
     for chunk in ("0", "1024"):
         ran = subprocess.run(
             [sys.executable, "-c", _CHUNK_MEMORY_SCRIPT],
@@ -1712,9 +1747,10 @@ def test_chunks_bound_a_long_calls_memory() -> None:
             text=True,
             check=True,
         )
-        growth[chunk] = float(ran.stdout.split()[-1])
-    assert growth["0"] > 300, growth
-    assert growth["1024"] < growth["0"] - 200, growth
+        growth[chunk] = [float(v) for v in ran.stdout.split()[-2:]]
+    for whole, split in zip(growth["0"], growth["1024"], strict=True):
+        assert whole > 300, growth
+        assert split < whole - 200, growth
 
 
 def test_every_cpu_kernel_gives_identical_int8_results(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ whatever the machine has.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -31,17 +32,24 @@ __all__ = [
 
 def nvrtc_dirs() -> list[str]:
     """Directories of the nvidia pip wheels that may hold ``libnvrtc`` (CUDA 13 and 12 layouts)."""
+    return list(_nvrtc_dirs())
+
+
+@functools.cache
+def _nvrtc_dirs() -> tuple[str, ...]:
+    # Looked up once: every kernel launch passes them (an import and three stat calls each
+    # time were a large part of a decode step's launch overhead).
     try:
         import nvidia  # type: ignore[import-not-found,import-untyped,unused-ignore]
     except ImportError:
-        return []
+        return ()
     out = []
     for base in getattr(nvidia, "__path__", []):
         for sub in ("cu13/lib", "cu12/lib", "cuda_nvrtc/lib"):
             d = os.path.join(base, sub)
             if os.path.isdir(d):
                 out.append(d)
-    return out
+    return tuple(out)
 
 
 def driver_present() -> bool:

@@ -444,7 +444,6 @@ fn check_index(
     }
 }
 
-/// The `*.safetensors` files of a sharded checkpoint directory, sorted.
 /// Why `path`, which is there but is not a readable regular file, cannot be read as one; None
 /// when nothing is at `path`.
 fn not_a_file(path: &Path) -> Option<&'static str> {
@@ -459,6 +458,7 @@ fn not_a_file(path: &Path) -> Option<&'static str> {
     })
 }
 
+/// The `*.safetensors` files of a sharded checkpoint directory, sorted.
 fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let mut out = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(|e| io_err(dir, e))? {

@@ -468,7 +468,7 @@ impl CpuMoe {
                 e_count.saturating_sub(1)
             )));
         }
-        let chunk = chunk_tokens(k, h);
+        let chunk = chunk_tokens(k, h, e_count);
         Ok(in_chunks(tokens, chunk, h, |at| {
             let x = &x[at.start * h..at.end * h];
             let ids = &routed.ids[at.start * k..at.end * k];
@@ -603,7 +603,7 @@ impl CpuMoe {
         }
         self.check_hidden(x, tokens)?;
         let h = self.hidden;
-        let chunk = chunk_tokens(self.top_k, h);
+        let chunk = chunk_tokens(self.top_k, h, e);
         Ok(in_chunks(tokens, chunk, h, |at| {
             let x = &x[at.start * h..at.end * h];
             self.routed_and_shared(
@@ -668,10 +668,12 @@ impl CpuMoe {
 
 /// Tokens per chunk of a long forward: `MOEQ_CHUNK_TOKENS` (read once; 0: never split), else
 /// as many as keep a chunk's routed output rows (`top_k x hidden` floats per token) within the
-/// spares' size limit (4096 tokens at Qwen3-30B-A3B's shape). A chunk reads every weight once,
-/// so a call of several chunks reads them again per chunk; at these sizes the arithmetic
-/// dominates, and memory stays bounded instead of growing with the prompt.
-pub fn chunk_tokens(top_k: usize, hidden: usize) -> usize {
+/// spares' size limit, but at least [`ROWS_PER_EXPERT`] rows per expert on average (4096 tokens
+/// at Qwen3-30B-A3B's shape, 8192 at DeepSeek-V3's). A chunk reads every weight it touches
+/// once, so a call of several chunks reads them again per chunk: with that many rows per
+/// expert each weight byte feeds as many multiply-adds, well above what a many-core CPU's
+/// memory can supply per byte, and memory stays bounded instead of growing with the prompt.
+pub fn chunk_tokens(top_k: usize, hidden: usize, experts: usize) -> usize {
     static SET: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     let set = *SET.get_or_init(|| {
         std::env::var("MOEQ_CHUNK_TOKENS")
@@ -681,11 +683,19 @@ pub fn chunk_tokens(top_k: usize, hidden: usize) -> usize {
     match set {
         Some(0) => usize::MAX,
         Some(n) => n,
-        None => {
-            let row_bytes = top_k.max(1).saturating_mul(hidden.max(1)).saturating_mul(4);
-            (super::spare::MAX_BYTES / row_bytes).max(1)
-        }
+        None => default_chunk(top_k, hidden, experts),
     }
+}
+
+/// The rows per expert a default chunk gives at least, on average.
+const ROWS_PER_EXPERT: usize = 256;
+
+fn default_chunk(top_k: usize, hidden: usize, experts: usize) -> usize {
+    let k = top_k.max(1);
+    let row_bytes = k.saturating_mul(hidden.max(1)).saturating_mul(4);
+    let by_memory = super::spare::MAX_BYTES / row_bytes;
+    let by_reuse = ROWS_PER_EXPERT.saturating_mul(experts) / k;
+    by_memory.max(by_reuse).max(1)
 }
 
 /// The chunk a `MOEQ_CHUNK_TOKENS` value asks for (0: none), or None for a value that is not a
@@ -868,6 +878,18 @@ mod tests {
             assert_eq!(calls, tokens.div_ceil(chunk), "chunk {chunk}");
             assert_eq!(bits(&got), bits(&whole), "chunk {chunk}");
         }
+    }
+
+    #[test]
+    fn default_chunks() {
+        // Qwen3-30B-A3B, DeepSeek-V2-Lite, Mixtral: the 256 MiB bound; DeepSeek-V3: 256 rows
+        // per expert.
+        assert_eq!(default_chunk(8, 2048, 128), 4096);
+        assert_eq!(default_chunk(6, 2048, 64), 5461);
+        assert_eq!(default_chunk(2, 4096, 8), 8192);
+        assert_eq!(default_chunk(8, 7168, 256), 8192);
+        assert_eq!(default_chunk(0, 0, 0), (256 << 20) / 4);
+        assert_eq!(default_chunk(usize::MAX, usize::MAX, usize::MAX), 1);
     }
 
     #[test]

@@ -34,13 +34,14 @@ pub fn key(v: &Variant, arch: &str, nvrtc: &Nvrtc) -> String {
         .map(|(k, d)| format!("-D{k}={d};"))
         .collect();
     let version = format!("{}.{}", nvrtc.major, nvrtc.minor);
+    let options = super::nvrtc::FIXED_OPTIONS.join(" ");
     let h = fnv1a(&[
         v.source().as_bytes(),
         defines.as_bytes(),
         arch.as_bytes(),
         version.as_bytes(),
         env!("CARGO_PKG_VERSION").as_bytes(),
-        b"--std=c++17 --ptxas-options=-v",
+        options.as_bytes(),
     ]);
     format!("{}-{arch}-{h:016x}", v.name)
 }

@@ -155,6 +155,10 @@ pub struct Compiled {
     pub seconds: f64,
 }
 
+/// The NVRTC options of every compile besides the architecture and the variant's defines; the
+/// CUBIN cache key hashes them (see `cache::key`), so a change here cannot reuse a stale CUBIN.
+pub const FIXED_OPTIONS: [&str; 2] = ["--std=c++17", "--ptxas-options=-v"];
+
 /// Compiles `source` to CUBIN for `arch` (`sm_80`, `sm_90`, `sm_90a`, ...). NVRTC must have
 /// been loaded with [`load`].
 pub fn compile(
@@ -174,11 +178,8 @@ pub fn compile(
     }
     let src = CString::new(source).map_err(|_| err(name, "source holds a NUL byte"))?;
     let cname = CString::new(name).map_err(|_| err(name, "name holds a NUL byte"))?;
-    let mut opts = vec![
-        format!("--gpu-architecture={arch}"),
-        "--std=c++17".to_string(),
-        "--ptxas-options=-v".to_string(),
-    ];
+    let mut opts = vec![format!("--gpu-architecture={arch}")];
+    opts.extend(FIXED_OPTIONS.iter().map(|o| o.to_string()));
     for (k, v) in defines {
         opts.push(format!("-D{k}={v}"));
     }
