@@ -1,6 +1,7 @@
 """GPU checks of the CUDA path, run by scripts/gpu_check.sh on a machine with one NVIDIA GPU.
 
 1. environment: driver, NVRTC, arch; every kernel variant compiles for the device's arch;
+   then routing, alignment, SiLU-and-mul and combine one kernel at a time against torch;
 2. W8A8 MoE (mq.cuda.w8a8_moe_unverified: IMMA and dp4a GEMMs, dynamic and static scales)
    against the CPU path (itself tested against an fp64 emulation) for M in {1, 16, 64, 256}
    tokens, fp32/fp16/bf16 activations, and at H = 100, I = 36 (the GEMMs' tail guards);
@@ -99,6 +100,61 @@ def torch_bf16_moe(
         hh = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
         out.index_add_(0, tok, (hh @ w2[ex].T) * w[tok, slot, None].to(x.dtype))
     return out
+
+
+def kernel_checks(dev: torch.device) -> None:
+    """The small kernels one at a time, each against torch and synchronised, before the
+    end-to-end checks: a fault or a wrong result then names its kernel. Routing (softmax
+    top-k), alignment (per-expert offsets, slots grouped by expert in slot order), SiLU-and-mul
+    and the top-k combine, for each activation dtype. (The int8 quantisation and the GEMMs are
+    checked through the whole W8A8 and WNA16 calls that follow.)"""
+    g = torch.Generator().manual_seed(5)
+    for t, e, k in ((1, 8, 2), (37, 64, 6), (300, 128, 8)):
+        x = torch.randn(t, 64, device=dev)
+        logits = torch.randn(t, e, generator=g)
+        name = f"kernel routing+align T={t} E={e} k={k}"
+        try:
+            r = mq.cuda._Routed(x, logits.to(dev), e, k, True)
+            torch.cuda.synchronize()
+            w_ref, ids_ref = torch.softmax(logits, -1).topk(k, -1)
+            w_ref = w_ref / w_ref.sum(-1, keepdim=True)
+            got_w = r.weights.cpu().sort(-1, descending=True).values
+            counts = torch.bincount(ids_ref.flatten(), minlength=e)
+            offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+            ok = (
+                rel(got_w, w_ref) <= 1e-5
+                and torch.equal(r.offsets.cpu().long(), offsets)
+                and torch.equal(r.order.cpu().long(), torch.argsort(ids_ref.flatten(), stable=True))
+            )
+            check(name, ok, f"weights rel L2 {rel(got_w, w_ref):.1e}")
+        except Exception as ex:  # noqa: BLE001 - report and go on
+            failed(name, ex)
+    t, e, k, inter, h = 19, 8, 3, 40, 24
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int()
+    weights = torch.rand(t, k, generator=g)
+    for dtype, dt, tol in (
+        (torch.float32, "f32", 1e-6),
+        (torch.float16, "f16", 2e-3),
+        (torch.bfloat16, "bf16", 1e-2),
+    ):
+        name = f"kernel silu_and_mul+combine {dt}"
+        try:
+            x = torch.randn(t, h, device=dev).to(dtype)
+            r = mq.cuda._Routed(x, (weights.to(dev), ids.to(dev)), e, k, True)
+            gu = torch.randn(t * k, 2 * inter, generator=g).to(dtype)
+            act = r.silu_and_mul(gu.to(dev), inter, dt)
+            down = torch.randn(t * k, h, generator=g).to(dtype)  # sorted order, as the GEMM
+            out = r.combine(down.to(dev), h, dt)
+            torch.cuda.synchronize()
+            gu32 = gu.float()
+            act_ref = torch.nn.functional.silu(gu32[:, :inter]) * gu32[:, inter:]
+            by_slot = torch.empty_like(down.float())
+            by_slot[r.order.cpu().long()] = down.float()
+            out_ref = (by_slot.view(t, k, h) * weights[..., None]).sum(1)
+            e1, e2 = rel(act.float(), act_ref), rel(out.float(), out_ref)
+            check(name, e1 <= tol and e2 <= tol, f"rel L2 {e1:.1e} / {e2:.1e} (<= {tol})")
+        except Exception as ex:  # noqa: BLE001 - report and go on
+            failed(name, ex)
 
 
 def w8a8_edge_checks(dev: torch.device) -> None:
@@ -318,6 +374,8 @@ def main() -> int:
         not spills,
         f"{len(report)} variants for {arch} in {time.perf_counter() - t0:.1f} s; spills: {spills}",
     )
+
+    kernel_checks(torch.device("cuda", 0))
 
     e, h, i, k = 16, 512, 256, 4
     w13, w2, s13, s2 = layer(e, h, i)
