@@ -738,6 +738,33 @@ mod tests {
     use super::*;
     use crate::cpu::build::{from_raw, RawProj, RawScheme, SampleCodes};
 
+    /// A layer of `e` experts with sample codes and scales (group 64 where `group > 0`).
+    fn sample_layer(
+        scheme: RawScheme,
+        e: usize,
+        h: usize,
+        i: usize,
+        group: i64,
+        k: usize,
+    ) -> CpuMoe {
+        let g13 = if group > 0 { h / 64 } else { 1 };
+        let g2 = if group > 0 { i / 64 } else { 1 };
+        let s13: Vec<f32> = (0..e * 2 * i * g13)
+            .map(|v| 1e-3 * (1 + v % 5) as f32)
+            .collect();
+        let s2: Vec<f32> = (0..e * h * g2).map(|v| 1e-3 * (1 + v % 7) as f32).collect();
+        let codes = SampleCodes::new(scheme == RawScheme::W4a16, e, h, i);
+        let (a, b) = codes.raw();
+        let proj = |w, s| RawProj {
+            weights: w,
+            scales: s,
+            zero_points: None,
+            act_scales: None,
+        };
+        from_raw(scheme, e, h, i, group, proj(a, &s13), proj(b, &s2), k, true)
+            .expect("a valid layer")
+    }
+
     /// One-row experts run whole with their parts offered to the pool (gate beside up, down
     /// split at a panel boundary that leaves unequal halves): equal, bit for bit, to each
     /// projection run on its own; and one token routed to all of them equals those outputs
@@ -747,22 +774,7 @@ mod tests {
         let (e, h, i, k) = (48usize, 192usize, 128usize, 40usize);
         for scheme in [RawScheme::W8a8Dynamic, RawScheme::W4a16] {
             let group = if scheme == RawScheme::W4a16 { 64 } else { -1 };
-            let g13 = if group > 0 { h / 64 } else { 1 };
-            let g2 = if group > 0 { i / 64 } else { 1 };
-            let s13: Vec<f32> = (0..e * 2 * i * g13)
-                .map(|v| 1e-3 * (1 + v % 5) as f32)
-                .collect();
-            let s2: Vec<f32> = (0..e * h * g2).map(|v| 1e-3 * (1 + v % 7) as f32).collect();
-            let codes = SampleCodes::new(scheme == RawScheme::W4a16, e, h, i);
-            let (a, b) = codes.raw();
-            let proj = |w, s| RawProj {
-                weights: w,
-                scales: s,
-                zero_points: None,
-                act_scales: None,
-            };
-            let moe = from_raw(scheme, e, h, i, group, proj(a, &s13), proj(b, &s2), k, true)
-                .expect("a valid layer");
+            let moe = sample_layer(scheme, e, h, i, group, k);
             let x: Vec<f32> = (0..h)
                 .map(|v| ((v * 37) % 101) as f32 / 25.0 - 2.0)
                 .collect();
@@ -822,28 +834,7 @@ mod tests {
     #[test]
     fn chunked_calls_equal_the_call_whole() {
         let (e, h, i, k, tokens) = (6usize, 64usize, 32usize, 2usize, 23usize);
-        let s13: Vec<f32> = (0..e * 2 * i).map(|v| 1e-3 * (1 + v % 5) as f32).collect();
-        let s2: Vec<f32> = (0..e * h).map(|v| 1e-3 * (1 + v % 7) as f32).collect();
-        let codes = SampleCodes::new(false, e, h, i);
-        let (a, b) = codes.raw();
-        let proj = |w, s| RawProj {
-            weights: w,
-            scales: s,
-            zero_points: None,
-            act_scales: None,
-        };
-        let moe = from_raw(
-            RawScheme::W8a8Dynamic,
-            e,
-            h,
-            i,
-            -1,
-            proj(a, &s13),
-            proj(b, &s2),
-            k,
-            true,
-        )
-        .expect("a valid layer");
+        let moe = sample_layer(RawScheme::W8a8Dynamic, e, h, i, -1, k);
         let x: Vec<f32> = (0..tokens * h)
             .map(|v| ((v * 37) % 101) as f32 / 25.0 - 2.0)
             .collect();
