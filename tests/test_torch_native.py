@@ -218,6 +218,31 @@ def test_custom_ops_are_registered_by_importing_moeq_rs_after_torch() -> None:
         check=True,
     )
     assert alone.stdout.strip() == "False"
+    # A torch that cannot host the ops does not break `import moeq_rs` (the checkpoint API
+    # needs no torch); the error comes where the layer is asked for.
+    broken = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, torch, importlib.abc\n"
+            "class Refuse(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path, target=None):\n"
+            "        if name == 'moeq_rs.moe':\n"
+            "            raise ImportError('no ops on this torch')\n"
+            "sys.meta_path.insert(0, Refuse())\n"
+            "import moeq_rs\n"
+            "print(len(moeq_rs.open('examples/tiny-moe-int4-int8').moe_layers()))\n"
+            "try:\n"
+            "    moeq_rs.MoELayer\n"
+            "except ImportError as e:\n"
+            "    print(e)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert broken.stdout.split("\n")[:2] == ["2", "no ops on this torch"], broken
 
 
 def test_function_transforms_and_scripting_are_refused_by_name(

@@ -79,7 +79,13 @@ def _register_ops_if_torch_is_loaded() -> None:
     import sys
 
     if sys.modules.get("torch") is not None:
-        from . import moe  # noqa: F401
+        try:
+            from . import moe  # noqa: F401
+        except Exception:  # noqa: BLE001
+            # Not here: `import moeq_rs` must work whatever the torch (the checkpoint API and
+            # the CLI need none); the first use of mq.MoELayer or mq.fused_moe imports the
+            # module again and raises its error there.
+            pass
 
 
 _register_ops_if_torch_is_loaded()
