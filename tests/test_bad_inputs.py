@@ -10,6 +10,7 @@ import re
 import struct
 import subprocess
 import sys
+import warnings
 from functools import partial
 from pathlib import Path
 
@@ -897,3 +898,109 @@ def test_a_projection_named_twice_is_refused(tmp_path: Path, old: str, new: str)
     path = _with_tensors(tmp_path, twins)
     with pytest.raises(mq.CheckpointError, match="is the same projection of expert 1 as"):
         mq.open(path)
+
+
+# ---- Checks that a mutation pass over the Python layer found unpinned ----------------------
+
+
+def _int8_layer_tensors(e: int = 2, h: int = 64, i: int = 32):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randint(-127, 128, (e, 2 * i, h), dtype=torch.int8, generator=g)
+    w2 = torch.randint(-127, 128, (e, h, i), dtype=torch.int8, generator=g)
+    return w13, w2, torch.rand(e, 2 * i, 1) * 1e-2, torch.rand(e, h, 1) * 1e-2
+
+
+def test_from_tensors_argument_checks_the_native_side_does_not_repeat() -> None:
+    """One static scale per expert (three for two experts was accepted), and a zero point for
+    a symmetric int8 weight-only layer is an unsupported scheme, not a layout error."""
+    w13, w2, s13, s2 = _int8_layer_tensors()
+    with pytest.raises(mq.LayoutError, match="a13_scale"):
+        mq.MoELayer.from_tensors(
+            w13, w2, s13, s2, scheme="w8a8_static", a13_scale=torch.ones(3),
+            a2_scale=torch.ones(3), top_k=1,
+        )  # fmt: skip
+    zp = torch.zeros(2, 64, 1, dtype=torch.int8)
+    with pytest.raises(mq.UnsupportedSchemeError):
+        mq.MoELayer.from_tensors(
+            w13, w2, s13, s2, scheme="w8a16", w13_zero_point=zp, w2_zero_point=zp, top_k=1
+        )
+
+
+def test_checkpoint_api_argument_errors(fixture_path) -> None:  # type: ignore[no-untyped-def]
+    ck = mq.open(fixture_path("qwen3_w4a16_g128_sym"))
+    name = next(iter(ck.tensor_names()))
+    with pytest.raises(mq.ConfigError, match="framework"):
+        ck.tensor(name, framework="jax")
+    with pytest.raises(mq.LayoutError, match="not a decoder layer index"):
+        ck.marlin_layer(-1)
+    with pytest.raises(mq.ConfigError, match="compat"):
+        mq.plan(fixture_path("qwen3_w4a16_g128_sym"), compat="bogus")
+    # A torch tensor from a checkpoint is the caller's own, writable copy.
+    t = ck.tensor(name, "torch")
+    before = t.clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t.add_(1)
+    assert torch.equal(ck.tensor(name, "torch"), before)
+
+
+def test_repack_primitive_argument_errors() -> None:
+    import numpy as np
+
+    from moeq_rs import repack as r
+
+    q = np.zeros((16, 64), np.int32)
+    with pytest.raises(mq.LayoutError, match="size_k"):
+        r.gptq_marlin_repack(q, None, -1, 64, 4)
+    with pytest.raises(mq.LayoutError, match="num_bits"):
+        r.gptq_marlin_repack(q, None, 128, 64, 2**32)
+    with pytest.raises(mq.LayoutError, match="2- or 4-byte"):
+        r.marlin_permute_scales(np.ones((1, 64), np.float64), 128, 64, -1)
+    with pytest.raises(mq.LayoutError):
+        r.marlin_moe_permute_scales(np.ones((1, 64), np.float16), 128, 64, -1)
+    with pytest.raises(mq.LayoutError, match="int32 packed words"):
+        r.gptq_marlin_unrepack(np.zeros((8, 128), np.int64), None, 128, 64, 4)
+
+
+def test_cuda_grid_limit_is_exact() -> None:
+    """65535 GEMM blocks fit one launch's grid; 65536 do not."""
+    from moeq_rs import cuda
+
+    experts = 15
+    fits = (65535 - experts) * 16  # (slots + 15) // 16 + experts == 65535
+    cuda._check_grid(fits, 1, experts)
+    with pytest.raises(mq.LayoutError, match="split the batch"):
+        cuda._check_grid(fits + 1, 1, experts)
+
+
+def test_cli_internal_errors_are_one_line_unless_debugging(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    from moeq_rs import cli
+
+    def boom(args):  # type: ignore[no-untyped-def]
+        raise ValueError("x")
+
+    monkeypatch.setattr(cli, "_cmd_inspect", boom)
+    monkeypatch.delenv("MOEQ_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["inspect", "examples/tiny-moe-int4-int8"])
+    assert stop.value.code == 1
+    assert capsys.readouterr().err.strip().startswith("moeq: error: internal error: ValueError: x")
+    monkeypatch.setenv("MOEQ_DEBUG", "1")
+    with pytest.raises(ValueError, match="x"):
+        cli.main(["inspect", "examples/tiny-moe-int4-int8"])
+
+
+def test_import_survives_a_torch_without_the_ops() -> None:
+    """A module named torch that is not torch (or a torch the ops cannot load on) leaves
+    `import moeq_rs` working: the registration at import gives way."""
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, types; sys.modules['torch'] = types.ModuleType('torch')\n"
+            "import moeq_rs; print('ok')",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert (r.returncode, r.stdout.strip()) == (0, "ok"), r.stderr
