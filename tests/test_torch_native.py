@@ -245,6 +245,7 @@ def test_custom_ops_are_registered_by_importing_moeq_rs_after_torch() -> None:
     assert broken.stdout.split("\n")[:2] == ["2", "no ops on this torch"], broken
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
 def test_function_transforms_and_scripting_are_refused_by_name(
     fixture_path: Callable[[str], Path],
 ) -> None:
@@ -252,7 +253,6 @@ def test_function_transforms_and_scripting_are_refused_by_name(
     failed in a numpy conversion and its grad with torch's message about the op's autograd
     function; torch.jit.script on an internal line. Each now says what is not supported, and
     plain tensors inside a dual level still run."""
-    import warnings
 
     from torch.autograd import forward_ad
 
@@ -278,7 +278,5 @@ def test_function_transforms_and_scripting_are_refused_by_name(
     ):
         with pytest.raises(NotImplementedError, match=says):
             transform()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        with pytest.raises(NotImplementedError, match="torch.jit.script cannot compile"):
-            torch.jit.script(moe)
+    with pytest.raises(NotImplementedError, match="torch.jit.script cannot compile"):
+        torch.jit.script(moe)
