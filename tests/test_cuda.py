@@ -698,3 +698,19 @@ def test_wna16_launcher_matches_dequantised_weights_on_a_gpu() -> None:
             hh = torch.nn.functional.silu(gu[:i]) * gu[i:]
             want[tok] += float(w[tok, j]) * (hh @ w2[ex])
     assert float((got - want).norm() / want.norm()) <= 1e-2
+
+
+def test_cuda_layer_loader_refuses_a_routed_scaling_factor(fixture_path, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The CUDA combine does not scale the routed sum: a layer whose config scales it (2.5
+    here) is refused by name rather than run without the factor."""
+    import json
+    import shutil
+
+    dst = tmp_path / "scaled"
+    shutil.copytree(fixture_path("qwen3_w8a8_dynamic"), dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["routed_scaling_factor"] = 2.5
+    (dst / "config.json").write_text(json.dumps(config))
+    ckpt = mq.open(dst)
+    with pytest.raises(mq.UnsupportedSchemeError, match="routed_scaling_factor 2.5"):
+        mq.cuda.load_moe_layer_unverified(ckpt, ckpt.moe_layers()[0]["layer"], device="cpu")

@@ -380,6 +380,28 @@ def test_vllm_compat_report(fixture_path: Callable[[str], Path]) -> None:
     assert "vllm" not in inspect(fixture_path("qwen3_w8a8_static"))["moe_layers"][0]
 
 
+def test_vllm_compat_column_of_the_table(fixture_path: Callable[[str], Path]) -> None:
+    """The text table's vllm column: method / backend where vLLM would load the layer,
+    "error" where it would raise (its message follows the table, per layer)."""
+    import subprocess
+    import sys
+
+    def rows(name: str) -> list[str]:
+        out = subprocess.run(
+            [sys.executable, "-m", "moeq_rs", "inspect", str(fixture_path(name)), "--platform",
+             "cuda", "--sm", "90", "--compat", "vllm"],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        return [line for line in out.splitlines() if line[:1].isdigit()]
+
+    assert all(
+        r.endswith("CompressedTensorsWNA16MoEMethod / MARLIN")
+        for r in rows("laguna_mixed_int4_int8")
+    )
+    static = rows("qwen3_w8a8_static")
+    assert static and all(r.split()[-1] == "error" for r in static)
+
+
 def test_plan_api(fixture_path: Callable[[str], Path]) -> None:
     path = fixture_path("laguna_mixed_int4_int8")
     by_path = mq.plan(path, "cuda", 90)
