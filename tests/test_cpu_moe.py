@@ -1640,15 +1640,14 @@ for n, case in enumerate(sys.argv[1].split(",")):
     path, layer = case.rsplit(":", 1)
     moe = mq.MoELayer.from_checkpoint(path, int(layer))
     g = torch.Generator().manual_seed(11)
-    got = []
     for t, dtype in ((37, torch.float32), (13, torch.bfloat16), (3, torch.float32)):
         x = torch.randn(t, moe.hidden_size, generator=g).to(dtype)
         logits = torch.randn(t, moe.num_experts, generator=g)
-        got.append(moe(x, logits).float().numpy().ravel())
+        kind = str(dtype).removeprefix("torch.")
+        out[f"{n}/{t}/{kind}/forward"] = moe(x, logits).float().numpy()
         ids = torch.randint(0, moe.num_experts, (t, 2), generator=g)
         weights = torch.rand(t, 2, generator=g)
-        got.append(moe.forward_topk(x, weights, ids).float().numpy().ravel())
-    out[str(n)] = np.concatenate(got)
+        out[f"{n}/{t}/{kind}/topk"] = moe.forward_topk(x, weights, ids).float().numpy()
 np.savez(sys.argv[2], **out)
 """
 
@@ -1659,9 +1658,13 @@ def test_long_calls_split_into_chunks_give_the_same_outputs(
     """MOEQ_CHUNK_TOKENS splits a call into chunks of that many tokens (bounding its memory),
     each a forward of its own tokens: every fixture scheme, routing, shared experts, forward
     and forward_topk, fp32 and bf16, with a chunk that does not divide the token count. W8A8
-    and unquantized outputs equal the call whole bit for bit; weight-only ones differ in the
-    last bits only (their tiles depend on each expert's row count, as for any two call
-    sizes). Under MOEQ_POISON_SCRATCH=1, so a row no chunk wrote would show as NaN."""
+    and unquantized outputs equal the call whole bit for bit. Weight-only ones depend on each
+    expert's row count, as for any two call sizes: with fp32 inputs they differ in the last
+    bits only (the tiles' summation order); with bf16 inputs on a CPU with bf16 dot products
+    an expert of 8 rows or more runs them, on its intermediate rounded to bf16, where a
+    chunk's fewer rows run fp32 FMAs, so they differ by that rounding (2^-9 relative at
+    most, before the output's own bf16 rounding). Under MOEQ_POISON_SCRATCH=1, so a row no
+    chunk wrote would show as NaN."""
     import os
     import subprocess
     import sys
@@ -1676,14 +1679,19 @@ def test_long_calls_split_into_chunks_give_the_same_outputs(
             check=True,
         )
         runs[chunk] = np.load(dst)
-    for n, (name, layer, mode) in enumerate(CASES):
-        whole, split = runs["0"][str(n)], runs["5"][str(n)]
-        assert np.isfinite(split).all() and np.abs(split).max() > 0, (name, layer)
+    assert sorted(runs["0"].files) == sorted(runs["5"].files)
+    assert len(runs["0"].files) == 6 * len(CASES)
+    for key in runs["0"].files:
+        n, t, kind, call = key.split("/")
+        name, layer, mode = CASES[int(n)]
+        whole, split = runs["0"][key], runs["5"][key]
+        assert whole.shape == split.shape == (int(t), whole.shape[1]), key
+        assert np.isfinite(split).all() and np.abs(split).max() > 0, (name, layer, key)
         if mode == "w8a8" or name == "qwen3_unquantized":
-            assert np.array_equal(split, whole), (name, layer)
+            assert np.array_equal(split, whole), (name, layer, key)
         else:
             rel = np.linalg.norm(split - whole) / np.linalg.norm(whole)
-            assert rel < 1e-5, (name, layer, rel)
+            assert rel < (1e-5 if kind == "float32" else 4e-3), (name, layer, key, rel)
 
 
 _CHUNK_MEMORY_SCRIPT = r"""
