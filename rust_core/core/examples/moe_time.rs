@@ -27,8 +27,15 @@ fn main() -> moeq_core::error::Result<()> {
     };
     let g13 = if group > 0 { h / group as usize } else { 1 };
     let g2 = if group > 0 { i / group as usize } else { 1 };
-    let s13 = vec![1e-3f32; e * 2 * i * g13];
-    let s2 = vec![1e-3f32; e * h * g2];
+    // `BF16_SCALES=1`: scales that are bf16 values, as a checkpoint's are (weight-only layers
+    // then widen into dequantised bf16 weights from 32 rows per expert); else 1e-3.
+    let s = if std::env::var_os("BF16_SCALES").is_some() {
+        f32::from_bits(1e-3f32.to_bits() & 0xffff_0000)
+    } else {
+        1e-3
+    };
+    let s13 = vec![s; e * 2 * i * g13];
+    let s2 = vec![s; e * h * g2];
     let proj = |weights, scales| RawProj {
         weights,
         scales,

@@ -1,7 +1,7 @@
 //! Times the weight-only (W4A16 / W8A16) GEMM kernels, fp32 and bf16 dot products, on one
 //! thread: with the weights cache-resident (their compute rate,
 //! `cargo run --release --example wo_time`), or streaming a 64 MB 4-bit layer from memory
-//! (`COLD=1`).
+//! (`COLD=1`). `BF16_SCALES=1` gives the layer bf16 scales (see the example's `main`).
 use std::time::Instant;
 
 use moeq_core::cpu::wo::BlockedWo;
@@ -40,7 +40,15 @@ fn main() {
         // `GROUP=2048` times larger groups (a multiple of 2 dividing `k`).
         let group = dim("GROUP", 128);
         let groups: Vec<usize> = (0..k / group).map(|g| g * group).collect();
-        let scale = vec![1e-3f32; n * groups.len()];
+        // `BF16_SCALES=1`: scales that are bf16 values, as a checkpoint's are, so that tiles
+        // of more than one row tile (and int8 ones) widen into dequantised bf16 weights
+        // (no group epilogue); otherwise 1e-3, which is not one.
+        let s = if std::env::var_os("BF16_SCALES").is_some() {
+            f32::from_bits(1e-3f32.to_bits() & 0xffff_0000)
+        } else {
+            1e-3
+        };
+        let scale = vec![s; n * groups.len()];
         let w = BlockedWo::new(n, k, &q, &scale, None, groups);
         for &m in &rows {
             let x: Vec<f32> = (0..m * k).map(|i| ((i % 97) as f32 - 48.0) / 7.0).collect();

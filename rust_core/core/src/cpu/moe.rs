@@ -668,7 +668,7 @@ impl CpuMoe {
 
 /// Tokens per chunk of a long forward: `MOEQ_CHUNK_TOKENS` (read once; 0: never split), else
 /// as many as keep a chunk's routed output rows (`top_k x hidden` floats per token) within the
-/// spares' size limit, but at least [`ROWS_PER_EXPERT`] rows per expert on average (4096 tokens
+/// spares' size limit, but at least `ROWS_PER_EXPERT` rows per expert on average (4096 tokens
 /// at Qwen3-30B-A3B's shape, 8192 at DeepSeek-V3's). A chunk reads every weight it touches
 /// once, so a call of several chunks reads them again per chunk: with that many rows per
 /// expert each weight byte feeds as many multiply-adds, well above what a many-core CPU's

@@ -37,6 +37,10 @@ pub struct BlockedWo {
     /// The first bf16 pair of each group and the total (see [`BlockedWo::pair_offsets`]),
     /// fixed with the groups.
     pair_offs: Vec<usize>,
+    /// Every scale is finite and exactly a bf16 value (as a checkpoint's bf16 scales are), so
+    /// the dequantised weights `(q - z) * s` in bf16 are compressed-tensors' own: the bf16
+    /// path may widen codes straight into them (see [`bf16`]).
+    scales_bf16: bool,
 }
 
 /// Bytes owned here or moved into the layer's huge-page [`Arena`].
@@ -161,6 +165,9 @@ impl BlockedWo {
             }
         }
         let pair_offs = bf16::pair_offsets(k, &group_starts);
+        let scales_bf16 = sc
+            .iter()
+            .all(|v| v.is_finite() && v.to_bits() & 0xffff == 0);
         BlockedWo {
             n,
             k,
@@ -170,6 +177,7 @@ impl BlockedWo {
             asym: zp.is_some(),
             group_starts,
             pair_offs,
+            scales_bf16,
         }
     }
 

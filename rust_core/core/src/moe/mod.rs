@@ -115,7 +115,7 @@ pub struct Routing {
     /// `tanh(logits / c) * c` before scoring when set (Laguna `moe_router_logit_softcapping`).
     pub logit_softcapping: Option<f64>,
     /// Whether the model family's router was checked to be what this config-driven routing
-    /// computes ([`Family::checked`]); other families get the same routing, unverified.
+    /// computes (`Family::checked`); other families get the same routing, unverified.
     pub family_checked: bool,
     /// The routing settings, named as the summary names them (`scoring_func`, `renormalize`,
     /// `routed_scaling_factor`, `n_group`, `topk_group`), that `config.json` leaves out and
@@ -135,12 +135,12 @@ fn nested<'a>(config: &'a Value, path: &str) -> Option<&'a Value> {
     path.split('.').try_fold(config, |v, k| v.get(k))
 }
 
-/// Looks a key up in the config, then in a nested language-model config ([`TEXT_CONFIGS`]).
+/// Looks a key up in the config, then in a nested language-model config (`TEXT_CONFIGS`).
 pub fn cfg<'a>(config: &'a Value, key: &str) -> Option<&'a Value> {
     cfg_at(config, key).map(|(_, v)| v)
 }
 
-/// [`cfg`] with the key path where the value was found (`key`, `text_config.key`, ...).
+/// [`cfg()`] with the key path where the value was found (`key`, `text_config.key`, ...).
 pub fn cfg_at<'a>(config: &'a Value, key: &str) -> Option<(String, &'a Value)> {
     let top = config.get(key).filter(|v| !v.is_null());
     top.map(|v| (key.to_string(), v)).or_else(|| {
@@ -861,7 +861,7 @@ pub fn configured_num_experts(file: &Path, config: &Value) -> Result<Option<usiz
 /// Finds every `<prefix>.experts.<e>.<proj>` module, grouped by prefix.
 pub struct Discovery {
     pub layers: Vec<DiscoveredLayer>,
-    /// MoE blocks outside the model's stack of layers ([`main_stack`]), by prefix: listed, not
+    /// MoE blocks outside the model's stack of layers (`main_stack`), by prefix: listed, not
     /// loaded.
     pub set_aside: Vec<String>,
     /// Decoder layers (of the model's stack) with a dense `mlp.{gate,up,down}_proj` MLP.
@@ -945,7 +945,7 @@ fn main_stack(layers: &[DiscoveredLayer], repacked: &[(usize, &str)]) -> Option<
 }
 
 /// Groups module names into MoE layers (names only; no tensor checks). `repacked`: the
-/// `(layer, prefix)` of the layers a `moeq repack` layout holds, for [`main_stack`].
+/// `(layer, prefix)` of the layers a `moeq repack` layout holds, for `main_stack`.
 pub fn discover(
     ckpt: &Checkpoint,
     modules: &[String],

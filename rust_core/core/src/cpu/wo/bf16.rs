@@ -26,6 +26,15 @@
 //! subnormal results flushed to zero); the partial sums are added pairwise; then the group
 //! epilogue of the fp32 path (`acc -= z * Σx`, `y += acc * s`). [`tile_scalar`] repeats this
 //! exactly.
+//!
+//! Where codes are widened (int8, and 4-bit beyond one row tile), from [`DEQUANT_MIN_ROWS`]
+//! rows, and every scale is a bf16 value, as a checkpoint's bf16 scales are, the widening
+//! writes the dequantised weights
+//! instead: `bf16((q - z) * s)`, which is compressed-tensors' dequantisation in the scale
+//! dtype bit for bit (DESIGN.md's "dequantised weights"), and the tiles add runs of up to
+//! `SPAN_PAIRS` pairs with a scale of 1 and no zero-point term. That drops the per-group
+//! epilogue (~5-8% of the tile's rate at group 128) at the price of one bf16 rounding per
+//! weight, which the checkpoint's own dequantisation has too.
 
 use std::cell::RefCell;
 
@@ -62,6 +71,13 @@ pub const BF16_MIN_ROWS: usize = 8;
 /// with two threads sharing the memory it overlaps better (Qwen3 W4A16 decode from Rust
 /// 0.65-0.71 -> 0.58-0.66 ms); at 4 rows it streams them about twice as fast.
 pub const NIBBLE_MIN_ROWS: usize = 1;
+
+/// Rows from which layers with bf16 scales widen into dequantised weights (see
+/// [`BlockedWo::widens_dequantised`]). Without the group epilogue the tiles run 5-15% faster
+/// at 64 rows and 11-13% at 256 (one Zen 4 core, `wo_time` with `BF16_SCALES=1` against
+/// without, interleaved), but the dequantising widening costs more than the plain one, which
+/// one row tile does not repay (int8, 8 rows: 20% slower); 16-32 rows measured even.
+pub const DEQUANT_MIN_ROWS: usize = 32;
 
 /// Blocks per register tile (two 16-feature blocks share each activation broadcast).
 const TILE_BLOCKS: usize = 2;
@@ -340,6 +356,77 @@ impl BlockedWo {
         self.widen_scalar(b, offs, out);
     }
 
+    /// Block `b`'s dequantised weights `(q - z) * s`, rounded to bf16 (a subnormal product
+    /// to zero), as pairs into `out` (`[pairs][16]`, the layout of
+    /// [`BlockedWo::widen_scalar`]); the scalar form. With bf16
+    /// scales (every scale a bf16 value) these are compressed-tensors' dequantised weights
+    /// bit for bit: `q - z` is a small integer, its product with a bf16 scale is exact in
+    /// f32, and bf16 arithmetic rounds that product to nearest, ties to even.
+    pub fn widen_dequant_scalar(&self, b: usize, offs: &[usize], out: &mut [u32]) {
+        let (len, groups) = (self.codes.block_len(self.k), self.groups());
+        let Some(block) = self.codes.bytes().get(b * len..(b + 1) * len) else {
+            return;
+        };
+        let per = groups * BLOCK;
+        let (Some(scale), zp) = (
+            self.scale.get(b * per..(b + 1) * per),
+            self.zp.as_ref().and_then(|z| z.get(b * per..(b + 1) * per)),
+        ) else {
+            return;
+        };
+        for g in 0..groups {
+            let (a, e) = self.bounds(g);
+            let e = e.min(self.k);
+            let value = |c: usize, l: usize| {
+                let z = zp.map_or(0.0, |z| z[g * BLOCK + l]);
+                let q = f32::from(self.codes.get(block, c, l));
+                let p = (q - z) * scale[g * BLOCK + l];
+                // A subnormal product becomes a signed zero before rounding, as in
+                // `vcvtne2ps2bf16` (and `vdpbf16ps` would read its bf16 as zero anyway).
+                u32::from(to_bf16(if p.is_subnormal() {
+                    0.0f32.copysign(p)
+                } else {
+                    p
+                }))
+            };
+            for (j, c) in (a..e).step_by(2).enumerate() {
+                for l in 0..BLOCK {
+                    let hi = if c + 1 < e { value(c + 1, l) } else { 0 };
+                    out[(offs[g] + j) * BLOCK + l] = value(c, l) | (hi << 16);
+                }
+            }
+        }
+    }
+
+    /// As [`BlockedWo::widen_dequant_scalar`], vectorised where the CPU allows (equal output).
+    fn widen_dequant(&self, b: usize, offs: &[usize], out: &mut [u32]) {
+        #[cfg(target_arch = "x86_64")]
+        if bf16_dot() {
+            let (len, per) = (self.codes.block_len(self.k), self.groups() * BLOCK);
+            let block = self.codes.bytes().get(b * len..(b + 1) * len);
+            let scale = self.scale.get(b * per..(b + 1) * per);
+            let zp = self.zp.as_ref().map(|z| z.get(b * per..(b + 1) * per));
+            if let (Some(block), Some(scale), None | Some(Some(_))) = (block, scale, zp) {
+                if out.len() >= offs[offs.len() - 1] * BLOCK {
+                    // SAFETY: AVX-512F/BW/BF16 detected (`bf16_dot`); `block` is one whole
+                    // block, `scale` and `zp` its `groups * 16` values, and `out` holds every
+                    // pair of it.
+                    unsafe { x86::widen_dequant(self, block, scale, zp.flatten(), offs, out) };
+                    return;
+                }
+            }
+        }
+        self.widen_dequant_scalar(b, offs, out);
+    }
+
+    /// Whether [`BlockedWo::gemm_bf16`] widens this layer's codes into dequantised bf16
+    /// weights for `m` rows: from [`DEQUANT_MIN_ROWS`] rows (never the 4-bit in-register
+    /// path) when the scales are bf16 values. The tiles then need no group epilogue
+    /// (zero-point term and scale every group of 128 columns).
+    pub fn widens_dequantised(&self, m: usize) -> bool {
+        self.scales_bf16 && m >= DEQUANT_MIN_ROWS && !self.reads_nibbles(m)
+    }
+
     /// As [`BlockedWo::gemm`] for activations prepared by [`BlockedWo::bf16_rows`] for the
     /// same `m` (rows prepared for another count emit nothing: their tile layout differs).
     pub fn gemm_bf16(
@@ -364,18 +451,35 @@ impl BlockedWo {
         }
         let simd = bf16_dot();
         let nibbles = self.reads_nibbles(m);
+        let dequant = self.widens_dequantised(m);
         let codes = self.codes.bytes();
         let len = self.codes.block_len(self.k);
         let tile_blocks = self.tile_blocks(m);
         let tiles = m.div_ceil(TILE_ROWS);
+        // Dequantised weights carry their scales: the tiles see runs of at most SPAN_PAIRS
+        // pairs (any cut of the padded pairs will do, padding being zero on both sides) with
+        // a scale of 1 and no zero points, so a run's epilogue only adds it to the totals.
+        let runs: Vec<usize>;
+        let ones: Vec<f32>;
+        let (t_offs, t_groups) = if dequant {
+            runs = (0..pairs)
+                .step_by(SPAN_PAIRS)
+                .chain(std::iter::once(pairs))
+                .collect();
+            ones = vec![1.0; TILE_BLOCKS * (runs.len() - 1) * BLOCK];
+            (&runs[..], runs.len() - 1)
+        } else {
+            ones = Vec::new();
+            (offs, groups)
+        };
         // Spans matter only where row tiles share widened codes. One row tile (a decode call)
         // keeps its span and totals on the stack.
         let (all_groups, many_spans);
         let spans: &[(usize, usize)] = if tiles > 1 {
-            many_spans = group_spans(offs, SPAN_PAIRS);
+            many_spans = group_spans(t_offs, SPAN_PAIRS);
             &many_spans
         } else {
-            all_groups = [(0, groups)];
+            all_groups = [(0, t_groups)];
             &all_groups
         };
         let zero = [[[0f32; BLOCK]; TILE_BLOCKS]; TILE_ROWS];
@@ -404,19 +508,35 @@ impl BlockedWo {
                 } else {
                     for i in 0..nb {
                         let dst = &mut wide[i * pairs * BLOCK..(i + 1) * pairs * BLOCK];
-                        self.widen(b + i, offs, dst);
+                        if dequant {
+                            self.widen_dequant(b + i, offs, dst);
+                        } else {
+                            self.widen(b + i, offs, dst);
+                        }
                     }
                     Weights::Wide(&wide[..nb * pairs * BLOCK])
                 };
                 let per = groups * BLOCK;
-                let t = Tile {
-                    w,
-                    pairs,
-                    offs,
-                    scale: &self.scale[b * per..(b + nb) * per],
-                    zp: self.zp.as_ref().map(|z| &z[b * per..(b + nb) * per]),
-                    groups: (0, groups),
-                    ahead: &[],
+                let t = if dequant {
+                    Tile {
+                        w,
+                        pairs,
+                        offs: t_offs,
+                        scale: &ones[..nb * t_groups * BLOCK],
+                        zp: None,
+                        groups: (0, t_groups),
+                        ahead: &[],
+                    }
+                } else {
+                    Tile {
+                        w,
+                        pairs,
+                        offs,
+                        scale: &self.scale[b * per..(b + nb) * per],
+                        zp: self.zp.as_ref().map(|z| &z[b * per..(b + nb) * per]),
+                        groups: (0, groups),
+                        ahead: &[],
+                    }
                 };
                 // The next blocks' codes, split evenly over this block's tile calls.
                 let next = codes.get((b + nb) * len..((b + 2 * nb).min(end)) * len);
@@ -657,6 +777,92 @@ mod x86 {
                             pair(_mm512_and_si512(v, nib), _mm512_srli_epi32::<4>(v))
                         }
                     };
+                    _mm512_storeu_si512(op.add((first + j) * BLOCK).cast(), v);
+                }
+            }
+        }
+    }
+
+    /// Widens one block into dequantised bf16 weights (see
+    /// [`BlockedWo::widen_dequant_scalar`]): `(q - z) * s` (exact in f32), rounded by
+    /// `vcvtne2ps2bf16`, whose round-to-nearest-even and zeroing of subnormal inputs the
+    /// scalar form repeats.
+    ///
+    /// # Safety
+    /// AVX-512F, AVX512-BW and AVX512-BF16 (`bf16_dot`); `offs` is `w.pair_offsets()`
+    /// (non-decreasing, `offs[groups]` pairs); `block` is one whole block of `w`
+    /// (`block_len(k)` bytes), `scale` and `zp` (when given) hold its `groups * 16` values,
+    /// and `out` holds `offs[groups] * 16` values.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub unsafe fn widen_dequant(
+        w: &BlockedWo,
+        block: &[u8],
+        scale: &[f32],
+        zp: Option<&[f32]>,
+        offs: &[usize],
+        out: &mut [u32],
+    ) {
+        let nib = _mm512_set1_epi32(15);
+        // Words 0..16 of `vcvtne2ps2bf16(hi, lo)` are lo's, 16..32 hi's: interleave them
+        // into (lo, hi) pairs.
+        let mut idx = [0i16; 32];
+        for (i, v) in idx.iter_mut().enumerate() {
+            *v = (i / 2 + 16 * (i % 2)) as i16;
+        }
+        // SAFETY: 32 i16 are one 64-byte load.
+        let idx = unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) };
+        let bp = block.as_ptr();
+        let op = out.as_mut_ptr();
+        for (g, &first) in offs.iter().enumerate().take(w.groups()) {
+            let (a, e) = w.bounds(g);
+            let e = e.min(w.k);
+            // SAFETY: g < groups: the group's 16 scales (and zero points) lie inside the
+            // block's `groups * 16`.
+            let (s, z) = unsafe {
+                (
+                    _mm512_loadu_ps(scale.as_ptr().add(g * BLOCK)),
+                    zp.map_or(_mm512_setzero_ps(), |z| {
+                        _mm512_loadu_ps(z.as_ptr().add(g * BLOCK))
+                    }),
+                )
+            };
+            // (q - z) * s as compressed-tensors computes it, down to the sign of a zero
+            // (`q * s - z * s` in one fused multiply-add would give +0 where q == z).
+            // (Without zero points, q - 0 is q, so the subtraction is left out.)
+            let has_zp = zp.is_some();
+            let dq = |q: __m512i| {
+                let q = _mm512_cvtepi32_ps(q);
+                _mm512_mul_ps(if has_zp { _mm512_sub_ps(q, z) } else { q }, s)
+            };
+            for (j, c) in (a..e).step_by(2).enumerate() {
+                // SAFETY: as in `widen`: column c (and c + 1 when < e) lies inside the block,
+                // pair first + j inside `out`.
+                unsafe {
+                    let (lo, hi) = match &w.codes {
+                        Codes::I8(_) => {
+                            let lo =
+                                _mm512_cvtepi8_epi32(_mm_loadu_si128(bp.add(c * BLOCK).cast()));
+                            let hi = if c + 1 < e {
+                                dq(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                    bp.add((c + 1) * BLOCK).cast(),
+                                )))
+                            } else {
+                                // Past the group's end: an empty high half.
+                                _mm512_setzero_ps()
+                            };
+                            (dq(lo), hi)
+                        }
+                        // Even group starts and k: columns c, c + 1 share byte row c / 2.
+                        Codes::U4(_) => {
+                            let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                bp.add((c / 2) * BLOCK).cast(),
+                            ));
+                            (dq(_mm512_and_si512(v, nib)), dq(_mm512_srli_epi32::<4>(v)))
+                        }
+                    };
+                    // SAFETY: __m512bh and __m512i are both 64 bytes of plain bits.
+                    let h: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+                    let v = _mm512_permutexvar_epi16(idx, h);
                     _mm512_storeu_si512(op.add((first + j) * BLOCK).cast(), v);
                 }
             }
@@ -991,6 +1197,208 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// bf16 `v` nearest to `p` (ties to the even one), found by comparing the two bf16 values
+    /// around it in f64: an independent form of `to_bf16` for finite normal values.
+    fn nearest_bf16(p: f32) -> u32 {
+        let lo = p.to_bits() >> 16;
+        let (a, b) = (from_bf16(lo), from_bf16(lo + 1));
+        let (da, db) = (
+            (f64::from(p) - f64::from(a)).abs(),
+            (f64::from(b) - f64::from(p)).abs(),
+        );
+        if da < db || (da == db && lo.is_multiple_of(2)) {
+            lo
+        } else {
+            lo + 1
+        }
+    }
+
+    /// With bf16 scales, multi-row tiles widen codes into compressed-tensors' dequantised bf16
+    /// weights: the SIMD widening equals the scalar one and `bf16((q - z) * s)` found
+    /// independently, the GEMM equals the scalar tile on those weights bit for bit (runs of
+    /// at most SPAN_PAIRS pairs, scale 1, no zero points) and the f64 sum within 1e-4.
+    #[test]
+    fn dequantised_widening_equals_compressed_tensors_and_the_scalar_tile() {
+        for (n, k, groups, asym, m, bits) in [
+            (37, 64, 4, true, 33, 8),
+            (33, 66, 3, false, 41, 8),
+            (48, 75, 5, true, 32, 8),
+            (24, 44, 2, false, 35, 4),
+            (40, 128, 2, true, 48, 4),
+            (20, 4096, 32, true, 33, 4),
+            (18, 2304, 3, false, 40, 8),
+        ] {
+            let (plain, q) = sample_bits(n, k, groups, asym, bits);
+            assert!(!plain.scales_bf16, "1e-3 multiples are not bf16 values");
+            // The sample's scales rounded to bf16, one in five negative.
+            let scale: Vec<f32> = (0..n * groups)
+                .map(|i| {
+                    let v = from_bf16(u32::from(to_bf16(1e-3 * (1 + i % 13) as f32)));
+                    if i % 5 == 3 {
+                        -v
+                    } else {
+                        v
+                    }
+                })
+                .collect();
+            let zp: Vec<i8> = (0..n * groups).map(|i| (i % 15) as i8 - 7).collect();
+            let starts: Vec<usize> = (0..groups).map(|g| g * k / groups).collect();
+            let w = BlockedWo::new(n, k, &q, &scale, asym.then_some(&zp[..]), starts);
+            assert!(w.scales_bf16);
+            assert!(w.widens_dequantised(m), "{n}x{k} {bits} bits, {m} rows");
+            assert!(!w.widens_dequantised(DEQUANT_MIN_ROWS - 1));
+            let offs = w.pair_offsets();
+            let g = w.groups();
+            let pairs = offs[g];
+            let mut deq = vec![0u32; w.blocks() * pairs * BLOCK];
+            for b in 0..w.blocks() {
+                let mut a = vec![7u32; pairs * BLOCK];
+                let s = &mut deq[b * pairs * BLOCK..(b + 1) * pairs * BLOCK];
+                w.widen_dequant(b, offs, &mut a);
+                w.widen_dequant_scalar(b, offs, s);
+                assert_eq!(a, s, "widen block {b} of {n}x{k}, {bits} bits");
+            }
+            // Every value against bf16((q - z) * s), compressed-tensors' dequantisation.
+            for j in 0..n {
+                let (b, l) = (j / BLOCK, j % BLOCK);
+                for gi in 0..g {
+                    let (a, e) = w.bounds(gi);
+                    for c in a..e.min(k) {
+                        let z = if asym {
+                            f32::from(zp[j * groups + gi])
+                        } else {
+                            0.0
+                        };
+                        let want =
+                            nearest_bf16((f32::from(q[j * k + c]) - z) * scale[j * groups + gi]);
+                        let at = (b * pairs + offs[gi] + (c - a) / 2) * BLOCK + l;
+                        let got = if (c - a) % 2 == 0 {
+                            deq[at] & 0xffff
+                        } else {
+                            deq[at] >> 16
+                        };
+                        assert_eq!(got, want, "feature {j} column {c}");
+                    }
+                }
+            }
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 31) % 97) as f32 / 13.0 - 3.0 + 1e-3 * (i % 7) as f32)
+                .collect();
+            let xb = w.bf16_rows(&x, m);
+            let mut got = vec![f32::NAN; m * n];
+            w.gemm_bf16(&xb, m, 0, w.blocks(), |r, b, lanes| {
+                for (l, &v) in lanes.iter().enumerate() {
+                    if b * BLOCK + l < n {
+                        got[r * n + b * BLOCK + l] = v;
+                    }
+                }
+            });
+            let runs: Vec<usize> = (0..pairs)
+                .step_by(SPAN_PAIRS)
+                .chain(std::iter::once(pairs))
+                .collect();
+            let ones = vec![1f32; TILE_BLOCKS * (runs.len() - 1) * BLOCK];
+            let tb = w.tile_blocks(m);
+            for b in (0..w.blocks()).step_by(tb) {
+                let nb = (w.blocks() - b).min(tb);
+                let t = Tile {
+                    w: Weights::Wide(&deq[b * pairs * BLOCK..(b + nb) * pairs * BLOCK]),
+                    pairs,
+                    offs: &runs,
+                    scale: &ones[..nb * (runs.len() - 1) * BLOCK],
+                    zp: None,
+                    groups: (0, runs.len() - 1),
+                    ahead: &[],
+                };
+                for r0 in (0..m).step_by(TILE_ROWS) {
+                    let mr = (m - r0).min(TILE_ROWS);
+                    let mut want = [[[0f32; BLOCK]; TILE_BLOCKS]; TILE_ROWS];
+                    tile_scalar(&t, &xb.x[r0 * 2 * pairs..], &[], mr, nb, &mut want);
+                    for (rr, row) in want.iter().enumerate().take(mr) {
+                        for (i, lanes) in row.iter().enumerate().take(nb) {
+                            for (l, v) in lanes.iter().enumerate() {
+                                let j = (b + i) * BLOCK + l;
+                                if j < n {
+                                    let r = r0 + rr;
+                                    assert_eq!(got[r * n + j].to_bits(), v.to_bits(), "{r} {j}");
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            for r in 0..m {
+                for j in 0..n {
+                    let mut exact = 0f64;
+                    for c in 0..k {
+                        let gi = c * groups / k;
+                        let z = if asym {
+                            f32::from(zp[j * groups + gi])
+                        } else {
+                            0.0
+                        };
+                        let wv =
+                            nearest_bf16((f32::from(q[j * k + c]) - z) * scale[j * groups + gi]);
+                        let xv = from_bf16(u32::from(to_bf16(x[r * k + c])));
+                        exact += f64::from(from_bf16(wv)) * f64::from(xv);
+                    }
+                    let v = f64::from(got[r * n + j]);
+                    assert!(
+                        (v - exact).abs() <= 1e-4 * exact.abs().max(1.0),
+                        "{v} vs {exact}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Products below f32's normal range widen to signed zeros in both forms (the SIMD one
+    /// rounds with `vcvtne2ps2bf16`, which reads them as zero); the rest round to nearest.
+    #[test]
+    fn dequantised_widening_zeroes_subnormal_products() {
+        let (n, k) = (16, 256);
+        let q: Vec<i8> = (0..n * k).map(|i| (i % 256) as i8).collect();
+        // 2^-133 (a subnormal bf16 value) and FLT_MIN: codes times them span both sides of
+        // the normal range, one feature in two negative.
+        let scale: Vec<f32> = (0..n)
+            .map(|j| {
+                let v = f32::from_bits(if j % 4 < 2 { 0x0001_0000 } else { 0x0080_0000 });
+                if j % 2 == 1 {
+                    -v
+                } else {
+                    v
+                }
+            })
+            .collect();
+        let w = BlockedWo::new(n, k, &q, &scale, None, vec![0]);
+        assert!(w.scales_bf16);
+        let pairs = w.pair_offsets()[1];
+        let (mut a, mut b) = (vec![7u32; pairs * BLOCK], vec![9u32; pairs * BLOCK]);
+        w.widen_dequant(0, w.pair_offsets(), &mut a);
+        w.widen_dequant_scalar(0, w.pair_offsets(), &mut b);
+        assert_eq!(a, b);
+        let (mut zeros, mut rounded) = (0, 0);
+        for j in 0..n {
+            for c in 0..k {
+                let p = f32::from(q[j * k + c]) * scale[j];
+                let at = (c / 2) * BLOCK + j;
+                let got = if c % 2 == 0 {
+                    a[at] & 0xffff
+                } else {
+                    a[at] >> 16
+                };
+                if p.is_subnormal() {
+                    assert_eq!(got, if p < 0.0 { 0x8000 } else { 0 }, "{j} {c}");
+                    zeros += 1;
+                } else {
+                    assert_eq!(got, nearest_bf16(p), "{j} {c}");
+                    rounded += 1;
+                }
+            }
+        }
+        assert!(zeros > 100 && rounded > 100, "{zeros} {rounded}");
     }
 
     /// The scalar tile reads 4-bit byte rows as their widened pairs.
