@@ -96,8 +96,10 @@ def build(h: int, i: int, e: int, k: int, scheme: str):  # type: ignore[no-untyp
         group = -1 if scheme == "w8a8_dynamic" else 128
     g13 = 1 if group == -1 else h // group
     g2 = 1 if group == -1 else i // group
-    s13 = torch.rand(e, 2 * i, g13, generator=g) * 1e-3
-    s2 = torch.rand(e, h, g2, generator=g) * 1e-3
+    # Scales that are bf16 values, as a checkpoint's are (held as fp32 for vLLM's kernel):
+    # weight-only layers then widen into the dequantised bf16 weights from 32 rows.
+    s13 = (torch.rand(e, 2 * i, g13, generator=g) * 1e-3).bfloat16().float()
+    s2 = (torch.rand(e, h, g2, generator=g) * 1e-3).bfloat16().float()
     layer = mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme=scheme, group_size=group, top_k=k)
     layer.int8_weights = (w13, w2, s13, s2)  # for the vLLM comparison (W8A8)
     weight_bytes_per_expert = (
