@@ -175,6 +175,12 @@ def balanced_routing(tokens: int, experts: int) -> tuple[torch.Tensor, torch.Ten
     return w / w.sum(-1, keepdim=True), ids
 
 
+def median_token_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The median over tokens (rows) of ``|a - b| / |b|``: the typical token's error."""
+    d = (a.double() - b.double()).norm(dim=1) / b.double().norm(dim=1)
+    return float(d.median())
+
+
 def emulate_rows(
     emu: Emulation, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, round_h: bool
 ) -> torch.Tensor:
@@ -242,11 +248,7 @@ def test_bf16_inputs_use_bf16_dot_products(
         # Per-token errors, median: where fp32 and fp64 put an intermediate on different sides
         # of a bf16 rounding boundary (about one element per test), that token moves by
         # ~1e-4; the median is the typical token.
-        def per_token(a: torch.Tensor, b: torch.Tensor) -> float:
-            d = (a.double() - b.double()).norm(dim=1) / b.double().norm(dim=1)
-            return float(d.median())
-
-        near, far = per_token(bf16, rounded_h), per_token(bf16, exact_h)
+        near, far = median_token_rel(bf16, rounded_h), median_token_rel(bf16, exact_h)
         assert near <= 1e-5, f"{name}: {near:.2e} from the bf16-intermediate emulation"
         assert far >= 20 * near, f"{name}: not measurably bf16 ({near:.2e} vs {far:.2e})"
         assert rel_l2(bf16, rounded_h) <= 5e-4
@@ -308,12 +310,7 @@ def test_bf16_inputs_from_32_rows_use_the_dequantised_bf16_weights(
         bf16=True,
     )
     raw_t = torch.from_numpy(raw).reshape(tokens, -1)
-
-    def per_token(a: torch.Tensor, b: torch.Tensor) -> float:
-        d = (a.double() - b.double()).norm(dim=1) / b.double().norm(dim=1)
-        return float(d.median())
-
-    near, far = per_token(raw_t, dequant), per_token(raw_t, exact)
+    near, far = median_token_rel(raw_t, dequant), median_token_rel(raw_t, exact)
     assert near <= 1e-5, f"{name}: {near:.2e} from the dequantised-weight emulation"
     assert far >= 20 * near, f"{name}: weights not measurably bf16 ({near:.2e} vs {far:.2e})"
     assert torch.equal(got, raw_t.to(torch.bfloat16))
