@@ -1721,8 +1721,9 @@ def test_long_calls_split_into_chunks_give_the_same_outputs(
     bits only (the tiles' summation order); with bf16 inputs on a CPU with bf16 dot products
     an expert of 8 rows or more runs them, on its intermediate rounded to bf16, where a
     chunk's fewer rows run fp32 FMAs, so they differ by that rounding (2^-9 relative at
-    most, before the output's own bf16 rounding). Under MOEQ_POISON_SCRATCH=1, so a row no
-    chunk wrote would show as NaN."""
+    most, before the output's own bf16 rounding), and from 32 rows (not reached here) by the
+    weights' rounding to bf16 too. Under MOEQ_POISON_SCRATCH=1, so a row no chunk wrote
+    would show as NaN."""
     import os
     import subprocess
     import sys

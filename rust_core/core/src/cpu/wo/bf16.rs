@@ -28,13 +28,15 @@
 //! exactly.
 //!
 //! Where codes are widened (int8, and 4-bit beyond one row tile), from [`DEQUANT_MIN_ROWS`]
-//! rows, and every scale is a bf16 value, as a checkpoint's bf16 scales are, the widening
-//! writes the dequantised weights
-//! instead: `bf16((q - z) * s)`, which is compressed-tensors' dequantisation in the scale
-//! dtype bit for bit (DESIGN.md's "dequantised weights"), and the tiles add runs of up to
-//! `SPAN_PAIRS` pairs with a scale of 1 and no zero-point term. That drops the per-group
-//! epilogue (~5-8% of the tile's rate at group 128) at the price of one bf16 rounding per
-//! weight, which the checkpoint's own dequantisation has too.
+//! rows, and every scale is a bf16 value, the widening writes the dequantised weights
+//! instead: `bf16((q - z) * s)`, and the tiles add runs of up to `SPAN_PAIRS` pairs with a
+//! scale of 1 and no zero-point term. That drops the per-group epilogue (~5-8% of the tile's
+//! rate at group 128) at the price of one bf16 rounding per weight. The layer sees scale
+//! values, not their dtype: for bf16 scales (a checkpoint's usual dtype) these weights are
+//! compressed-tensors' dequantisation in the scale dtype bit for bit (DESIGN.md's
+//! "dequantised weights"); fp16 or fp32 scales that all happen to be bf16 values (powers of
+//! two, say) get the same bf16 weights where compressed-tensors would round to fp16 or not
+//! at all, a difference within the bf16 path's tolerance.
 
 use std::cell::RefCell;
 
@@ -451,7 +453,8 @@ impl BlockedWo {
         }
         let simd = bf16_dot();
         let nibbles = self.reads_nibbles(m);
-        let dequant = self.widens_dequantised(m);
+        // (A layer without columns has no pairs to cut into runs; it keeps the plain path.)
+        let dequant = self.widens_dequantised(m) && pairs > 0;
         let codes = self.codes.bytes();
         let len = self.codes.block_len(self.k);
         let tile_blocks = self.tile_blocks(m);
@@ -1351,6 +1354,24 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// A layer without input columns (k = 0) emits zero rows on either path, bf16 scales and
+    /// enough rows for the dequantised one included (it has no pairs to cut into runs).
+    #[test]
+    fn layers_without_columns_emit_zeros_on_both_paths() {
+        for s in [0.5f32, 0.3] {
+            let w = BlockedWo::new(16, 0, &[], &[s; 16], None, vec![0]);
+            assert_eq!(w.scales_bf16, s == 0.5);
+            let m = DEQUANT_MIN_ROWS + 8;
+            let xb = w.bf16_rows(&[], m);
+            let mut rows = vec![0usize; m];
+            w.gemm_bf16(&xb, m, 0, w.blocks(), |r, _, lanes| {
+                assert!(lanes.iter().all(|&v| v == 0.0));
+                rows[r] += 1;
+            });
+            assert!(rows.iter().all(|&n| n == 1), "{rows:?}");
         }
     }
 
