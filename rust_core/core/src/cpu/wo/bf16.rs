@@ -328,14 +328,25 @@ impl BlockedWo {
         let Some(block) = self.codes.bytes().get(b * len..(b + 1) * len) else {
             return;
         };
-        let bf = |c: usize, l: usize| code_bf16(self.codes.get(block, c, l));
+        self.fill_pairs(offs, out, |_, c, l| code_bf16(self.codes.get(block, c, l)));
+    }
+
+    /// Writes every group's columns as bf16 pairs `[pairs][16]` into `out`: pair `j` of group
+    /// `g` at `offs[g] + j`, `value(g, c, l)` of column `c` low and of `c + 1` high (zero past
+    /// the group's end).
+    fn fill_pairs(
+        &self,
+        offs: &[usize],
+        out: &mut [u32],
+        value: impl Fn(usize, usize, usize) -> u32,
+    ) {
         for g in 0..self.groups() {
             let (a, e) = self.bounds(g);
             let e = e.min(self.k);
             for (j, c) in (a..e).step_by(2).enumerate() {
                 for l in 0..BLOCK {
-                    let hi = if c + 1 < e { bf(c + 1, l) } else { 0 };
-                    out[(offs[g] + j) * BLOCK + l] = bf(c, l) | (hi << 16);
+                    let hi = if c + 1 < e { value(g, c + 1, l) } else { 0 };
+                    out[(offs[g] + j) * BLOCK + l] = value(g, c, l) | (hi << 16);
                 }
             }
         }
@@ -365,39 +376,29 @@ impl BlockedWo {
     /// bit for bit: `q - z` is a small integer, its product with a bf16 scale is exact in
     /// f32, and bf16 arithmetic rounds that product to nearest, ties to even.
     pub fn widen_dequant_scalar(&self, b: usize, offs: &[usize], out: &mut [u32]) {
-        let (len, groups) = (self.codes.block_len(self.k), self.groups());
+        let len = self.codes.block_len(self.k);
         let Some(block) = self.codes.bytes().get(b * len..(b + 1) * len) else {
             return;
         };
-        let per = groups * BLOCK;
+        let per = self.groups() * BLOCK;
         let (Some(scale), zp) = (
             self.scale.get(b * per..(b + 1) * per),
             self.zp.as_ref().and_then(|z| z.get(b * per..(b + 1) * per)),
         ) else {
             return;
         };
-        for g in 0..groups {
-            let (a, e) = self.bounds(g);
-            let e = e.min(self.k);
-            let value = |c: usize, l: usize| {
-                let z = zp.map_or(0.0, |z| z[g * BLOCK + l]);
-                let q = f32::from(self.codes.get(block, c, l));
-                let p = (q - z) * scale[g * BLOCK + l];
-                // A subnormal product becomes a signed zero before rounding, as in
-                // `vcvtne2ps2bf16` (and `vdpbf16ps` would read its bf16 as zero anyway).
-                u32::from(to_bf16(if p.is_subnormal() {
-                    0.0f32.copysign(p)
-                } else {
-                    p
-                }))
-            };
-            for (j, c) in (a..e).step_by(2).enumerate() {
-                for l in 0..BLOCK {
-                    let hi = if c + 1 < e { value(c + 1, l) } else { 0 };
-                    out[(offs[g] + j) * BLOCK + l] = value(c, l) | (hi << 16);
-                }
-            }
-        }
+        self.fill_pairs(offs, out, |g, c, l| {
+            let z = zp.map_or(0.0, |z| z[g * BLOCK + l]);
+            let q = f32::from(self.codes.get(block, c, l));
+            let p = (q - z) * scale[g * BLOCK + l];
+            // A subnormal product becomes a signed zero before rounding, as in
+            // `vcvtne2ps2bf16` (and `vdpbf16ps` would read its bf16 as zero anyway).
+            u32::from(to_bf16(if p.is_subnormal() {
+                0.0f32.copysign(p)
+            } else {
+                p
+            }))
+        });
     }
 
     /// As [`BlockedWo::widen_dequant_scalar`], vectorised where the CPU allows (equal output).
@@ -1089,6 +1090,25 @@ mod tests {
     use super::super::tests::sample_bits;
     use super::*;
 
+    /// `m` rows of sample activations `[m, k]`, their bf16 form, and `gemm_bf16`'s output as
+    /// a dense `[m, n]` (NaN where nothing was emitted).
+    fn dense_gemm_bf16(w: &BlockedWo, m: usize) -> (Vec<f32>, Bf16Rows, Vec<f32>) {
+        let (n, k) = (w.n, w.k);
+        let x: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 31) % 97) as f32 / 13.0 - 3.0 + 1e-3 * (i % 7) as f32)
+            .collect();
+        let xb = w.bf16_rows(&x, m);
+        let mut got = vec![f32::NAN; m * n];
+        w.gemm_bf16(&xb, m, 0, w.blocks(), |r, b, lanes| {
+            for (l, &v) in lanes.iter().enumerate() {
+                if b * BLOCK + l < n {
+                    got[r * n + b * BLOCK + l] = v;
+                }
+            }
+        });
+        (x, xb, got)
+    }
+
     /// Widening: SIMD equals scalar; the bf16 tile: SIMD equals the scalar reference bit for
     /// bit, and both are close to an f64 reference on the bf16-rounded activations.
     #[test]
@@ -1120,18 +1140,7 @@ mod tests {
                     w.widen_scalar(b, offs, &mut s);
                     assert_eq!(a, s, "widen block {b} of {n}x{k}, {bits} bits");
                 }
-                let x: Vec<f32> = (0..m * k)
-                    .map(|i| ((i * 31) % 97) as f32 / 13.0 - 3.0 + 1e-3 * (i % 7) as f32)
-                    .collect();
-                let xb = w.bf16_rows(&x, m);
-                let mut got = vec![f32::NAN; m * n];
-                w.gemm_bf16(&xb, m, 0, w.blocks(), |r, b, lanes| {
-                    for (l, &v) in lanes.iter().enumerate() {
-                        if b * BLOCK + l < n {
-                            got[r * n + b * BLOCK + l] = v;
-                        }
-                    }
-                });
+                let (x, xb, got) = dense_gemm_bf16(&w, m);
                 let g = w.groups();
                 let mut wide = vec![0u32; 2 * offs[g] * BLOCK];
                 let tb = w.tile_blocks(m);
@@ -1286,18 +1295,7 @@ mod tests {
                     }
                 }
             }
-            let x: Vec<f32> = (0..m * k)
-                .map(|i| ((i * 31) % 97) as f32 / 13.0 - 3.0 + 1e-3 * (i % 7) as f32)
-                .collect();
-            let xb = w.bf16_rows(&x, m);
-            let mut got = vec![f32::NAN; m * n];
-            w.gemm_bf16(&xb, m, 0, w.blocks(), |r, b, lanes| {
-                for (l, &v) in lanes.iter().enumerate() {
-                    if b * BLOCK + l < n {
-                        got[r * n + b * BLOCK + l] = v;
-                    }
-                }
-            });
+            let (x, xb, got) = dense_gemm_bf16(&w, m);
             let runs: Vec<usize> = (0..pairs)
                 .step_by(SPAN_PAIRS)
                 .chain(std::iter::once(pairs))
