@@ -242,6 +242,8 @@ fn moe_layer(rng: &mut Rng) -> Result<(), String> {
         println!("moe w8a8 T={t} outputs={} fnv={:016x}", y.len(), h.0);
         println!("amx moe T={t} amx_calls={calls}");
     }
+    // (The tile loop exists where AMX can: x86-64 Linux.)
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
     if isa().amx() {
         // The compute-peak probe's tile loop (`mq.oracle.cpu_dot_peak("int8")` on AMX): a few
         // rounds, enough to show its instructions run (its speed means nothing here).
