@@ -81,6 +81,19 @@ pub const NIBBLE_MIN_ROWS: usize = 1;
 /// one row tile does not repay (int8, 8 rows: 20% slower); 16-32 rows measured even.
 pub const DEQUANT_MIN_ROWS: usize = 32;
 
+// The 4-bit in-register path serves one row tile at most, so dequantised widening never
+// meets it.
+const _: () = assert!(DEQUANT_MIN_ROWS > TILE_ROWS);
+
+/// The run boundaries over `pairs` pairs of dequantised weights: `0, SPAN_PAIRS, ...`, then
+/// `pairs` (the tiles' "groups" when the weights carry their scales).
+fn dequant_runs(pairs: usize) -> Vec<usize> {
+    (0..pairs)
+        .step_by(SPAN_PAIRS)
+        .chain(std::iter::once(pairs))
+        .collect()
+}
+
 /// Blocks per register tile (two 16-feature blocks share each activation broadcast).
 const TILE_BLOCKS: usize = 2;
 
@@ -423,11 +436,11 @@ impl BlockedWo {
     }
 
     /// Whether [`BlockedWo::gemm_bf16`] widens this layer's codes into dequantised bf16
-    /// weights for `m` rows: from [`DEQUANT_MIN_ROWS`] rows (never the 4-bit in-register
-    /// path) when the scales are bf16 values. The tiles then need no group epilogue
-    /// (zero-point term and scale every group of 128 columns).
+    /// weights for `m` rows: from [`DEQUANT_MIN_ROWS`] rows (beyond the 4-bit in-register
+    /// path's one row tile) when the scales are bf16 values. The tiles then need no group
+    /// epilogue (zero-point term and scale every group of 128 columns).
     pub fn widens_dequantised(&self, m: usize) -> bool {
-        self.scales_bf16 && m >= DEQUANT_MIN_ROWS && !self.reads_nibbles(m)
+        self.scales_bf16 && m >= DEQUANT_MIN_ROWS
     }
 
     /// As [`BlockedWo::gemm`] for activations prepared by [`BlockedWo::bf16_rows`] for the
@@ -466,10 +479,7 @@ impl BlockedWo {
         let runs: Vec<usize>;
         let ones: Vec<f32>;
         let (t_offs, t_groups) = if dequant {
-            runs = (0..pairs)
-                .step_by(SPAN_PAIRS)
-                .chain(std::iter::once(pairs))
-                .collect();
+            runs = dequant_runs(pairs);
             ones = vec![1.0; TILE_BLOCKS * (runs.len() - 1) * BLOCK];
             (&runs[..], runs.len() - 1)
         } else {
@@ -1272,20 +1282,23 @@ mod tests {
                 w.widen_dequant_scalar(b, offs, s);
                 assert_eq!(a, s, "widen block {b} of {n}x{k}, {bits} bits");
             }
-            // Every value against bf16((q - z) * s), compressed-tensors' dequantisation.
+            // bf16((q - z) * s) of feature j, column c in group gi: compressed-tensors'
+            // dequantisation.
+            let ct_weight = |j: usize, c: usize, gi: usize| {
+                let z = if asym {
+                    f32::from(zp[j * groups + gi])
+                } else {
+                    0.0
+                };
+                nearest_bf16((f32::from(q[j * k + c]) - z) * scale[j * groups + gi])
+            };
             for j in 0..n {
                 let (b, l) = (j / BLOCK, j % BLOCK);
-                for gi in 0..g {
+                for (gi, &first) in offs.iter().enumerate().take(g) {
                     let (a, e) = w.bounds(gi);
                     for c in a..e.min(k) {
-                        let z = if asym {
-                            f32::from(zp[j * groups + gi])
-                        } else {
-                            0.0
-                        };
-                        let want =
-                            nearest_bf16((f32::from(q[j * k + c]) - z) * scale[j * groups + gi]);
-                        let at = (b * pairs + offs[gi] + (c - a) / 2) * BLOCK + l;
+                        let want = ct_weight(j, c, gi);
+                        let at = (b * pairs + first + (c - a) / 2) * BLOCK + l;
                         let got = if (c - a) % 2 == 0 {
                             deq[at] & 0xffff
                         } else {
@@ -1296,10 +1309,7 @@ mod tests {
                 }
             }
             let (x, xb, got) = dense_gemm_bf16(&w, m);
-            let runs: Vec<usize> = (0..pairs)
-                .step_by(SPAN_PAIRS)
-                .chain(std::iter::once(pairs))
-                .collect();
+            let runs = dequant_runs(pairs);
             let ones = vec![1f32; TILE_BLOCKS * (runs.len() - 1) * BLOCK];
             let tb = w.tile_blocks(m);
             for b in (0..w.blocks()).step_by(tb) {
@@ -1334,14 +1344,7 @@ mod tests {
                 for j in 0..n {
                     let mut exact = 0f64;
                     for c in 0..k {
-                        let gi = c * groups / k;
-                        let z = if asym {
-                            f32::from(zp[j * groups + gi])
-                        } else {
-                            0.0
-                        };
-                        let wv =
-                            nearest_bf16((f32::from(q[j * k + c]) - z) * scale[j * groups + gi]);
+                        let wv = ct_weight(j, c, c * groups / k);
                         let xv = from_bf16(u32::from(to_bf16(x[r * k + c])));
                         exact += f64::from(from_bf16(wv)) * f64::from(xv);
                     }
