@@ -1126,6 +1126,9 @@ def test_grouped_routing_without_bias(
         (dict(n_group=4, topk_group=5), mq.ConfigError, "topk_group: 5 is not between 1 and"),
         (dict(n_group=8, topk_group=1), mq.ConfigError, "topk_group: 1 groups of 1 experts hold"),
         (dict(num_experts_per_tok=9), mq.ConfigError, "num_experts_per_tok: 9 is not between"),
+        (dict(routed_scaling_factor=0.0), mq.ConfigError, "routed_scaling_factor: 0 is not a"),
+        (dict(routed_scaling_factor=-2.5), mq.ConfigError, "routed_scaling_factor: -2.5 is not"),
+        (dict(route_scale=-1), mq.ConfigError, "routed_scaling_factor: -1 is not a positive"),
         (dict(scoring_func="sqrtsoftplus"), mq.UnsupportedSchemeError, "scoring_func"),
         (dict(hidden_act="gelu"), mq.UnsupportedSchemeError, 'hidden_act: "gelu" experts'),
         (

@@ -663,6 +663,15 @@ impl Routing {
                 ))
             }
         }
+        // A zero, negative or non-finite scale silences, flips or poisons every routed
+        // expert's output: a broken config rather than a model to follow.
+        let scale = self.routed_scaling_factor;
+        if !(scale.is_finite() && scale > 0.0) {
+            return Err((
+                "routed_scaling_factor",
+                format!("{scale} is not a positive number (it multiplies the routed experts' sum)"),
+            ));
+        }
         if let Some(groups) = self.n_group {
             if !experts.is_multiple_of(groups) {
                 let whose = if self.family_defaults.contains(&"n_group") {
