@@ -1629,20 +1629,26 @@ for layer, width in weight_only:
         x = torch.randn(t, width, generator=g)
         logits = torch.randn(t, e, generator=g)
         outs.append(layer(x, logits).numpy().ravel())
+# An unquantized layer (fp32 dot products, one summation order in every family).
+dense = mq.MoELayer.from_checkpoint(sys.argv[2], 1)
+for t in (1, 9):
+    x = torch.randn(t, dense.hidden_size, generator=g)
+    outs.append(dense(x, torch.randn(t, dense.num_experts, generator=g)).numpy().ravel())
 np.save(sys.argv[1], np.concatenate(outs))
 print(mq.oracle.cpu_threads())
 print(mq.oracle.cpu_kernel())
 """
 
 
-def run_int8_script(out: Path, **env: str) -> tuple[np.ndarray, int, str]:
-    """Runs _ISA_SCRIPT in a fresh process with `env` added: (outputs, threads, kernel)."""
+def run_int8_script(out: Path, unquantized: Path, **env: str) -> tuple[np.ndarray, int, str]:
+    """Runs _ISA_SCRIPT in a fresh process with `env` added, on the `unquantized` checkpoint's
+    layer too: (outputs, threads, kernel)."""
     import os
     import subprocess
     import sys
 
     ran = subprocess.run(
-        [sys.executable, "-c", _ISA_SCRIPT, str(out)],
+        [sys.executable, "-c", _ISA_SCRIPT, str(out), str(unquantized)],
         env=dict(os.environ, **env),
         capture_output=True,
         text=True,
@@ -1823,14 +1829,17 @@ def test_chunks_bound_a_long_calls_memory() -> None:
         assert split < whole - 200, growth
 
 
-def test_every_cpu_kernel_gives_identical_int8_results(tmp_path: Path) -> None:
+def test_every_cpu_kernel_gives_identical_int8_results(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
     """W8A8 (dynamic and static), W8A16 and W4A16 outputs with fp32 activations are
     bit-identical whichever kernel family runs (integer accumulators equal, same epilogue; the
     fp32 tiles in one summation order), in decode (panel-parallel) and prefill
-    (expert-parallel) shapes."""
+    (expert-parallel) shapes; so are an unquantized layer's (fp32 dot products)."""
     results = {}
+    dense = fixture_path("qwen3_unquantized")
     for cap in ("scalar", "avx2", "avx_vnni", "avx512", "avx512_vnni", "amx_int8"):
-        got, _, used = run_int8_script(tmp_path / f"{cap}.npy", MOEQ_CPU_ISA=cap)
+        got, _, used = run_int8_script(tmp_path / f"{cap}.npy", dense, MOEQ_CPU_ISA=cap)
         results[used] = got
     assert "scalar" in results
     assert len(results) >= 2 or mq.oracle.cpu_kernel() == "scalar"
@@ -1840,10 +1849,13 @@ def test_every_cpu_kernel_gives_identical_int8_results(tmp_path: Path) -> None:
         assert np.array_equal(got, reference), name
 
 
-def test_thread_count_is_honoured_and_results_do_not_depend_on_it(tmp_path: Path) -> None:
+def test_thread_count_is_honoured_and_results_do_not_depend_on_it(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
     """MOEQ_NUM_THREADS sets the pool; one and three threads give bit-identical outputs."""
-    one, n1, _ = run_int8_script(tmp_path / "t1.npy", MOEQ_NUM_THREADS="1")
-    three, n3, _ = run_int8_script(tmp_path / "t3.npy", MOEQ_NUM_THREADS="3")
+    dense = fixture_path("qwen3_unquantized")
+    one, n1, _ = run_int8_script(tmp_path / "t1.npy", dense, MOEQ_NUM_THREADS="1")
+    three, n3, _ = run_int8_script(tmp_path / "t3.npy", dense, MOEQ_NUM_THREADS="3")
     assert (n1, n3) == (1, 3)
     assert np.array_equal(one, three)
 

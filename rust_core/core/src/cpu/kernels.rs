@@ -438,21 +438,22 @@ fn convert_chunks<A: Copy + Sync, B: Send>(src: &[A], out: &mut [B], f: impl Fn(
     }
 }
 
-/// `Σ w[i] * x[i]` in f32, 16 lanes.
+/// `Σ w[i] * x[i]` in f32, 16 lanes: lane `l` sums the rounded products `w[i] * x[i]` of
+/// every `i ≡ l (mod 16)` below the last full chunk, in order (multiply, then add: no fused
+/// operation, which the portable form would pay for without FMA hardware); then
+/// [`sum_lanes`] and [`tail_dot`]. Every kernel gives these bits.
 #[inline]
 pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if isa().avx512() {
         let n = w.len().min(x.len());
-        let mut out = [[0f32; 4]; 1];
-        // SAFETY: AVX-512F detected by `isa()`; one row of n values in each slice.
-        unsafe { x86::dot_tile_avx512::<1, 1>(&w[..n], &x[..n], n, &mut out) };
-        return out[0][0];
+        // SAFETY: AVX-512F detected by `isa()`; both slices hold at least n values.
+        return unsafe { x86::dot_avx512(&w[..n], &x[..n]) };
     }
     dot_f32_lanes(w, x)
 }
 
-/// The portable form of [`dot_f32`].
+/// The portable form of [`dot_f32`], and its reference.
 pub fn dot_f32_lanes(w: &[f32], x: &[f32]) -> f32 {
     let mut lanes = [0f32; 16];
     let mut wc = w.chunks_exact(16);
@@ -462,56 +463,50 @@ pub fn dot_f32_lanes(w: &[f32], x: &[f32]) -> f32 {
             lanes[l] += ww[l] * xx[l];
         }
     }
-    let tail: f32 = wc
-        .remainder()
-        .iter()
-        .zip(xc.remainder())
-        .map(|(a, b)| a * b)
-        .sum();
-    lanes.iter().sum::<f32>() + tail
+    sum_lanes(&lanes) + tail_dot(wc.remainder(), xc.remainder())
+}
+
+/// The 16 lane sums of [`dot_f32`] added in lane order (one order for every kernel).
+#[inline]
+fn sum_lanes(lanes: &[f32; 16]) -> f32 {
+    lanes.iter().fold(0.0, |a, &v| a + v)
+}
+
+/// The products of [`dot_f32`]'s last partial chunk added in order.
+#[inline]
+fn tail_dot(w: &[f32], x: &[f32]) -> f32 {
+    w.iter().zip(x).fold(0.0, |a, (&p, &q)| a + p * q)
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
-    /// `out[f][r]` for `NF` weight rows and `NR` activation rows of `k` values.
+    /// [`super::dot_f32`] on 16 lanes: the same rounded products, added lane by lane in the
+    /// same order, then the same lane and tail sums.
     ///
     /// # Safety
-    /// The CPU must support AVX-512F; `w.len() >= NF * k`, `x.len() >= NR * k`, `out.len() >= NF`.
+    /// The CPU must support AVX-512F.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn dot_tile_avx512<const NF: usize, const NR: usize>(
-        w: &[f32],
-        x: &[f32],
-        k: usize,
-        out: &mut [[f32; 4]],
-    ) {
-        let mut acc = [[_mm512_setzero_ps(); NR]; NF];
+    pub unsafe fn dot_avx512(w: &[f32], x: &[f32]) -> f32 {
+        let n = w.len().min(x.len());
+        let mut acc = _mm512_setzero_ps();
         let mut i = 0;
-        while i + 16 <= k {
-            let mut xs = [_mm512_setzero_ps(); NR];
-            for (r, v) in xs.iter_mut().enumerate() {
-                // SAFETY: r < NR and i + 16 <= k: inside row r of `x`.
-                *v = unsafe { _mm512_loadu_ps(x.as_ptr().add(r * k + i)) };
-            }
-            for (f, row) in acc.iter_mut().enumerate() {
-                // SAFETY: f < NF and i + 16 <= k: inside row f of `w`.
-                let vw = unsafe { _mm512_loadu_ps(w.as_ptr().add(f * k + i)) };
-                for (a, &vx) in row.iter_mut().zip(&xs) {
-                    *a = _mm512_fmadd_ps(vw, vx, *a);
-                }
-            }
+        while i + 16 <= n {
+            // SAFETY: i + 16 <= n <= both lengths.
+            let (vw, vx) = unsafe {
+                (
+                    _mm512_loadu_ps(w.as_ptr().add(i)),
+                    _mm512_loadu_ps(x.as_ptr().add(i)),
+                )
+            };
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(vw, vx));
             i += 16;
         }
-        for (f, row) in acc.iter().enumerate() {
-            for (r, a) in row.iter().enumerate() {
-                let mut sum = _mm512_reduce_add_ps(*a);
-                for j in i..k {
-                    sum += w[f * k + j] * x[r * k + j];
-                }
-                out[f][r] = sum;
-            }
-        }
+        let mut lanes = [0f32; 16];
+        // SAFETY: `lanes` holds 16 f32 values; the store is unaligned.
+        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), acc) };
+        super::sum_lanes(&lanes) + super::tail_dot(&w[i..n], &x[i..n])
     }
 
     /// [`super::exp_act`] on 16 lanes, operation for operation.
@@ -1117,5 +1112,38 @@ mod tests {
                 "{got} vs {exact}"
             );
         }
+    }
+
+    /// Values whose products and sums round: the kernel's bits equal the portable form's,
+    /// at lengths with and without a partial last chunk (the AVX-512 form once summed with
+    /// fused operations and another lane order, a few ulps off).
+    #[test]
+    fn float_dot_kernels_give_the_portable_bits() {
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        };
+        let w: Vec<f32> = (0..2100).map(|_| next()).collect();
+        let x: Vec<f32> = (0..2100).map(|_| next() * 3.7).collect();
+        let mut rounded = 0;
+        for n in [0, 1, 15, 16, 17, 100, 768, 1003, 2048, 2100] {
+            let (w, x) = (&w[..n], &x[..n]);
+            let got = dot_f32(w, x);
+            assert_eq!(got.to_bits(), dot_f32_lanes(w, x).to_bits(), "n = {n}");
+            let exact: f64 = w
+                .iter()
+                .zip(x)
+                .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                .sum();
+            assert!((f64::from(got) - exact).abs() <= 1e-5 * (n as f64).max(1.0));
+            rounded += usize::from(f64::from(got) != exact);
+        }
+        assert!(
+            rounded >= 5,
+            "the values must round for the test to mean anything"
+        );
     }
 }
