@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import re
 import struct
@@ -765,6 +766,55 @@ def test_from_tensors_static_scales_must_be_positive(arg: str, value: float) -> 
             top_k=2,
             **scales,
         )
+
+
+@pytest.mark.parametrize("value", [True, [False] * 4])
+def test_static_scales_are_not_bools(value: object) -> None:
+    """A bool read as a number would be a scale of 1.0."""
+    e, h, i = 4, 64, 32
+    w13 = torch.randint(-127, 128, (e, 2 * i, h), dtype=torch.int8)
+    w2 = torch.randint(-127, 128, (e, h, i), dtype=torch.int8)
+    s13, s2 = torch.rand(e, 2 * i, 1) / 1e3, torch.rand(e, h, 1) / 1e3
+    with pytest.raises(mq.LayoutError, match="a13_scale: expected a number .*, got a bool"):
+        mq.MoELayer.from_tensors(
+            w13, w2, s13, s2, scheme="w8a8_static", a13_scale=value, a2_scale=0.1, top_k=2
+        )
+    x, w, ids = torch.randn(3, h), torch.rand(3, 2), torch.randint(0, e, (3, 2))
+    with pytest.raises(mq.LayoutError, match="a2_scale: expected a number .*, got a bool"):
+        mq.fused_moe(
+            x, w13, w2, s13, s2, w, ids, scheme="w8a8_static", a13_scale=0.1, a2_scale=value
+        )
+    # Whole numbers still read as scales.
+    got = mq.fused_moe(x, w13, w2, s13, s2, w, ids, scheme="w8a8_static", a13_scale=1, a2_scale=1)
+    want = mq.fused_moe(
+        x, w13, w2, s13, s2, w, ids, scheme="w8a8_static", a13_scale=1.0, a2_scale=1.0
+    )
+    assert torch.equal(got, want)
+
+
+def test_paths_may_be_bytes_and_anything_else_is_named(ckpt: Path, tmp_path: Path) -> None:
+    """Paths are str, bytes or os.PathLike, as in os.fspath; anything else, or a name that is
+    not UTF-8, is a CheckpointError naming the argument (not PyO3's TypeError)."""
+    as_text = mq.open(ckpt).summary()
+    assert mq.open(os.fsencode(ckpt)).summary() == as_text
+    for bad, match in [
+        (None, "path: expected a path .*got NoneType"),
+        (3, "path: expected a path .*got int"),
+        (b"/tmp/\xff", r"path: '/tmp/\\udcff' is not valid UTF-8"),
+    ]:
+        with pytest.raises(mq.CheckpointError, match=match):
+            mq.open(bad)  # type: ignore[arg-type]
+        with pytest.raises(mq.CheckpointError, match=match):
+            mq.plan(bad)  # type: ignore[arg-type]
+    from moeq_rs.repack import repack_checkpoint
+
+    with pytest.raises(mq.CheckpointError, match="out_dir: expected a path .*got NoneType"):
+        repack_checkpoint(ckpt, None, target="cpu")  # type: ignore[arg-type]
+    out = tmp_path / "cpu"
+    repack_checkpoint(os.fsencode(ckpt), os.fsencode(out), target="cpu")
+    repacked = mq.open(out).summary()
+    assert (as_text["layout"], repacked["layout"]) == ("compressed-tensors", "cpu")
+    assert len(repacked["moe_layers"]) == len(as_text["moe_layers"]) > 0
 
 
 _SHARED = "model.layers.0.mlp.shared_experts"

@@ -1596,6 +1596,31 @@ def test_torch_compile_and_custom_ops(fixture_path: Callable[[str], Path]) -> No
         assert isinstance(out, torch._subclasses.fake_tensor.FakeTensor)
 
 
+def test_compiled_calls_name_bad_inputs_as_eager_ones_do(
+    fixture_path: Callable[[str], Path],
+) -> None:
+    """Under ``torch.compile(fullgraph=True)`` a bad input is the same ``LayoutError`` naming the
+    argument as in eager mode (a check raised while dynamo traced reached the caller as
+    dynamo's ``Unsupported``; the op checks when it runs)."""
+    moe = mq.MoELayer.from_checkpoint(fixture_path("qwen3_w8a16_g128"), 0)
+    logits = torch.randn(3, 8)
+    w, ids = random_routing(3, 8, 2)
+    cases = [
+        (lambda: moe(torch.randn(256, 3).t(), logits), "hidden_states: expected a contiguous"),
+        (lambda: moe(torch.ones(3, 256, dtype=torch.int32), logits), "hidden_states: .*float"),
+        (
+            lambda: moe.forward_topk(torch.randn(3, 256), w, ids.to(torch.int16)),
+            "topk_ids: expected int32 or int64",
+        ),
+    ]
+    for call, match in cases:
+        with pytest.raises(mq.LayoutError, match=match):
+            call()
+        torch._dynamo.reset()
+        with pytest.raises(mq.LayoutError, match=match), torch.no_grad():
+            torch.compile(call, backend="eager", fullgraph=True)()
+
+
 _ISA_SCRIPT = r"""
 import sys, numpy as np, torch, moeq_rs as mq
 from moeq_rs.moe import MoELayer

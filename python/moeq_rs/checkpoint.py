@@ -13,7 +13,7 @@ from . import _core
 from ._args import I64_MAX, int_in
 from ._deps import need_torch
 from ._threads import adopt_main_thread
-from .errors import ConfigError, LayoutError
+from .errors import CheckpointError, ConfigError, LayoutError
 
 if TYPE_CHECKING:
     import torch
@@ -233,6 +233,26 @@ class Checkpoint:
         return f"<moeq_rs.Checkpoint {str(self.path)!r}: {len(layers)} MoE layers>"
 
 
+def path_text(path: object, what: str) -> str:
+    """``path`` (str, bytes or ``os.PathLike``) as the text the native side reads; anything
+    else, or a name that is not UTF-8, is a :class:`moeq_rs.CheckpointError` naming ``what``."""
+    try:
+        text = os.fspath(path)  # type: ignore[call-overload]
+    except TypeError:
+        raise CheckpointError(
+            f"{what}: expected a path (str, bytes or os.PathLike), got {type(path).__name__}"
+        ) from None
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise CheckpointError(
+            f"{what}: {text!r} is not valid UTF-8, which moeq_rs needs of paths"
+        ) from None
+    return text
+
+
 def as_checkpoint(path_or_checkpoint: str | os.PathLike[str] | Checkpoint) -> Checkpoint:
     """An open :class:`Checkpoint` as it is, or the directory opened with :func:`open`."""
     if isinstance(path_or_checkpoint, Checkpoint):
@@ -246,4 +266,4 @@ def open(path: str | os.PathLike[str]) -> Checkpoint:  # noqa: A001 - mirrors sa
     Raises a :class:`moeq_rs.MoeqError` subclass naming the file, tensor or key on bad input.
     """
     adopt_main_thread()  # the parallel parsing runs on the CPU forward's threads
-    return Checkpoint(_core.Checkpoint.open(os.fspath(path)))
+    return Checkpoint(_core.Checkpoint.open(path_text(path, "path")))

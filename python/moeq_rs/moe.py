@@ -296,9 +296,11 @@ class MoELayer(torch.nn.Module):
             # need gradients (whose backward then says there is none, as in a graph) still go
             # through torch.ops.moeq.moe_forward.
             return self._forward_eager(hidden_states, router_logits)
-        _check(hidden_states, "hidden_states", 2, True)
-        _check(router_logits, "router_logits", 2, True)
         if not _is_compiling():
+            # While torch.compile traces, an error raised here would reach the caller as
+            # dynamo's own (with fullgraph=True); the op checks the same when it runs.
+            _check(hidden_states, "hidden_states", 2, True)
+            _check(router_logits, "router_logits", 2, True)
             _refuse_transforms(hidden_states, router_logits)
         return torch.ops.moeq.moe_forward(
             hidden_states, router_logits, self._op_handle(hidden_states)
@@ -310,10 +312,11 @@ class MoELayer(torch.nn.Module):
         """``sum_k topk_weights[t, k] * expert[topk_ids[t, k]](x_t)``: routed experts only."""
         if _eager(hidden_states, topk_weights, topk_ids):
             return self._forward_topk_eager(hidden_states, topk_weights, topk_ids)
-        _check(hidden_states, "hidden_states", 2, True)
-        _check(topk_weights, "topk_weights", 2, True)
-        _check(topk_ids, "topk_ids", 2, False)
         if not _is_compiling():
+            # As in forward: the op checks them when it runs.
+            _check(hidden_states, "hidden_states", 2, True)
+            _check(topk_weights, "topk_weights", 2, True)
+            _check(topk_ids, "topk_ids", 2, False)
             _refuse_transforms(hidden_states, topk_weights, topk_ids)
         return torch.ops.moeq.moe_forward_topk(
             hidden_states, topk_weights, topk_ids, self._op_handle(hidden_states)
@@ -431,12 +434,17 @@ def _act_scales(t: object, name: str, e: int):  # type: ignore[no-untyped-def]
         return None
     if not isinstance(t, torch.Tensor):
         try:
-            t = torch.tensor(t, dtype=torch.float32)
+            t = torch.tensor(t)
         except (TypeError, ValueError, RuntimeError) as err:
             raise LayoutError(
                 f"{name}: expected a number or a float tensor of one scale per expert, "
                 f"got {type(t).__name__} ({err})"
             ) from None
+        if t.dtype == torch.bool:
+            # Converted to float, True would read as a scale of 1.0.
+            raise LayoutError(f"{name}: expected a number or a float tensor, got a bool")
+        if not (t.dtype.is_floating_point or t.dtype.is_complex):
+            t = t.to(torch.float32)
     if not t.is_cpu:
         raise LayoutError(f"{name}: expected a CPU tensor, got device {t.device}")
     if not t.dtype.is_floating_point:

@@ -330,11 +330,10 @@ def repack_checkpoint(
     beside ``out_dir`` that is renamed at the end (on any error or Ctrl-C nothing is left at
     ``out_dir``). Returns ``{"out_dir", "layers", "tensors", "bytes_written", "seconds",
     "verified_modules"}``."""
-    import os
 
-    from .checkpoint import as_checkpoint
+    from .checkpoint import as_checkpoint, path_text
 
     ckpt = as_checkpoint(model_dir)
     return ckpt._core.repack(
-        os.fspath(out_dir), target, force, parse_size(max_shard_size), verify, progress
+        path_text(out_dir, "out_dir"), target, force, parse_size(max_shard_size), verify, progress
     )
