@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -278,6 +279,33 @@ def test_unsupported_schemes(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_scales_in_another_dtype_than_the_layers_are_refused_for_marlin(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """One Marlin scale tensor holds a layer's scales in one dtype: an expert projection whose
+    scales were stored as F32 (exact values) was copied as if its bits were BF16, zeros and
+    garbage with no error unless --verify ran. Refused now, naming it; the CPU target, which
+    keeps scales per projection, repacks it and verifies."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(fixture_path("qwen3_w4a16_g128_sym"), src)
+    shard = src / "model.safetensors"
+    tensors = load_file(str(shard))
+    name = "model.layers.0.mlp.experts.2.down_proj"
+    tensors[f"{name}.weight_scale"] = tensors[f"{name}.weight_scale"].to(torch.float32)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    want = rf"{re.escape(name)}: weight_scale is F32 but expert 0 up_proj's is BF16"
+    with pytest.raises(mq.LayoutError, match=want):
+        repack_checkpoint(src, tmp_path / "out", target="marlin")
+    with pytest.raises(mq.LayoutError, match=want):
+        mq.open(src).marlin_layer(0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    r = repack_checkpoint(src, tmp_path / "cpu", target="cpu", verify=True)
+    assert r["verified_modules"] > 0
+
+
 def test_shape_not_tileable(tmp_path: Path) -> None:
     src = write_checkpoint(tmp_path / "src", hidden=96)
     with pytest.raises(mq.LayoutError, match="size_n=96 is not a positive multiple of 64"):
@@ -368,9 +396,13 @@ def test_a_layout_is_refused_where_its_kernels_do_not_run(
         doc = json.loads(cli("inspect", str(out), "--json", "--platform", platform).stdout)
         repacked = [x for x in doc["moe_layers"] if x.get("layout") == target]
         assert [x["layer"] for x in repacked] == [1, 2]
+        other = "cpu" if target == "marlin" else "marlin"
         for x in repacked:
             assert x["backend"] is None
             assert x["error"].startswith(f"stored in {stored} (moeq repack --target {target})")
+            assert x["error"].endswith(
+                f"load the source checkpoint, or repack it with --target {other}"
+            )
         # Where the layout's kernels run, it plans as before.
         home = "cuda" if target == "marlin" else "cpu"
         doc = json.loads(cli("inspect", str(out), "--json", "--platform", home).stdout)
@@ -379,6 +411,12 @@ def test_a_layout_is_refused_where_its_kernels_do_not_run(
         mq.MoELayer.from_checkpoint(tmp_path / "marlin", 1)
     with pytest.raises(mq.UnsupportedSchemeError, match=r"stored in the CPU layout"):
         mq.cuda.load_moe_layer_unverified(tmp_path / "cpu", 1)
+    # W8A8 has no Marlin layout (it runs on CUDA from its source form): only the source is
+    # offered.
+    w8a8 = tmp_path / "w8a8"
+    repack_checkpoint(fixture_path("qwen3_w8a8_dynamic"), w8a8, target="cpu")
+    errors = [x["error"] for x in mq.plan(w8a8, "cuda").layers]
+    assert errors and all(e.endswith("; load the source checkpoint") for e in errors), errors
     # A layer that is not a MoE layer names the repacked ones among the MoE layers.
     for target in ("marlin", "cpu"):
         with pytest.raises(mq.CheckpointError, match=r"\(MoE layers: \[1, 2\]\)"):
@@ -596,9 +634,17 @@ def test_force_replaces_only_an_empty_dir_or_an_earlier_repack(
     assert (models / "other" / "weights.bin").read_bytes() == b"precious"
     assert a_file.read_text() == "precious"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["models", "notes.txt"]
-    # An earlier output is replaced (a different target, so its contents change).
+    # An earlier output is replaced (a different target, so its contents change), but not
+    # one where someone has since kept other data (a repack writes files only).
     out = tmp_path / "out"
     assert cli("repack", str(src), str(out), "--target", "cpu").returncode == 0
+    (out / "mydata").mkdir()
+    (out / "mydata" / "notes.txt").write_text("precious")
+    r = cli("repack", str(src), str(out), "--target", "marlin", "--force")
+    assert r.returncode == 1 and "mydata, which is not a file a repack writes" in r.stderr, r
+    assert (out / "mydata" / "notes.txt").read_text() == "precious"
+    (out / "mydata" / "notes.txt").unlink()
+    (out / "mydata").rmdir()
     r = cli("repack", str(src), str(out), "--target", "marlin", "--force")
     assert r.returncode == 0, r.stderr
     assert json.loads((out / "config.json").read_text())["moeq"]["layout"] == "marlin"
@@ -621,6 +667,20 @@ def test_an_output_that_appears_during_the_repack_is_not_replaced(
         repack_checkpoint(src, out, target="cpu", progress=progress)
     assert [p.name for p in out.iterdir()] == ["theirs.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "temporary files left"
+    # Nor with --force, which was given for what OUT_DIR held at the start (nothing), even
+    # when what appears is an earlier repack's output (which --force replaces).
+    earlier = tmp_path / "earlier"
+    repack_checkpoint(src, earlier, target="cpu")
+    out = tmp_path / "forced"
+
+    def progress_copy(stage: str, *_: int) -> None:
+        if stage == "layers" and not out.exists():
+            shutil.copytree(earlier, out)
+
+    with pytest.raises(mq.CheckpointError, match="appeared while the repack ran; not replaced"):
+        repack_checkpoint(src, out, target="marlin", force=True, progress=progress_copy)
+    assert digest(out) == digest(earlier)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier", "forced", "out"]
 
 
 def test_sigterm_during_repack_leaves_nothing(
@@ -656,6 +716,47 @@ def test_sigterm_during_repack_leaves_nothing(
         assert r.returncode == 128 + signum, (r.returncode, r.stderr)
         assert "interrupted; nothing was written" in r.stderr
         assert list(out.parent.iterdir()) == [], "partial output left"
+
+
+@pytest.mark.parametrize(
+    "raised,status", [("KeyboardInterrupt", 130), ("cli._Terminated(15)", 143)]
+)
+def test_an_interrupt_after_the_commit_says_the_output_is_complete(
+    fixture_path: Callable[[str], Path], tmp_path: Path, raised: str, status: int
+) -> None:
+    """A Ctrl-C or SIGTERM that lands once OUT_DIR is committed (during the rename, the
+    summary line, or the return) said "nothing was written" with the output in place."""
+    src = fixture_path("qwen3_w8a16_g128")
+    out = tmp_path / "out"
+    script = (
+        "import sys\n"
+        "import moeq_rs.cli as cli, moeq_rs.repack as rp\n"
+        "real = rp.repack_checkpoint\n"
+        "def late(*args, **kwargs):\n"
+        "    real(*args, **kwargs)\n"
+        f"    raise {raised}\n"
+        "rp.repack_checkpoint = late\n"
+        f"sys.exit(cli.main(['repack', {str(src)!r}, {str(out)!r}, '--target', 'cpu']))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == status, r.stderr
+    assert f"interrupted as the repack finished; {out} is written and complete" in r.stderr
+    assert "nothing was written" not in r.stderr
+    assert mq.open(out).summary()["layout"] == "cpu"
+
+
+def test_force_refuses_a_mount_point_before_the_work(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """rename(2) cannot replace a mount point (an empty Docker volume, say): the whole repack
+    ran, then failed with a bare EBUSY. Refused up front now, saying why."""
+    mount = Path("/proc")
+    if not (mount.is_dir() and os.stat(mount).st_dev != os.stat("/").st_dev):
+        pytest.skip("needs /proc mounted (Linux)")
+    r = cli("repack", str(fixture_path("qwen3_w8a16_g128")), str(mount), "--target", "cpu",
+            "--force")  # fmt: skip
+    assert r.returncode == 1 and "is a mount point" in r.stderr, r
+    assert "write to a new directory inside it" in r.stderr
 
 
 def test_main_in_process_restores_the_signal_handlers(

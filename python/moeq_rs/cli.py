@@ -256,6 +256,10 @@ def _cmd_repack(args: argparse.Namespace) -> int:
     ckpt = open_checkpoint(args.model_dir)
     bar = _ProgressBar()
     before = _identity(args.out_dir)
+    # Whether OUT_DIR is now the repack's output: the repack checks for Ctrl-C (or SIGTERM,
+    # SIGHUP) up to the rename that commits it, but a signal may land during the rename or any
+    # time after it, and then "nothing was written" would be false (see main).
+    args.committed = lambda: _identity(args.out_dir) not in (None, before)
     try:
         r = repack_checkpoint(
             ckpt,
@@ -266,34 +270,17 @@ def _cmd_repack(args: argparse.Namespace) -> int:
             verify=args.verify,
             progress=bar,
         )
-    except KeyboardInterrupt as e:
-        # The repack checks for Ctrl-C (or SIGTERM, SIGHUP) up to the rename that commits
-        # OUT_DIR; one that comes during the rename is raised once it returns, with OUT_DIR
-        # complete.
-        if _identity(args.out_dir) not in (None, before):
-            print(
-                f"\nmoeq: interrupted as the repack finished; {args.out_dir} is written and "
-                "complete",
-                file=sys.stderr,
-            )
-            return _interrupted_status(e)
-        raise
     finally:
         bar.close()
     rate = r["bytes_written"] / 1e6 / max(r["seconds"], 1e-9)
     verified = (
         f"; verified {r['verified_modules']} expert projections bit for bit" if args.verify else ""
     )
-    try:
-        print(
-            f"wrote {r['out_dir']}: {r['layers']} MoE layers, {r['tensors']} tensors, "
-            f"{r['bytes_written'] / 1e6:.1f} MB in {r['seconds']:.2f} s ({rate:.1f} MB/s)"
-            f"{verified}"
-        )
-    except KeyboardInterrupt as e:
-        # The output is committed: saying "nothing was written" would be false.
-        print(f"\nmoeq: interrupted; {args.out_dir} is written and complete", file=sys.stderr)
-        return _interrupted_status(e)
+    print(
+        f"wrote {r['out_dir']}: {r['layers']} MoE layers, {r['tensors']} tensors, "
+        f"{r['bytes_written'] / 1e6:.1f} MB in {r['seconds']:.2f} s ({rate:.1f} MB/s)"
+        f"{verified}"
+    )
     return 0
 
 
@@ -450,7 +437,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:
         _fail(f"{e.filename or ''}: {e.strerror or e}".lstrip(": "))
     except KeyboardInterrupt as e:
-        print("\nmoeq: interrupted; nothing was written", file=sys.stderr)
+        committed = getattr(args, "committed", None)
+        if committed is not None and committed():
+            print(
+                f"\nmoeq: interrupted as the repack finished; {args.out_dir} is written and "
+                "complete",
+                file=sys.stderr,
+            )
+        else:
+            print("\nmoeq: interrupted; nothing was written", file=sys.stderr)
         return _interrupted_status(e)
     except Exception as e:  # noqa: BLE001 - the CLI must never print a traceback
         if os.environ.get("MOEQ_DEBUG"):

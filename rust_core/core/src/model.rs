@@ -559,23 +559,25 @@ impl Model {
         let layout = self.layout.as_ref()?;
         let on_cpu = matches!(platform, Platform::Cpu(_));
         let marlin = layout.layers.iter().any(|l| l.layer == layer);
-        let cpu = layout.cpu_layers.iter().any(|l| l.layer == layer);
+        let cpu = layout.cpu_layers.iter().find(|l| l.layer == layer);
         let (stored, reader, target) = match (on_cpu, marlin, cpu) {
             (true, true, _) => (
                 "vLLM's Marlin layout (moeq repack --target marlin)",
                 "the CPU forward",
-                "cpu",
+                Some("cpu"),
             ),
-            (false, _, true) => (
+            (false, _, Some(g)) => (
                 "the CPU layout (moeq repack --target cpu)",
                 "the CUDA kernels",
-                "marlin",
+                // Marlin holds weight-only experts; W8A8 runs on CUDA from its source form.
+                g.activation.is_none().then_some("marlin"),
             ),
             _ => return None,
         };
+        let or_repack =
+            target.map_or_else(String::new, |t| format!(", or repack it with --target {t}"));
         Some(format!(
-            "stored in {stored}, which {reader} cannot read; load the source checkpoint, or \
-             repack it with --target {target}"
+            "stored in {stored}, which {reader} cannot read; load the source checkpoint{or_repack}"
         ))
     }
 

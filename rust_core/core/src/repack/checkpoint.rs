@@ -179,8 +179,9 @@ fn remove_abandoned(parent: &Path, name: &str) {
 
 /// Why `--force` must not replace the existing `out_dir`, or None where it may: a symlink (the
 /// link is replaced, not what it points to), an empty directory, or an earlier `moeq repack`
-/// output (its `config.json` has a `"moeq"` object). Anything else may be someone's data: a
-/// mistyped OUT_DIR would have deleted a directory of models.
+/// output (its `config.json` has a `"moeq"` object, and it holds files only, as a repack
+/// writes). Anything else may be someone's data: a mistyped OUT_DIR would have deleted a
+/// directory of models. A mount point cannot be replaced at all.
 fn not_replaceable(out_dir: &Path) -> Option<String> {
     if out_dir.is_symlink() {
         return None;
@@ -188,12 +189,34 @@ fn not_replaceable(out_dir: &Path) -> Option<String> {
     if !out_dir.is_dir() {
         return Some("is a file, not a directory".into());
     }
-    let empty = match std::fs::read_dir(out_dir) {
-        Ok(mut entries) => entries.next().is_none(),
+    if is_mount_point(out_dir) {
+        // rename(2) cannot move a mount point (EBUSY), which the commit would find out only
+        // after all the work.
+        return Some(
+            "is a mount point (another file system is mounted there), which cannot be \
+             replaced; write to a new directory inside it"
+                .into(),
+        );
+    }
+    let entries: Vec<std::fs::DirEntry> = match std::fs::read_dir(out_dir) {
+        Ok(entries) => match entries.collect() {
+            Ok(v) => v,
+            Err(e) => return Some(format!("cannot be listed ({e})")),
+        },
         Err(e) => return Some(format!("cannot be listed ({e})")),
     };
-    if empty {
+    if entries.is_empty() {
         return None;
+    }
+    // A repack writes files only (shards, config, index, the source's top-level side files).
+    if let Some(e) = entries
+        .iter()
+        .find(|e| !e.file_type().is_ok_and(|t| t.is_file()))
+    {
+        return Some(format!(
+            "holds {}, which is not a file a repack writes",
+            e.path().display()
+        ));
     }
     let config = out_dir.join(CONFIG_FILE);
     // (A config.json too large to be one is not ours; it is not read.)
@@ -208,6 +231,22 @@ fn not_replaceable(out_dir: &Path) -> Option<String> {
          config.json)"
             .into()
     })
+}
+
+/// Whether `dir` is on another file system than its parent (a mount point).
+#[cfg(unix)]
+fn is_mount_point(dir: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let parent = dir.join("..");
+    match (std::fs::metadata(dir), std::fs::metadata(parent)) {
+        (Ok(d), Ok(p)) => d.dev() != p.dev() || d.ino() == p.ino(),
+        _ => false,
+    }
+}
+
+#[cfg(not(unix))]
+fn is_mount_point(_dir: &Path) -> bool {
+    false
 }
 
 /// Whether nothing in `path` (it, or an entry directly inside it) was modified in the last
@@ -291,7 +330,9 @@ pub fn repack(
             format!("the parent directory {} does not exist", parent.display()),
         ));
     }
-    if out_dir.exists() || out_dir.is_symlink() {
+    // What the commit may replace: only an OUT_DIR that --force was given for.
+    let existed = out_dir.exists() || out_dir.is_symlink();
+    if existed {
         if !opts.force {
             return Err(output_error(
                 out_dir,
@@ -554,18 +595,20 @@ pub fn repack(
     report("commit", done, written)?;
     // Commit: move the finished directory into place.
     if out_dir.exists() || out_dir.is_symlink() {
-        // Something appeared at OUT_DIR while we wrote (another repack, say): replace it only
-        // as the checks at the start would have.
-        if !opts.force {
+        // Something appeared at OUT_DIR while we wrote (another repack, say): --force was
+        // given for what was there at the start, if anything, not for this.
+        if !existed {
             return Err(output_error(
                 out_dir,
-                "appeared while the repack ran (pass --force to replace it)",
+                "appeared while the repack ran; not replaced (remove it, or run again with \
+                 --force to replace it)",
             ));
         }
+        // What was there may have changed since the checks at the start.
         if let Some(why) = not_replaceable(out_dir) {
             return Err(output_error(
                 out_dir,
-                format!("appeared while the repack ran and {why}; not replaced"),
+                format!("changed while the repack ran and {why}; not replaced"),
             ));
         }
         let old = parent.join(format!(".{name}.moeq-old-{}", std::process::id()));

@@ -262,6 +262,21 @@ pub fn geometry(layer: &MoeLayer) -> Result<MarlinGeometry> {
     let scale_dtype = reference
         .scale_dtype
         .ok_or_else(|| layout(&prefix, "experts have no weight_scale".into()))?;
+    // One Marlin scale tensor holds every expert's scales in one dtype: a projection whose
+    // scales are stored in another would be copied as the wrong bits.
+    for x in &layer.experts {
+        for (_, m) in x.modules() {
+            if let Some(other) = m.scale_dtype.filter(|&d| d != scale_dtype) {
+                return Err(layout(
+                    &m.name,
+                    format!(
+                        "weight_scale is {other} but expert 0 up_proj's is {scale_dtype}: \
+                         one Marlin layer stores all its experts' scales in one dtype"
+                    ),
+                ));
+            }
+        }
+    }
     Ok(MarlinGeometry {
         prefix,
         experts: layer.experts.len(),
