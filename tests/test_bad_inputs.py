@@ -325,14 +325,24 @@ def test_cli_bad_input_is_one_line_exit_1(ckpt: Path, corrupt: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "argv",
-    [[], ["inspect"], ["inspect", "x", "--platform", "tpu"], ["repack", "a", "b"], ["frobnicate"]],
+    "argv,names",
+    [
+        ([], "COMMAND"),
+        (["inspect"], "MODEL_DIR"),
+        (["inspect", "x", "--platform", "tpu"], "--platform"),
+        (["repack", "a", "b"], "--target"),
+        (["frobnicate"], "COMMAND"),
+        # The flag by its name (it said "arguments: sm: 0", plan()'s argument).
+        (["inspect", "x", "--platform", "cuda", "--sm", "0"], "argument --sm: '0' is not a"),
+        (["inspect", "x", "--sm", "9o"], "argument --sm: '9o' is not a"),
+    ],
 )
-def test_cli_usage_errors_are_one_line(argv: list[str]) -> None:
+def test_cli_usage_errors_are_one_line(argv: list[str], names: str) -> None:
     r = subprocess.run([sys.executable, "-m", "moeq_rs", *argv], capture_output=True, text=True)
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("moeq: error: "), r.stderr
+    assert names in lines[0], r.stderr
 
 
 def test_cli_stops_quietly_when_the_reader_goes_away() -> None:

@@ -284,6 +284,19 @@ def _cmd_repack(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compute_capability(text: str) -> int:
+    # As plan() checks it, but argparse names the flag: "argument --sm: ...".
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 10 <= value <= 199:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a compute capability (major*10 + minor, 10 to 199: 90 for sm_90)"
+        )
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -320,7 +333,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--sm",
-        type=int,
+        type=_compute_capability,
         default=None,
         metavar="N",
         help="CUDA compute capability as major*10+minor, e.g. 90 (default 90)",
