@@ -449,6 +449,18 @@ def test_damaged_cpu_layout_is_refused(fixture_path: Callable[[str], Path], tmp_
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(mq.UnsupportedSchemeError, match="gpu-magic"):
         mq.open(out)
+    cfg["moeq"]["layout"] = "cpu"
+    # A record naming another layer's tensors loaded them under its own index; a missing
+    # list left the repacked tensors to no one ("no MoE layers").
+    first, second = cfg["moeq"]["layers"][:2]
+    first["prefix"], second["prefix"] = second["prefix"], first["prefix"]
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(mq.ConfigError, match=r"moeq\.layers\[0\]\.prefix: .* is not a prefix"):
+        mq.open(out)
+    del cfg["moeq"]["layers"]
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(mq.ConfigError, match=r"moeq\.layers: missing"):
+        mq.open(out)
 
 
 def test_unknown_target(fixture_path: Callable[[str], Path], tmp_path: Path) -> None:

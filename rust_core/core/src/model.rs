@@ -92,15 +92,27 @@ fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
     }
     let mut layers = Vec::new();
     let mut cpu_layers = Vec::new();
-    for (i, v) in m
-        .field("layers")
-        .opt_array()?
-        .into_iter()
-        .flatten()
-        .enumerate()
-    {
+    // Without the list, the repacked tensors would be found by no one: no MoE layers, silently.
+    let listed = m.field("layers").opt_array()?.ok_or_else(|| {
+        m.field("layers")
+            .invalid("missing (the list of repacked layers)")
+    })?;
+    for (i, v) in listed.iter().enumerate() {
         let f = crate::scheme::json::Field::new(&file, format!("moeq.layers[{i}]"), Some(v));
         let o = f.object()?;
+        // The layer's tensors are found by its prefix: one naming another layer would load
+        // that layer's weights under this index.
+        let prefix_of = |layer: usize| -> Result<String> {
+            let prefix = o
+                .opt_str("prefix")?
+                .ok_or_else(|| o.field("prefix").invalid("missing"))?;
+            if moe::layer_index(prefix) != Some(layer) {
+                return Err(o
+                    .field("prefix")
+                    .invalid(format!("\"{prefix}\" is not a prefix of layer {layer}")));
+            }
+            Ok(prefix.to_string())
+        };
         let need_u = |k: &str| -> Result<usize> {
             let v = o.opt_u64(k)?.ok_or_else(|| o.field(k).invalid("missing"))?;
             usize::try_from(v)
@@ -127,12 +139,10 @@ fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
                     .ok_or_else(|| o.field(k).invalid("missing"))?;
                 crate::scheme::QuantArgs::parse_obj(&obj, role)
             };
+            let layer = need_u("layer")?;
             let g = crate::repack::cpu::CpuGeometry {
-                layer: need_u("layer")?,
-                prefix: o
-                    .opt_str("prefix")?
-                    .ok_or_else(|| o.field("prefix").invalid("missing"))?
-                    .to_string(),
+                layer,
+                prefix: prefix_of(layer)?,
                 experts: need_size("num_experts")?,
                 hidden: need_size("hidden_size")?,
                 intermediate: need_size("intermediate_size")?,
@@ -162,11 +172,9 @@ fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
             )?),
             None => None,
         };
+        let layer = need_u("layer")?;
         let geometry = MarlinGeometry {
-            prefix: o
-                .opt_str("prefix")?
-                .ok_or_else(|| o.field("prefix").invalid("missing"))?
-                .to_string(),
+            prefix: prefix_of(layer)?,
             experts: need_size("num_experts")?,
             hidden: need_size("hidden_size")?,
             intermediate: need_size("intermediate_size")?,
@@ -182,7 +190,7 @@ fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
         };
         check_specs(ckpt, &geometry.specs(), "Marlin")?;
         layers.push(RepackedLayer {
-            layer: need_u("layer")?,
+            layer,
             geometry,
             weights,
         });

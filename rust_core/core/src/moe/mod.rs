@@ -909,7 +909,7 @@ fn split_dense(module: &str) -> Option<&str> {
     matches!(leaf, "gate_proj" | "up_proj" | "down_proj").then_some(prefix)
 }
 
-fn layer_index(prefix: &str) -> Option<usize> {
+pub(crate) fn layer_index(prefix: &str) -> Option<usize> {
     // The last `layers.N` / `h.N` / `blocks.N` component.
     let re = LAYER_RE.as_ref()?;
     re.captures_iter(prefix)
