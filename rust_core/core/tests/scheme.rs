@@ -133,6 +133,44 @@ fn preset_form_expands() {
     assert_eq!(q.groups[0].format, Format::IntQuantized);
     let e = parse(json!({"config_groups": {"W5A5": ["Linear"]}})).unwrap_err();
     assert!(e.to_string().contains("W5A5"));
+    for bad in ["W9A16", "W8A4", "W+4A16", "W4A16A", "WA16", "W4A32"] {
+        let e = parse(json!({"config_groups": {bad: ["Linear"]}})).unwrap_err();
+        assert!(e.to_string().contains("not a known preset"), "{bad}: {e}");
+    }
+}
+
+#[test]
+fn presets_follow_the_compressed_tensors_release_that_wrote_them() {
+    // W8A16 was channelwise int8 up to compressed-tensors 0.15 and is int8 group 128 from
+    // 0.16.0 (read as channelwise always, a 0.16+ checkpoint's group scales were refused as
+    // the wrong shape).
+    let w8a16 = |version: Option<&str>| {
+        let mut qc = json!({"config_groups": {"W8A16": ["Linear"]}, "format": "pack-quantized"});
+        if let Some(v) = version {
+            qc["version"] = json!(v);
+        }
+        let w = weights(&parse(qc).unwrap());
+        (w.strategy, w.group_size)
+    };
+    let group = (Strategy::Group, 128);
+    let channel = (Strategy::Channel, -1);
+    assert_eq!(w8a16(None), group);
+    assert_eq!(w8a16(Some("0.20.1")), group);
+    assert_eq!(w8a16(Some("0.16.0")), group);
+    assert_eq!(w8a16(Some("0.15.0")), channel);
+    assert_eq!(w8a16(Some("0.9.5.dev12+g1234")), channel);
+    assert_eq!(w8a16(Some("1.0")), group);
+    // CT's _int_wnam family: group-128 weights, dynamic per-token activations below 16 bits.
+    let q = parse(json!({"config_groups": {"W3A8": ["Linear"]}})).unwrap();
+    let w = weights(&q);
+    assert_eq!(
+        (w.num_bits, w.strategy, w.group_size),
+        (3, Strategy::Group, 128)
+    );
+    let a = q.groups[0].input_activations.as_ref().unwrap();
+    assert!(a.is_dynamic() && a.num_bits == 8 && a.strategy == Strategy::Token);
+    let q = parse(json!({"config_groups": {"W4A4": ["Linear"]}})).unwrap();
+    assert_eq!(q.groups[0].input_activations.as_ref().unwrap().num_bits, 4);
 }
 
 fn laguna_like() -> QuantizationConfig {
@@ -201,6 +239,34 @@ fn overlapping_regexes_with_different_schemes_are_ambiguous() {
         )
         .unwrap_err();
     assert!(e.to_string().contains("ambiguous"));
+}
+
+#[test]
+fn every_matching_regex_of_a_group_counts() {
+    // Keyed by its first matching regex only, group a ("mlp") lost that key to group b and its
+    // "experts" regex was never weighed: the experts silently took b's W8A8, where CT (the
+    // alphabetically first regex, "experts") gives them a's weight-only int8.
+    let q = parse(json!({
+        "config_groups": {
+            "a": {"targets": ["re:.*mlp\\..*", "re:.*experts\\..*"],
+                  "weights": {"num_bits": 8, "strategy": "channel"}},
+            "b": {"targets": ["re:.*mlp\\..*", "re:.*self_attn\\..*"],
+                  "weights": {"num_bits": 8, "strategy": "channel"},
+                  "input_activations": {"num_bits": 8, "strategy": "token", "dynamic": true}}
+        }
+    }))
+    .unwrap();
+    let f = Path::new("config.json");
+    let e = q
+        .resolve(f, "m.layers.0.mlp.experts.0.gate_proj", ModuleClass::Linear)
+        .unwrap_err();
+    assert!(e.to_string().contains("ambiguous"), "{e}");
+    // Where only the shared regex matches, the last group listing it wins, as before.
+    let (s, tier) = q
+        .resolve(f, "m.layers.0.mlp.gate_proj", ModuleClass::Linear)
+        .unwrap()
+        .unwrap();
+    assert_eq!((s.name.as_str(), tier), ("b", MatchTier::Regex));
 }
 
 #[test]

@@ -347,8 +347,13 @@ impl QuantArgs {
 }
 
 /// compressed-tensors' preset schemes (`quant_scheme.py::PRESET_SCHEMES`), integer ones and the
-/// common float ones, as raw JSON to run through the same parser as written schemes.
-pub fn preset(name: &str) -> Option<(Option<Value>, Option<Value>)> {
+/// common float ones, as raw JSON to run through the same parser as written schemes, as the
+/// compressed-tensors release `ct_version` (the config's `version`) defines them: `W8A16` was
+/// channelwise int8 before 0.16.0 and is int8 group 128 since (unknown versions read as the
+/// newer). The integer `W{b}A{a}` presets (`b` 2-8 bits, `a` 4, 8 or 16, `b <= a`) are CT's
+/// `_int_wnam`: symmetric group-128 weights, and below 16 activation bits dynamic per-token
+/// activations; `W8A8` (and `INT8`) and `W4A16_ASYM` are its special cases.
+pub fn preset(name: &str, ct_version: Option<&str>) -> Option<(Option<Value>, Option<Value>)> {
     let int_w = |bits: u32, group: Option<i64>, sym: bool| -> Value {
         let mut m = Map::new();
         m.insert("num_bits".into(), json!(bits));
@@ -365,16 +370,16 @@ pub fn preset(name: &str) -> Option<(Option<Value>, Option<Value>)> {
         }
         Value::Object(m)
     };
-    let int8_token = json!({"num_bits": 8, "type": "int", "symmetric": true, "strategy": "token", "dynamic": true});
+    let int_token = |bits: u32| json!({"num_bits": bits, "type": "int", "symmetric": true, "strategy": "token", "dynamic": true});
     let fp8_tensor =
         json!({"num_bits": 8, "type": "float", "symmetric": true, "strategy": "tensor"});
     Some(match name {
         "UNQUANTIZED" => (None, None),
-        "W8A16" => (Some(int_w(8, None, true)), None),
-        "W4A16" => (Some(int_w(4, Some(128), true)), None),
+        "W8A16" if ct_version.and_then(release).is_some_and(|v| v < (0, 16)) => {
+            (Some(int_w(8, None, true)), None)
+        }
         "W4A16_ASYM" => (Some(int_w(4, Some(128), false)), None),
-        "W8A8" | "INT8" => (Some(int_w(8, None, true)), Some(int8_token)),
-        "W4A8" => (Some(int_w(4, Some(128), true)), Some(int8_token)),
+        "W8A8" | "INT8" => (Some(int_w(8, None, true)), Some(int_token(8))),
         "FP8" => (Some(fp8_tensor.clone()), Some(fp8_tensor)),
         "FP8_DYNAMIC" => (
             Some(json!({"num_bits": 8, "type": "float", "symmetric": true, "strategy": "channel"})),
@@ -382,18 +387,41 @@ pub fn preset(name: &str) -> Option<(Option<Value>, Option<Value>)> {
                 json!({"num_bits": 8, "type": "float", "symmetric": true, "strategy": "token", "dynamic": true}),
             ),
         ),
-        _ => return None,
+        _ => {
+            let (w, a) = name.strip_prefix('W')?.split_once('A')?;
+            let (w, a): (u32, u32) = (w.parse().ok()?, a.parse().ok()?);
+            // Digits only: "W+4A16" parses as 4 in Rust, not a preset in CT.
+            if !name[1..].bytes().all(|b| b.is_ascii_digit() || b == b'A')
+                || !(2..=8).contains(&w)
+                || ![4, 8, 16].contains(&a)
+                || w > a
+            {
+                return None;
+            }
+            let acts = (a < 16).then(|| int_token(a));
+            (Some(int_w(w, Some(128), true)), acts)
+        }
     })
+}
+
+/// The `(major, minor)` of a release string (`"0.20.1"`, `"0.9.5.dev12+gabc"`).
+fn release(version: &str) -> Option<(u32, u32)> {
+    let mut parts = version.trim().trim_start_matches('v').split('.');
+    let major = parts.next()?.parse().ok()?;
+    let minor: String = parts
+        .next()?
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    Some((major, minor.parse().ok()?))
 }
 
 pub const PRESET_NAMES: &[&str] = &[
     "UNQUANTIZED",
-    "W8A16",
-    "W4A16",
+    "W{2-8}A{4,8,16} (W8A16, W4A16, W4A8, ...)",
     "W4A16_ASYM",
     "W8A8",
     "INT8",
-    "W4A8",
     "FP8",
     "FP8_DYNAMIC",
 ];

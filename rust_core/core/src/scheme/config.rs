@@ -300,7 +300,7 @@ impl QuantizationConfig {
                 groups.push(match value {
                     // Preset form: {"W4A16": ["Linear"]}.
                     Value::Array(_) => {
-                        let Some((w, a)) = preset(name) else {
+                        let Some((w, a)) = preset(name, version.as_deref()) else {
                             return Err(gfield.invalid(format!(
                                 "\"{name}\" is not a known preset scheme (known: {}); a scheme must be an object",
                                 PRESET_NAMES.join(", ")
@@ -454,27 +454,31 @@ impl QuantizationConfig {
                 (MatchTier::Class, by_class())
             }
         };
-        // The last group per target string (the name, the regex, or "Linear"), in the order of
-        // each target's first group.
+        // The last group per target string (the name, every regex that matches, or "Linear"),
+        // in the order of each target's first group. Every matching regex of a group counts:
+        // keyed by its first one only, a group whose other regex another group also lists
+        // hid the clash (CT then picks the alphabetically first regex's group).
         let mut winners: Vec<(&str, &Scheme)> = Vec::new();
         for g in matched {
-            let key = match tier {
+            let keys: Vec<&str> = match tier {
                 MatchTier::Regex => g
                     .targets
                     .iter()
-                    .find_map(|t| match t {
+                    .filter_map(|t| match t {
                         Target::Regex { pattern, re } if re.is_match(module) => {
                             Some(pattern.as_str())
                         }
                         _ => None,
                     })
-                    .unwrap_or(""),
+                    .collect(),
                 // Every name-tier match is the module's own name, every class-tier one "Linear".
-                MatchTier::Name | MatchTier::Class => "",
+                MatchTier::Name | MatchTier::Class => vec![""],
             };
-            match winners.iter_mut().find(|(k, _)| *k == key) {
-                Some(w) => w.1 = g,
-                None => winners.push((key, g)),
+            for key in keys {
+                match winners.iter_mut().find(|(k, _)| *k == key) {
+                    Some(w) => w.1 = g,
+                    None => winners.push((key, g)),
+                }
             }
         }
         let Some(&(_, first)) = winners.first() else {
