@@ -467,3 +467,35 @@ def test_an_sm_that_is_no_compute_capability_is_refused(
     r = run_inspect(fixture_path("qwen3_w8a16_g128"), "--platform", "cuda", "--sm", str(sm))
     assert r.returncode == 1
     assert r.stderr.startswith(f"moeq: error: argument --sm: '{sm}' is not a compute capability")
+
+
+def test_non_gated_experts_are_planned_for_the_cpu_only(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Experts without gate_proj (`silu(up)`) were planned on cuda_marlin_wna16, whose layout
+    moeq_rs cannot build for them (`repack --target marlin` refused the layer the plan
+    accepted). The CUDA backends now refuse them with the reason; the CPU runs them."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = fixture_path("qwen3_w4a16_g128_sym")
+    d = tmp_path / "nongated"
+    d.mkdir()
+    shutil.copy(src / "config.json", d / "config.json")
+    tensors = load_file(str(src / "model.safetensors"))
+    kept = {k: v for k, v in tensors.items() if not (".experts." in k and ".gate_proj." in k)}
+    save_file(kept, str(d / "model.safetensors"))
+    cuda = mq.plan(d, "cuda", 90).layer(0)
+    assert cuda["gated"] is False and cuda["backend"] is None
+    reasons = dict((r["backend"], r["reason"]) for r in cuda["rejected_backends"])
+    assert reasons["cuda_marlin_wna16"].startswith("non-gated experts (no gate_proj)")
+    assert "non-gated experts" in cuda["error"]
+    with pytest.raises(mq.UnsupportedSchemeError, match="non-gated experts"):
+        mq.open(d).marlin_layer(0)
+    assert mq.plan(d, "cpu").layer(0)["backend"] == "cpu_simd"
+    layer = mq.MoELayer.from_checkpoint(d, 0)
+    assert layer(torch.randn(3, layer.hidden_size), torch.randn(3, layer.num_experts)).shape == (
+        3,
+        layer.hidden_size,
+    )

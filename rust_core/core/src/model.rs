@@ -501,6 +501,7 @@ impl Model {
                 hidden: layer.hidden_size,
                 intermediate: layer.intermediate_size,
                 num_experts: layer.experts.len(),
+                gated: layer.gated,
             },
             experts: layer
                 .experts
@@ -762,6 +763,8 @@ impl Model {
                         hidden,
                         intermediate,
                         num_experts: experts,
+                        // A repacked layer's w13 holds gate and up rows.
+                        gated: true,
                     },
                     experts: vec![
                         ExpertSchemes {

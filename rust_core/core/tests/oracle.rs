@@ -106,6 +106,7 @@ fn layer_of(schemes: Vec<ProjScheme>, hidden: usize, intermediate: usize) -> Lay
             hidden,
             intermediate,
             num_experts: n,
+            gated: true,
         },
         experts: schemes
             .into_iter()

@@ -12,6 +12,19 @@ pub const K_BLOCK: usize = 32;
 pub const MARLIN_HIDDEN_MULTIPLE: usize = 128;
 pub const MARLIN_MIN_THREAD_N: usize = 64;
 
+/// The CUDA kernels (and the Marlin w13 layout) take gate and up rows: `silu(gate) * up`.
+/// vLLM's Marlin has a mode without the gate; ours does not.
+fn check_gated(shape: LayerShape) -> Result<(), String> {
+    if shape.gated {
+        return Ok(());
+    }
+    Err(
+        "non-gated experts (no gate_proj): the CUDA kernels and the Marlin w13 layout take gate \
+         and up rows (silu(gate) * up)"
+            .into(),
+    )
+}
+
 /// Why `backend` cannot run `kind` on this layer, or `Ok` when it can.
 pub fn check(
     backend: Backend,
@@ -23,6 +36,7 @@ pub fn check(
     if kind == ExpertKind::Unquantized {
         return Err("unquantized experts are not an int scheme".into());
     }
+
     let tp = opts.tp_size.max(1);
     match backend {
         Backend::CpuSimd => {
@@ -66,6 +80,7 @@ pub fn check(
         }
         Backend::CudaMarlinWna16 => {
             check_cuda(platform)?;
+            check_gated(shape)?;
             let ExpertKind::Wna16 {
                 bits,
                 group_size,
@@ -123,6 +138,7 @@ pub fn check(
         }
         Backend::CudaInt8W8a8 => {
             check_cuda(platform)?;
+            check_gated(shape)?;
             if !matches!(kind, ExpertKind::W8a8 { .. }) {
                 return Err("int8 activation backend: it does not run weight-only schemes".into());
             }

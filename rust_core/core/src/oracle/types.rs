@@ -141,6 +141,9 @@ pub struct LayerShape {
     pub hidden: usize,
     pub intermediate: usize,
     pub num_experts: usize,
+    /// Whether the experts have a gate projection (`silu(gate) * up`); without one they compute
+    /// `silu(up)`, which the CPU forward runs and the CUDA kernels do not.
+    pub gated: bool,
 }
 
 /// The scheme of one projection as the checkpoint stores it.
