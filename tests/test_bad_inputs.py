@@ -802,9 +802,37 @@ def test_static_scales_are_not_bools(value: object) -> None:
     assert torch.equal(got, want)
 
 
+def test_static_scales_given_as_numbers_ignore_torchs_default_dtype() -> None:
+    """Numbers for static scales are read as fp32 whatever torch.set_default_dtype says (an
+    fp16 default read 0.1 as 0.09998, and from_tensors then disagreed with fused_moe)."""
+    e, h, i = 4, 64, 32
+    w13 = torch.randint(-127, 128, (e, 2 * i, h), dtype=torch.int8)
+    w2 = torch.randint(-127, 128, (e, h, i), dtype=torch.int8)
+    s13, s2 = torch.rand(e, 2 * i, 1) / 1e3, torch.rand(e, h, 1) / 1e3
+    x, w, ids = torch.randn(3, h), torch.rand(3, 2), torch.randint(0, e, (3, 2))
+
+    def run() -> torch.Tensor:
+        layer = mq.MoELayer.from_tensors(
+            w13, w2, s13, s2, scheme="w8a8_static", a13_scale=0.1, a2_scale=[0.1, 3e-7, 1, 2],
+            top_k=2,
+        )  # fmt: skip
+        return layer.forward_topk(x, w, ids)
+
+    want = run()
+    before = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float16)
+        got = run()
+    finally:
+        torch.set_default_dtype(before)
+    assert torch.equal(got, want)
+
+
 def test_paths_may_be_bytes_and_anything_else_is_named(ckpt: Path, tmp_path: Path) -> None:
     """Paths are str, bytes or os.PathLike, as in os.fspath; anything else, or a name that is
     not UTF-8, is a CheckpointError naming the argument (not PyO3's TypeError)."""
+    from moeq_rs.repack import repack_checkpoint
+
     as_text = mq.open(ckpt).summary()
     assert mq.open(os.fsencode(ckpt)).summary() == as_text
     for bad, match in [
@@ -814,10 +842,10 @@ def test_paths_may_be_bytes_and_anything_else_is_named(ckpt: Path, tmp_path: Pat
     ]:
         with pytest.raises(mq.CheckpointError, match=match):
             mq.open(bad)  # type: ignore[arg-type]
-        with pytest.raises(mq.CheckpointError, match=match):
+        with pytest.raises(mq.CheckpointError, match=match.replace("path:", "path_or_checkpoint:")):
             mq.plan(bad)  # type: ignore[arg-type]
-    from moeq_rs.repack import repack_checkpoint
-
+        with pytest.raises(mq.CheckpointError, match=match.replace("path:", "model_dir:")):
+            repack_checkpoint(bad, tmp_path / "never", target="cpu")  # type: ignore[arg-type]
     with pytest.raises(mq.CheckpointError, match="out_dir: expected a path .*got NoneType"):
         repack_checkpoint(ckpt, None, target="cpu")  # type: ignore[arg-type]
     out = tmp_path / "cpu"

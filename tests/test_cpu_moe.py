@@ -1128,7 +1128,9 @@ def test_grouped_routing_without_bias(
         (dict(num_experts_per_tok=9), mq.ConfigError, "num_experts_per_tok: 9 is not between"),
         (dict(routed_scaling_factor=0.0), mq.ConfigError, "routed_scaling_factor: 0 is not a"),
         (dict(routed_scaling_factor=-2.5), mq.ConfigError, "routed_scaling_factor: -2.5 is not"),
-        (dict(route_scale=-1), mq.ConfigError, "routed_scaling_factor: -1 is not a positive"),
+        (dict(route_scale=-1), mq.ConfigError, "route_scale: -1 is not a positive"),
+        (dict(routed_scaling_factor=1e39), mq.ConfigError, "routed_scaling_factor: 1e39 is not"),
+        (dict(routed_scaling_factor=1e-50), mq.ConfigError, "routed_scaling_factor: 1e-50 is not"),
         (dict(scoring_func="sqrtsoftplus"), mq.UnsupportedSchemeError, "scoring_func"),
         (dict(hidden_act="gelu"), mq.UnsupportedSchemeError, 'hidden_act: "gelu" experts'),
         (

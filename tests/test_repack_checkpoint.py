@@ -757,6 +757,33 @@ def test_an_interrupt_after_the_commit_says_the_output_is_complete(
     assert mq.open(out).summary()["layout"] == "cpu"
 
 
+def test_an_interrupt_before_the_commit_says_nothing_was_written_whatever_appeared(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Ctrl-C before the commit, after another process made OUT_DIR: the output there is not
+    ours (it said "written and complete", seeing only that OUT_DIR had changed)."""
+    src = fixture_path("qwen3_w8a16_g128")
+    out = tmp_path / "out"
+    script = (
+        "import os, sys\n"
+        "import moeq_rs.cli as cli, moeq_rs.repack as rp\n"
+        "real = rp.repack_checkpoint\n"
+        "def racing(*args, progress=None, **kwargs):\n"
+        "    def p(stage, *counts):\n"
+        "        if stage == 'layers':\n"
+        f"            os.mkdir({str(out)!r})\n"
+        "            raise KeyboardInterrupt\n"
+        "        progress(stage, *counts)\n"
+        "    return real(*args, progress=p, **kwargs)\n"
+        "rp.repack_checkpoint = racing\n"
+        f"sys.exit(cli.main(['repack', {str(src)!r}, {str(out)!r}, '--target', 'cpu']))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 130, r.stderr
+    assert "interrupted; nothing was written" in r.stderr and "complete" not in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and not any(out.iterdir())
+
+
 def test_force_refuses_a_mount_point_before_the_work(
     fixture_path: Callable[[str], Path], tmp_path: Path
 ) -> None:

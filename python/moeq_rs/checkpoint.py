@@ -253,11 +253,14 @@ def path_text(path: object, what: str) -> str:
     return text
 
 
-def as_checkpoint(path_or_checkpoint: str | os.PathLike[str] | Checkpoint) -> Checkpoint:
-    """An open :class:`Checkpoint` as it is, or the directory opened with :func:`open`."""
+def as_checkpoint(
+    path_or_checkpoint: str | os.PathLike[str] | Checkpoint, what: str = "path_or_checkpoint"
+) -> Checkpoint:
+    """An open :class:`Checkpoint` as it is, or the directory opened with :func:`open`; a bad
+    path is an error naming the argument ``what``."""
     if isinstance(path_or_checkpoint, Checkpoint):
         return path_or_checkpoint
-    return open(path_or_checkpoint)
+    return _open(path_or_checkpoint, what)
 
 
 def open(path: str | os.PathLike[str]) -> Checkpoint:  # noqa: A001 - mirrors safetensors/builtins
@@ -265,5 +268,10 @@ def open(path: str | os.PathLike[str]) -> Checkpoint:  # noqa: A001 - mirrors sa
 
     Raises a :class:`moeq_rs.MoeqError` subclass naming the file, tensor or key on bad input.
     """
+    return _open(path, "path")
+
+
+def _open(path: object, what: str) -> Checkpoint:
+    text = path_text(path, what)
     adopt_main_thread()  # the parallel parsing runs on the CPU forward's threads
-    return Checkpoint(_core.Checkpoint.open(path_text(path, "path")))
+    return Checkpoint(_core.Checkpoint.open(text))

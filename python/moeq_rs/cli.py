@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ._args import I64_MAX
@@ -255,11 +256,22 @@ def _cmd_repack(args: argparse.Namespace) -> int:
     size = parse_size(args.max_shard_size)
     ckpt = open_checkpoint(args.model_dir)
     bar = _ProgressBar()
-    before = _identity(args.out_dir)
     # Whether OUT_DIR is now the repack's output: the repack checks for Ctrl-C (or SIGTERM,
     # SIGHUP) up to the rename that commits it, but a signal may land during the rename or any
-    # time after it, and then "nothing was written" would be false (see main).
-    args.committed = lambda: _identity(args.out_dir) not in (None, before)
+    # time after it, and then "nothing was written" would be false (see main). The finished
+    # directory, `.<name>.moeq-tmp-<pid>` beside OUT_DIR, is noted as the commit starts; OUT_DIR
+    # is ours once it is that directory (not merely something other than before: another
+    # process may have put something there).
+    out = Path(args.out_dir)
+    finished = out.parent / f".{out.name}.moeq-tmp-{os.getpid()}"
+    staged: list[tuple[int, int] | None] = [None]
+
+    def progress(stage: str, done: int, total: int, written: int, wtotal: int) -> None:
+        if stage == "commit":
+            staged[0] = _identity(str(finished))
+        bar(stage, done, total, written, wtotal)
+
+    args.committed = lambda: staged[0] is not None and _identity(args.out_dir) == staged[0]
     try:
         r = repack_checkpoint(
             ckpt,
@@ -268,7 +280,7 @@ def _cmd_repack(args: argparse.Namespace) -> int:
             force=args.force,
             max_shard_size=size,
             verify=args.verify,
-            progress=bar,
+            progress=progress,
         )
     finally:
         bar.close()

@@ -434,17 +434,17 @@ def _act_scales(t: object, name: str, e: int):  # type: ignore[no-untyped-def]
         return None
     if not isinstance(t, torch.Tensor):
         try:
-            t = torch.tensor(t)
-        except (TypeError, ValueError, RuntimeError) as err:
+            is_bool = np.asarray(t).dtype == np.bool_
+            # fp32 whatever torch's default dtype (an fp16 default rounded 0.1 to 0.09998).
+            t = torch.tensor(t, dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as err:
             raise LayoutError(
                 f"{name}: expected a number or a float tensor of one scale per expert, "
                 f"got {type(t).__name__} ({err})"
             ) from None
-        if t.dtype == torch.bool:
+        if is_bool:
             # Converted to float, True would read as a scale of 1.0.
             raise LayoutError(f"{name}: expected a number or a float tensor, got a bool")
-        if not (t.dtype.is_floating_point or t.dtype.is_complex):
-            t = t.to(torch.float32)
     if not t.is_cpu:
         raise LayoutError(f"{name}: expected a CPU tensor, got device {t.device}")
     if not t.dtype.is_floating_point:

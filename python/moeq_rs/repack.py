@@ -333,7 +333,7 @@ def repack_checkpoint(
 
     from .checkpoint import as_checkpoint, path_text
 
-    ckpt = as_checkpoint(model_dir)
+    ckpt = as_checkpoint(model_dir, "model_dir")
     return ckpt._core.repack(
         path_text(out_dir, "out_dir"), target, force, parse_size(max_shard_size), verify, progress
     )

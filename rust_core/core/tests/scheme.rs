@@ -160,6 +160,9 @@ fn presets_follow_the_compressed_tensors_release_that_wrote_them() {
     assert_eq!(w8a16(Some("0.15.0")), channel);
     assert_eq!(w8a16(Some("0.9.5.dev12+g1234")), channel);
     assert_eq!(w8a16(Some("1.0")), group);
+    // Looked up upper-cased, as CT does.
+    let q = parse(json!({"config_groups": {"w4a16": ["Linear"]}})).unwrap();
+    assert_eq!(weights(&q).num_bits, 4);
     // CT's _int_wnam family: group-128 weights, dynamic per-token activations below 16 bits.
     let q = parse(json!({"config_groups": {"W3A8": ["Linear"]}})).unwrap();
     let w = weights(&q);
@@ -261,6 +264,22 @@ fn every_matching_regex_of_a_group_counts() {
         .resolve(f, "m.layers.0.mlp.experts.0.gate_proj", ModuleClass::Linear)
         .unwrap_err();
     assert!(e.to_string().contains("ambiguous"), "{e}");
+    // Where CT (alphabetically first regex) and vLLM (first listed) agree, no error: here
+    // both take "experts", last listed by b.
+    let agreed = parse(json!({
+        "config_groups": {
+            "a": {"targets": ["re:.*experts\\..*", "re:.*mlp\\..*"],
+                  "weights": {"num_bits": 8, "strategy": "channel"}},
+            "b": {"targets": ["re:.*experts\\..*", "re:.*self_attn\\..*"],
+                  "weights": {"num_bits": 8, "group_size": 128}}
+        }
+    }))
+    .unwrap();
+    let (s, _) = agreed
+        .resolve(f, "m.layers.0.mlp.experts.0.gate_proj", ModuleClass::Linear)
+        .unwrap()
+        .unwrap();
+    assert_eq!(s.name, "b");
     // Where only the shared regex matches, the last group listing it wins, as before.
     let (s, tier) = q
         .resolve(f, "m.layers.0.mlp.gate_proj", ModuleClass::Linear)

@@ -368,6 +368,7 @@ pub fn from_raw(
             n_group: None,
             topk_group: None,
             routed_scaling_factor: 1.0,
+            routed_scaling_key: "routed_scaling_factor",
             logit_softcapping: None,
             // from_tensors: the caller chose the routing.
             family_checked: true,

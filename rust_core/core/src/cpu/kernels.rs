@@ -455,6 +455,9 @@ pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
 
 /// The portable form of [`dot_f32`], and its reference.
 pub fn dot_f32_lanes(w: &[f32], x: &[f32]) -> f32 {
+    // Over the common length, as the kernel (the remainders below must pair up).
+    let n = w.len().min(x.len());
+    let (w, x) = (&w[..n], &x[..n]);
     let mut lanes = [0f32; 16];
     let mut wc = w.chunks_exact(16);
     let mut xc = x.chunks_exact(16);
@@ -1145,5 +1148,9 @@ mod tests {
             rounded >= 5,
             "the values must round for the test to mean anything"
         );
+        // Slices of different lengths: both forms take the common length.
+        let short = dot_f32(&w[..40], &x[..20]);
+        assert_eq!(short.to_bits(), dot_f32_lanes(&w[..40], &x[..20]).to_bits());
+        assert_eq!(short.to_bits(), dot_f32_lanes(&w[..20], &x[..20]).to_bits());
     }
 }

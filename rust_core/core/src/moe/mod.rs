@@ -112,6 +112,9 @@ pub struct Routing {
     pub n_group: Option<usize>,
     pub topk_group: Option<usize>,
     pub routed_scaling_factor: f64,
+    /// The `config.json` key `routed_scaling_factor` was read from (families spell it
+    /// differently), for errors.
+    pub routed_scaling_key: &'static str,
     /// `tanh(logits / c) * c` before scoring when set (Laguna `moe_router_logit_softcapping`).
     pub logit_softcapping: Option<f64>,
     /// Whether the model family's router was checked to be what this config-driven routing
@@ -539,25 +542,26 @@ impl Routing {
             .iter()
             .find(|r| r.scale != 1.0 || r.groups.is_some())
             .map(|r| (r.scale, r.groups));
-        let routed_scaling_factor = cfg_field(
-            file,
-            config,
-            &[
-                "routed_scaling_factor",
-                "moe_routed_scaling_factor",
-                "route_scale",
-                // Hunyuan-V3, Step-3.5.
-                "router_scaling_factor",
-                "moe_router_scaling_factor",
-            ],
-        )
-        .opt_f64()?
-        .or_else(|| {
-            let scale = family_default.map(|(s, _)| s).filter(|&s| s != 1.0)?;
-            defaulted.push("routed_scaling_factor");
-            Some(scale)
-        })
-        .unwrap_or(1.0);
+        let scaling_keys = [
+            "routed_scaling_factor",
+            "moe_routed_scaling_factor",
+            "route_scale",
+            // Hunyuan-V3, Step-3.5.
+            "router_scaling_factor",
+            "moe_router_scaling_factor",
+        ];
+        let routed_scaling_key = scaling_keys
+            .into_iter()
+            .find(|k| cfg_field(file, config, &[k]).value.is_some())
+            .unwrap_or(scaling_keys[0]);
+        let routed_scaling_factor = cfg_field(file, config, &scaling_keys)
+            .opt_f64()?
+            .or_else(|| {
+                let scale = family_default.map(|(s, _)| s).filter(|&s| s != 1.0)?;
+                defaulted.push("routed_scaling_factor");
+                Some(scale)
+            })
+            .unwrap_or(1.0);
         let logit_softcapping = cfg_field(
             file,
             config,
@@ -627,6 +631,7 @@ impl Routing {
             n_group,
             topk_group,
             routed_scaling_factor,
+            routed_scaling_key,
             logit_softcapping,
             family_checked: any(|r| r.checked),
             family_defaults: defaulted,
@@ -665,11 +670,21 @@ impl Routing {
         }
         // A zero, negative or non-finite scale silences, flips or poisons every routed
         // expert's output: a broken config rather than a model to follow.
+        // (Checked as the forward uses it, in f32: 1e39 overflows there.)
         let scale = self.routed_scaling_factor;
-        if !(scale.is_finite() && scale > 0.0) {
+        if !((scale as f32).is_finite() && (scale as f32) > 0.0) {
+            let huge_or_tiny = scale.abs() >= 1e16 || (scale != 0.0 && scale.abs() < 1e-4);
+            let shown = if huge_or_tiny {
+                format!("{scale:e}")
+            } else {
+                format!("{scale}")
+            };
             return Err((
-                "routed_scaling_factor",
-                format!("{scale} is not a positive number (it multiplies the routed experts' sum)"),
+                self.routed_scaling_key,
+                format!(
+                    "{shown} is not a positive number within f32's range (it multiplies the \
+                     routed experts' sum)"
+                ),
             ));
         }
         if let Some(groups) = self.n_group {

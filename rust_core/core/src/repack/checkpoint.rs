@@ -190,13 +190,8 @@ fn not_replaceable(out_dir: &Path) -> Option<String> {
         return Some("is a file, not a directory".into());
     }
     if is_mount_point(out_dir) {
-        // rename(2) cannot move a mount point (EBUSY), which the commit would find out only
-        // after all the work.
-        return Some(
-            "is a mount point (another file system is mounted there), which cannot be \
-             replaced; write to a new directory inside it"
-                .into(),
-        );
+        // rename(2) cannot move a mount point (EBUSY); refused up front (see `MOUNT_POINT`).
+        return Some("is a mount point, which a rename cannot replace".into());
     }
     let entries: Vec<std::fs::DirEntry> = match std::fs::read_dir(out_dir) {
         Ok(entries) => match entries.collect() {
@@ -233,15 +228,54 @@ fn not_replaceable(out_dir: &Path) -> Option<String> {
     })
 }
 
-/// Whether `dir` is on another file system than its parent (a mount point).
+/// Why an OUT_DIR that is a mount point is refused, before any work: rename(2) cannot replace
+/// it (EBUSY), which the commit found out only after the whole repack.
+const MOUNT_POINT: &str = "is a mount point (a volume or bind mount), which a rename cannot \
+                           replace; write to a new directory inside it";
+
+/// Whether `dir` is a mount point: on another file system than its parent, or (a bind mount
+/// of the same file system) listed in `/proc/self/mountinfo`.
 #[cfg(unix)]
 fn is_mount_point(dir: &Path) -> bool {
     use std::os::unix::fs::MetadataExt;
     let parent = dir.join("..");
-    match (std::fs::metadata(dir), std::fs::metadata(parent)) {
+    let other_fs = match (std::fs::metadata(dir), std::fs::metadata(parent)) {
         (Ok(d), Ok(p)) => d.dev() != p.dev() || d.ino() == p.ino(),
         _ => false,
-    }
+    };
+    other_fs || listed_mount_point(dir)
+}
+
+/// Whether `/proc/self/mountinfo` (Linux; absent elsewhere) lists `dir` as a mount point.
+#[cfg(unix)]
+fn listed_mount_point(dir: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let (Ok(dir), Ok(info)) = (dir.canonicalize(), std::fs::read("/proc/self/mountinfo")) else {
+        return false;
+    };
+    // The fifth field of each line, with space, tab, newline and backslash as octal escapes.
+    info.split(|&b| b == b'\n')
+        .filter_map(|line| line.split(|&b| b == b' ').nth(4))
+        .any(|field| {
+            let mut path = Vec::with_capacity(field.len());
+            let mut i = 0;
+            while i < field.len() {
+                let octal = field
+                    .get(i + 1..i + 4)
+                    .filter(|d| field[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c)));
+                match octal {
+                    Some(d) => {
+                        path.push(d.iter().fold(0u8, |v, c| v.wrapping_mul(8) + (c - b'0')));
+                        i += 4;
+                    }
+                    None => {
+                        path.push(field[i]);
+                        i += 1;
+                    }
+                }
+            }
+            Path::new(std::ffi::OsStr::from_bytes(&path)) == dir
+        })
 }
 
 #[cfg(not(unix))]
@@ -369,6 +403,9 @@ pub fn repack(
                     ));
                 }
             }
+        }
+        if !out_dir.is_symlink() && is_mount_point(out_dir) {
+            return Err(output_error(out_dir, MOUNT_POINT));
         }
         if let Some(why) = not_replaceable(out_dir) {
             return Err(output_error(
@@ -612,7 +649,14 @@ pub fn repack(
             ));
         }
         let old = parent.join(format!(".{name}.moeq-old-{}", std::process::id()));
-        std::fs::rename(out_dir, &old).map_err(|e| io(out_dir, e))?;
+        std::fs::rename(out_dir, &old).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::ResourceBusy {
+                // A mount point the checks could not see.
+                output_error(out_dir, format!("{MOUNT_POINT} ({e})"))
+            } else {
+                io(out_dir, e)
+            }
+        })?;
         if let Err(e) = std::fs::rename(&tmp.path, out_dir) {
             let _ = std::fs::rename(&old, out_dir);
             return Err(io(out_dir, e));
@@ -1011,4 +1055,21 @@ fn verify_cpu_weight_only(
     })?;
     let checked = pairs.len();
     Ok(checked)
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mount_points_are_found_in_mountinfo_and_by_device() {
+        // /proc is its own file system, listed in mountinfo; a fresh directory is neither.
+        assert!(listed_mount_point(Path::new("/proc")) && is_mount_point(Path::new("/proc")));
+        let dir = std::env::temp_dir().join(format!("moeq-mount-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let found = (listed_mount_point(&dir), is_mount_point(&dir));
+        std::fs::remove_dir(&dir).unwrap();
+        assert_eq!(found, (false, false));
+        assert!(not_replaceable(Path::new("/proc")).is_some_and(|w| w.contains("mount point")));
+    }
 }

@@ -354,6 +354,9 @@ impl QuantArgs {
 /// `_int_wnam`: symmetric group-128 weights, and below 16 activation bits dynamic per-token
 /// activations; `W8A8` (and `INT8`) and `W4A16_ASYM` are its special cases.
 pub fn preset(name: &str, ct_version: Option<&str>) -> Option<(Option<Value>, Option<Value>)> {
+    // CT looks presets up upper-cased ("w4a16" is W4A16).
+    let upper = name.to_ascii_uppercase();
+    let name = upper.as_str();
     let int_w = |bits: u32, group: Option<i64>, sym: bool| -> Value {
         let mut m = Map::new();
         m.insert("num_bits".into(), json!(bits));

@@ -455,9 +455,7 @@ impl QuantizationConfig {
             }
         };
         // The last group per target string (the name, every regex that matches, or "Linear"),
-        // in the order of each target's first group. Every matching regex of a group counts:
-        // keyed by its first one only, a group whose other regex another group also lists
-        // hid the clash (CT then picks the alphabetically first regex's group).
+        // in the order of each target's first group (as vLLM's target map is built).
         let mut winners: Vec<(&str, &Scheme)> = Vec::new();
         for g in matched {
             let keys: Vec<&str> = match tier {
@@ -481,19 +479,25 @@ impl QuantizationConfig {
                 }
             }
         }
-        let Some(&(_, first)) = winners.first() else {
+        // Where several regexes match, CT takes the alphabetically first and vLLM the first in
+        // its map: where their groups' schemes differ the config means two things (every
+        // matching regex of a group counts: keyed by its first one only, a clash through a
+        // group's second regex went unseen).
+        let Some(&(_, vllm)) = winners.first() else {
             return Ok(None);
         };
-        if let Some((_, other)) = winners.iter().find(|(_, g)| !g.same_quantization(first)) {
+        let ct = winners.iter().min_by_key(|(k, _)| *k).map_or(vllm, |w| w.1);
+        if !ct.same_quantization(vllm) {
             return Err(Error::Config(ConfigError {
                 file: file.to_path_buf(),
                 key: "quantization_config.config_groups".into(),
                 reason: format!(
-                    "module '{module}' is matched by both '{}' and '{}' at the same precedence with different schemes (ambiguous)",
-                    first.name, other.name
+                    "module '{module}' is matched by both '{}' and '{}' at the same precedence with different schemes (ambiguous: compressed-tensors takes the alphabetically first regex, vLLM the first listed)",
+                    ct.name, vllm.name
                 ),
             }));
         }
+        let first = ct;
         Ok(Some((first, tier)))
     }
 }
