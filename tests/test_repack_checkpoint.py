@@ -662,6 +662,35 @@ def test_force_replaces_only_an_empty_dir_or_an_earlier_repack(
     assert json.loads((out / "config.json").read_text())["moeq"]["layout"] == "marlin"
 
 
+def test_out_dir_spellings_name_the_same_entry(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """`out/.` renamed `.` at the commit (EBUSY, after all the work) or failed (ENOENT), and
+    `link/` followed the symlink and then failed (ENOTDIR): the checks and the commit now work
+    on the entry the path names, so a symlink is replaced as documented."""
+    src = str(fixture_path("qwen3_w8a16_g128"))
+    real, fresh, target, link = (tmp_path / n for n in ("real", "fresh", "target", "link"))
+    assert cli("repack", src, str(real), "--target", "cpu").returncode == 0
+    for argv in (
+        [str(real) + "/.", "--force"],
+        [str(fresh) + "/."],
+        [str(tmp_path / "slash") + "/"],
+    ):
+        r = cli("repack", src, *argv[:1], "--target", "cpu", *argv[1:])
+        assert r.returncode == 0, (argv, r.stderr)
+    target.mkdir()
+    link.symlink_to(target)
+    r = cli("repack", src, str(link) + "/", "--target", "cpu", "--force")
+    assert r.returncode == 0, r.stderr
+    assert not link.is_symlink() and (link / "config.json").is_file()
+    assert list(target.iterdir()) == []
+    for d in ("real", "fresh", "slash", "link"):
+        assert mq.open(tmp_path / d).summary()["layout"] == "cpu"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "fresh", "link", "real", "slash", "target"
+    ]  # fmt: skip
+
+
 def test_an_output_that_appears_during_the_repack_is_not_replaced(
     fixture_path: Callable[[str], Path], tmp_path: Path
 ) -> None:

@@ -364,8 +364,11 @@ pub fn repack(
             format!("the parent directory {} does not exist", parent.display()),
         ));
     }
+    // The directory entry OUT_DIR names, which the checks look at and the commit replaces:
+    // `out/.` would rename `.` (EBUSY), and `link/` follows a symlink that `link` replaces.
+    let entry = parent.join(out_dir.file_name().unwrap_or_default());
     // What the commit may replace: only an OUT_DIR that --force was given for.
-    let existed = out_dir.exists() || out_dir.is_symlink();
+    let existed = entry.exists() || entry.is_symlink();
     if existed {
         if !opts.force {
             return Err(output_error(
@@ -374,9 +377,9 @@ pub fn repack(
             ));
         }
         // The entry that the commit replaces: a symlink OUT_DIR is replaced, not followed.
-        let entry = parent.canonicalize().map(|p| p.join(&name));
-        if let (Ok(a), Ok(b)) = (entry, ckpt.dir().canonicalize()) {
-            if a == b || out_dir.canonicalize().is_ok_and(|t| t == b) {
+        let resolved = parent.canonicalize().map(|p| p.join(&name));
+        if let (Ok(a), Ok(b)) = (resolved, ckpt.dir().canonicalize()) {
+            if a == b || entry.canonicalize().is_ok_and(|t| t == b) {
                 return Err(output_error(
                     out_dir,
                     "is the source checkpoint; write elsewhere",
@@ -404,10 +407,10 @@ pub fn repack(
                 }
             }
         }
-        if !out_dir.is_symlink() && is_mount_point(out_dir) {
+        if !entry.is_symlink() && is_mount_point(&entry) {
             return Err(output_error(out_dir, MOUNT_POINT));
         }
-        if let Some(why) = not_replaceable(out_dir) {
+        if let Some(why) = not_replaceable(&entry) {
             return Err(output_error(
                 out_dir,
                 format!(
@@ -631,7 +634,7 @@ pub fn repack(
     // A last chance to stop (Ctrl-C) before the output appears: after this, it is complete.
     report("commit", done, written)?;
     // Commit: move the finished directory into place.
-    if out_dir.exists() || out_dir.is_symlink() {
+    if entry.exists() || entry.is_symlink() {
         // Something appeared at OUT_DIR while we wrote (another repack, say): --force was
         // given for what was there at the start, if anything, not for this.
         if !existed {
@@ -642,14 +645,14 @@ pub fn repack(
             ));
         }
         // What was there may have changed since the checks at the start.
-        if let Some(why) = not_replaceable(out_dir) {
+        if let Some(why) = not_replaceable(&entry) {
             return Err(output_error(
                 out_dir,
                 format!("changed while the repack ran and {why}; not replaced"),
             ));
         }
         let old = parent.join(format!(".{name}.moeq-old-{}", std::process::id()));
-        std::fs::rename(out_dir, &old).map_err(|e| {
+        std::fs::rename(&entry, &old).map_err(|e| {
             if e.kind() == std::io::ErrorKind::ResourceBusy {
                 // A mount point the checks could not see.
                 output_error(out_dir, format!("{MOUNT_POINT} ({e})"))
@@ -657,8 +660,8 @@ pub fn repack(
                 io(out_dir, e)
             }
         })?;
-        if let Err(e) = std::fs::rename(&tmp.path, out_dir) {
-            let _ = std::fs::rename(&old, out_dir);
+        if let Err(e) = std::fs::rename(&tmp.path, &entry) {
+            let _ = std::fs::rename(&old, &entry);
             return Err(io(out_dir, e));
         }
         tmp.committed = true;
@@ -668,7 +671,7 @@ pub fn repack(
             let _ = std::fs::remove_file(&old);
         }
     } else {
-        std::fs::rename(&tmp.path, out_dir).map_err(|e| io(out_dir, e))?;
+        std::fs::rename(&tmp.path, &entry).map_err(|e| io(out_dir, e))?;
         tmp.committed = true;
     }
     Ok(RepackReport {
