@@ -813,6 +813,25 @@ def test_an_interrupt_before_the_commit_says_nothing_was_written_whatever_appear
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and not any(out.iterdir())
 
 
+def test_a_summary_line_that_cannot_be_printed_says_the_output_is_complete(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """With stdout on a full disk the repack wrote OUT_DIR and then said only "No space left
+    on device", as if it had failed."""
+    if not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full (Linux)")
+    out = tmp_path / "out"
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(
+            [sys.executable, "-m", "moeq_rs", "repack", str(fixture_path("qwen3_w8a16_g128")),
+             str(out), "--target", "cpu"],
+            stdout=full, stderr=subprocess.PIPE, text=True, check=False,
+        )  # fmt: skip
+    assert r.returncode == 1
+    assert f"{out} is written and complete, but its summary could not be printed" in r.stderr
+    assert mq.open(out).summary()["layout"] == "cpu"
+
+
 def test_force_refuses_a_mount_point_before_the_work(
     fixture_path: Callable[[str], Path], tmp_path: Path
 ) -> None:

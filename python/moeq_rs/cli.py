@@ -288,11 +288,21 @@ def _cmd_repack(args: argparse.Namespace) -> int:
     verified = (
         f"; verified {r['verified_modules']} expert projections bit for bit" if args.verify else ""
     )
-    print(
-        f"wrote {r['out_dir']}: {r['layers']} MoE layers, {r['tensors']} tensors, "
-        f"{r['bytes_written'] / 1e6:.1f} MB in {r['seconds']:.2f} s ({rate:.1f} MB/s)"
-        f"{verified}"
-    )
+    try:
+        print(
+            f"wrote {r['out_dir']}: {r['layers']} MoE layers, {r['tensors']} tensors, "
+            f"{r['bytes_written'] / 1e6:.1f} MB in {r['seconds']:.2f} s ({rate:.1f} MB/s)"
+            f"{verified}",
+            flush=True,
+        )
+    except BrokenPipeError:
+        raise
+    except OSError as err:
+        # The output is committed: the error is the summary line's alone.
+        _fail(
+            f"{args.out_dir} is written and complete, but its summary could not be printed: "
+            f"{err.strerror or err}"
+        )
     return 0
 
 
