@@ -554,7 +554,7 @@ impl Routing {
             .into_iter()
             .find(|k| cfg_field(file, config, &[k]).value.is_some())
             .unwrap_or(scaling_keys[0]);
-        let routed_scaling_factor = cfg_field(file, config, &scaling_keys)
+        let routed_scaling_factor = cfg_field(file, config, &[routed_scaling_key])
             .opt_f64()?
             .or_else(|| {
                 let scale = family_default.map(|(s, _)| s).filter(|&s| s != 1.0)?;

@@ -36,7 +36,6 @@ pub fn check(
     if kind == ExpertKind::Unquantized {
         return Err("unquantized experts are not an int scheme".into());
     }
-
     let tp = opts.tp_size.max(1);
     match backend {
         Backend::CpuSimd => {

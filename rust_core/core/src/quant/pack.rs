@@ -12,17 +12,7 @@ pub enum PackVariant {
 impl PackVariant {
     /// Picks the variant from the `version` string of the quantization config.
     pub fn for_version(version: Option<&str>) -> PackVariant {
-        let parse = |v: &str| -> Option<(u64, u64)> {
-            let mut it = v.trim_start_matches('v').split('.');
-            let major = it.next()?.parse().ok()?;
-            let minor: String = it
-                .next()?
-                .chars()
-                .take_while(char::is_ascii_digit)
-                .collect();
-            Some((major, minor.parse().ok()?))
-        };
-        match version.and_then(parse) {
+        match version.and_then(crate::scheme::args::ct_release) {
             Some(v) if v < (0, 18) => PackVariant::WordAligned,
             _ => PackVariant::Dense,
         }

@@ -378,7 +378,7 @@ pub fn preset(name: &str, ct_version: Option<&str>) -> Option<(Option<Value>, Op
         json!({"num_bits": 8, "type": "float", "symmetric": true, "strategy": "tensor"});
     Some(match name {
         "UNQUANTIZED" => (None, None),
-        "W8A16" if ct_version.and_then(release).is_some_and(|v| v < (0, 16)) => {
+        "W8A16" if ct_version.and_then(ct_release).is_some_and(|v| v < (0, 16)) => {
             (Some(int_w(8, None, true)), None)
         }
         "W4A16_ASYM" => (Some(int_w(4, Some(128), false)), None),
@@ -407,8 +407,9 @@ pub fn preset(name: &str, ct_version: Option<&str>) -> Option<(Option<Value>, Op
     })
 }
 
-/// The `(major, minor)` of a release string (`"0.20.1"`, `"0.9.5.dev12+gabc"`).
-fn release(version: &str) -> Option<(u32, u32)> {
+/// The `(major, minor)` of a compressed-tensors release string (a config's `version`:
+/// `"0.20.1"`, `"0.9.5.dev12+gabc"`), for the behaviours that changed between releases.
+pub fn ct_release(version: &str) -> Option<(u32, u32)> {
     let mut parts = version.trim().trim_start_matches('v').split('.');
     let major = parts.next()?.parse().ok()?;
     let minor: String = parts

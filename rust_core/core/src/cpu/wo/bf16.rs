@@ -530,27 +530,24 @@ impl BlockedWo {
                     }
                     Weights::Wide(&wide[..nb * pairs * BLOCK])
                 };
+                // (`t_offs` and `t_groups` are the layer's own groups unless dequantised.)
                 let per = groups * BLOCK;
-                let t = if dequant {
-                    Tile {
-                        w,
-                        pairs,
-                        offs: t_offs,
-                        scale: &ones[..nb * t_groups * BLOCK],
-                        zp: None,
-                        groups: (0, t_groups),
-                        ahead: &[],
-                    }
+                let (scale, zp) = if dequant {
+                    (&ones[..nb * t_groups * BLOCK], None)
                 } else {
-                    Tile {
-                        w,
-                        pairs,
-                        offs,
-                        scale: &self.scale[b * per..(b + nb) * per],
-                        zp: self.zp.as_ref().map(|z| &z[b * per..(b + nb) * per]),
-                        groups: (0, groups),
-                        ahead: &[],
-                    }
+                    (
+                        &self.scale[b * per..(b + nb) * per],
+                        self.zp.as_ref().map(|z| &z[b * per..(b + nb) * per]),
+                    )
+                };
+                let t = Tile {
+                    w,
+                    pairs,
+                    offs: t_offs,
+                    scale,
+                    zp,
+                    groups: (0, t_groups),
+                    ahead: &[],
                 };
                 // The next blocks' codes, split evenly over this block's tile calls.
                 let next = codes.get((b + nb) * len..((b + 2 * nb).min(end)) * len);
