@@ -85,7 +85,10 @@ def test_overlapping_offsets(ckpt: Path) -> None:
     b, e = header[name]["data_offsets"]
     header[name]["data_offsets"] = [b - 8, e - 8]
     write_raw(st(ckpt), header, data)
-    with pytest.raises(mq.CheckpointError, match="overlaps|gap"):
+    with pytest.raises(
+        mq.CheckpointError,
+        match=rf"model\.safetensors: tensor '{re.escape(name)}': .*overlaps the previous tensor",
+    ):
         mq.open(ckpt)
 
 
@@ -114,7 +117,7 @@ def test_misaligned_tensor(ckpt: Path) -> None:
     if meta:
         shifted["__metadata__"] = meta
     write_raw(st(ckpt), shifted, b"\x00" + data)
-    with pytest.raises(mq.CheckpointError, match="not aligned"):
+    with pytest.raises(mq.CheckpointError, match=r"model\.safetensors: tensor '.+'.*not aligned"):
         mq.open(ckpt)
 
 
@@ -252,7 +255,9 @@ def test_lfs_pointer(ckpt: Path) -> None:
 
 
 def test_missing_directory(tmp_path: Path) -> None:
-    with pytest.raises(mq.CheckpointError, match="does not exist"):
+    with pytest.raises(
+        mq.CheckpointError, match=f"{re.escape(str(tmp_path / 'nope'))}: does not exist"
+    ):
         mq.open(tmp_path / "nope")
 
 
@@ -1008,7 +1013,7 @@ def test_from_tensors_argument_checks_the_native_side_does_not_repeat() -> None:
             a2_scale=torch.ones(3), top_k=1,
         )  # fmt: skip
     zp = torch.zeros(2, 64, 1, dtype=torch.int8)
-    with pytest.raises(mq.UnsupportedSchemeError):
+    with pytest.raises(mq.UnsupportedSchemeError, match="w13_zero_point: asymmetric int8"):
         mq.MoELayer.from_tensors(
             w13, w2, s13, s2, scheme="w8a16", w13_zero_point=zp, w2_zero_point=zp, top_k=1
         )
@@ -1044,7 +1049,7 @@ def test_repack_primitive_argument_errors() -> None:
         r.gptq_marlin_repack(q, None, 128, 64, 2**32)
     with pytest.raises(mq.LayoutError, match="2- or 4-byte"):
         r.marlin_permute_scales(np.ones((1, 64), np.float64), 128, 64, -1)
-    with pytest.raises(mq.LayoutError):
+    with pytest.raises(mq.LayoutError, match=r"s: expected \[E, G, size_n\], got shape \[1, 64\]"):
         r.marlin_moe_permute_scales(np.ones((1, 64), np.float16), 128, 64, -1)
     with pytest.raises(mq.LayoutError, match="int32 packed words"):
         r.gptq_marlin_unrepack(np.zeros((8, 128), np.int64), None, 128, 64, 4)

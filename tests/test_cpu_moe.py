@@ -299,7 +299,7 @@ def test_bf16_inputs_from_32_rows_use_the_dequantised_bf16_weights(
     dequant = emulate_rows(DequantisedBf16(ckpt, layer, False), x.float(), w, ids, True)
     assert rel_l2(got, exact) <= 1e-2
     if not mq.oracle.cpu_bf16_dot():
-        return
+        pytest.skip("checked above; what follows is the bf16 dot-product path, not on this CPU")
     # Native output before its bf16 rounding, to see the weights' roundings.
     raw = moe._core.forward_topk(
         x.float().numpy().reshape(-1),
@@ -447,6 +447,33 @@ def torch_route(
     return w * routing["routed_scaling_factor"], ids
 
 
+# Each fixture's routing as its model's router computes it, written from the model definitions
+# and the fixture's config.json rather than read back from moeq's summary: (scoring,
+# renormalise, expert groups, routed scaling, top_k). Qwen3-MoE: softmax, `norm_topk_prob`
+# (true in the fixture). DeepSeek-V3: sigmoid, renormalised, n_group 2 / topk_group 1 and
+# scaling 2.5 from the config. Laguna: sigmoid, renormalised, `moe_routed_scaling_factor` 2.5.
+# Mixtral: softmax, always renormalised.
+ROUTING_OF_FIXTURE = {
+    "qwen3_w4a16_g128_sym": ("softmax", True, None, 1.0, 2),
+    "deepseek_v3_w8a8_dynamic": ("sigmoid", True, (2, 1), 2.5, 2),
+    "laguna_mixed_int4_int8": ("sigmoid", True, None, 2.5, 2),
+    "mixtral_w8a16_channel": ("softmax", True, None, 1.0, 2),
+}
+
+
+def _expected_routing(name: str) -> dict:
+    scoring, renormalize, groups, scale, top_k = ROUTING_OF_FIXTURE[name]
+    n_group, topk_group = groups or (None, None)
+    return {
+        "scoring_func": scoring,
+        "renormalize": renormalize,
+        "n_group": n_group,
+        "topk_group": topk_group,
+        "routed_scaling_factor": scale,
+        "top_k": top_k,
+    }
+
+
 @pytest.mark.parametrize(
     "name,layer,mode",
     [
@@ -462,7 +489,9 @@ def test_forward_routes_and_adds_shared_experts(
     path = fixture_path(name)
     ckpt = mq.open(path)
     cfg = json.loads((path / "config.json").read_text())
-    routing = ckpt.summary()["routing"]
+    routing = _expected_routing(name)
+    summary = ckpt.summary()["routing"]
+    assert {k: summary[k] for k in routing} == routing
     info = next(x for x in ckpt.moe_layers() if x["layer"] == layer)
     moe = mq.MoELayer.from_checkpoint(ckpt, layer)
     x = torch.randn(6, moe.hidden_size)
@@ -498,7 +527,7 @@ def test_shared_expert_gate_scales_the_shared_output(
     cfg["quantization_config"]["ignore"] += list(names.values())
     dst = _edited_copy(src, tmp_path / "m", tensors=add_gates, config=lambda c: c.update(cfg))
     ckpt = mq.open(dst)
-    routing = ckpt.summary()["routing"]
+    routing = _expected_routing("laguna_mixed_int4_int8")
     calls = {}
     for layer in layers:
         info = next(x for x in ckpt.moe_layers() if x["layer"] == layer)
@@ -1088,6 +1117,26 @@ def _with_config(
     return _edited_copy(src, dst, tensors, change)
 
 
+@pytest.mark.parametrize("value", [False, True, "no"])
+def test_mixtral_renormalises_whatever_norm_topk_prob_says(
+    fixture_path: Callable[[str], Path], tmp_path: Path, value: object
+) -> None:
+    """Mixtral's router (transformers) and vLLM's Mixtral (`renormalize=True`) renormalise the
+    top-k weights and never read `norm_topk_prob`: a config that carries one, false or even of
+    the wrong type, routes as Mixtral does. Before, false turned renormalisation off."""
+    path = _with_config(fixture_path("mixtral_w8a16_channel"), tmp_path / "m", norm_topk_prob=value)
+    ckpt = mq.open(path)
+    assert ckpt.summary()["routing"]["renormalize"] is True
+    moe = mq.MoELayer.from_checkpoint(ckpt, 0)
+    x, logits = torch.randn(16, moe.hidden_size), torch.randn(16, moe.num_experts)
+    top = torch.softmax(logits.double(), -1).topk(moe.top_k, dim=-1)
+    w = top.values / top.values.sum(-1, keepdim=True)
+    want = moe.forward_topk(x, w.float(), top.indices)
+    assert rel_l2(moe(x, logits), want) <= 1e-6
+    unnormalised = moe.forward_topk(x, top.values.float(), top.indices)
+    assert rel_l2(want, unnormalised) > 1e-2
+
+
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
 def test_grouped_routing_without_bias(
     fixture_path: Callable[[str], Path], tmp_path: Path, scoring: str
@@ -1238,7 +1287,7 @@ def test_routing_keys_of_the_wrong_type_are_config_errors(
 @pytest.mark.parametrize(
     "bad,match",
     [
-        (lambda m, x, w, i: m.forward_topk(x.t(), w, i), "contiguous|expected"),
+        (lambda m, x, w, i: m.forward_topk(x.t(), w, i), "hidden_states: expected a contiguous"),
         (lambda m, x, w, i: m.forward_topk(x[:, :10].contiguous(), w, i), "hidden_states"),
         (lambda m, x, w, i: m.forward_topk(x, w, i.float()), "topk_ids"),
         (lambda m, x, w, i: m.forward_topk(x, w[:, :1], i), "topk_weights"),
@@ -1282,14 +1331,38 @@ def test_native_forward_takes_row_major_arrays_of_any_shape(
         moe._core.forward_topk(x, t, np.asfortranarray(w.numpy()), *args[1:])
 
 
-def test_unsupported_layers_are_refused(tmp_path: Path) -> None:
-    from synth import quant_config, write_checkpoint
+def _pack_u8_rows(u: np.ndarray) -> np.ndarray:
+    """Stored 8-bit values ``[rows, cols]`` packed 4 per int32 along a row, LSB first."""
+    words = np.zeros((u.shape[0], u.shape[1] // 4), dtype=np.uint32)
+    for j in range(4):
+        words |= u[:, j::4].astype(np.uint32) << np.uint32(8 * j)
+    return words.view(np.int32)
 
+
+def test_unsupported_layers_are_refused(tmp_path: Path) -> None:
+    from synth import GROUP, quant_config, tensors, write_checkpoint
+
+    # A well-formed asymmetric int8 checkpoint (8-bit packing, zero points packed along the
+    # output dim as compressed-tensors stores them), so that the refusal is the scheme's.
     qc = quant_config()
     qc["config_groups"]["group_0"]["weights"]["num_bits"] = 8
     qc["config_groups"]["group_0"]["weights"]["symmetric"] = False
-    path = write_checkpoint(tmp_path / "m", qc=qc)
-    with pytest.raises((mq.UnsupportedSchemeError, mq.CheckpointError)):
+    rng = np.random.default_rng(3)
+    replace = {}
+    for name, t in tensors().items():
+        if name.endswith(".weight_packed"):
+            rows, cols = t.shape[0], t.shape[1] * 8
+            replace[name] = torch.from_numpy(_pack_u8_rows(rng.integers(0, 256, size=(rows, cols))))
+            zp = rng.integers(0, 256, size=(rows, cols // GROUP))
+            replace[name.replace(".weight_packed", ".weight_zero_point")] = torch.from_numpy(
+                _pack_u8_rows(zp.T).T.copy()
+            )
+    path = write_checkpoint(tmp_path / "m", qc=qc, replace=replace)
+    layer = mq.plan(path)["moe_layers"][0]
+    assert layer["weight"]["num_bits"] == 8 and layer["weight"]["symmetric"] is False
+    assert layer["backend"] is None
+    assert "asymmetric int8 weights are not supported" in layer["error"]
+    with pytest.raises(mq.UnsupportedSchemeError, match=r"model\.layers\.0\.mlp .*asymmetric int8"):
         mq.MoELayer.from_checkpoint(path, 0)
     with pytest.raises(mq.CheckpointError, match="not an MoE layer"):
         mq.MoELayer.from_checkpoint(write_checkpoint(tmp_path / "ok"), 5)
@@ -1299,10 +1372,18 @@ def test_inference_mode_and_no_grad(fixture_path: Callable[[str], Path]) -> None
     moe = mq.MoELayer.from_checkpoint(fixture_path("qwen3_w4a16_g128_sym"), 0)
     x = torch.randn(3, moe.hidden_size)
     w, ids = random_routing(3, moe.num_experts, moe.top_k)
+    logits = torch.randn(3, moe.num_experts)
+    b = moe.forward_topk(x, w, ids)
     with torch.inference_mode():
         a = moe.forward_topk(x, w, ids)
-    b = moe.forward_topk(x, w, ids)
-    assert torch.equal(a, b), "the forward is deterministic"
+        c = moe(x, logits)
+    assert a.is_inference() and c.is_inference()
+    assert torch.equal(a, b), "the same result as outside inference mode"
+    with torch.no_grad():
+        d = moe.forward_topk(x, w, ids)
+        e = moe(x, logits)
+    assert not d.requires_grad and not e.requires_grad and d.grad_fn is None
+    assert torch.equal(d, b) and torch.equal(e, c)
 
 
 def stack_from_checkpoint(ckpt: mq.Checkpoint, layer: int, scheme: str) -> dict:
@@ -1703,6 +1784,8 @@ for case in cases:
         x = torch.randn(t, moe.hidden_size, generator=g).to(dtype)
         logits = torch.randn(t, moe.num_experts, generator=g)
         out.append(moe(x, logits).float().numpy().ravel())
+# The run's last value says whether the scratch really came poisoned.
+out.append(np.array([float(mq._core._cpu_scratch_poisoned())], dtype=np.float32))
 np.save(sys.argv[2], np.concatenate(out))
 """
 
@@ -1727,7 +1810,9 @@ def test_outputs_and_scratch_are_fully_written(
             env=dict(os.environ, MOEQ_POISON_SCRATCH=poison),
             check=True,
         )
-        runs[poison] = np.load(dst)
+        run = np.load(dst)
+        assert run[-1] == (poison == "1"), f"MOEQ_POISON_SCRATCH={poison}: poisoning on?"
+        runs[poison] = run[:-1]
     assert np.isfinite(runs["1"]).all()
     assert np.array_equal(runs["1"], runs["0"])
 
@@ -2223,7 +2308,7 @@ def test_parking_puts_torch_openmp_threads_to_sleep_during_a_forward() -> None:
     parks: another thread may have no OpenMP team, which a region would create."""
     if not _torch_uses_libgomp():
         assert _run_parking_script(MOEQ_NUM_THREADS="2")[:4] == ["main", "False", "other", "False"]
-        return
+        pytest.skip("checked that nothing parks; torch here has no libgomp team to park")
     # `always`: no backing off after a costly park (the sampler keeps the machine busy).
     out = _run_parking_script(
         MOEQ_NUM_THREADS="2", OMP_WAIT_POLICY="active", SAMPLE="1", MOEQ_PARK_OPENMP="always"
@@ -2242,7 +2327,7 @@ def test_a_sleeping_openmp_team_is_not_woken_to_be_parked() -> None:
     team asleep (their CPU clocks stand still, none is runnable) and runs without a region
     (the team's threads were learnt by the script's first forward)."""
     if not _torch_uses_libgomp():
-        return
+        pytest.skip("torch here has no libgomp team")
     # 20 ms for the team to reach its sleep even when the machine is busy (a thread still on
     # its way there is runnable, and is rightly parked).
     out = _run_parking_script(MOEQ_NUM_THREADS="2", OMP_WAIT_POLICY="passive", SETTLE_MS="20")

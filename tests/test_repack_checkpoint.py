@@ -40,6 +40,12 @@ def raw(ckpt: mq.Checkpoint, name: str) -> np.ndarray:
     return np.asarray(ckpt.tensor(name))
 
 
+def layer_experts(ckpt: mq.Checkpoint, prefix: str) -> list[int]:
+    """The expert indices stored under ``prefix`` (``<layer>.experts``), from the tensor names."""
+    pat = re.compile(re.escape(prefix) + r"\.(\d+)\.")
+    return sorted({int(m.group(1)) for n in ckpt.tensor_names() if (m := pat.match(n))})
+
+
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "moeq_rs", *args], capture_output=True, text=True, check=False
@@ -68,18 +74,40 @@ def test_repack_matches_numpy_reference_and_verifies(
     assert cfg["moeq"]["layout"] == "marlin" and cfg["moeq"]["layout_version"] == 1
     assert dst.summary()["layout"] == "marlin"
     src_names = set(src.tensor_names())
+    # The reference's scheme and sizes come from what compressed-tensors wrote (its schemes
+    # file and the source tensors), not from the record the repack wrote.
+    ct_schemes = json.loads((src_dir / "ref" / "schemes.json").read_text())
     for meta, layer in zip(cfg["moeq"]["layers"], src.moe_layers(), strict=True):
         p = meta["prefix"]
         assert p == f"{layer['prefix']}.experts"
-        bits, group, sym = meta["num_bits"], meta["group_size"], meta["symmetric"]
-        act_order = meta["act_order"]
         w1, w3, w2 = (
             ("w1", "w3", "w2")
             if name.startswith("mixtral")
             else ("gate_proj", "up_proj", "down_proj")
         )
+        ct = ct_schemes[f"{p}.0.{w1}"]["weights"]
+        bits, sym = ct["num_bits"], ct["symmetric"]
+        group = ct["group_size"] if ct["strategy"] == "group" else -1
+        # Group act-order is what stores a g_idx (and what the fixtures use).
+        act_order = ct["actorder"] == "group"
+        assert act_order == (f"{p}.0.{w1}.weight_g_idx" in src_names)
+        inter, hidden = (int(v) for v in raw(src, f"{p}.0.{w1}.weight_shape"))
+        want_meta = (bits, group, sym, act_order, hidden, inter, len(layer_experts(src, p)))
+        got_meta = tuple(
+            meta[k]
+            for k in (
+                "num_bits",
+                "group_size",
+                "symmetric",
+                "act_order",
+                "hidden_size",
+                "intermediate_size",
+                "num_experts",
+            )
+        )
+        assert got_meta == want_meta, p
         experts = []
-        for e in range(meta["num_experts"]):
+        for e in range(len(layer_experts(src, p))):
             x: dict[str, Any] = {}
             for role, proj in (("gate", w1), ("up", w3), ("down", w2)):
                 m = f"{p}.{e}.{proj}"
@@ -90,9 +118,7 @@ def test_repack_matches_numpy_reference_and_verifies(
                 if act_order:
                     x[f"{role}_g_idx"] = raw(src, f"{m}.weight_g_idx")
             experts.append(x)
-        ref = ct_moe_to_marlin(
-            experts, meta["hidden_size"], meta["intermediate_size"], bits, group, sym, act_order
-        )
+        ref = ct_moe_to_marlin(experts, hidden, inter, bits, group, sym, act_order)
         pairs = {
             "w13_weight_packed": "w13",
             "w2_weight_packed": "w2",

@@ -56,7 +56,10 @@ def test_native_path_equals_the_checked_path(
     assert torch.equal(fast, checked)
     assert torch.isfinite(fast).all() and fast.abs().sum() > 0
     for ids_dtype in (torch.int64, torch.int32):
+        del fast
+        gc.collect()
         fast = moe.forward_topk(x, w.to(dtype), ids.to(ids_dtype))
+        assert _core._cpu_torch_outputs_alive() == alive + 1  # native here too
         checked = moe._forward_topk_checked(x, w.to(dtype), ids.to(ids_dtype))
         assert fast.dtype == dtype and torch.equal(fast, checked)
     del fast

@@ -542,6 +542,13 @@ fn cpu_release_scratch(py: Python<'_>) -> usize {
     py.detach(moeq_core::cpu::release_scratch)
 }
 
+/// Whether the CPU forward's reused scratch comes filled with NaN (`MOEQ_POISON_SCRATCH=1`),
+/// checked on a buffer it hands out (for tests).
+#[pyfunction]
+fn _cpu_scratch_poisoned() -> bool {
+    moeq_core::cpu::spare::hands_out_poison()
+}
+
 /// int8 GEMM calls (one per expert panel and thread) that ran on the AMX tiles in this process:
 /// proof that AMX ran, for `scripts/amx_check.py`.
 #[pyfunction]
@@ -663,6 +670,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_amx_calls, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack::cpu_use_torch_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack::_cpu_torch_outputs_alive, m)?)?;
+    m.add_function(wrap_pyfunction!(_cpu_scratch_poisoned, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_driver_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_compile_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_nvrtc_version, m)?)?;

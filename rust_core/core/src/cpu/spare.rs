@@ -28,6 +28,15 @@ pub fn poisoning() -> bool {
     *ON.get_or_init(|| std::env::var_os("MOEQ_POISON_SCRATCH").is_some_and(|v| v == "1"))
 }
 
+/// Whether a buffer handed out for overwriting comes poisoned (see [`poisoning`]), checked on
+/// a real one: lets a test that compares poisoned and normal runs prove that poisoning was on.
+pub fn hands_out_poison() -> bool {
+    let v = take_any::<f32>(64, 0.0);
+    let poisoned = v.iter().all(|x| x.is_nan());
+    give(v);
+    poisoned
+}
+
 macro_rules! spare {
     ($t:ty, $name:ident, $poison:expr) => {
         thread_local! {

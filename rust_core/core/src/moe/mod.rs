@@ -210,6 +210,9 @@ struct Family {
     /// Renormalises the top-k weights when `config.json` has no `norm_topk_prob`: the router
     /// always does, or the config class defaults to it.
     renormalize: bool,
+    /// The router renormalises whatever `config.json` says: its config class has no
+    /// `norm_topk_prob`, and transformers and vLLM both ignore one that a config carries.
+    renormalize_always: bool,
     /// The routed scaling factor when `config.json` does not set one.
     scale: f64,
     /// The expert groups when `config.json` does not set them; such families group whatever
@@ -227,6 +230,7 @@ const fn family(names: &'static [&'static str]) -> Family {
         checked: false,
         scoring: DefaultScoring::Generic,
         renormalize: false,
+        renormalize_always: false,
         scale: 1.0,
         groups: None,
         refusal: None,
@@ -249,6 +253,13 @@ impl Family {
     const fn renormalizing(self) -> Family {
         Family {
             renormalize: true,
+            ..self
+        }
+    }
+    const fn always_renormalizing(self) -> Family {
+        Family {
+            renormalize: true,
+            renormalize_always: true,
             ..self
         }
     }
@@ -283,7 +294,10 @@ const FAMILIES: &[Family] = &[
     // (the last two have no `norm_topk_prob` in their config classes); Command-A's softmax over
     // the top-k logits is renormalised softmax; Qwen3-Next's and Qwen3-Omni's config classes
     // default to it.
-    family(&["mixtral", "minimax", "minimax_m2", "hunyuan_v1_moe"])
+    // Mixtral's router (transformers) and vLLM's Mixtral (`renormalize=True`) both ignore a
+    // `norm_topk_prob` in config.json.
+    family(&["mixtral"]).checked().always_renormalizing(),
+    family(&["minimax", "minimax_m2", "hunyuan_v1_moe"])
         .checked()
         .renormalizing(),
     family(&[
@@ -528,7 +542,14 @@ impl Routing {
         // Most families say whether to renormalise with norm_topk_prob (AFMoE: route_norm;
         // Kimi-Linear and Bailing-hybrid: moe_renormalize); without it, the family's default.
         let renorm_keys = ["norm_topk_prob", "route_norm", "moe_renormalize"];
-        let renormalize = match cfg_field(file, config, &renorm_keys).opt_bool()? {
+        // A router that always renormalises never reads the key, so it is not read here either
+        // (a value of the wrong type included).
+        let renorm_key = if any(|r| r.renormalize_always) {
+            cfg_field(file, config, &renorm_keys).value.map(|_| true)
+        } else {
+            cfg_field(file, config, &renorm_keys).opt_bool()?
+        };
+        let renormalize = match renorm_key {
             // vLLM's AFMoE applies route_norm to sigmoid scores only.
             Some(_) if is("afmoe") && scoring == Scoring::Softmax => false,
             Some(b) => b,
