@@ -2,7 +2,7 @@
 expert weights) from the compressed-tensors checkpoint (packed at load) and from the output of
 `moeq repack --target cpu` (prepacked), interleaved, with the page cache warm for both.
 
-    MOEQ_NUM_THREADS=2 .venv/bin/python bench/load_cpu_layout.py [--rounds N] [--keep DIR]
+    MOEQ_NUM_THREADS=2 .venv/bin/python bench/load_cpu_layout.py [--rounds N]
 """
 
 from __future__ import annotations

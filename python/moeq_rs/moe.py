@@ -255,8 +255,9 @@ class MoELayer(torch.nn.Module):
         device: str | torch.device = "cpu",
     ) -> MoELayer:
         """Load decoder layer ``layer`` (its routed experts, router parameters and shared
-        experts). Raises :class:`moeq_rs.UnsupportedSchemeError` when the oracle does not plan
-        the layer onto the CPU backend, with the oracle's reason; another
+        experts). Raises :class:`moeq_rs.UnsupportedSchemeError` when the oracle does not plan a
+        quantized layer onto the CPU backend, with the oracle's reason (an unquantized layer,
+        whose plan names no backend, runs on the CPU's fp32 / bf16 path); another
         :class:`moeq_rs.MoeqError` for bad input (``ConfigError`` for routing settings such as a
         top-k above the expert count, ``CheckpointError`` for a layer with no MoE block or a
         non-positive static scale, ``CudaUnavailableError`` for a CUDA device)."""
