@@ -299,7 +299,8 @@ impl BlockedWo {
                 if simd {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: AVX-512F detected by `isa()`; the tile's slices hold one block
-                    // (k x 16 codes, groups x 16 scales) and `xs`/`ss` hold `mr` rows.
+                    // (k x 16 int8 codes or ceil(k/2) x 16 nibble bytes, groups x 16 scales)
+                    // and `xs`/`ss` hold `mr` rows.
                     unsafe {
                         x86::tile(&tile, xs, ss, mr, &mut out)
                     };
@@ -404,7 +405,8 @@ mod x86 {
     const PF_DIST: usize = 4096;
 
     /// # Safety
-    /// The CPU supports AVX-512F; `t.codes.len() >= t.k * 16`, `t.scale` (and `t.zp`) hold
+    /// The CPU supports AVX-512F; `t.codes.len() >= t.k * 16` (int8 codes) or
+    /// `>= t.k.div_ceil(2) * 16` (nibble bytes, which go to `kernel4`), `t.scale` (and `t.zp`) hold
     /// `groups * 16` values, `x.len() >= mr * t.k`, `sums` (when zero points exist) holds
     /// `mr * groups` values, `1 <= mr <= 8`.
     #[target_feature(enable = "avx512f")]
