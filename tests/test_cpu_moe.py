@@ -2089,6 +2089,69 @@ def test_forward_from_other_threads_equals_the_owner_thread() -> None:
         assert ran.stdout.split() == ["ok", "15"]
 
 
+_NO_THREADS_SCRIPT = r"""
+import resource, sys, threading, torch
+import moeq_rs as mq
+g = torch.Generator().manual_seed(4)
+e, h, i = 8, 256, 128
+layer = mq.MoELayer.from_tensors(
+    torch.randint(-127, 128, (e, 2 * i, h), dtype=torch.int8, generator=g),
+    torch.randint(-127, 128, (e, h, i), dtype=torch.int8, generator=g),
+    torch.rand(e, 2 * i, generator=g) / 1e3, torch.rand(e, h, generator=g) / 1e3,
+    scheme="w8a8_dynamic", top_k=2)
+x, logits = torch.randn(100, h, generator=g), torch.randn(100, e, generator=g)
+weights, ids = torch.softmax(logits, -1).topk(2, dim=-1)
+# On the main thread's own pool.
+want = [layer(x, logits), layer.forward_topk(x, weights, ids)]
+got, failed = [], []
+go = threading.Event()
+def worker():
+    go.wait()
+    try:
+        # The shared pool for other threads starts now, and cannot.
+        got.extend([layer(x, logits), layer.forward_topk(x, weights, ids)])
+    except BaseException as err:
+        failed.append(f"{type(err).__module__}.{type(err).__name__}: {err}")
+t = threading.Thread(target=worker)
+t.start()
+# No room for a new thread's stack from here on (RLIMIT_NPROC would not bind root).
+with open("/proc/self/status") as status:
+    vm = next(int(l.split()[1]) for l in status if l.startswith("VmSize:")) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (512 << 10), resource.RLIM_INFINITY))
+try:
+    threading.Thread(target=lambda: None).start()
+    sys.exit("threads were not refused")
+except RuntimeError:
+    pass
+go.set()
+t.join()
+assert not failed, failed
+assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+print("ok")
+"""
+
+
+def test_forward_runs_when_the_os_refuses_new_threads() -> None:
+    """A forward on another thread than the main one, when the OS refuses new threads (a
+    container's pids limit, RLIMIT_NPROC, address space) and the pool for such threads cannot
+    start: it runs on the calling thread alone, with the same bits. It used to raise pyo3's
+    PanicException (rayon's global pool could not start either), which `except Exception`
+    does not catch."""
+    import os
+    import subprocess
+    import sys
+
+    ran = subprocess.run(
+        [sys.executable, "-c", _NO_THREADS_SCRIPT],
+        env=dict(os.environ, MOEQ_NUM_THREADS="2", RUST_BACKTRACE="0"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ran.returncode == 0 and ran.stdout.split() == ["ok"], ran.stdout + ran.stderr
+    assert "panicked" not in ran.stderr, ran.stderr
+
+
 _POOL_SCRIPT = r"""
 import collections, os, sys, time, torch
 import moeq_rs as mq

@@ -19,7 +19,8 @@ pub use moe::{CpuExpert, CpuMoe};
 /// The thread pool of the CPU forward for threads other than an adopted one: `MOEQ_NUM_THREADS`
 /// threads (read once; unset, zero or unparsable means one per available CPU). A pool of our
 /// own keeps the thread count ours to set, whatever else in the process uses rayon's global
-/// pool. `None` only if the OS refused the threads; the work then runs on rayon's global pool.
+/// pool. `None` only if the OS refused the threads; the work then runs on the calling thread
+/// alone ([`on_this_thread_only`]).
 ///
 /// One per process: a child forked after the pool started inherits it without its threads, and
 /// work handed to it there would wait forever (a call from any thread but the adopted one), so
@@ -219,8 +220,33 @@ pub fn on_threads<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     }
     match pool() {
         Some(p) => p.install(f),
-        None => f(),
+        None => on_this_thread_only(f),
     }
+}
+
+thread_local! {
+    /// A pool of the calling thread alone, for when the OS refuses new threads (a container's
+    /// pids limit, RLIMIT_NPROC): rayon's global pool would need threads too, and its parallel
+    /// iterators panic when it cannot start them. Kept for the thread's life: the thread stays
+    /// registered with the pool it joined.
+    static ALONE: Option<rayon::ThreadPool> = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .use_current_thread()
+        .build()
+        .ok();
+}
+
+/// Runs `f` (whose parallel iterators then run serially) on the calling thread, as a pool of
+/// one that starts no thread; where the thread already works for a rayon pool, on that one.
+fn on_this_thread_only<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if rayon::current_thread_index().is_some() {
+        return f();
+    }
+    ALONE.with(|alone| match alone {
+        Some(p) => p.install(f),
+        // Not expected (a pool of one starts no thread); `f` may then meet the global pool.
+        None => f(),
+    })
 }
 
 /// The number of threads [`on_threads`] runs on, without starting a pool.
