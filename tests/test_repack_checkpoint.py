@@ -21,7 +21,7 @@ import pytest
 from marlin_ref import ct_moe_to_marlin
 
 import moeq_rs as mq
-from moeq_rs.repack import repack_checkpoint
+from moeq_rs.repack import parse_size, repack_checkpoint
 from synth import GROUP, quant_config, read_raw, write_checkpoint
 
 WNA16 = [
@@ -1007,3 +1007,174 @@ def test_an_unwritable_parent_is_reported_as_out_dir(fixture_path: Callable[[str
     assert r.returncode == 1, r
     assert r.stderr.startswith("moeq: error: /proc/moeq_out: cannot write in /proc"), r.stderr
     assert "moeq-tmp" not in r.stderr
+
+
+def _chattr(flag: str, *paths: Path) -> None:
+    """`chattr` on ``paths``, or a skip where this file system or user cannot (the immutable
+    flag stops even root, which is what these tests need)."""
+    try:
+        r = subprocess.run(["chattr", flag, *map(str, paths)], capture_output=True, check=False)
+    except FileNotFoundError:
+        pytest.skip("needs chattr (e2fsprogs)")
+    if r.returncode != 0:
+        pytest.skip(f"chattr {flag} refused here: {r.stderr.decode(errors='replace').strip()}")
+
+
+def test_force_refuses_an_earlier_output_whose_files_cannot_be_removed(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """--force over an earlier output whose files this process may not remove (write-protected
+    for a user, immutable for root) used to finish, exit 0, and leave the earlier output moved
+    aside as a hidden `.out.moeq-old-PID`; it is refused before any work."""
+    out = tmp_path / "out"
+    repack_checkpoint(fixture_path("qwen3_w8a16_g128"), out, target="cpu")
+    before = digest(out)
+    _chattr("+i", out)
+    try:
+        r = cli("repack", str(fixture_path("qwen3_w8a16_g128")), str(out), "--target", "cpu",
+                "--force")  # fmt: skip
+    finally:
+        _chattr("-i", out)
+    assert r.returncode == 1, r.stdout
+    assert r.stderr.startswith(f"moeq: error: {out}: holds files this user may not remove")
+    assert digest(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_an_earlier_output_that_cannot_be_removed_after_the_commit_is_reported(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """If the earlier output --force replaced cannot be removed once the new one is in place
+    (a file in it made immutable during the run), the repack still succeeds, and says where
+    the earlier output was left, rather than hiding it beside OUT_DIR."""
+    out = tmp_path / "out"
+    repack_checkpoint(fixture_path("qwen3_w8a16_g128"), out, target="cpu")
+    pinned = out / "config.json"
+
+    def progress(stage: str, *_: int) -> None:
+        if stage == "commit":
+            _chattr("+i", pinned)
+
+    try:
+        r = repack_checkpoint(
+            fixture_path("qwen3_w8a16_g128"), out, target="marlin", force=True, progress=progress
+        )
+        moved = [p for p in tmp_path.iterdir() if p.name.startswith(".out.moeq-old-")]
+        assert len(moved) == 1
+        assert r["leftover"] is not None and str(moved[0]) in r["leftover"]
+        assert "could not be removed" in r["leftover"]
+        assert mq.open(out).summary()["layout"] == "marlin"
+    finally:
+        for p in [pinned, *tmp_path.glob(".out.moeq-old-*/config.json")]:
+            if p.exists():
+                subprocess.run(["chattr", "-i", str(p)], check=False)
+        for p in tmp_path.glob(".out.moeq-old-*"):
+            shutil.rmtree(p)
+
+
+def test_a_failure_whose_temporary_directory_cannot_be_removed_says_so(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A repack that fails and then cannot remove its temporary directory (made immutable
+    during the run) names it in the error: hundreds of MB left behind without a word before."""
+    out = tmp_path / "out"
+    staged: list[Path] = []
+
+    def progress(stage: str, *_: int) -> None:
+        if stage == "layers" and not staged:
+            staged.extend(tmp_path.glob(".out.moeq-tmp-*"))
+            _chattr("+i", *staged)
+
+    try:
+        with pytest.raises(mq.CheckpointError) as err:
+            repack_checkpoint(
+                fixture_path("qwen3_w8a16_g128"), out, target="cpu", progress=progress
+            )
+        assert len(staged) == 1
+        assert f"the temporary directory {staged[0]} could not be removed" in str(err.value)
+        assert "remove it by hand" in str(err.value)
+        assert not out.exists()
+    finally:
+        if staged:
+            subprocess.run(["chattr", "-i", str(staged[0])], check=False)
+            shutil.rmtree(staged[0], ignore_errors=True)
+
+
+def test_a_side_file_that_cannot_be_written_names_the_output(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A write error while copying a side file (here a file-size limit; a full disk alike)
+    named the source file, sending the user to the wrong disk; it names what was being
+    written."""
+    src = tmp_path / "src"
+    shutil.copytree(fixture_path("qwen3_w4a16_sharded"), src)
+    (src / "tokenizer.json").write_bytes(b"x" * (3 << 20))
+    limit = 2 << 20
+
+    def limited() -> None:
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    r = subprocess.run(
+        [sys.executable, "-m", "moeq_rs", "repack", str(src), str(tmp_path / "o"), "--target",
+         "cpu", "--max-shard-size", "500KB"],
+        capture_output=True, text=True, check=False, preexec_fn=limited,
+    )  # fmt: skip
+    assert r.returncode == 1, r.stdout
+    last = r.stderr.splitlines()[-1]
+    assert last.startswith("moeq: error: ") and "tokenizer.json: File too large" in last, last
+    assert str(src) not in last and ".o.moeq-tmp-" in last
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_out_dir_names_too_long_for_the_temporary_directory(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A 245-byte OUT_DIR name is legal, but `.<name>.moeq-tmp-<pid>` beside it is not: the
+    error said "cannot write in .: File name too long", blaming the parent directory."""
+    name = "b" * 245
+    r = cli("repack", str(fixture_path("qwen3_w8a16_g128")), str(tmp_path / name), "--target",
+            "cpu")  # fmt: skip
+    assert r.returncode == 1
+    assert "its name is 245 bytes, too long for the temporary directory" in r.stderr, r.stderr
+    assert re.search(r"use a name of at most 2\d\d bytes", r.stderr), r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_parent_that_is_a_file_is_called_one(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    (tmp_path / "afile").write_text("")
+    r = cli("repack", str(fixture_path("qwen3_w8a16_g128")), str(tmp_path / "afile" / "out"),
+            "--target", "cpu")  # fmt: skip
+    assert r.returncode == 1
+    assert f"the parent directory {tmp_path / 'afile'} is not a directory" in r.stderr, r.stderr
+
+
+def test_a_closed_stderr_does_not_stop_the_repack(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """With stderr closed (`2>&-`) the progress bar failed on `None.isatty()` and the repack
+    stopped with an internal error, printed on stdout."""
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [sys.executable, "-m", "moeq_rs", "repack", str(fixture_path("qwen3_w8a16_g128")),
+         str(out), "--target", "cpu"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, check=False,
+        preexec_fn=lambda: os.close(2),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout
+    assert r.stdout.startswith(f"wrote {out}: ")
+    assert mq.open(out).summary()["layout"] == "cpu"
+
+
+def test_max_shard_size_counts_are_read_exactly() -> None:
+    """A byte count went through a float: 2**64 - 1 rounded up and was refused as out of
+    range."""
+    assert parse_size("18446744073709551615") == 2**64 - 1
+    assert parse_size("1_000") == 1000 and parse_size("2KiB") == 2048
+    with pytest.raises(mq.LayoutError, match="cannot read"):
+        parse_size("18446744073709551616")

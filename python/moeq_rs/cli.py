@@ -47,8 +47,25 @@ class _Parser(argparse.ArgumentParser):
 
 def _fail(message: str) -> NoReturn:
     first = " ".join(str(message).split("\n")).strip()
-    print(f"moeq: error: {first}", file=sys.stderr)
+    _to_stderr(f"moeq: error: {first}")
     raise SystemExit(1)
+
+
+def _to_stderr(text: str) -> None:
+    """``text`` on stderr, if there is one: with stderr closed (``2>&-``) ``print(file=None)``
+    would write to stdout, which may be a JSON pipe; a stderr that fails is given up on."""
+    if sys.stderr is None:
+        return
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def _warn(message: str) -> None:
+    """One ``moeq: warning: ...`` line on stderr, if there is one to write to."""
+    first = " ".join(str(message).split("\n")).strip()
+    _to_stderr(f"moeq: warning: {first}")
 
 
 def _fmt_activation(act: dict[str, Any] | None) -> str:
@@ -215,8 +232,22 @@ class _ProgressBar:
         import time
 
         self._t0 = time.perf_counter()
-        self._tty = sys.stderr.isatty()
+        # No stderr (closed: `2>&-`) or one that fails: the repack goes on without a bar.
+        self._on = sys.stderr is not None
+        try:
+            self._tty = self._on and sys.stderr.isatty()
+        except (OSError, ValueError):
+            self._tty = False
         self._last_decile = -1
+
+    def _print(self, text: str, end: str = "\n") -> None:
+        if not self._on:
+            return
+        try:
+            print(text, end=end, file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            # A progress line is not worth failing the repack for (stderr on a full disk).
+            self._on = False
 
     def __call__(self, stage: str, done: int, total: int, written: int, wtotal: int) -> None:
         import time
@@ -230,14 +261,14 @@ class _ProgressBar:
             f"{wtotal / 1e6:.1f} MB  {written / 1e6 / secs:7.1f} MB/s"
         )
         if self._tty:
-            print("\r" + line, end="", file=sys.stderr, flush=True)
+            self._print("\r" + line, end="")
         elif int(frac * 10) != self._last_decile or stage == "verify":
             self._last_decile = int(frac * 10)
-            print(line, file=sys.stderr, flush=True)
+            self._print(line)
 
     def close(self) -> None:
         if self._tty:
-            print(file=sys.stderr)
+            self._print("")
 
 
 def _identity(path: str) -> tuple[int, int] | None:
@@ -303,6 +334,8 @@ def _cmd_repack(args: argparse.Namespace) -> int:
             f"{args.out_dir} is written and complete, but its summary could not be printed: "
             f"{err.strerror or err}"
         )
+    if r["leftover"]:
+        _warn(f"{args.out_dir} is written and complete, but {r['leftover']}")
     return 0
 
 
@@ -474,13 +507,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt as e:
         committed = getattr(args, "committed", None)
         if committed is not None and committed():
-            print(
+            _to_stderr(
                 f"\nmoeq: interrupted as the repack finished; {args.out_dir} is written and "
-                "complete",
-                file=sys.stderr,
+                "complete"
             )
         else:
-            print("\nmoeq: interrupted; nothing was written", file=sys.stderr)
+            _to_stderr("\nmoeq: interrupted; nothing was written")
         return _interrupted_status(e)
     except Exception as e:  # noqa: BLE001 - the CLI must never print a traceback
         if os.environ.get("MOEQ_DEBUG"):

@@ -303,6 +303,20 @@ def parse_size(text: str | int) -> int:
     s = text.strip().upper().replace(" ", "")
     num = s.rstrip("KMGTIB")
     unit = s[len(num) :]
+    if unit in units:
+        try:
+            # An integer count exactly (a float rounds 2**64 - 1 up, out of range).
+            whole = int(num) * units[unit]
+        except ValueError:
+            pass
+        else:
+            if whole < 1:
+                raise LayoutError(
+                    f"max shard size: {text!r} is less than one byte (use e.g. 5GB, 500MB)"
+                )
+            if whole > U64_MAX:
+                raise bad
+            return whole
     try:
         value = float(num)
     except ValueError:
@@ -329,7 +343,9 @@ def repack_checkpoint(
     ``target`` layout into ``out_dir``: one MoE layer at a time, through a temporary directory
     beside ``out_dir`` that is renamed at the end (on any error or Ctrl-C nothing is left at
     ``out_dir``). Returns ``{"out_dir", "layers", "tensors", "bytes_written", "seconds",
-    "verified_modules"}``."""
+    "verified_modules", "leftover"}``: ``leftover`` is None, or says what could not be removed
+    after the output was committed (an earlier output that ``force`` replaced, moved aside beside
+    ``out_dir``), which the caller should report."""
 
     from .checkpoint import as_checkpoint, path_text
 

@@ -35,6 +35,12 @@ pub enum CheckpointError {
     Module { module: String, reason: String },
     #[error("{path}: {reason}")]
     Output { path: PathBuf, reason: String },
+    /// Another error, with what went wrong while cleaning up after it.
+    #[error("{inner}; and {note}")]
+    Noted {
+        inner: Box<CheckpointError>,
+        note: String,
+    },
 }
 
 /// A `config.json` / `quantization_config` that is malformed. `key` is the dotted path of the
@@ -110,6 +116,34 @@ impl ErrorKind {
 }
 
 impl Error {
+    /// The same error (and kind) with `note` added to its message: what also went wrong while
+    /// cleaning up after it.
+    pub fn noted(self, note: &str) -> Error {
+        let add = |reason: String| format!("{reason}; and {note}");
+        match self {
+            Error::Checkpoint(inner) => Error::Checkpoint(CheckpointError::Noted {
+                inner: Box::new(inner),
+                note: note.to_string(),
+            }),
+            Error::Config(e) => Error::Config(ConfigError {
+                reason: add(e.reason),
+                ..e
+            }),
+            Error::Unsupported(e) => Error::Unsupported(UnsupportedSchemeError {
+                reason: add(e.reason),
+                ..e
+            }),
+            Error::Layout(e) => Error::Layout(LayoutError {
+                reason: add(e.reason),
+                ..e
+            }),
+            Error::Cuda(e) => Error::Cuda(CudaError {
+                reason: add(e.reason),
+                ..e
+            }),
+        }
+    }
+
     pub fn kind(&self) -> ErrorKind {
         match self {
             Error::Checkpoint(_) => ErrorKind::Checkpoint,

@@ -252,6 +252,7 @@ impl Checkpoint {
         d.set_item("bytes_written", r.bytes_written)?;
         d.set_item("seconds", r.seconds)?;
         d.set_item("verified_modules", r.verified_modules)?;
+        d.set_item("leftover", r.leftover)?;
         Ok(d)
     }
 

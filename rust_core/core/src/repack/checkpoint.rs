@@ -44,6 +44,9 @@ pub struct RepackReport {
     pub bytes_written: u64,
     pub seconds: f64,
     pub verified_modules: usize,
+    /// What the repack wrote or moved and could not remove (the earlier output that `--force`
+    /// replaced, moved aside), with the reason: the output itself is complete.
+    pub leftover: Option<String>,
 }
 
 fn output_error(path: &Path, reason: impl Into<String>) -> Error {
@@ -62,10 +65,33 @@ fn io(path: &Path, e: std::io::Error) -> Error {
     .into()
 }
 
+/// The longest file name (bytes) of the file systems a checkpoint lives on (ext4, xfs, btrfs,
+/// tmpfs, NFS).
+const NAME_MAX: usize = 255;
+
 /// Removes the temporary directory unless the repack was committed.
 struct TempDir {
     path: PathBuf,
     committed: bool,
+}
+
+impl TempDir {
+    /// Removes the uncommitted directory now; why it could not be, if so.
+    fn discard(&mut self) -> Option<String> {
+        if self.committed {
+            return None;
+        }
+        // Not again on drop, whatever happens here.
+        self.committed = true;
+        match std::fs::remove_dir_all(&self.path) {
+            Ok(()) => None,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => Some(format!(
+                "the temporary directory {} could not be removed ({e}); remove it by hand",
+                self.path.display()
+            )),
+        }
+    }
 }
 
 impl Drop for TempDir {
@@ -221,11 +247,48 @@ fn not_replaceable(out_dir: &Path) -> Option<String> {
         .flatten()
         .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
         .is_some_and(|v| v.get("moeq").is_some_and(|m| m.is_object()));
-    (!written_by_us).then(|| {
-        "is neither empty nor a checkpoint written by moeq repack (no \"moeq\" entry in its \
-         config.json)"
-            .into()
-    })
+    if !written_by_us {
+        return Some(
+            "is neither empty nor a checkpoint written by moeq repack (no \"moeq\" entry in its \
+             config.json)"
+                .into(),
+        );
+    }
+    // Its files are removed after the commit: without the permission, the earlier output
+    // would be left moved aside, hidden, once the new one is in place.
+    if let Err(e) = may_remove_entries(out_dir) {
+        return Some(format!("holds files this user may not remove ({e})"));
+    }
+    None
+}
+
+/// Whether this process may remove the entries of `dir` (write and search permission on it,
+/// as the kernel checks it for this process's user; a read-only mount fails too).
+#[cfg(unix)]
+fn may_remove_entries(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes())
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    // SAFETY: `path` is a NUL-terminated string that outlives the call; faccessat only reads
+    // it.
+    let r = unsafe {
+        libc::faccessat(
+            libc::AT_FDCWD,
+            path.as_ptr(),
+            libc::W_OK | libc::X_OK,
+            libc::AT_EACCESS,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+#[cfg(not(unix))]
+fn may_remove_entries(_dir: &Path) -> std::io::Result<()> {
+    Ok(())
 }
 
 /// Why an OUT_DIR that is a mount point is refused, before any work: rename(2) cannot replace
@@ -359,9 +422,29 @@ pub fn repack(
         _ => PathBuf::from("."),
     };
     if !parent.is_dir() {
+        let why = if parent.exists() {
+            "is not a directory"
+        } else {
+            "does not exist"
+        };
         return Err(output_error(
             out_dir,
-            format!("the parent directory {} does not exist", parent.display()),
+            format!("the parent directory {} {why}", parent.display()),
+        ));
+    }
+    // The repack writes through `.<name>.moeq-tmp-<pid>` beside OUT_DIR (and moves an earlier
+    // output aside as `.<name>.moeq-old-<pid>`), which must fit a file name's 255 bytes too.
+    let staged_len = format!(".{name}.moeq-tmp-{}", std::process::id()).len();
+    if staged_len > NAME_MAX {
+        return Err(output_error(
+            out_dir,
+            format!(
+                "its name is {} bytes, too long for the temporary directory the repack writes \
+                 beside it (.<name>.moeq-tmp-<pid>, {staged_len} bytes here; a file name holds \
+                 {NAME_MAX}): use a name of at most {} bytes",
+                name.len(),
+                name.len() - (staged_len - NAME_MAX)
+            ),
         ));
     }
     // The directory entry OUT_DIR names, which the checks look at and the commit replaces:
@@ -373,7 +456,7 @@ pub fn repack(
         if !opts.force {
             return Err(output_error(
                 out_dir,
-                "already exists (pass --force to replace it)",
+                "already exists (pass --force, or force=True in Python, to replace it)",
             ));
         }
         // The entry that the commit replaces: a symlink OUT_DIR is replaced, not followed.
@@ -513,174 +596,207 @@ pub fn repack(
         committed: false,
     };
 
-    let writer = ShardWriter::create(&tmp.path, plan)?;
-    let total_units = copied.len() + layers.len();
-    let mut done = 0usize;
-    let mut written = 0u64;
-    let mut report = |stage: &'static str, done: usize, written: u64| {
-        progress(&Progress {
-            stage,
-            done,
-            total: total_units,
-            bytes_written: written,
-            bytes_total,
-        })
-    };
-    report("copy", 0, 0)?;
-    let mut since = 0u64;
-    for name in &copied {
-        let (f, t) = ckpt
-            .locate(name)
-            .ok_or_else(|| output_error(out_dir, format!("source tensor '{name}' vanished")))?;
-        writer.write(name, f.view(t).bytes)?;
-        f.release(t);
-        done += 1;
-        written += t.len as u64;
-        since += t.len as u64;
-        if since >= 64 << 20 {
-            since = 0;
-            report("copy", done, written)?;
+    // Everything from here writes into the temporary directory; on failure it is removed, and
+    // a removal that fails is added to the error (hundreds of MB would stay behind unsaid).
+    let result = (|| -> Result<RepackReport> {
+        let writer = ShardWriter::create(&tmp.path, plan)?;
+        let total_units = copied.len() + layers.len();
+        let mut done = 0usize;
+        let mut written = 0u64;
+        let mut report = |stage: &'static str, done: usize, written: u64| {
+            progress(&Progress {
+                stage,
+                done,
+                total: total_units,
+                bytes_written: written,
+                bytes_total,
+            })
+        };
+        report("copy", 0, 0)?;
+        let mut since = 0u64;
+        for name in &copied {
+            let (f, t) = ckpt
+                .locate(name)
+                .ok_or_else(|| output_error(out_dir, format!("source tensor '{name}' vanished")))?;
+            writer.write(name, f.view(t).bytes)?;
+            f.release(t);
+            done += 1;
+            written += t.len as u64;
+            since += t.len as u64;
+            if since >= 64 << 20 {
+                since = 0;
+                report("copy", done, written)?;
+            }
         }
-    }
-    report("copy", done, written)?;
-    let version = model.quantization_config().and_then(|q| q.version.clone());
-    let mut layer_meta = Vec::new();
-    for job in &layers {
-        let l = job.layer();
-        // The source pages of an expert are dropped as soon as it is converted.
-        let mut release = |e: usize| {
-            if let Some(x) = l.experts.get(e) {
-                for (f, t) in expert_tensors(ckpt, x) {
-                    f.release(t);
+        report("copy", done, written)?;
+        let version = model.quantization_config().and_then(|q| q.version.clone());
+        let mut layer_meta = Vec::new();
+        for job in &layers {
+            let l = job.layer();
+            // The source pages of an expert are dropped as soon as it is converted.
+            let mut release = |e: usize| {
+                if let Some(x) = l.experts.get(e) {
+                    for (f, t) in expert_tensors(ckpt, x) {
+                        f.release(t);
+                    }
+                }
+            };
+            match job {
+                Job::Marlin(_, g) => {
+                    let mut sink = |e: usize, name: &str, data: &[u8]| -> Result<()> {
+                        writer.write_part(name, (e * data.len()) as u64, data)?;
+                        written += data.len() as u64;
+                        Ok(())
+                    };
+                    convert_layer(ckpt, l, g, version.as_deref(), &mut sink, &mut release)?;
+                    let weights =
+                        l.experts
+                            .first()
+                            .and_then(|e| e.up.weights())
+                            .map_or(Value::Null, |w| {
+                                let mut v = w.weight_json();
+                                if let Some(o) = v.as_object_mut() {
+                                    o.insert("dynamic".into(), json!(false));
+                                }
+                                v
+                            });
+                    layer_meta.push(geometry_json(l.layer, g, &weights));
+                }
+                Job::Cpu(_, g) => {
+                    let mut sink = |name: &str, offset: u64, data: &[u8]| -> Result<()> {
+                        writer.write_part(name, offset, data)?;
+                        written += data.len() as u64;
+                        Ok(())
+                    };
+                    super::cpu::convert_layer(
+                        ckpt,
+                        l,
+                        g,
+                        version.as_deref(),
+                        &mut sink,
+                        &mut release,
+                    )?;
+                    layer_meta.push(g.to_json());
                 }
             }
-        };
-        match job {
-            Job::Marlin(_, g) => {
-                let mut sink = |e: usize, name: &str, data: &[u8]| -> Result<()> {
-                    writer.write_part(name, (e * data.len()) as u64, data)?;
-                    written += data.len() as u64;
-                    Ok(())
-                };
-                convert_layer(ckpt, l, g, version.as_deref(), &mut sink, &mut release)?;
-                let weights =
-                    l.experts
-                        .first()
-                        .and_then(|e| e.up.weights())
-                        .map_or(Value::Null, |w| {
-                            let mut v = w.weight_json();
-                            if let Some(o) = v.as_object_mut() {
-                                o.insert("dynamic".into(), json!(false));
-                            }
-                            v
-                        });
-                layer_meta.push(geometry_json(l.layer, g, &weights));
+            done += 1;
+            report("layers", done, written)?;
+        }
+        let index = writer.plan().index_json();
+        let shard_names: Vec<String> = writer
+            .plan()
+            .shards
+            .iter()
+            .map(|s| s.file_name.clone())
+            .collect();
+        let out_tensors = writer.plan().slots.len();
+        writer.finish()?;
+        if let Some(index) = index {
+            write_json(&tmp.path.join(INDEX_FILE), &index)?;
+        }
+        let mut config = ckpt.config().clone();
+        if let Some(obj) = config.as_object_mut() {
+            let mut moeq = json!({
+                "layout": target.name(),
+                "layout_version": LAYOUT_VERSION,
+                "source": ckpt.dir().display().to_string(),
+                "layers": layer_meta,
+            });
+            if target == Target::Marlin {
+                moeq["reference"] =
+                    json!("vLLM main @7cfb97e33791 (process_weights_after_loading, Marlin MoE)");
             }
-            Job::Cpu(_, g) => {
-                let mut sink = |name: &str, offset: u64, data: &[u8]| -> Result<()> {
-                    writer.write_part(name, offset, data)?;
-                    written += data.len() as u64;
-                    Ok(())
-                };
-                super::cpu::convert_layer(ckpt, l, g, version.as_deref(), &mut sink, &mut release)?;
-                layer_meta.push(g.to_json());
+            obj.insert("moeq".into(), moeq);
+        }
+        write_json(&tmp.path.join(CONFIG_FILE), &config)?;
+        copy_side_files(ckpt.dir(), &tmp.path)?;
+
+        let mut verified = 0;
+        if opts.verify {
+            verified = verify(
+                model,
+                &layers,
+                &copied,
+                &tmp.path,
+                &shard_names,
+                &mut || report("verify", done, written),
+            )?;
+            report("verify", done, written)?;
+        }
+
+        // Every file in it is synced; its entries too, before the rename exposes them.
+        sync_dir(&tmp.path)?;
+        // A last chance to stop (Ctrl-C) before the output appears: after this, it is complete.
+        report("commit", done, written)?;
+        // Commit: move the finished directory into place.
+        let mut leftover = None;
+        if entry.exists() || entry.is_symlink() {
+            // Something appeared at OUT_DIR while we wrote (another repack, say): --force was
+            // given for what was there at the start, if anything, not for this.
+            if !existed {
+                return Err(output_error(
+                    out_dir,
+                    "appeared while the repack ran; not replaced (remove it, or run again with \
+                     --force to replace it)",
+                ));
             }
-        }
-        done += 1;
-        report("layers", done, written)?;
-    }
-    let index = writer.plan().index_json();
-    let shard_names: Vec<String> = writer
-        .plan()
-        .shards
-        .iter()
-        .map(|s| s.file_name.clone())
-        .collect();
-    let out_tensors = writer.plan().slots.len();
-    writer.finish()?;
-    if let Some(index) = index {
-        write_json(&tmp.path.join(INDEX_FILE), &index)?;
-    }
-    let mut config = ckpt.config().clone();
-    if let Some(obj) = config.as_object_mut() {
-        let mut moeq = json!({
-            "layout": target.name(),
-            "layout_version": LAYOUT_VERSION,
-            "source": ckpt.dir().display().to_string(),
-            "layers": layer_meta,
-        });
-        if target == Target::Marlin {
-            moeq["reference"] =
-                json!("vLLM main @7cfb97e33791 (process_weights_after_loading, Marlin MoE)");
-        }
-        obj.insert("moeq".into(), moeq);
-    }
-    write_json(&tmp.path.join(CONFIG_FILE), &config)?;
-    copy_side_files(ckpt.dir(), &tmp.path)?;
-
-    let mut verified = 0;
-    if opts.verify {
-        verified = verify(
-            model,
-            &layers,
-            &copied,
-            &tmp.path,
-            &shard_names,
-            &mut || report("verify", done, written),
-        )?;
-        report("verify", done, written)?;
-    }
-
-    // A last chance to stop (Ctrl-C) before the output appears: after this, it is complete.
-    report("commit", done, written)?;
-    // Commit: move the finished directory into place.
-    if entry.exists() || entry.is_symlink() {
-        // Something appeared at OUT_DIR while we wrote (another repack, say): --force was
-        // given for what was there at the start, if anything, not for this.
-        if !existed {
-            return Err(output_error(
-                out_dir,
-                "appeared while the repack ran; not replaced (remove it, or run again with \
-                 --force to replace it)",
-            ));
-        }
-        // What was there may have changed since the checks at the start.
-        if let Some(why) = not_replaceable(&entry) {
-            return Err(output_error(
-                out_dir,
-                format!("changed while the repack ran and {why}; not replaced"),
-            ));
-        }
-        let old = parent.join(format!(".{name}.moeq-old-{}", std::process::id()));
-        std::fs::rename(&entry, &old).map_err(|e| {
-            if e.kind() == std::io::ErrorKind::ResourceBusy {
-                // A mount point the checks could not see.
-                output_error(out_dir, format!("{MOUNT_POINT} ({e})"))
+            // What was there may have changed since the checks at the start.
+            if let Some(why) = not_replaceable(&entry) {
+                return Err(output_error(
+                    out_dir,
+                    format!("changed while the repack ran and {why}; not replaced"),
+                ));
+            }
+            let old = parent.join(format!(".{name}.moeq-old-{}", std::process::id()));
+            std::fs::rename(&entry, &old).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::ResourceBusy {
+                    // A mount point the checks could not see.
+                    output_error(out_dir, format!("{MOUNT_POINT} ({e})"))
+                } else {
+                    io(out_dir, e)
+                }
+            })?;
+            if let Err(e) = std::fs::rename(&tmp.path, &entry) {
+                let _ = std::fs::rename(&old, &entry);
+                return Err(io(out_dir, e));
+            }
+            tmp.committed = true;
+            let removed = if old.is_dir() && !old.is_symlink() {
+                std::fs::remove_dir_all(&old)
             } else {
-                io(out_dir, e)
-            }
-        })?;
-        if let Err(e) = std::fs::rename(&tmp.path, &entry) {
-            let _ = std::fs::rename(&old, &entry);
-            return Err(io(out_dir, e));
-        }
-        tmp.committed = true;
-        if old.is_dir() && !old.is_symlink() {
-            let _ = std::fs::remove_dir_all(&old);
+                std::fs::remove_file(&old)
+            };
+            // The output is complete; what could not be removed is reported, not hidden (the
+            // next runs leave a live-looking old directory alone only for ten minutes, and
+            // cannot remove it either).
+            leftover = removed.err().map(|e| {
+                format!(
+                    "the earlier output, moved aside to {}, could not be removed ({e}); remove \
+                     it by hand",
+                    old.display()
+                )
+            });
         } else {
-            let _ = std::fs::remove_file(&old);
+            std::fs::rename(&tmp.path, &entry).map_err(|e| io(out_dir, e))?;
+            tmp.committed = true;
         }
-    } else {
-        std::fs::rename(&tmp.path, &entry).map_err(|e| io(out_dir, e))?;
-        tmp.committed = true;
-    }
-    Ok(RepackReport {
-        out_dir: out_dir.to_path_buf(),
-        layers: layers.len(),
-        tensors: out_tensors,
-        bytes_written: written,
-        seconds: t0.elapsed().as_secs_f64(),
-        verified_modules: verified,
+        // The rename to disk, so that a crash now keeps the output. Best effort: the output is
+        // in place and complete whatever this says, and reporting a failure as the repack's
+        // would be false.
+        let _ = sync_dir(&parent);
+        Ok(RepackReport {
+            out_dir: out_dir.to_path_buf(),
+            layers: layers.len(),
+            tensors: out_tensors,
+            bytes_written: written,
+            seconds: t0.elapsed().as_secs_f64(),
+            verified_modules: verified,
+            leftover,
+        })
+    })();
+    result.map_err(|e| match tmp.discard() {
+        Some(note) => e.noted(&note),
+        None => e,
     })
 }
 
@@ -754,9 +870,46 @@ pub fn marlin_layer(model: &Model, layer: usize) -> Result<(MarlinGeometry, Vec<
     Ok((g, tensors))
 }
 
+/// Writes `v` to a new file at `path`, on disk before it returns (as the shards are): the
+/// rename that commits the output must not expose a config or index still in the page cache
+/// only, which a crash would leave empty.
 fn write_json(path: &Path, v: &Value) -> Result<()> {
+    use std::io::Write;
     let text = serde_json::to_string_pretty(v).map_err(|e| output_error(path, e.to_string()))?;
-    std::fs::write(path, text + "\n").map_err(|e| io(path, e))
+    let mut f = std::fs::File::create(path).map_err(|e| io(path, e))?;
+    f.write_all((text + "\n").as_bytes())
+        .and_then(|()| f.sync_all())
+        .map_err(|e| io(path, e))
+}
+
+/// Copies `src` to a new file `dst`, synced: a read error names `src`, a write error (a full
+/// disk, a file-size limit) names `dst`. `std::fs::copy` reports both against one path.
+fn copy_file(src: &Path, dst: &Path) -> Result<()> {
+    use std::io::{Read, Write};
+    let mut from = std::fs::File::open(src).map_err(|e| io(src, e))?;
+    let mut to = std::fs::File::create(dst).map_err(|e| io(dst, e))?;
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(io(src, e)),
+        };
+        to.write_all(&buf[..n]).map_err(|e| io(dst, e))?;
+    }
+    to.sync_all().map_err(|e| io(dst, e))
+}
+
+/// Flushes a directory's entries (the files created in it, or a rename) to disk.
+fn sync_dir(dir: &Path) -> Result<()> {
+    #[cfg(unix)]
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| io(dir, e))?;
+    #[cfg(not(unix))]
+    let _ = dir;
+    Ok(())
 }
 
 /// Weights in formats other than safetensors: the source's unconverted weights, which a loader
@@ -793,7 +946,7 @@ fn copy_side_files(src: &Path, dst: &Path) -> Result<()> {
         {
             continue;
         }
-        std::fs::copy(&p, dst.join(&file)).map_err(|e| io(&p, e))?;
+        copy_file(&p, &dst.join(&file))?;
     }
     Ok(())
 }
