@@ -756,6 +756,7 @@ impl Model {
                     weights: weights.clone(),
                     activation: activation.clone(),
                     format,
+                    vllm_format: None,
                 };
                 let input = LayerInput {
                     layer,
@@ -936,6 +937,7 @@ fn proj_scheme(m: &ModuleInfo) -> ProjScheme {
         weights: m.weights().cloned(),
         activation: m.input_activations().cloned(),
         format: m.format(),
+        vllm_format: m.vllm_format(),
     }
 }
 

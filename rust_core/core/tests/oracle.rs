@@ -79,6 +79,7 @@ fn wna16(weights: QuantArgs) -> ProjScheme {
         weights: Some(weights),
         activation: None,
         format: Format::PackQuantized,
+        vllm_format: None,
     }
 }
 
@@ -87,6 +88,7 @@ fn w8a8(weights: QuantArgs, act: QuantArgs) -> ProjScheme {
         weights: Some(weights),
         activation: Some(act),
         format: Format::IntQuantized,
+        vllm_format: None,
     }
 }
 
@@ -95,6 +97,7 @@ fn unquantized() -> ProjScheme {
         weights: None,
         activation: None,
         format: Format::Dense,
+        vllm_format: None,
     }
 }
 
@@ -248,7 +251,7 @@ fn unsupported_schemes_have_specific_reasons() {
         (w8a8(with_strategy(w(8, -1, true), Strategy::Tensor), token(true)), "found strategy \"tensor\""),
         (w8a8(w(4, 128, true), token(true)), "W4A8"),
         (w8a8(w(8, -1, true), QuantArgs { strategy: Strategy::Tensor, ..token(true) }), "dynamic per-tensor int8 activations are not supported"),
-        (ProjScheme { weights: Some(QuantArgs { qtype: QuantType::Float, ..w(8, -1, true) }), activation: None, format: Format::FloatQuantized }, "float 8-bit weights"),
+        (ProjScheme { weights: Some(QuantArgs { qtype: QuantType::Float, ..w(8, -1, true) }), activation: None, format: Format::FloatQuantized, vllm_format: None }, "float 8-bit weights"),
     ];
     for (s, expect) in cases {
         for p in [cpu(), cuda(90)] {
@@ -522,6 +525,7 @@ fn parsed(weights: serde_json::Value, acts: serde_json::Value, format: &str) -> 
         weights: g.weights.clone(),
         activation: g.input_activations.clone(),
         format: g.format,
+        vllm_format: g.vllm_format,
     }
 }
 
@@ -766,6 +770,7 @@ fn arb_scheme() -> impl proptest::strategy::Strategy<Value = ProjScheme> {
             weights,
             activation,
             format,
+            vllm_format: None,
         })
 }
 
@@ -1123,4 +1128,132 @@ fn vllm_emulation_and_cpu_int4_limits() {
     assert!(e
         .unwrap()
         .contains("does not support no act_and_mul MLP layer"));
+}
+
+/// compressed-tensors' own rules for `dynamic` (which vLLM applies when it reads the config):
+/// `"local"` only with tensor_group, and dynamic only with token, tensor, tensor_group or
+/// group. `"local"` on per-token activations used to plan as dynamic W8A8.
+#[test]
+fn dynamic_kinds_follow_compressed_tensors() {
+    let parse = |acts: serde_json::Value| {
+        let cfg = json!({"quantization_config": {"format": "int-quantized", "config_groups": {
+            "g": {"targets": ["Linear"],
+                  "weights": {"num_bits": 8, "strategy": "channel"},
+                  "input_activations": acts}}}});
+        QuantizationConfig::from_model_config(Path::new("config.json"), &cfg).map(|_| ())
+    };
+    for (acts, why) in [
+        (
+            json!({"num_bits": 8, "strategy": "token", "dynamic": "local"}),
+            "\"local\" is only supported for strategy \"tensor_group\", found \"token\"",
+        ),
+        (
+            json!({"num_bits": 8, "strategy": "token", "dynamic": "LOCAL"}),
+            "\"local\" is only supported",
+        ),
+        (
+            json!({"num_bits": 8, "strategy": "channel", "dynamic": true}),
+            "dynamic quantization needs strategy \"token\", \"tensor\", \"tensor_group\" or \"group\", found \"channel\"",
+        ),
+    ] {
+        let err = parse(acts.clone()).unwrap_err().to_string();
+        assert!(
+            err.contains("config_groups.g.input_activations.dynamic") && err.contains(why),
+            "{acts}: {err}"
+        );
+    }
+    parse(json!({"num_bits": 8, "strategy": "token", "dynamic": true})).unwrap();
+    parse(
+        json!({"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
+                 "dynamic": "local"}),
+    )
+    .unwrap();
+}
+
+/// vLLM's first rows (MXFP4, MXFP8) come before the weight-only row that their group-32
+/// weights also match, and NVFP4 has a row of its own: the verdict named the wrong path
+/// (a format ValueError, or the FP8 method).
+#[test]
+fn vllm_verdict_for_mx_and_nv_float_experts() {
+    let mx = |bits: u32| {
+        json!({"num_bits": bits, "type": "float", "strategy": "group",
+                                "group_size": 32, "symmetric": true})
+    };
+    let nv = json!({"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                    "group_size": 16, "symmetric": true});
+    for (weights, acts, format, method) in [
+        (
+            mx(4),
+            json!(null),
+            "mxfp4-pack-quantized",
+            "CompressedTensorsW4A4Mxfp4MoEMethod",
+        ),
+        (
+            mx(8),
+            json!(null),
+            "mxfp8-quantized",
+            "CompressedTensorsW8A8Mxfp8MoEMethod",
+        ),
+        (
+            nv.clone(),
+            json!(null),
+            "nvfp4-pack-quantized",
+            "CompressedTensorsW4A4Nvfp4MoEMethod",
+        ),
+        (
+            nv.clone(),
+            nv.clone(),
+            "nvfp4-pack-quantized",
+            "CompressedTensorsW4A4Nvfp4MoEMethod",
+        ),
+    ] {
+        let v = vllm_layer(&layer(parsed(weights, acts, format)), cuda(100), 1);
+        assert_eq!(
+            (v.method.as_deref(), v.error),
+            (Some(method), None),
+            "{format}"
+        );
+    }
+    let fp8_acts = json!({"num_bits": 8, "type": "float", "strategy": "token", "dynamic": true});
+    let v = vllm_layer(
+        &layer(parsed(nv, fp8_acts, "nvfp4-pack-quantized")),
+        cuda(100),
+        1,
+    );
+    assert!(v.error.unwrap().starts_with("ValueError"));
+}
+
+/// A group without a format of its own is read by vLLM with the global one copied in, even
+/// `mixed-precision`, which is not pack-quantized: vLLM's WNA16 row raises, although moeq
+/// (which infers pack-quantized from the scheme) plans the layer.
+#[test]
+fn vllm_reads_the_global_format_into_a_group_without_one() {
+    let cfg = json!({"quantization_config": {"format": "mixed-precision", "config_groups": {
+        "g": {"targets": ["Linear"],
+              "weights": {"num_bits": 4, "strategy": "group", "group_size": 128}}}}});
+    let qc = QuantizationConfig::from_model_config(Path::new("config.json"), &cfg)
+        .unwrap()
+        .unwrap();
+    let g = &qc.groups[0];
+    assert_eq!(g.format, Format::PackQuantized);
+    let s = ProjScheme {
+        weights: g.weights.clone(),
+        activation: None,
+        format: g.format,
+        vllm_format: g.vllm_format,
+    };
+    assert_eq!(
+        plan(&layer(s.clone()), cuda(90)).backend,
+        Some(Backend::CudaMarlinWna16)
+    );
+    let v = vllm_layer(&layer(s), cuda(90), 1);
+    assert!(v.error.unwrap().contains("only format: pack-quantized"));
+    // With the group's own format, vLLM reads that.
+    let cfg = json!({"quantization_config": {"format": "mixed-precision", "config_groups": {
+        "g": {"targets": ["Linear"], "format": "pack-quantized",
+              "weights": {"num_bits": 4, "strategy": "group", "group_size": 128}}}}});
+    let qc = QuantizationConfig::from_model_config(Path::new("config.json"), &cfg)
+        .unwrap()
+        .unwrap();
+    assert_eq!(qc.groups[0].vllm_format, None);
 }

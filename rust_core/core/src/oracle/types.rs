@@ -152,6 +152,9 @@ pub struct ProjScheme {
     pub weights: Option<QuantArgs>,
     pub activation: Option<QuantArgs>,
     pub format: Format,
+    /// The format vLLM reads where it differs from `format` (see
+    /// [`crate::scheme::config::Scheme::vllm_format`]), for the `--compat vllm` verdict.
+    pub vllm_format: Option<Format>,
 }
 
 /// The projections of one expert (`gate` is absent for non-gated experts).

@@ -111,9 +111,47 @@ fn vllm_scheme(
         };
     };
     let a = s.activation.as_ref();
+    let float = |bits: u32, strategy: Strategy, group: i64, w: &QuantArgs| {
+        w.qtype == QuantType::Float
+            && w.num_bits == bits
+            && w.strategy == strategy
+            && w.group_size == group
+            && w.symmetric
+    };
+    let float_method = |method: &str| VllmVerdict {
+        method: Some(method.into()),
+        notes: vec!["float schemes are outside this report".into()],
+        ..VllmVerdict::default()
+    };
+    // Rows 1 and 2, before the weight-only row that their group-32 weights also match: MXFP4,
+    // and MXFP8 (uint8 scales, which its `mxfp8-quantized` format stands for here; the
+    // config's `scale_dtype` is not read).
+    if float(4, Strategy::Group, 32, w) {
+        return float_method("CompressedTensorsW4A4Mxfp4MoEMethod");
+    }
+    if float(8, Strategy::Group, 32, w) && s.format == Format::MxFp8Quantized {
+        return float_method("CompressedTensorsW8A8Mxfp8MoEMethod");
+    }
     // Row 3: weight-only group/channel (no type check, no symmetry check).
     if matches!(w.strategy, Strategy::Group | Strategy::Channel) && a.is_none() && !w.is_dynamic() {
-        return vllm_wna16(w, s.format, input, platform, tp_size);
+        return vllm_wna16(
+            w,
+            s.vllm_format.unwrap_or(s.format),
+            input,
+            platform,
+            tp_size,
+        );
+    }
+    // Row 4: NVFP4 weights (tensor_group of 16), with NVFP4 activations or none.
+    if float(4, Strategy::TensorGroup, 16, w) {
+        let method = "CompressedTensorsW4A4Nvfp4MoEMethod";
+        if a.is_some_and(|a| !float(4, Strategy::TensorGroup, 16, a)) {
+            return verdict_error(
+                Some(method),
+                "ValueError (vLLM takes NVFP4 MoE weights with NVFP4 activations or none)".into(),
+            );
+        }
+        return float_method(method);
     }
     if w.qtype == QuantType::Float {
         return VllmVerdict {

@@ -286,7 +286,8 @@ impl QuantArgs {
         let dynamic = match obj.get("dynamic") {
             None | Some(Value::Null) | Some(Value::Bool(false)) => Dynamic::Static,
             Some(Value::Bool(true)) => Dynamic::Dynamic,
-            Some(Value::String(s)) if s == "local" => Dynamic::Local,
+            // (compressed-tensors lower-cases it.)
+            Some(Value::String(s)) if s.eq_ignore_ascii_case("local") => Dynamic::Local,
             Some(other) => {
                 return Err(obj
                     .field("dynamic")
@@ -322,6 +323,27 @@ impl QuantArgs {
             return Err(obj
                 .field("dynamic")
                 .invalid("strategy \"token\" needs dynamic: true"));
+        }
+        // compressed-tensors' own rules (`QuantizationArgs.validate_model_after`), which vLLM
+        // applies when it reads the config: a scheme it refuses is not read here as another.
+        let dynamic_strategies = [
+            Strategy::Token,
+            Strategy::Tensor,
+            Strategy::TensorGroup,
+            Strategy::Group,
+        ];
+        if dynamic != Dynamic::Static && !dynamic_strategies.contains(&strategy) {
+            return Err(obj.field("dynamic").invalid(format!(
+                "dynamic quantization needs strategy \"token\", \"tensor\", \"tensor_group\" \
+                 or \"group\", found \"{}\"",
+                strategy.name()
+            )));
+        }
+        if dynamic == Dynamic::Local && strategy != Strategy::TensorGroup {
+            return Err(obj.field("dynamic").invalid(format!(
+                "\"local\" is only supported for strategy \"tensor_group\", found \"{}\"",
+                strategy.name()
+            )));
         }
         let num_bits = u32::try_from(num_bits).unwrap_or(u32::MAX);
         let spelling = Spelling {

@@ -139,6 +139,10 @@ pub struct Scheme {
     pub input_activations: Option<QuantArgs>,
     pub output_activations: Option<QuantArgs>,
     pub format: Format,
+    /// The format vLLM reads for this group where it differs from `format`: vLLM takes the
+    /// group's own, else copies in the global one (`mixed-precision` included), and never
+    /// infers one. None where they agree (or where the config names no format at all).
+    pub vllm_format: Option<Format>,
 }
 
 impl Scheme {
@@ -324,6 +328,7 @@ impl QuantizationConfig {
                             input_activations: inputs,
                             output_activations: None,
                             format,
+                            vllm_format: global_format.filter(|&f| f != format),
                         }
                     }
                     _ => {
@@ -343,6 +348,7 @@ impl QuantizationConfig {
                             input_activations: inputs,
                             output_activations: outputs,
                             format,
+                            vllm_format: own_format.or(global_format).filter(|&f| f != format),
                         }
                     }
                 });

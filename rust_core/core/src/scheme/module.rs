@@ -27,6 +27,8 @@ pub struct ResolvedScheme {
     pub group: String,
     pub tier: MatchTier,
     pub format: Format,
+    /// The format vLLM reads for the group (see [`super::config::Scheme::vllm_format`]).
+    pub vllm_format: Option<Format>,
     pub weights: Option<QuantArgs>,
     pub input_activations: Option<QuantArgs>,
 }
@@ -68,6 +70,10 @@ impl ModuleInfo {
     }
     pub fn format(&self) -> Format {
         self.scheme.as_ref().map_or(Format::Dense, |s| s.format)
+    }
+    /// The format vLLM reads for the module's group where it differs from [`Self::format`].
+    pub fn vllm_format(&self) -> Option<Format> {
+        self.scheme.as_ref().and_then(|s| s.vllm_format)
     }
 }
 
@@ -203,6 +209,7 @@ pub fn analyze(
                 group: s.name.clone(),
                 tier,
                 format: s.format,
+                vllm_format: s.vllm_format,
                 weights: s.weights.clone(),
                 input_activations: s.input_activations.clone(),
             }),
