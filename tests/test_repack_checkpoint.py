@@ -1020,40 +1020,61 @@ def _chattr(flag: str, *paths: Path) -> None:
         pytest.skip(f"chattr {flag} refused here: {r.stderr.decode(errors='replace').strip()}")
 
 
+@pytest.mark.parametrize("flag,where", [("+i", "."), ("+a", "."), ("+i", "config.json")])
 def test_force_refuses_an_earlier_output_whose_files_cannot_be_removed(
-    fixture_path: Callable[[str], Path], tmp_path: Path
+    fixture_path: Callable[[str], Path], tmp_path: Path, flag: str, where: str
 ) -> None:
     """--force over an earlier output whose files this process may not remove (write-protected
-    for a user, immutable for root) used to finish, exit 0, and leave the earlier output moved
-    aside as a hidden `.out.moeq-old-PID`; it is refused before any work."""
+    for a user; immutable or append-only, or holding an immutable file, even for root) used to
+    finish, exit 0, and leave the earlier output moved aside as a hidden `.out.moeq-old-PID`
+    (or fail at the commit, after all the work); it is refused before any work."""
     out = tmp_path / "out"
     repack_checkpoint(fixture_path("qwen3_w8a16_g128"), out, target="cpu")
     before = digest(out)
-    _chattr("+i", out)
+    pinned = out / where
+    _chattr(flag, pinned)
     try:
         r = cli("repack", str(fixture_path("qwen3_w8a16_g128")), str(out), "--target", "cpu",
                 "--force")  # fmt: skip
     finally:
-        _chattr("-i", out)
+        _chattr(flag.replace("+", "-"), pinned)
     assert r.returncode == 1, r.stdout
     assert r.stderr.startswith(f"moeq: error: {out}: holds files this user may not remove")
+    assert "repack [" not in r.stderr  # refused before any work
     assert digest(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def _bind_file(source: Path, target: Path) -> None:
+    """Bind-mounts file ``source`` over file ``target``, which unlink then refuses (EBUSY) even
+    to root, where no flag or permission check sees it; or a skip where mounting is not
+    allowed."""
+    r = subprocess.run(["mount", "--bind", str(source), str(target)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot bind-mount here: {r.stderr.decode(errors='replace').strip()}")
+
+
+def _unmount_under(path: Path) -> None:
+    with open("/proc/self/mounts") as mounts:
+        points = [line.split()[1] for line in mounts]
+    for point in points:
+        if point.startswith(f"{path}/"):
+            subprocess.run(["umount", point], check=False)
 
 
 def test_an_earlier_output_that_cannot_be_removed_after_the_commit_is_reported(
     fixture_path: Callable[[str], Path], tmp_path: Path
 ) -> None:
     """If the earlier output --force replaced cannot be removed once the new one is in place
-    (a file in it made immutable during the run), the repack still succeeds, and says where
-    the earlier output was left, rather than hiding it beside OUT_DIR."""
+    (here a file in it became a mount point during the run), the repack still succeeds, and
+    says where the earlier output was left, rather than hiding it beside OUT_DIR."""
     out = tmp_path / "out"
     repack_checkpoint(fixture_path("qwen3_w8a16_g128"), out, target="cpu")
-    pinned = out / "config.json"
+    shutil.copy(out / "config.json", tmp_path / "other")  # the same record, on a mount
 
     def progress(stage: str, *_: int) -> None:
         if stage == "commit":
-            _chattr("+i", pinned)
+            _bind_file(tmp_path / "other", out / "config.json")
 
     try:
         r = repack_checkpoint(
@@ -1061,13 +1082,13 @@ def test_an_earlier_output_that_cannot_be_removed_after_the_commit_is_reported(
         )
         moved = [p for p in tmp_path.iterdir() if p.name.startswith(".out.moeq-old-")]
         assert len(moved) == 1
-        assert r["leftover"] is not None and str(moved[0]) in r["leftover"]
-        assert "could not be removed" in r["leftover"]
+        assert r["leftover"] == (
+            f"the earlier output, moved aside to {moved[0]}, could not be removed (Device or "
+            "resource busy (os error 16)); remove it by hand"
+        )
         assert mq.open(out).summary()["layout"] == "marlin"
     finally:
-        for p in [pinned, *tmp_path.glob(".out.moeq-old-*/config.json")]:
-            if p.exists():
-                subprocess.run(["chattr", "-i", str(p)], check=False)
+        _unmount_under(tmp_path)
         for p in tmp_path.glob(".out.moeq-old-*"):
             shutil.rmtree(p)
 
@@ -1178,3 +1199,116 @@ def test_max_shard_size_counts_are_read_exactly() -> None:
     assert parse_size("1_000") == 1000 and parse_size("2KiB") == 2048
     with pytest.raises(mq.LayoutError, match="cannot read"):
         parse_size("18446744073709551616")
+
+
+def test_an_interrupt_whose_temporary_directory_cannot_be_removed_says_so(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Ctrl-C (an exception from the progress callback) when the temporary directory then
+    cannot be removed: the exception carries the note (PEP 678), and the CLI prints it after
+    "nothing was written"; the note was dropped."""
+    if sys.version_info < (3, 11):
+        pytest.skip("exception notes need Python 3.11")
+    out = tmp_path / "out"
+    staged: list[Path] = []
+
+    def progress(stage: str, *_: int) -> None:
+        if stage == "layers" and not staged:
+            staged.extend(tmp_path.glob(".out.moeq-tmp-*"))
+            _chattr("+i", *staged)
+            raise KeyboardInterrupt
+
+    try:
+        with pytest.raises(KeyboardInterrupt) as err:
+            repack_checkpoint(
+                fixture_path("qwen3_w8a16_g128"), out, target="cpu", progress=progress
+            )
+        notes = getattr(err.value, "__notes__", [])
+        assert len(staged) == 1 and len(notes) == 1, notes
+        assert f"the temporary directory {staged[0]} could not be removed" in notes[0]
+    finally:
+        if staged:
+            subprocess.run(["chattr", "-i", str(staged[0])], check=False)
+            shutil.rmtree(staged[0], ignore_errors=True)
+
+
+def test_the_cli_warns_of_an_earlier_output_left_behind(
+    fixture_path: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """The CLI's side of `leftover`: one `moeq: warning:` line naming where the earlier output
+    was left, before the summary (which may fail to print), and exit status 0."""
+    from moeq_rs import cli as moeq_cli
+
+    out = tmp_path / "out"
+    repack_checkpoint(fixture_path("qwen3_w8a16_g128"), out, target="cpu")
+    shutil.copy(out / "config.json", tmp_path / "other")  # the same record, on a mount
+    bar = moeq_cli._ProgressBar.__call__
+
+    def pinning_bar(self: Any, stage: str, *rest: int) -> None:
+        if stage == "commit":
+            _bind_file(tmp_path / "other", out / "config.json")
+        bar(self, stage, *rest)
+
+    monkeypatch.setattr(moeq_cli._ProgressBar, "__call__", pinning_bar)
+    try:
+        status = moeq_cli.main(
+            ["repack", str(fixture_path("qwen3_w8a16_g128")), str(out), "--target", "marlin",
+             "--force"]
+        )  # fmt: skip
+        captured = capsys.readouterr()
+        moved = [p for p in tmp_path.iterdir() if p.name.startswith(".out.moeq-old-")]
+        assert status == 0 and len(moved) == 1
+        warning = [x for x in captured.err.splitlines() if x.startswith("moeq: warning:")]
+        assert warning == [
+            f"moeq: warning: {out} is written and complete, but the earlier output, moved "
+            f"aside to {moved[0]}, could not be removed (Device or resource busy (os error "
+            "16)); remove it by hand"
+        ], captured.err
+        assert captured.out.startswith(f"wrote {out}: ")
+    finally:
+        _unmount_under(tmp_path)
+        for p in tmp_path.glob(".out.moeq-old-*"):
+            shutil.rmtree(p)
+
+
+def test_side_files_keep_their_permission_bits(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(fixture_path("qwen3_w8a16_g128"), src)
+    (src / "private.json").write_text("{}")
+    (src / "private.json").chmod(0o600)
+    (src / "run.sh").write_text("#!/bin/sh\n")
+    (src / "run.sh").chmod(0o755)
+    repack_checkpoint(src, tmp_path / "o", target="cpu")
+    assert (tmp_path / "o" / "private.json").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "o" / "run.sh").stat().st_mode & 0o777 == 0o755
+
+
+def test_an_earlier_output_pinned_during_the_run_is_not_replaced(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """The commit looks at the earlier output again: a file in it made immutable while the
+    repack ran is seen there, and the output is not replaced (nothing is moved aside)."""
+    out = tmp_path / "out"
+    repack_checkpoint(fixture_path("qwen3_w8a16_g128"), out, target="cpu")
+    before = digest(out)
+    pinned = out / "config.json"
+
+    def progress(stage: str, *_: int) -> None:
+        if stage == "commit":
+            _chattr("+i", pinned)
+
+    try:
+        with pytest.raises(
+            mq.CheckpointError, match="changed while the repack ran and holds files"
+        ):
+            repack_checkpoint(
+                fixture_path("qwen3_w8a16_g128"), out, target="marlin", force=True,
+                progress=progress,
+            )  # fmt: skip
+    finally:
+        subprocess.run(["chattr", "-i", str(pinned)], check=False)
+    assert digest(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

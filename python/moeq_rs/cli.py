@@ -315,6 +315,9 @@ def _cmd_repack(args: argparse.Namespace) -> int:
         )
     finally:
         bar.close()
+    # Before the summary, which may fail to print (the output is complete either way).
+    if r["leftover"]:
+        _warn(f"{args.out_dir} is written and complete, but {r['leftover']}")
     rate = r["bytes_written"] / 1e6 / max(r["seconds"], 1e-9)
     verified = (
         f"; verified {r['verified_modules']} expert projections bit for bit" if args.verify else ""
@@ -334,8 +337,6 @@ def _cmd_repack(args: argparse.Namespace) -> int:
             f"{args.out_dir} is written and complete, but its summary could not be printed: "
             f"{err.strerror or err}"
         )
-    if r["leftover"]:
-        _warn(f"{args.out_dir} is written and complete, but {r['leftover']}")
     return 0
 
 
@@ -512,7 +513,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "complete"
             )
         else:
-            _to_stderr("\nmoeq: interrupted; nothing was written")
+            # A temporary directory that could not be removed rides on the exception as a
+            # note (PEP 678), added by the repack.
+            also = "".join(f"; but {note}" for note in getattr(e, "__notes__", ()))
+            _to_stderr(f"\nmoeq: interrupted; nothing was written{also}")
         return _interrupted_status(e)
     except Exception as e:  # noqa: BLE001 - the CLI must never print a traceback
         if os.environ.get("MOEQ_DEBUG"):

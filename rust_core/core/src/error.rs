@@ -35,12 +35,6 @@ pub enum CheckpointError {
     Module { module: String, reason: String },
     #[error("{path}: {reason}")]
     Output { path: PathBuf, reason: String },
-    /// Another error, with what went wrong while cleaning up after it.
-    #[error("{inner}; and {note}")]
-    Noted {
-        inner: Box<CheckpointError>,
-        note: String,
-    },
 }
 
 /// A `config.json` / `quantization_config` that is malformed. `key` is the dotted path of the
@@ -90,6 +84,10 @@ pub enum Error {
     Layout(#[from] LayoutError),
     #[error(transparent)]
     Cuda(#[from] CudaError),
+    /// Another error, with what also went wrong while cleaning up after it (its kind is the
+    /// other error's).
+    #[error("{inner}; and {note}")]
+    Noted { inner: Box<Error>, note: String },
 }
 
 /// Which family an [`Error`] belongs to; the Python layer maps each onto one exception class.
@@ -119,28 +117,17 @@ impl Error {
     /// The same error (and kind) with `note` added to its message: what also went wrong while
     /// cleaning up after it.
     pub fn noted(self, note: &str) -> Error {
-        let add = |reason: String| format!("{reason}; and {note}");
+        Error::Noted {
+            inner: Box::new(self),
+            note: note.to_string(),
+        }
+    }
+
+    /// What went wrong while cleaning up after this error (see [`Error::noted`]), if anything.
+    pub fn cleanup_note(&self) -> Option<&str> {
         match self {
-            Error::Checkpoint(inner) => Error::Checkpoint(CheckpointError::Noted {
-                inner: Box::new(inner),
-                note: note.to_string(),
-            }),
-            Error::Config(e) => Error::Config(ConfigError {
-                reason: add(e.reason),
-                ..e
-            }),
-            Error::Unsupported(e) => Error::Unsupported(UnsupportedSchemeError {
-                reason: add(e.reason),
-                ..e
-            }),
-            Error::Layout(e) => Error::Layout(LayoutError {
-                reason: add(e.reason),
-                ..e
-            }),
-            Error::Cuda(e) => Error::Cuda(CudaError {
-                reason: add(e.reason),
-                ..e
-            }),
+            Error::Noted { note, .. } => Some(note),
+            _ => None,
         }
     }
 
@@ -151,6 +138,7 @@ impl Error {
             Error::Unsupported(_) => ErrorKind::UnsupportedScheme,
             Error::Layout(_) => ErrorKind::Layout,
             Error::Cuda(_) => ErrorKind::Cuda,
+            Error::Noted { inner, .. } => inner.kind(),
         }
     }
 }

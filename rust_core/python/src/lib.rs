@@ -242,6 +242,15 @@ impl Checkpoint {
             moeq_core::repack::checkpoint::repack(&model, &out_dir, target, &opts, &mut cb)
         });
         if let Some(e) = callback_error.lock().ok().and_then(|mut s| s.take()) {
+            // The callback's exception (Ctrl-C, say) is what the caller sees; what also went
+            // wrong cleaning up after it (a temporary directory left behind) rides along as
+            // a note (PEP 678; Python 3.11+), which the CLI prints.
+            if let Some(note) = result.as_ref().err().and_then(|r| r.cleanup_note()) {
+                let value = e.value(py);
+                if value.hasattr("add_note").unwrap_or(false) {
+                    let _ = value.call_method1("add_note", (note,));
+                }
+            }
             return Err(e);
         }
         let r = result.map_err(|e| to_py(py, e))?;

@@ -68,6 +68,8 @@ fn io(path: &Path, e: std::io::Error) -> Error {
 /// The longest file name (bytes) of the file systems a checkpoint lives on (ext4, xfs, btrfs,
 /// tmpfs, NFS).
 const NAME_MAX: usize = 255;
+/// The most digits of a pid (Linux's pid_max is at most 2^22).
+const PID_DIGITS: usize = 7;
 
 /// Removes the temporary directory unless the repack was committed.
 struct TempDir {
@@ -256,38 +258,62 @@ fn not_replaceable(out_dir: &Path) -> Option<String> {
     }
     // Its files are removed after the commit: without the permission, the earlier output
     // would be left moved aside, hidden, once the new one is in place.
-    if let Err(e) = may_remove_entries(out_dir) {
+    if let Err(e) = may_remove_entries(out_dir, &entries) {
         return Some(format!("holds files this user may not remove ({e})"));
     }
     None
 }
 
-/// Whether this process may remove the entries of `dir` (write and search permission on it,
-/// as the kernel checks it for this process's user; a read-only mount fails too).
+/// Whether this process may remove the entries of `dir`: write and search permission on it
+/// (`access(2)`, for this process's user; a read-only mount fails too), and on Linux no
+/// immutable or append-only flag on it or on any of its files, which stop even root.
 #[cfg(unix)]
-fn may_remove_entries(dir: &Path) -> std::io::Result<()> {
+fn may_remove_entries(dir: &Path, entries: &[std::fs::DirEntry]) -> std::io::Result<()> {
     use std::os::unix::ffi::OsStrExt;
     let path = std::ffi::CString::new(dir.as_os_str().as_bytes())
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-    // SAFETY: `path` is a NUL-terminated string that outlives the call; faccessat only reads
-    // it.
-    let r = unsafe {
-        libc::faccessat(
-            libc::AT_FDCWD,
-            path.as_ptr(),
-            libc::W_OK | libc::X_OK,
-            libc::AT_EACCESS,
-        )
-    };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
+    // SAFETY: `path` is a NUL-terminated string that outlives the call; access only reads it.
+    if unsafe { libc::access(path.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
+        return Err(std::io::Error::last_os_error());
     }
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    for p in std::iter::once(dir.to_path_buf()).chain(entries.iter().map(|e| e.path())) {
+        if pinned(&p) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!("{} is immutable or append-only (chattr)", p.display()),
+            ));
+        }
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    let _ = entries;
+    Ok(())
+}
+
+/// Whether `path` carries the immutable or append-only inode flag (`chattr +i` / `+a`), read
+/// with FS_IOC_GETFLAGS; false where it cannot be read (a file system without such flags).
+#[cfg(any(target_os = "linux", target_os = "android"))]
+fn pinned(path: &Path) -> bool {
+    use std::os::unix::fs::OpenOptionsExt;
+    use std::os::unix::io::AsRawFd;
+    const FS_IMMUTABLE_FL: libc::c_int = 0x10;
+    const FS_APPEND_FL: libc::c_int = 0x20;
+    let Ok(f) = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
+        .open(path)
+    else {
+        return false;
+    };
+    let mut flags: libc::c_int = 0;
+    // SAFETY: `f` is an open descriptor for the call's duration, and FS_IOC_GETFLAGS writes
+    // one int (the kernel's size for it, whatever the ioctl number says) into `flags`.
+    let r = unsafe { libc::ioctl(f.as_raw_fd(), libc::FS_IOC_GETFLAGS, &mut flags) };
+    r == 0 && flags & (FS_IMMUTABLE_FL | FS_APPEND_FL) != 0
 }
 
 #[cfg(not(unix))]
-fn may_remove_entries(_dir: &Path) -> std::io::Result<()> {
+fn may_remove_entries(_dir: &Path, _entries: &[std::fs::DirEntry]) -> std::io::Result<()> {
     Ok(())
 }
 
@@ -434,13 +460,15 @@ pub fn repack(
     }
     // The repack writes through `.<name>.moeq-tmp-<pid>` beside OUT_DIR (and moves an earlier
     // output aside as `.<name>.moeq-old-<pid>`), which must fit a file name's 255 bytes too.
-    let staged_len = format!(".{name}.moeq-tmp-{}", std::process::id()).len();
+    // Counted with the widest pid (7 digits, Linux's pid_max limit), so that a name accepted
+    // once is accepted on every run.
+    let staged_len = format!(".{name}.moeq-tmp-").len() + PID_DIGITS;
     if staged_len > NAME_MAX {
         return Err(output_error(
             out_dir,
             format!(
                 "its name is {} bytes, too long for the temporary directory the repack writes \
-                 beside it (.<name>.moeq-tmp-<pid>, {staged_len} bytes here; a file name holds \
+                 beside it (.<name>.moeq-tmp-<pid>, up to {staged_len} bytes; a file name holds \
                  {NAME_MAX}): use a name of at most {} bytes",
                 name.len(),
                 name.len() - (staged_len - NAME_MAX)
@@ -757,8 +785,15 @@ pub fn repack(
                 }
             })?;
             if let Err(e) = std::fs::rename(&tmp.path, &entry) {
-                let _ = std::fs::rename(&old, &entry);
-                return Err(io(out_dir, e));
+                let err = io(out_dir, e);
+                return Err(match std::fs::rename(&old, &entry) {
+                    Ok(()) => err,
+                    // Said, not hidden: the next runs would remove it as abandoned.
+                    Err(back) => err.noted(&format!(
+                        "the earlier output, moved aside to {}, could not be moved back ({back})",
+                        old.display()
+                    )),
+                });
             }
             tmp.committed = true;
             let removed = if old.is_dir() && !old.is_symlink() {
@@ -898,15 +933,25 @@ fn copy_file(src: &Path, dst: &Path) -> Result<()> {
         };
         to.write_all(&buf[..n]).map_err(|e| io(dst, e))?;
     }
+    // As `std::fs::copy` did: the permission bits (a script stays executable, a private
+    // file private).
+    if let Ok(meta) = from.metadata() {
+        to.set_permissions(meta.permissions())
+            .map_err(|e| io(dst, e))?;
+    }
     to.sync_all().map_err(|e| io(dst, e))
 }
 
-/// Flushes a directory's entries (the files created in it, or a rename) to disk.
+/// Flushes a directory's entries (the files created in it, or a rename) to disk. Some file
+/// systems refuse fsync on a directory (EINVAL, EBADF): there is nothing to flush that way.
 fn sync_dir(dir: &Path) -> Result<()> {
     #[cfg(unix)]
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| io(dir, e))?;
+    match std::fs::File::open(dir).and_then(|d| d.sync_all()) {
+        Err(e) if !matches!(e.raw_os_error(), Some(libc::EINVAL | libc::EBADF)) => {
+            return Err(io(dir, e))
+        }
+        _ => {}
+    }
     #[cfg(not(unix))]
     let _ = dir;
     Ok(())
