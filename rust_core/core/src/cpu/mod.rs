@@ -270,6 +270,29 @@ pub fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 mod tests {
     use super::requested_threads;
 
+    /// The fallback for a refused pool runs parallel iterators serially on the calling
+    /// thread, starting no thread and never touching rayon's global pool.
+    #[test]
+    fn alone_runs_parallel_work_on_the_calling_thread() {
+        use rayon::prelude::*;
+        std::thread::spawn(|| {
+            let me = std::thread::current().id();
+            let (threads, ids, sum) = super::on_this_thread_only(|| {
+                let ids: Vec<_> = (0..64)
+                    .into_par_iter()
+                    .map(|_| std::thread::current().id())
+                    .collect();
+                let sum: u64 = (0..1000u64).into_par_iter().sum();
+                (rayon::current_num_threads(), ids, sum)
+            });
+            assert_eq!(threads, 1);
+            assert!(ids.iter().all(|&id| id == me));
+            assert_eq!(sum, 499_500);
+        })
+        .join()
+        .unwrap();
+    }
+
     #[test]
     fn thread_counts_from_the_environment() {
         assert_eq!(requested_threads("3"), Some(3));
