@@ -3,6 +3,7 @@ spec, bit-exact dequantisation (--verify), determinism, atomic output, and bad i
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -12,7 +13,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -1062,35 +1063,76 @@ def _unmount_under(path: Path) -> None:
             subprocess.run(["umount", point], check=False)
 
 
+@contextlib.contextmanager
+def _earlier_output_that_resists_removal(
+    src: Path, tmp_path: Path
+) -> Iterator[tuple[Path, Callable[[], None]]]:
+    """An earlier CPU-layout output ``tmp_path/out`` of ``src``, and a function that makes it
+    impossible to remove (a file in it becomes a mount point), for a hook to call once the
+    commit's checks have passed. Unmounts, and removes what was moved aside, afterwards."""
+    out = tmp_path / "out"
+    repack_checkpoint(src, out, target="cpu")
+    shutil.copy(out / "config.json", tmp_path / "other")  # the same record, on a mount
+    try:
+        yield out, lambda: _bind_file(tmp_path / "other", out / "config.json")
+    finally:
+        _unmount_under(tmp_path)
+        for p in tmp_path.glob(".out.moeq-old-*"):
+            shutil.rmtree(p)
+
+
+def _moved_aside(tmp_path: Path) -> Path:
+    """The one earlier output a repack to ``tmp_path/out`` moved aside and left."""
+    (moved,) = [p for p in tmp_path.iterdir() if p.name.startswith(".out.moeq-old-")]
+    return moved
+
+
+def _left_behind(moved: Path) -> str:
+    return (
+        f"the earlier output, moved aside to {moved}, could not be removed (Device or resource "
+        "busy (os error 16)); remove it by hand"
+    )
+
+
 def test_an_earlier_output_that_cannot_be_removed_after_the_commit_is_reported(
     fixture_path: Callable[[str], Path], tmp_path: Path
 ) -> None:
     """If the earlier output --force replaced cannot be removed once the new one is in place
     (here a file in it became a mount point during the run), the repack still succeeds, and
     says where the earlier output was left, rather than hiding it beside OUT_DIR."""
-    out = tmp_path / "out"
-    repack_checkpoint(fixture_path("qwen3_w8a16_g128"), out, target="cpu")
-    shutil.copy(out / "config.json", tmp_path / "other")  # the same record, on a mount
+    src = fixture_path("qwen3_w8a16_g128")
+    with _earlier_output_that_resists_removal(src, tmp_path) as (out, pin):
+
+        def progress(stage: str, *_: int) -> None:
+            if stage == "commit":
+                pin()
+
+        r = repack_checkpoint(src, out, target="marlin", force=True, progress=progress)
+        assert r["leftover"] == _left_behind(_moved_aside(tmp_path))
+        assert mq.open(out).summary()["layout"] == "marlin"
+
+
+@contextlib.contextmanager
+def _temporary_directory_pinned_while_writing(
+    tmp_path: Path, then: Callable[[], None] = lambda: None
+) -> Iterator[tuple[list[Path], Callable[..., None]]]:
+    """A progress callback for a repack to ``tmp_path/out`` that makes its temporary directory
+    immutable as the layers are written (so that removing it fails), then calls ``then``; and
+    the directory it pinned. Unpins and removes it afterwards."""
+    staged: list[Path] = []
 
     def progress(stage: str, *_: int) -> None:
-        if stage == "commit":
-            _bind_file(tmp_path / "other", out / "config.json")
+        if stage == "layers" and not staged:
+            staged.extend(tmp_path.glob(".out.moeq-tmp-*"))
+            _chattr("+i", *staged)
+            then()
 
     try:
-        r = repack_checkpoint(
-            fixture_path("qwen3_w8a16_g128"), out, target="marlin", force=True, progress=progress
-        )
-        moved = [p for p in tmp_path.iterdir() if p.name.startswith(".out.moeq-old-")]
-        assert len(moved) == 1
-        assert r["leftover"] == (
-            f"the earlier output, moved aside to {moved[0]}, could not be removed (Device or "
-            "resource busy (os error 16)); remove it by hand"
-        )
-        assert mq.open(out).summary()["layout"] == "marlin"
+        yield staged, progress
     finally:
-        _unmount_under(tmp_path)
-        for p in tmp_path.glob(".out.moeq-old-*"):
-            shutil.rmtree(p)
+        for p in staged:
+            subprocess.run(["chattr", "-i", str(p)], check=False)
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def test_a_failure_whose_temporary_directory_cannot_be_removed_says_so(
@@ -1099,14 +1141,7 @@ def test_a_failure_whose_temporary_directory_cannot_be_removed_says_so(
     """A repack that fails and then cannot remove its temporary directory (made immutable
     during the run) names it in the error: hundreds of MB left behind without a word before."""
     out = tmp_path / "out"
-    staged: list[Path] = []
-
-    def progress(stage: str, *_: int) -> None:
-        if stage == "layers" and not staged:
-            staged.extend(tmp_path.glob(".out.moeq-tmp-*"))
-            _chattr("+i", *staged)
-
-    try:
+    with _temporary_directory_pinned_while_writing(tmp_path) as (staged, progress):
         with pytest.raises(mq.CheckpointError) as err:
             repack_checkpoint(
                 fixture_path("qwen3_w8a16_g128"), out, target="cpu", progress=progress
@@ -1115,10 +1150,6 @@ def test_a_failure_whose_temporary_directory_cannot_be_removed_says_so(
         assert f"the temporary directory {staged[0]} could not be removed" in str(err.value)
         assert "remove it by hand" in str(err.value)
         assert not out.exists()
-    finally:
-        if staged:
-            subprocess.run(["chattr", "-i", str(staged[0])], check=False)
-            shutil.rmtree(staged[0], ignore_errors=True)
 
 
 def test_a_side_file_that_cannot_be_written_names_the_output(
@@ -1209,27 +1240,18 @@ def test_an_interrupt_whose_temporary_directory_cannot_be_removed_says_so(
     "nothing was written"; the note was dropped."""
     if sys.version_info < (3, 11):
         pytest.skip("exception notes need Python 3.11")
-    out = tmp_path / "out"
-    staged: list[Path] = []
 
-    def progress(stage: str, *_: int) -> None:
-        if stage == "layers" and not staged:
-            staged.extend(tmp_path.glob(".out.moeq-tmp-*"))
-            _chattr("+i", *staged)
-            raise KeyboardInterrupt
+    def interrupt() -> None:
+        raise KeyboardInterrupt
 
-    try:
-        with pytest.raises(KeyboardInterrupt) as err:
-            repack_checkpoint(
-                fixture_path("qwen3_w8a16_g128"), out, target="cpu", progress=progress
-            )
-        notes = getattr(err.value, "__notes__", [])
-        assert len(staged) == 1 and len(notes) == 1, notes
-        assert f"the temporary directory {staged[0]} could not be removed" in notes[0]
-    finally:
-        if staged:
-            subprocess.run(["chattr", "-i", str(staged[0])], check=False)
-            shutil.rmtree(staged[0], ignore_errors=True)
+    pinned = _temporary_directory_pinned_while_writing(tmp_path, then=interrupt)
+    with pinned as (staged, progress), pytest.raises(KeyboardInterrupt) as err:
+        repack_checkpoint(
+            fixture_path("qwen3_w8a16_g128"), tmp_path / "out", target="cpu", progress=progress
+        )
+    notes = getattr(err.value, "__notes__", [])
+    assert len(staged) == 1 and len(notes) == 1, notes
+    assert f"the temporary directory {staged[0]} could not be removed" in notes[0]
 
 
 def test_the_cli_warns_of_an_earlier_output_left_behind(
@@ -1240,36 +1262,25 @@ def test_the_cli_warns_of_an_earlier_output_left_behind(
     was left, before the summary (which may fail to print), and exit status 0."""
     from moeq_rs import cli as moeq_cli
 
-    out = tmp_path / "out"
-    repack_checkpoint(fixture_path("qwen3_w8a16_g128"), out, target="cpu")
-    shutil.copy(out / "config.json", tmp_path / "other")  # the same record, on a mount
-    bar = moeq_cli._ProgressBar.__call__
+    src = fixture_path("qwen3_w8a16_g128")
+    with _earlier_output_that_resists_removal(src, tmp_path) as (out, pin):
+        bar = moeq_cli._ProgressBar.__call__
 
-    def pinning_bar(self: Any, stage: str, *rest: int) -> None:
-        if stage == "commit":
-            _bind_file(tmp_path / "other", out / "config.json")
-        bar(self, stage, *rest)
+        def pinning_bar(self: Any, stage: str, *rest: int) -> None:
+            if stage == "commit":
+                pin()
+            bar(self, stage, *rest)
 
-    monkeypatch.setattr(moeq_cli._ProgressBar, "__call__", pinning_bar)
-    try:
-        status = moeq_cli.main(
-            ["repack", str(fixture_path("qwen3_w8a16_g128")), str(out), "--target", "marlin",
-             "--force"]
-        )  # fmt: skip
+        monkeypatch.setattr(moeq_cli._ProgressBar, "__call__", pinning_bar)
+        status = moeq_cli.main(["repack", str(src), str(out), "--target", "marlin", "--force"])
         captured = capsys.readouterr()
-        moved = [p for p in tmp_path.iterdir() if p.name.startswith(".out.moeq-old-")]
-        assert status == 0 and len(moved) == 1
+        assert status == 0
         warning = [x for x in captured.err.splitlines() if x.startswith("moeq: warning:")]
         assert warning == [
-            f"moeq: warning: {out} is written and complete, but the earlier output, moved "
-            f"aside to {moved[0]}, could not be removed (Device or resource busy (os error "
-            "16)); remove it by hand"
+            f"moeq: warning: {out} is written and complete, but "
+            + _left_behind(_moved_aside(tmp_path))
         ], captured.err
         assert captured.out.startswith(f"wrote {out}: ")
-    finally:
-        _unmount_under(tmp_path)
-        for p in tmp_path.glob(".out.moeq-old-*"):
-            shutil.rmtree(p)
 
 
 def test_side_files_keep_their_permission_bits(

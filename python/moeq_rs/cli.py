@@ -46,9 +46,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _fail(message: str) -> NoReturn:
-    first = " ".join(str(message).split("\n")).strip()
-    _to_stderr(f"moeq: error: {first}")
+    _to_stderr(f"moeq: error: {_one_line(message)}")
     raise SystemExit(1)
+
+
+def _one_line(message: object) -> str:
+    return " ".join(str(message).split("\n")).strip()
 
 
 def _to_stderr(text: str) -> None:
@@ -64,8 +67,7 @@ def _to_stderr(text: str) -> None:
 
 def _warn(message: str) -> None:
     """One ``moeq: warning: ...`` line on stderr, if there is one to write to."""
-    first = " ".join(str(message).split("\n")).strip()
-    _to_stderr(f"moeq: warning: {first}")
+    _to_stderr(f"moeq: warning: {_one_line(message)}")
 
 
 def _fmt_activation(act: dict[str, Any] | None) -> str:

@@ -544,10 +544,11 @@ impl Routing {
         let renorm_keys = ["norm_topk_prob", "route_norm", "moe_renormalize"];
         // A router that always renormalises never reads the key, so it is not read here either
         // (a value of the wrong type included).
+        let renorm_field = cfg_field(file, config, &renorm_keys);
         let renorm_key = if any(|r| r.renormalize_always) {
-            cfg_field(file, config, &renorm_keys).value.map(|_| true)
+            renorm_field.value.map(|_| true)
         } else {
-            cfg_field(file, config, &renorm_keys).opt_bool()?
+            renorm_field.opt_bool()?
         };
         let renormalize = match renorm_key {
             // vLLM's AFMoE applies route_norm to sigmoid scores only.

@@ -179,30 +179,61 @@ fn remove_abandoned(parent: &Path, name: &str) {
     let Ok(entries) = std::fs::read_dir(parent) else {
         return;
     };
-    let ours = format!(".{name}.moeq-");
+    let prefixes = [staged_prefix(name, TMP), staged_prefix(name, OLD)];
     for entry in entries.flatten() {
         let file = entry.file_name();
-        let Some(rest) = file.to_str().and_then(|f| f.strip_prefix(ours.as_str())) else {
-            continue;
-        };
-        let pid = rest
-            .strip_prefix("tmp-")
-            .or_else(|| rest.strip_prefix("old-"))
-            .and_then(|p| p.parse::<u32>().ok());
+        let pid = file.to_str().and_then(|f| {
+            prefixes
+                .iter()
+                .find_map(|p| f.strip_prefix(p.as_str()))
+                .and_then(|p| p.parse::<u32>().ok())
+        });
         if let Some(pid) = pid {
             if pid != std::process::id()
                 && !process_exists(pid)
                 && untouched_for(&entry.path(), 600)
             {
-                let path = entry.path();
-                let _ = if path.is_dir() && !path.is_symlink() {
-                    std::fs::remove_dir_all(&path)
-                } else {
-                    std::fs::remove_file(&path)
-                };
+                let _ = remove_entry(&entry.path());
             }
         }
     }
+}
+
+/// The kinds of directory a repack keeps beside OUT_DIR: the output being written, and an
+/// earlier output moved aside by `--force`.
+const TMP: &str = "tmp";
+const OLD: &str = "old";
+
+/// `.<name>.moeq-<kind>-`, which the pid of the repack completes: the names a repack to
+/// `name` works under beside it.
+fn staged_prefix(name: &str, kind: &str) -> String {
+    format!(".{name}.moeq-{kind}-")
+}
+
+/// Where this process keeps its `kind` of directory beside `parent/name`.
+fn staged_path(parent: &Path, name: &str, kind: &str) -> PathBuf {
+    parent.join(format!(
+        "{}{}",
+        staged_prefix(name, kind),
+        std::process::id()
+    ))
+}
+
+/// Removes a directory tree, or the file or symlink `path` names (never what a link points to).
+fn remove_entry(path: &Path) -> std::io::Result<()> {
+    if path.is_dir() && !path.is_symlink() {
+        std::fs::remove_dir_all(path)
+    } else {
+        std::fs::remove_file(path)
+    }
+}
+
+/// What went wrong with the earlier output `--force` moved aside to `old`.
+fn moved_aside(old: &Path, failure: &str) -> String {
+    format!(
+        "the earlier output, moved aside to {}, could not be {failure}",
+        old.display()
+    )
 }
 
 /// Why `--force` must not replace the existing `out_dir`, or None where it may: a symlink (the
@@ -462,7 +493,7 @@ pub fn repack(
     // output aside as `.<name>.moeq-old-<pid>`), which must fit a file name's 255 bytes too.
     // Counted with the widest pid (7 digits, Linux's pid_max limit), so that a name accepted
     // once is accepted on every run.
-    let staged_len = format!(".{name}.moeq-tmp-").len() + PID_DIGITS;
+    let staged_len = staged_prefix(&name, TMP).len() + PID_DIGITS;
     if staged_len > NAME_MAX {
         return Err(output_error(
             out_dir,
@@ -608,7 +639,7 @@ pub fn repack(
     let bytes_total: u64 = plan.slots.values().map(|s| s.nbytes).sum();
 
     remove_abandoned(&parent, &name);
-    let tmp_path = parent.join(format!(".{name}.moeq-tmp-{}", std::process::id()));
+    let tmp_path = staged_path(&parent, &name, TMP);
     if tmp_path.exists() {
         std::fs::remove_dir_all(&tmp_path).map_err(|e| io(&tmp_path, e))?;
     }
@@ -775,7 +806,7 @@ pub fn repack(
                     format!("changed while the repack ran and {why}; not replaced"),
                 ));
             }
-            let old = parent.join(format!(".{name}.moeq-old-{}", std::process::id()));
+            let old = staged_path(&parent, &name, OLD);
             std::fs::rename(&entry, &old).map_err(|e| {
                 if e.kind() == std::io::ErrorKind::ResourceBusy {
                     // A mount point the checks could not see.
@@ -789,28 +820,16 @@ pub fn repack(
                 return Err(match std::fs::rename(&old, &entry) {
                     Ok(()) => err,
                     // Said, not hidden: the next runs would remove it as abandoned.
-                    Err(back) => err.noted(&format!(
-                        "the earlier output, moved aside to {}, could not be moved back ({back})",
-                        old.display()
-                    )),
+                    Err(back) => err.noted(&moved_aside(&old, &format!("moved back ({back})"))),
                 });
             }
             tmp.committed = true;
-            let removed = if old.is_dir() && !old.is_symlink() {
-                std::fs::remove_dir_all(&old)
-            } else {
-                std::fs::remove_file(&old)
-            };
             // The output is complete; what could not be removed is reported, not hidden (the
             // next runs leave a live-looking old directory alone only for ten minutes, and
             // cannot remove it either).
-            leftover = removed.err().map(|e| {
-                format!(
-                    "the earlier output, moved aside to {}, could not be removed ({e}); remove \
-                     it by hand",
-                    old.display()
-                )
-            });
+            leftover = remove_entry(&old)
+                .err()
+                .map(|e| moved_aside(&old, &format!("removed ({e}); remove it by hand")));
         } else {
             std::fs::rename(&tmp.path, &entry).map_err(|e| io(out_dir, e))?;
             tmp.committed = true;
