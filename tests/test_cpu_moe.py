@@ -2089,16 +2089,25 @@ def test_forward_from_other_threads_equals_the_owner_thread() -> None:
         assert ran.stdout.split() == ["ok", "15"]
 
 
-_NO_THREADS_SCRIPT = r"""
-import resource, sys, threading, torch
-import moeq_rs as mq
-g = torch.Generator().manual_seed(4)
+def _random_int8_layer(seed: int, top_k: int) -> str:
+    """Script lines that build ``layer``, a random dynamic-W8A8 layer (E 8, H 256, I 128), with
+    ``torch``, ``mq`` (moeq_rs), the generator ``g`` and the sizes ``e, h, i`` in scope."""
+    return rf"""
+import torch, moeq_rs as mq
+g = torch.Generator().manual_seed({seed})
 e, h, i = 8, 256, 128
 layer = mq.MoELayer.from_tensors(
     torch.randint(-127, 128, (e, 2 * i, h), dtype=torch.int8, generator=g),
     torch.randint(-127, 128, (e, h, i), dtype=torch.int8, generator=g),
-    torch.rand(e, 2 * i, generator=g) / 1e3, torch.rand(e, h, generator=g) / 1e3,
-    scheme="w8a8_dynamic", top_k=2)
+    torch.rand(e, 2 * i, 1, generator=g) * 1e-2, torch.rand(e, h, 1, generator=g) * 1e-2,
+    scheme="w8a8_dynamic", top_k={top_k})
+"""
+
+
+_NO_THREADS_SCRIPT = (
+    _random_int8_layer(seed=4, top_k=2)
+    + r"""
+import resource, sys, threading
 x, logits = torch.randn(100, h, generator=g), torch.randn(100, e, generator=g)
 weights, ids = torch.softmax(logits, -1).topk(2, dim=-1)
 # On the main thread's own pool.
@@ -2129,6 +2138,7 @@ assert not failed, failed
 assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 print("ok")
 """
+)
 
 
 def test_forward_runs_when_the_os_refuses_new_threads() -> None:
@@ -2971,15 +2981,10 @@ def test_module_moves_are_refused_and_dtype_casts_change_nothing() -> None:
     assert torch.equal(got, mq.MoELayer.from_tensors(*weights, scheme="w8a16", top_k=2)(x, logits))
 
 
-_SCRATCH_SCRIPT = r"""
-import threading, torch, moeq_rs as mq
-g = torch.Generator().manual_seed(5)
-e, h, i = 8, 256, 128
-layer = mq.MoELayer.from_tensors(
-    torch.randint(-127, 128, (e, 2 * i, h), dtype=torch.int8, generator=g),
-    torch.randint(-127, 128, (e, h, i), dtype=torch.int8, generator=g),
-    torch.rand(e, 2 * i, 1, generator=g) * 1e-2, torch.rand(e, h, 1, generator=g) * 1e-2,
-    scheme="w8a8_dynamic", top_k=4)
+_SCRATCH_SCRIPT = (
+    _random_int8_layer(seed=5, top_k=4)
+    + r"""
+import threading
 x, lg = torch.randn(4096, h, generator=g).bfloat16(), torch.randn(4096, e, generator=g)
 want = layer(x, lg)
 side = threading.Thread(target=layer, args=(x, lg))  # the other threads' pool too
@@ -2994,6 +2999,7 @@ first = mq.oracle.cpu_release_scratch()
 second = mq.oracle.cpu_release_scratch()
 print(first, second, torch.equal(layer(x, lg), want))
 """
+)
 
 
 def test_spare_scratch_can_be_released() -> None:
