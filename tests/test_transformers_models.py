@@ -320,3 +320,57 @@ def test_transformers_example_generates_the_same_tokens() -> None:
     assert theirs.split(":")[1].split() == ours.split(":")[1].split()
     assert "moeq experts in decoder layers [1, 2]" in lines
     assert lines[-1] == "ok"
+
+
+# Weight schemes the shipped fixtures leave out, written by compressed-tensors into a Qwen3
+# model with only the experts quantized: (bits, strategy, group_size, symmetric).
+SCHEME_GRID = [
+    (4, "group", 32, True),
+    (4, "group", 32, False),
+    (4, "group", 64, True),
+    (4, "group", 64, False),
+    (4, "channel", None, True),
+    (4, "channel", None, False),
+    (8, "group", 32, True),
+    (8, "group", 64, True),
+]
+
+
+@pytest.mark.parametrize("bits,strategy,group_size,symmetric", SCHEME_GRID)
+def test_more_weight_schemes_match_compressed_tensors_forward(
+    bits: int,
+    strategy: str,
+    group_size: int | None,
+    symmetric: bool,
+    fixtures_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """Each scheme through compressed-tensors' own compression, then `forward` per block and
+    the model's logits with moeq's experts, as above."""
+    gen = _generator()
+    weights = gen._w(bits, strategy, group_size, symmetric=symmetric)
+    targets = [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"]
+    spec = dict(family="qwen3", groups={"group_0": gen._group(targets, weights)})
+    path = tmp_path / "checkpoint"
+    path.mkdir()
+    gen._build("grid", spec, path)
+    written = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert written["config_groups"]["group_0"]["weights"]["group_size"] == group_size
+
+    model = compressed_tensors_model(path)
+    ids = token_ids(model, 5)
+    seen = capture_moe_blocks(model, ids)
+    with torch.no_grad():
+        expected_logits = model(ids).logits
+    checkpoint = mq.open(path)
+    what = f"int{bits} {strategy} {group_size} {'sym' if symmetric else 'asym'}"
+    for i in moe_layer_indices(model):
+        x, expected = seen[i]
+        x2 = x.reshape(-1, x.shape[-1])
+        layer = mq.MoELayer.from_checkpoint(checkpoint, i)
+        got = layer(x2, F.linear(x2, model.model.layers[i].mlp.gate.weight))
+        check_close(got.reshape(expected.shape), expected, False, f"{what} layer {i}")
+        model.model.layers[i].mlp.experts = MoeqExperts(layer)
+    with torch.no_grad():
+        got_logits = model(ids).logits
+    check_close(got_logits, expected_logits, False, f"{what} logits")
