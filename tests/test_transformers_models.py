@@ -62,9 +62,17 @@ FIXTURES = [
 F32_TOL = 2e-5
 # With quantised activations (W8A8), the intermediate `h` is computed in a different order on
 # each side before it is rounded to int8, so now and then one element lands on the other side
-# of a rounding boundary: one code step in one (token, expert) row, ~1e-4 of a block's output
-# here. Most tokens must still agree to F32_TOL, and the whole to this.
+# of a rounding boundary: one code step in one (token, expert) row. Measured over five input
+# seeds: at most one token of 48 per block beyond F32_TOL, by at most 5.4e-3, and 6.5e-4 over
+# the block. So a block passes with its median token within F32_TOL, at most
+# W8A8_OFF_TOKENS tokens beyond it, none beyond W8A8_TOKEN_TOL, and the whole within W8A8_TOL.
 W8A8_TOL = 2e-3
+W8A8_TOKEN_TOL = 2e-2
+W8A8_OFF_TOKENS = 3
+# A flip in an early layer travels on through attention to later positions and layers (up
+# to 9 tokens of 48 off, 2.5e-3 over the logits, in those seeds), so a W8A8 model's logits
+# are held to this only; the blocks are held to the bounds above.
+W8A8_LOGITS_TOL = 2e-2
 # bf16 inputs and outputs (the issue's bound for bf16 activations).
 BF16_TOL = 1e-2
 
@@ -132,25 +140,30 @@ def compressed_tensors_model(path: Path) -> Any:
     return model
 
 
-def quantizes_activations(path: Path) -> bool:
-    qcfg = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
-    groups = qcfg.get("config_groups", {}).values()
-    return any(g.get("input_activations") for g in groups)
+def experts_quantize_activations(model: Any, layers: list[int]) -> bool:
+    """Whether CT quantises the inputs of any routed expert of these decoder layers (the
+    experts' own schemes: other modules' activations do not reach our kernels)."""
+    return any(
+        getattr(getattr(m, "quantization_scheme", None), "input_activations", None) is not None
+        for i in layers
+        for m in model.model.layers[i].mlp.experts.modules()
+    )
 
 
 def check_close(got: torch.Tensor, expected: torch.Tensor, w8a8: bool, what: str) -> None:
-    """Within F32_TOL; with quantised activations, the median token within F32_TOL and the
-    whole within W8A8_TOL."""
+    """Within F32_TOL; with quantised activations, the W8A8 bounds above, per token."""
     err = rel_l2(got, expected)
     if not w8a8:
         assert err <= F32_TOL, f"{what}: rel L2 {err:.3g}"
         return
-    flat_got, flat_expected = got.reshape(-1, got.shape[-1]), expected.reshape(-1, got.shape[-1])
-    per_token = (flat_got.double() - flat_expected.double()).norm(
-        dim=-1
-    ) / flat_expected.double().norm(dim=-1)
-    median = per_token.median().item()
-    assert median <= F32_TOL and err <= W8A8_TOL, f"{what}: median {median:.3g}, all {err:.3g}"
+    g = got.reshape(-1, got.shape[-1]).double()
+    e = expected.reshape(-1, got.shape[-1]).double()
+    per_token = (g - e).norm(dim=-1) / e.norm(dim=-1)
+    median, worst = per_token.median().item(), per_token.max().item()
+    off = int((per_token > F32_TOL).sum())
+    assert (
+        median <= F32_TOL and off <= W8A8_OFF_TOKENS and worst <= W8A8_TOKEN_TOL and err <= W8A8_TOL
+    ), f"{what}: median {median:.3g}, {off} tokens off, worst {worst:.3g}, all {err:.3g}"
 
 
 def moe_layer_indices(model: Any) -> list[int]:
@@ -166,20 +179,24 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def capture_moe_blocks(model: Any, ids: torch.Tensor) -> dict[int, tuple]:
-    """Input and output of every MoE block during one forward."""
-    seen: dict[int, tuple] = {}
+def capture_moe_blocks(model: Any, ids: torch.Tensor) -> dict[tuple[int, str], tuple]:
+    """Inputs and output of every MoE block (`(i, "block")`: hidden states in, out) and of its
+    routed experts (`(i, "experts")`: hidden states, top-k ids, top-k weights, out) during one
+    forward."""
+    seen: dict[tuple[int, str], tuple] = {}
 
-    def hook(i: int) -> Callable:
+    def hook(key: tuple[int, str]) -> Callable:
         def record(module, args, out) -> None:
             out = out[0] if isinstance(out, tuple) else out
-            seen[i] = (args[0].detach().clone(), out.detach().clone())
+            seen[key] = (*(a.detach().clone() for a in args), out.detach().clone())
 
         return record
 
-    handles = [
-        model.model.layers[i].mlp.register_forward_hook(hook(i)) for i in moe_layer_indices(model)
-    ]
+    handles = []
+    for i in moe_layer_indices(model):
+        mlp = model.model.layers[i].mlp
+        handles.append(mlp.register_forward_hook(hook((i, "block"))))
+        handles.append(mlp.experts.register_forward_hook(hook((i, "experts"))))
     try:
         with torch.no_grad():
             model(ids)
@@ -240,14 +257,31 @@ def test_moe_blocks_match_compressed_tensors_forward(
     path = fixture_path(name)
     model, seen = reference(path)
     checkpoint = mq.open(path)
-    w8a8 = quantizes_activations(path)
     for i in moe_layer_indices(model):
-        x, expected = seen[i]
+        w8a8 = experts_quantize_activations(model, [i])
+        x, expected = seen[i, "block"]
         x2 = x.reshape(-1, x.shape[-1])
         logits = F.linear(x2, model.model.layers[i].mlp.gate.weight)
         got = mq.MoELayer.from_checkpoint(checkpoint, i)(x2, logits)
         assert got.dtype == torch.float32 and got.shape == x2.shape
         check_close(got.reshape(expected.shape), expected, w8a8, f"{name} layer {i}")
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_routed_experts_match_compressed_tensors_experts(
+    name: str, fixture_path: Callable[[str], Path], reference: Callable
+) -> None:
+    """`forward_topk` on the hidden states, top-k ids and weights transformers' router gave
+    that block's experts inside the model."""
+    path = fixture_path(name)
+    model, seen = reference(path)
+    checkpoint = mq.open(path)
+    for i in moe_layer_indices(model):
+        x, ids, weights, expected = seen[i, "experts"]
+        got = mq.MoELayer.from_checkpoint(checkpoint, i).forward_topk(x, weights, ids)
+        assert got.dtype == expected.dtype and got.shape == expected.shape
+        w8a8 = experts_quantize_activations(model, [i])
+        check_close(got, expected, w8a8, f"{name} layer {i} experts")
 
 
 @pytest.mark.parametrize("name", FIXTURES)
@@ -260,7 +294,8 @@ def test_bf16_inputs_match_compressed_tensors_forward(
     model, seen = reference(path)
     checkpoint = mq.open(path)
     for i in moe_layer_indices(model):
-        x = seen[i][0].reshape(-1, seen[i][0].shape[-1]).bfloat16()
+        x = seen[i, "block"][0]
+        x = x.reshape(-1, x.shape[-1]).bfloat16()
         block = model.model.layers[i].mlp
         with torch.no_grad():
             out = block(x.float()[None])
@@ -277,12 +312,14 @@ def test_model_with_moeq_experts_matches_compressed_tensors_logits(
     name: str, fixture_path: Callable[[str], Path]
 ) -> None:
     """transformers routes and adds the shared experts; `forward_topk` runs the routed
-    experts. The whole model's logits stay within fp32 reordering of CT's."""
+    experts. The whole model's logits stay within fp32 reordering of CT's (W8A8: within
+    W8A8_LOGITS_TOL, see above)."""
     path = fixture_path(name)
     model = compressed_tensors_model(path)
     ids = token_ids(model, 11)
     with torch.no_grad():
         expected = model(ids).logits
+    w8a8 = experts_quantize_activations(model, moe_layer_indices(model))
     checkpoint = mq.open(path)
     swapped = []
     for i in moe_layer_indices(model):
@@ -292,9 +329,11 @@ def test_model_with_moeq_experts_matches_compressed_tensors_logits(
     with torch.no_grad():
         got = model(ids).logits
     assert swapped and all(e.calls == 1 for e in swapped), [e.calls for e in swapped]
-    w8a8 = quantizes_activations(path)
-    check_close(got, expected, w8a8, f"{name} logits")
-    if not w8a8:
+    if w8a8:
+        err = rel_l2(got, expected)
+        assert err <= W8A8_LOGITS_TOL, f"{name} logits: rel L2 {err:.3g}"
+    else:
+        check_close(got, expected, False, f"{name} logits")
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
@@ -365,7 +404,7 @@ def test_more_weight_schemes_match_compressed_tensors_forward(
     checkpoint = mq.open(path)
     what = f"int{bits} {strategy} {group_size} {'sym' if symmetric else 'asym'}"
     for i in moe_layer_indices(model):
-        x, expected = seen[i]
+        x, expected = seen[i, "block"]
         x2 = x.reshape(-1, x.shape[-1])
         layer = mq.MoELayer.from_checkpoint(checkpoint, i)
         got = layer(x2, F.linear(x2, model.model.layers[i].mlp.gate.weight))
