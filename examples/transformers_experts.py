@@ -18,6 +18,10 @@ checkpoints do not load at all (the script says so and stops). It then prints th
 continuation with transformers' experts and with moeq's, and how far the logits are apart
 (transformers' experts hold the bf16-rounded dequantised weights, moeq the exact
 `(q - z) * s`: ~1e-3 apart).
+
+The swapped model is for inference: moeq's experts keep their weights outside `state_dict()`,
+so `save_pretrained` on it would write a checkpoint without experts. Save or repack the source
+checkpoint instead (`moeq repack --target cpu` writes the CPU layout).
 """
 
 from __future__ import annotations
