@@ -16,8 +16,9 @@ rows, and its symmetric scale divides by 127.5. vLLM quantises each row with ``a
 as DESIGN.md specifies; the tests hand CT that rule and keep CT's rounding, clamping and
 dequantisation.
 
-``qwen3_w4a16_actorder`` is not read here: the installed CT refuses ``actorder: "group"``
-(``test_cpu_moe`` checks that fixture against CT 0.18's decoding).
+``qwen3_w4a16_actorder`` is read by compressed-tensors 0.18.0, the release that wrote it (the
+installed one refuses ``actorder: "group"``), in a subprocess with the generator's private copy
+of that release on the path.
 """
 
 from __future__ import annotations
@@ -413,3 +414,62 @@ def test_more_weight_schemes_match_compressed_tensors_forward(
     with torch.no_grad():
         got_logits = model(ids).logits
     check_close(got_logits, expected_logits, False, f"{what} logits")
+
+
+def check_against_compressed_tensors(path: Path) -> None:
+    """The block, experts and logits checks above on one checkpoint, outside pytest (for a
+    subprocess that imports another compressed-tensors release)."""
+    model = compressed_tensors_model(path)
+    ids = token_ids(model, 7)
+    seen = capture_moe_blocks(model, ids)
+    with torch.no_grad():
+        expected_logits = model(ids).logits
+    checkpoint = mq.open(path)
+    for i in moe_layer_indices(model):
+        assert not experts_quantize_activations(model, [i])
+        x, expected = seen[i, "block"]
+        x2 = x.reshape(-1, x.shape[-1])
+        layer = mq.MoELayer.from_checkpoint(checkpoint, i)
+        got = layer(x2, F.linear(x2, model.model.layers[i].mlp.gate.weight))
+        check_close(got.reshape(expected.shape), expected, False, f"layer {i}")
+        xe, top_ids, top_weights, expected_experts = seen[i, "experts"]
+        got = layer.forward_topk(xe, top_weights, top_ids)
+        check_close(got, expected_experts, False, f"layer {i} experts")
+        model.model.layers[i].mlp.experts = MoeqExperts(layer)
+    with torch.no_grad():
+        got_logits = model(ids).logits
+    check_close(got_logits, expected_logits, False, "logits")
+    print("checked", len(moe_layer_indices(model)), "layers")
+
+
+def test_actorder_checkpoint_matches_compressed_tensors_0_18_forward(
+    fixture_path: Callable[[str], Path],
+) -> None:
+    """`qwen3_w4a16_actorder` (`actorder: "group"`, `weight_g_idx` stored) against the
+    compressed-tensors release that wrote it (0.18.0, the generator's private copy), whose
+    forward fake-quantises with the g_idx: the checks above, in a subprocess."""
+    import os
+    import subprocess
+    import sys
+
+    path = fixture_path("qwen3_w4a16_actorder")
+    ct018 = _generator().ensure_ct018()
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import compressed_tensors as ct; "
+        "assert ct.__version__ == '0.18.0', ct.__version__; "
+        "import test_transformers_models as t; t.check_against_compressed_tensors("
+        "__import__('pathlib').Path(sys.argv[2]))"
+    )
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ct018), os.environ.get("PYTHONPATH", "")])
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(Path(__file__).resolve().parent), str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert "checked 2 layers" in proc.stdout
