@@ -25,6 +25,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -338,23 +341,25 @@ def test_model_with_moeq_experts_matches_compressed_tensors_logits(
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
-def test_transformers_example_generates_the_same_tokens() -> None:
-    """examples/transformers_experts.py on the shipped checkpoint: transformers' generation
-    with moeq's experts gives the tokens it gives with the (checked) dequantised experts."""
-    import subprocess
-    import sys
-
-    repo = Path(__file__).resolve().parents[1]
+def run_python(args: list[str], env: dict[str, str] | None = None) -> str:
+    """`python ARGS` from the repository root; its stdout, after checking it exited 0."""
     proc = subprocess.run(
-        [sys.executable, str(repo / "examples" / "transformers_experts.py")],
+        [sys.executable, *args],
         capture_output=True,
         text=True,
         check=False,
-        cwd=repo,
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    lines = proc.stdout.splitlines()
+    return proc.stdout
+
+
+def test_transformers_example_generates_the_same_tokens() -> None:
+    """examples/transformers_experts.py on the shipped checkpoint: transformers' generation
+    with moeq's experts gives the tokens it gives with the (checked) dequantised experts."""
+    lines = run_python(["examples/transformers_experts.py"]).splitlines()
     theirs = next(line for line in lines if line.startswith("transformers' experts:"))
     ours = next(line for line in lines if line.startswith("moeq's experts:"))
     assert theirs.split(":")[1].split() == ours.split(":")[1].split()
@@ -385,8 +390,8 @@ def test_more_weight_schemes_match_compressed_tensors_forward(
     fixtures_dir: Path,
     tmp_path: Path,
 ) -> None:
-    """Each scheme through compressed-tensors' own compression, then `forward` per block and
-    the model's logits with moeq's experts, as above."""
+    """Each scheme through compressed-tensors' own compression, then the block, experts and
+    logits checks (`check_against_compressed_tensors`)."""
     gen = _generator()
     weights = gen._w(bits, strategy, group_size, symmetric=symmetric)
     targets = [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"]
@@ -397,28 +402,12 @@ def test_more_weight_schemes_match_compressed_tensors_forward(
     written = json.loads((path / "config.json").read_text())["quantization_config"]
     assert written["config_groups"]["group_0"]["weights"]["group_size"] == group_size
 
-    model = compressed_tensors_model(path)
-    ids = token_ids(model, 5)
-    seen = capture_moe_blocks(model, ids)
-    with torch.no_grad():
-        expected_logits = model(ids).logits
-    checkpoint = mq.open(path)
-    what = f"int{bits} {strategy} {group_size} {'sym' if symmetric else 'asym'}"
-    for i in moe_layer_indices(model):
-        x, expected = seen[i, "block"]
-        x2 = x.reshape(-1, x.shape[-1])
-        layer = mq.MoELayer.from_checkpoint(checkpoint, i)
-        got = layer(x2, F.linear(x2, model.model.layers[i].mlp.gate.weight))
-        check_close(got.reshape(expected.shape), expected, False, f"{what} layer {i}")
-        model.model.layers[i].mlp.experts = MoeqExperts(layer)
-    with torch.no_grad():
-        got_logits = model(ids).logits
-    check_close(got_logits, expected_logits, False, f"{what} logits")
+    check_against_compressed_tensors(path)
 
 
 def check_against_compressed_tensors(path: Path) -> None:
-    """The block, experts and logits checks above on one checkpoint, outside pytest (for a
-    subprocess that imports another compressed-tensors release)."""
+    """The block, experts and logits checks above on one weight-only checkpoint, callable
+    outside pytest too (from a subprocess that imports another compressed-tensors release)."""
     model = compressed_tensors_model(path)
     ids = token_ids(model, 7)
     seen = capture_moe_blocks(model, ids)
@@ -448,10 +437,6 @@ def test_actorder_checkpoint_matches_compressed_tensors_0_18_forward(
     """`qwen3_w4a16_actorder` (`actorder: "group"`, `weight_g_idx` stored) against the
     compressed-tensors release that wrote it (0.18.0, the generator's private copy), whose
     forward fake-quantises with the g_idx: the checks above, in a subprocess."""
-    import os
-    import subprocess
-    import sys
-
     path = fixture_path("qwen3_w4a16_actorder")
     ct018 = _generator().ensure_ct018()
     script = (
@@ -463,13 +448,5 @@ def test_actorder_checkpoint_matches_compressed_tensors_0_18_forward(
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ct018), os.environ.get("PYTHONPATH", "")])
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", script, str(Path(__file__).resolve().parent), str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-        env=env,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    assert "checked 2 layers" in proc.stdout
+    out = run_python(["-c", script, str(Path(__file__).resolve().parent), str(path)], env)
+    assert "checked 2 layers" in out
