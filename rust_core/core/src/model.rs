@@ -661,6 +661,12 @@ impl Model {
     /// the oracle's plan per layer, and with `compat` what vLLM would do.
     pub fn report_json(&self, platform: Platform, opts: Options, compat: bool) -> Value {
         let mut regressions: Vec<(oracle::vllm::Regression, Vec<usize>)> = Vec::new();
+        // A config vLLM cannot parse fails the whole model before any MoE decision.
+        let vllm_parse_error = self
+            .quant
+            .as_ref()
+            .filter(|_| compat)
+            .and_then(oracle::vllm::config_parse_error);
         let layers: Vec<Value> = self
             .moe_layers
             .iter()
@@ -686,7 +692,13 @@ impl Model {
                 }
                 add_plan_json(&mut v, &plan);
                 if compat {
-                    let verdict = oracle::vllm::vllm_layer(&input, platform, opts.tp_size);
+                    let verdict = match &vllm_parse_error {
+                        Some(e) => oracle::vllm::VllmVerdict {
+                            error: Some(e.clone()),
+                            ..Default::default()
+                        },
+                        None => oracle::vllm::vllm_layer(&input, platform, opts.tp_size),
+                    };
                     if let Some(obj) = v.as_object_mut() {
                         obj.insert(
                             "vllm".into(),

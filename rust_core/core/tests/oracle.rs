@@ -1257,3 +1257,89 @@ fn vllm_reads_the_global_format_into_a_group_without_one() {
         .unwrap();
     assert_eq!(qc.groups[0].vllm_format, None);
 }
+
+/// vLLM's config parse asserts float weights for a group read with an activation-quantization
+/// format but no input activations (its FP8 weight-only case): integer weight-only groups in
+/// those formats fail the whole model there, before any MoE decision (checked against vLLM
+/// 0.32's own `from_config`; main @7cfb97e33791 has the same assert).
+#[test]
+fn int_weight_only_in_an_activation_format_fails_vllm_config_parse() {
+    use moeq_core::oracle::vllm::config_parse_error;
+    use moeq_core::scheme::QuantizationConfig;
+    let parse = |qc: serde_json::Value| {
+        QuantizationConfig::from_model_config(
+            Path::new("config.json"),
+            &json!({ "quantization_config": qc }),
+        )
+        .unwrap()
+        .unwrap()
+    };
+    let int8 = json!({"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": true});
+    let fp8 = json!({"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": true});
+    let token = json!({"num_bits": 8, "type": "int", "strategy": "token", "dynamic": true, "symmetric": true});
+    let group = |weights: &serde_json::Value,
+                 acts: Option<&serde_json::Value>,
+                 own: Option<&str>,
+                 global: Option<&str>| {
+        let mut g = json!({"targets": ["Linear"], "weights": weights});
+        if let Some(a) = acts {
+            g["input_activations"] = a.clone();
+        }
+        if let Some(f) = own {
+            g["format"] = json!(f);
+        }
+        let mut qc = json!({"quant_method": "compressed-tensors", "config_groups": {"g": g}});
+        if let Some(f) = global {
+            qc["format"] = json!(f);
+        }
+        qc
+    };
+    for format in [
+        "int-quantized",
+        "naive-quantized",
+        "float-quantized",
+        "nvfp4-pack-quantized",
+    ] {
+        // The group's own format, or the global one copied in.
+        for (own, global) in [(Some(format), None), (None, Some(format))] {
+            let e = config_parse_error(&parse(group(&int8, None, own, global)))
+                .unwrap_or_else(|| panic!("{format} {own:?} {global:?}"));
+            assert!(
+                e.starts_with("AssertionError") && e.contains(format) && e.contains("\"g\""),
+                "{e}"
+            );
+        }
+    }
+    // Float weights pass the assert; activations, a packed format or no format at all skip it.
+    assert_eq!(
+        config_parse_error(&parse(group(&fp8, None, Some("float-quantized"), None))),
+        None
+    );
+    assert_eq!(
+        config_parse_error(&parse(group(
+            &int8,
+            Some(&token),
+            Some("int-quantized"),
+            None
+        ))),
+        None
+    );
+    assert_eq!(
+        config_parse_error(&parse(group(&int8, None, Some("pack-quantized"), None))),
+        None
+    );
+    assert_eq!(
+        config_parse_error(&parse(group(&int8, None, None, None))),
+        None
+    );
+    // A group's own format wins over the global one.
+    assert_eq!(
+        config_parse_error(&parse(group(
+            &int8,
+            None,
+            Some("pack-quantized"),
+            Some("int-quantized")
+        ))),
+        None
+    );
+}

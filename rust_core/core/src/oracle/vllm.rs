@@ -4,6 +4,7 @@
 
 use super::backends::{marlin_support_reason, WNA16_GROUP_SIZES};
 use super::types::{LayerInput, Platform, ProjScheme};
+use crate::scheme::config::QuantizationConfig;
 use crate::scheme::{Format, QuantArgs, QuantType, Strategy};
 
 pub const VLLM_SNAPSHOT: &str = "7cfb97e33791";
@@ -65,6 +66,37 @@ fn actorder_enum(w: &QuantArgs) -> bool {
 fn actorder_string_is_group(w: &QuantArgs) -> bool {
     w.spelling.actorder.as_deref() == Some("group")
         || w.spelling.actorder.as_deref() == Some("true")
+}
+
+/// vLLM's parse of `quantization_config` (`_quantization_scheme_map_from_config`), before any
+/// layer is looked at: a config group read with an activation-quantization format
+/// (`naive-quantized`, `int-quantized`, `float-quantized` or `nvfp4-pack-quantized`, its own or
+/// the global one) but without `input_activations` must have float weights (vLLM expects FP8
+/// weight-only there) or a bare assert fails and the model does not load, whatever its MoE
+/// layers are. Integer weight-only groups in those formats hit it.
+pub fn config_parse_error(qc: &QuantizationConfig) -> Option<String> {
+    qc.groups.iter().find_map(|g| {
+        let format = g.declared_format?;
+        let activation_format = matches!(
+            format,
+            Format::NaiveQuantized
+                | Format::IntQuantized
+                | Format::FloatQuantized
+                | Format::NvFp4PackQuantized
+        );
+        let int_weights = g.weights.as_ref()?.qtype == QuantType::Int;
+        (activation_format && g.input_activations.is_none() && int_weights && !g.targets.is_empty())
+            .then(|| {
+                format!(
+                    "AssertionError (while parsing quantization_config, before any layer: config \
+                     group \"{}\" has the activation-quantization format \"{}\" and no \
+                     input_activations, so vLLM asserts that its weights are float; they are int, \
+                     and the model does not load)",
+                    g.name,
+                    format.name()
+                )
+            })
+    })
 }
 
 /// What vLLM would do for this layer on `platform`.

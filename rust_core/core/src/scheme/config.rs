@@ -143,6 +143,9 @@ pub struct Scheme {
     /// group's own, else copies in the global one (`mixed-precision` included), and never
     /// infers one. None where they agree (or where the config names no format at all).
     pub vllm_format: Option<Format>,
+    /// The format the config names for this group: its own, else the global one; None where
+    /// it names neither (what vLLM's config parse reads, before any inference).
+    pub declared_format: Option<Format>,
 }
 
 impl Scheme {
@@ -329,6 +332,7 @@ impl QuantizationConfig {
                             output_activations: None,
                             format,
                             vllm_format: global_format.filter(|&f| f != format),
+                            declared_format: global_format,
                         }
                     }
                     _ => {
@@ -349,6 +353,7 @@ impl QuantizationConfig {
                             output_activations: outputs,
                             format,
                             vllm_format: own_format.or(global_format).filter(|&f| f != format),
+                            declared_format: own_format.or(global_format),
                         }
                     }
                 });
