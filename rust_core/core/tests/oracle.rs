@@ -1342,4 +1342,27 @@ fn int_weight_only_in_an_activation_format_fails_vllm_config_parse() {
         ))),
         None
     );
+    // `"input_activations": null` is no activations.
+    let mut qc = group(&int8, None, Some("int-quantized"), None);
+    qc["config_groups"]["g"]["input_activations"] = serde_json::Value::Null;
+    assert!(config_parse_error(&parse(qc)).is_some());
+    // vLLM drops a group whose single target ends in "Attention" before the assert, and a
+    // group without targets never reaches it.
+    for targets in [
+        json!(["Qwen3Attention"]),
+        json!(["re:.*Attention"]),
+        json!([]),
+    ] {
+        let mut qc = group(&int8, None, Some("int-quantized"), None);
+        qc["config_groups"]["g"]["targets"] = targets.clone();
+        assert_eq!(config_parse_error(&parse(qc)), None, "{targets}");
+    }
+    let mut qc = group(&int8, None, Some("int-quantized"), None);
+    qc["config_groups"]["g"]["targets"] = json!(["Qwen3Attention", "Linear"]);
+    assert!(config_parse_error(&parse(qc)).is_some());
+    // A preset group (a list) fails vLLM's parse earlier, whatever the formats.
+    let preset = json!({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                        "config_groups": {"W4A16": ["Linear"]}});
+    let e = config_parse_error(&parse(preset)).expect("preset");
+    assert!(e.starts_with("TypeError") && e.contains("\"W4A16\""), "{e}");
 }

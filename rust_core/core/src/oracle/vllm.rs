@@ -4,7 +4,7 @@
 
 use super::backends::{marlin_support_reason, WNA16_GROUP_SIZES};
 use super::types::{LayerInput, Platform, ProjScheme};
-use crate::scheme::config::QuantizationConfig;
+use crate::scheme::config::{QuantizationConfig, Scheme, Target};
 use crate::scheme::{Format, QuantArgs, QuantType, Strategy};
 
 pub const VLLM_SNAPSHOT: &str = "7cfb97e33791";
@@ -68,35 +68,64 @@ fn actorder_string_is_group(w: &QuantArgs) -> bool {
         || w.spelling.actorder.as_deref() == Some("true")
 }
 
-/// vLLM's parse of `quantization_config` (`_quantization_scheme_map_from_config`), before any
-/// layer is looked at: a config group read with an activation-quantization format
-/// (`naive-quantized`, `int-quantized`, `float-quantized` or `nvfp4-pack-quantized`, its own or
-/// the global one) but without `input_activations` must have float weights (vLLM expects FP8
-/// weight-only there) or a bare assert fails and the model does not load, whatever its MoE
-/// layers are. Integer weight-only groups in those formats hit it.
+/// How vLLM's `CompressedTensorsConfig.from_config` fails on this config, before any layer is
+/// looked at (the whole model does not load); None where it gets past the two checks modelled
+/// here, in its order:
+/// - it reads every config group as an object with `"targets"`: a preset group (a list,
+///   `{"W4A16": ["Linear"]}`) is a TypeError;
+/// - it drops groups whose single target ends in "Attention", then (in
+///   `_quantization_scheme_map_from_config`) asserts float weights for a group read with an
+///   activation-quantization format (`naive-quantized`, `int-quantized`, `float-quantized` or
+///   `nvfp4-pack-quantized`, its own or the global one) but without `input_activations` (its FP8
+///   weight-only case): integer weight-only groups in those formats fail a bare assert.
 pub fn config_parse_error(qc: &QuantizationConfig) -> Option<String> {
-    qc.groups.iter().find_map(|g| {
-        let format = g.declared_format?;
-        let activation_format = matches!(
-            format,
-            Format::NaiveQuantized
-                | Format::IntQuantized
-                | Format::FloatQuantized
-                | Format::NvFp4PackQuantized
-        );
-        let int_weights = g.weights.as_ref()?.qtype == QuantType::Int;
-        (activation_format && g.input_activations.is_none() && int_weights && !g.targets.is_empty())
+    if let Some(g) = qc.groups.iter().find(|g| g.preset) {
+        return Some(format!(
+            "TypeError: list indices must be integers or slices, not str (vLLM reads every config \
+             group as an object with \"targets\"; group \"{}\" is in preset form, a list of \
+             targets)",
+            g.name
+        ));
+    }
+    let attention_only = |g: &Scheme| {
+        matches!(g.targets.as_slice(), [t] if match t {
+            Target::Name(n) => n.ends_with("Attention"),
+            Target::Regex { pattern, .. } => format!("re:{pattern}").ends_with("Attention"),
+        })
+    };
+    qc.groups
+        .iter()
+        .filter(|g| !attention_only(g))
+        .find_map(|g| {
+            let format = g.declared_format?;
+            let activation_format = matches!(
+                format,
+                Format::NaiveQuantized
+                    | Format::IntQuantized
+                    | Format::FloatQuantized
+                    | Format::NvFp4PackQuantized
+            );
+            let int_weights = g.weights.as_ref()?.qtype == QuantType::Int;
+            (activation_format
+                && g.input_activations.is_none()
+                && int_weights
+                && !g.targets.is_empty())
             .then(|| {
                 format!(
                     "AssertionError (while parsing quantization_config, before any layer: config \
-                     group \"{}\" has the activation-quantization format \"{}\" and no \
-                     input_activations, so vLLM asserts that its weights are float; they are int, \
-                     and the model does not load)",
+                     group \"{}\" is read with the activation-quantization format \"{}\"{} and \
+                     has no input_activations, so vLLM asserts that its weights are float; they \
+                     are int, and the model does not load)",
                     g.name,
-                    format.name()
+                    format.name(),
+                    if qc.format == Some(format) {
+                        ", the config's global format,"
+                    } else {
+                        ""
+                    }
                 )
             })
-    })
+        })
 }
 
 /// What vLLM would do for this layer on `platform`.

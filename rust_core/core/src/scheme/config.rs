@@ -146,6 +146,8 @@ pub struct Scheme {
     /// The format the config names for this group: its own, else the global one; None where
     /// it names neither (what vLLM's config parse reads, before any inference).
     pub declared_format: Option<Format>,
+    /// Written in preset form (`{"W4A16": ["Linear"]}`), which vLLM's parse cannot read.
+    pub preset: bool,
 }
 
 impl Scheme {
@@ -333,6 +335,7 @@ impl QuantizationConfig {
                             format,
                             vllm_format: global_format.filter(|&f| f != format),
                             declared_format: global_format,
+                            preset: true,
                         }
                     }
                     _ => {
@@ -354,6 +357,7 @@ impl QuantizationConfig {
                             format,
                             vllm_format: own_format.or(global_format).filter(|&f| f != format),
                             declared_format: own_format.or(global_format),
+                            preset: false,
                         }
                     }
                 });
