@@ -525,7 +525,7 @@ fn parsed(weights: serde_json::Value, acts: serde_json::Value, format: &str) -> 
         weights: g.weights.clone(),
         activation: g.input_activations.clone(),
         format: g.format,
-        vllm_format: g.vllm_format,
+        vllm_format: g.vllm_format(),
     }
 }
 
@@ -1240,7 +1240,7 @@ fn vllm_reads_the_global_format_into_a_group_without_one() {
         weights: g.weights.clone(),
         activation: None,
         format: g.format,
-        vllm_format: g.vllm_format,
+        vllm_format: g.vllm_format(),
     };
     assert_eq!(
         plan(&layer(s.clone()), cuda(90)).backend,
@@ -1255,7 +1255,7 @@ fn vllm_reads_the_global_format_into_a_group_without_one() {
     let qc = QuantizationConfig::from_model_config(Path::new("config.json"), &cfg)
         .unwrap()
         .unwrap();
-    assert_eq!(qc.groups[0].vllm_format, None);
+    assert_eq!(qc.groups[0].vllm_format(), None);
 }
 
 /// vLLM's config parse asserts float weights for a group read with an activation-quantization

@@ -139,18 +139,21 @@ pub struct Scheme {
     pub input_activations: Option<QuantArgs>,
     pub output_activations: Option<QuantArgs>,
     pub format: Format,
-    /// The format vLLM reads for this group where it differs from `format`: vLLM takes the
-    /// group's own, else copies in the global one (`mixed-precision` included), and never
-    /// infers one. None where they agree (or where the config names no format at all).
-    pub vllm_format: Option<Format>,
-    /// The format the config names for this group: its own, else the global one; None where
-    /// it names neither (what vLLM's config parse reads, before any inference).
+    /// The format the config names for this group: its own, else the global one
+    /// (`mixed-precision` included); None where it names neither. What vLLM reads: it never
+    /// infers one.
     pub declared_format: Option<Format>,
     /// Written in preset form (`{"W4A16": ["Linear"]}`), which vLLM's parse cannot read.
     pub preset: bool,
 }
 
 impl Scheme {
+    /// The format vLLM reads for this group where it differs from `format` (see
+    /// `declared_format`); None where they agree or where the config names no format at all.
+    pub fn vllm_format(&self) -> Option<Format> {
+        self.declared_format.filter(|&f| f != self.format)
+    }
+
     fn same_quantization(&self, other: &Scheme) -> bool {
         self.weights == other.weights
             && self.input_activations == other.input_activations
@@ -333,7 +336,6 @@ impl QuantizationConfig {
                             input_activations: inputs,
                             output_activations: None,
                             format,
-                            vllm_format: global_format.filter(|&f| f != format),
                             declared_format: global_format,
                             preset: true,
                         }
@@ -355,7 +357,6 @@ impl QuantizationConfig {
                             input_activations: inputs,
                             output_activations: outputs,
                             format,
-                            vllm_format: own_format.or(global_format).filter(|&f| f != format),
                             declared_format: own_format.or(global_format),
                             preset: false,
                         }

@@ -209,7 +209,7 @@ pub fn analyze(
                 group: s.name.clone(),
                 tier,
                 format: s.format,
-                vllm_format: s.vllm_format,
+                vllm_format: s.vllm_format(),
                 weights: s.weights.clone(),
                 input_activations: s.input_activations.clone(),
             }),
