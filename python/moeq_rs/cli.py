@@ -54,15 +54,17 @@ def _one_line(message: object) -> str:
     return " ".join(str(message).split("\n")).strip()
 
 
-def _to_stderr(text: str) -> None:
+def _to_stderr(text: str, end: str = "\n") -> bool:
     """``text`` on stderr, if there is one: with stderr closed (``2>&-``) ``print(file=None)``
-    would write to stdout, which may be a JSON pipe; a stderr that fails is given up on."""
+    would write to stdout, which may be a JSON pipe; a stderr that fails is given up on.
+    Whether it was written."""
     if sys.stderr is None:
-        return
+        return False
     try:
-        print(text, file=sys.stderr, flush=True)
+        print(text, end=end, file=sys.stderr, flush=True)
     except (OSError, ValueError):
-        pass
+        return False
+    return True
 
 
 def _warn(message: str) -> None:
@@ -243,13 +245,9 @@ class _ProgressBar:
         self._last_decile = -1
 
     def _print(self, text: str, end: str = "\n") -> None:
-        if not self._on:
-            return
-        try:
-            print(text, end=end, file=sys.stderr, flush=True)
-        except (OSError, ValueError):
-            # A progress line is not worth failing the repack for (stderr on a full disk).
-            self._on = False
+        # A progress line is not worth failing the repack for (stderr on a full disk): after
+        # one that cannot be written, the bar stays off.
+        self._on = self._on and _to_stderr(text, end)
 
     def __call__(self, stage: str, done: int, total: int, written: int, wtotal: int) -> None:
         import time

@@ -283,6 +283,7 @@ def marlin_zero_points_inverse(zp: Any, size_k: int, size_n: int, num_bits: int)
 def parse_size(text: str | int) -> int:
     """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a plain byte count."""
     bad = LayoutError(f"max shard size: cannot read {text!r} (use e.g. 5GB, 500MB or bytes)")
+    tiny = LayoutError(f"max shard size: {text!r} is less than one byte (use e.g. 5GB, 500MB)")
     if not isinstance(text, str):
         count = int_in(text, 1, U64_MAX)
         if count is None:
@@ -311,9 +312,7 @@ def parse_size(text: str | int) -> int:
             pass
         else:
             if whole < 1:
-                raise LayoutError(
-                    f"max shard size: {text!r} is less than one byte (use e.g. 5GB, 500MB)"
-                )
+                raise tiny
             if whole > U64_MAX:
                 raise bad
             return whole
@@ -324,7 +323,7 @@ def parse_size(text: str | int) -> int:
     if unit not in units or not math.isfinite(value) or not value * units[unit] <= U64_MAX:
         raise bad
     if value * units[unit] < 1:
-        raise LayoutError(f"max shard size: {text!r} is less than one byte (use e.g. 5GB, 500MB)")
+        raise tiny
     return int(value * units[unit])
 
 

@@ -116,10 +116,10 @@ impl ErrorKind {
 impl Error {
     /// The same error (and kind) with `note` added to its message: what also went wrong while
     /// cleaning up after it.
-    pub fn noted(self, note: &str) -> Error {
+    pub fn noted(self, note: impl Into<String>) -> Error {
         Error::Noted {
             inner: Box::new(self),
-            note: note.to_string(),
+            note: note.into(),
         }
     }
 

@@ -246,10 +246,8 @@ impl Checkpoint {
             // wrong cleaning up after it (a temporary directory left behind) rides along as
             // a note (PEP 678; Python 3.11+), which the CLI prints.
             if let Some(note) = result.as_ref().err().and_then(|r| r.cleanup_note()) {
-                let value = e.value(py);
-                if value.hasattr("add_note").unwrap_or(false) {
-                    let _ = value.call_method1("add_note", (note,));
-                }
+                // (Before 3.11 there is no add_note: the note is then dropped.)
+                let _ = e.value(py).call_method1("add_note", (note,));
             }
             return Err(e);
         }

@@ -98,9 +98,8 @@ impl TempDir {
 
 impl Drop for TempDir {
     fn drop(&mut self) {
-        if !self.committed {
-            let _ = std::fs::remove_dir_all(&self.path);
-        }
+        // Nothing to report from a drop; `discard` is a no-op once committed.
+        let _ = self.discard();
     }
 }
 
@@ -820,7 +819,7 @@ pub fn repack(
                 return Err(match std::fs::rename(&old, &entry) {
                     Ok(()) => err,
                     // Said, not hidden: the next runs would remove it as abandoned.
-                    Err(back) => err.noted(&moved_aside(&old, &format!("moved back ({back})"))),
+                    Err(back) => err.noted(moved_aside(&old, &format!("moved back ({back})"))),
                 });
             }
             tmp.committed = true;
@@ -849,7 +848,7 @@ pub fn repack(
         })
     })();
     result.map_err(|e| match tmp.discard() {
-        Some(note) => e.noted(&note),
+        Some(note) => e.noted(note),
         None => e,
     })
 }
