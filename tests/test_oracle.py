@@ -426,6 +426,60 @@ def test_vllm_compat_int_weight_only_in_int_quantized_format(
         )
 
 
+def test_vllm_compat_reads_empty_input_activations_as_none(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """`"input_activations": {}`: compressed-tensors (and moeq's own plan) read the default
+    arguments, static per-tensor int8, which want an `input_scale`; vLLM reads the empty (falsy)
+    dict as no activation quantization (`_quantization_scheme_map_from_config`). In the
+    activation-quantization format `int-quantized` that trips its float-weights assert at config
+    parse; in `pack-quantized` the group is weight-only to vLLM, so its WNA16 path (and the
+    int8-grouped regression) apply."""
+    from safetensors.torch import load_file, save_file
+
+    def with_empty_activations(name: str) -> Path:
+        src = fixture_path(name)
+        tensors = load_file(str(src / "model.safetensors"))
+        for key in list(tensors):
+            if key.endswith(".weight_scale"):
+                scale_key = key.removesuffix("weight_scale") + "input_scale"
+                tensors.setdefault(scale_key, torch.tensor([0.02], dtype=torch.bfloat16))
+        config = json.loads((src / "config.json").read_text())
+        for group in config["quantization_config"]["config_groups"].values():
+            group["input_activations"] = {}
+        dst = tmp_path / name
+        dst.mkdir()
+        (dst / "config.json").write_text(json.dumps(config))
+        save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+        return dst
+
+    doc = inspect(
+        with_empty_activations("qwen3_w8a8_static"), "--platform", "cuda", "--sm", "90",
+        "--compat", "vllm",
+    )  # fmt: skip
+    assert doc["moe_layers"]
+    for layer in doc["moe_layers"]:
+        assert layer["method"] == "w8a8_int8" and layer["activation"]["dynamic"] is False
+        error = layer["vllm"]["error"]
+        assert error.startswith("AssertionError (while parsing quantization_config"), error
+        assert "an empty input_activations ({})" in error
+    # The parse fails before any layer code: no layer-level regression applies.
+    assert doc["vllm_regressions"] == []
+
+    doc = inspect(
+        with_empty_activations("qwen3_w8a16_g128"), "--platform", "cuda", "--sm", "90",
+        "--compat", "vllm",
+    )  # fmt: skip
+    assert doc["moe_layers"]
+    for layer in doc["moe_layers"]:
+        # moeq reads static activations, as compressed-tensors does.
+        assert layer["activation"] is not None and layer["activation"]["dynamic"] is False
+        verdict = layer["vllm"]
+        assert verdict["error"] is None, verdict
+        assert "WNA16" in verdict["method"], verdict
+    assert "int8-grouped-wna16" in {r["id"] for r in doc["vllm_regressions"]}
+
+
 def test_vllm_compat_column_of_the_table(fixture_path: Callable[[str], Path]) -> None:
     """The text table's vllm column: method / backend where vLLM would load the layer,
     "error" where it would raise (its message follows the table, per layer)."""

@@ -515,6 +515,30 @@ impl Model {
         }
     }
 
+    /// [`Self::layer_input`] as vLLM reads the config: a group's `"input_activations": {}` is
+    /// no activation quantization there (see
+    /// [`crate::scheme::config::Scheme::vllm_input_activations`]).
+    pub fn vllm_layer_input(layer: &MoeLayer) -> LayerInput {
+        let mut input = Self::layer_input(layer);
+        let modules = layer
+            .experts
+            .iter()
+            .map(|e| [e.gate.as_ref(), Some(&e.up), Some(&e.down)]);
+        for (schemes, modules) in input.experts.iter_mut().zip(modules) {
+            let slots = [
+                schemes.gate.as_mut(),
+                Some(&mut schemes.up),
+                Some(&mut schemes.down),
+            ];
+            for (s, m) in slots.into_iter().zip(modules) {
+                if let (Some(s), Some(m)) = (s, m) {
+                    s.activation = m.vllm_input_activations().cloned();
+                }
+            }
+        }
+        input
+    }
+
     /// The plan of every MoE layer.
     pub fn plan(&self, platform: Platform, opts: Options) -> Vec<LayerPlan> {
         self.moe_layers
@@ -692,12 +716,13 @@ impl Model {
                 }
                 add_plan_json(&mut v, &plan);
                 if compat {
+                    let seen_by_vllm = Self::vllm_layer_input(l);
                     let verdict = match &vllm_parse_error {
                         Some(e) => oracle::vllm::VllmVerdict {
                             error: Some(e.clone()),
                             ..Default::default()
                         },
-                        None => oracle::vllm::vllm_layer(&input, platform, opts.tp_size),
+                        None => oracle::vllm::vllm_layer(&seen_by_vllm, platform, opts.tp_size),
                     };
                     if let Some(obj) = v.as_object_mut() {
                         obj.insert(
@@ -710,7 +735,13 @@ impl Model {
                             }),
                         );
                     }
-                    for r in oracle::vllm::regressions(&input) {
+                    // A model whose config vLLM cannot parse never reaches the layer code
+                    // those regressions are in (the parse assert is older than all of them).
+                    let layer_regressions = match vllm_parse_error {
+                        Some(_) => Vec::new(),
+                        None => oracle::vllm::regressions(&seen_by_vllm),
+                    };
+                    for r in layer_regressions {
                         match regressions.iter_mut().find(|(x, _)| x.id == r.id) {
                             Some((_, layers)) => layers.push(l.layer),
                             None => regressions.push((r, vec![l.layer])),

@@ -1342,10 +1342,34 @@ fn int_weight_only_in_an_activation_format_fails_vllm_config_parse() {
         ))),
         None
     );
-    // `"input_activations": null` is no activations.
+    // `"input_activations": null` is no activations, and so is an empty object for vLLM
+    // (falsy), though compressed-tensors reads `{}` as its default arguments.
     let mut qc = group(&int8, None, Some("int-quantized"), None);
     qc["config_groups"]["g"]["input_activations"] = serde_json::Value::Null;
     assert!(config_parse_error(&parse(qc)).is_some());
+    let qc = parse(group(&int8, Some(&json!({})), Some("int-quantized"), None));
+    assert!(qc.groups[0].input_activations.is_some());
+    assert!(qc.groups[0].vllm_input_activations().is_none());
+    let e = config_parse_error(&qc).unwrap();
+    assert!(e.contains("an empty input_activations ({})"), "{e}");
+    assert_eq!(
+        config_parse_error(&parse(group(
+            &int8,
+            Some(&json!({})),
+            Some("pack-quantized"),
+            None
+        ))),
+        None
+    );
+    // Any key makes the object truthy: the group has activations for vLLM too.
+    let qc = parse(group(
+        &int8,
+        Some(&json!({"num_bits": 8})),
+        Some("int-quantized"),
+        None,
+    ));
+    assert!(qc.groups[0].vllm_input_activations().is_some());
+    assert_eq!(config_parse_error(&qc), None);
     // vLLM drops a group whose single target ends in "Attention" before the assert, and a
     // group without targets never reaches it.
     for targets in [

@@ -77,7 +77,8 @@ fn actorder_string_is_group(w: &QuantArgs) -> bool {
 ///   `_quantization_scheme_map_from_config`) asserts float weights for a group read with an
 ///   activation-quantization format (`naive-quantized`, `int-quantized`, `float-quantized` or
 ///   `nvfp4-pack-quantized`, its own or the global one) but without `input_activations` (its FP8
-///   weight-only case): integer weight-only groups in those formats fail a bare assert.
+///   weight-only case; an empty `{}` counts as none, being falsy): integer weight-only groups in
+///   those formats fail a bare assert.
 pub fn config_parse_error(qc: &QuantizationConfig) -> Option<String> {
     if let Some(g) = qc.groups.iter().find(|g| g.preset) {
         return Some(format!(
@@ -106,21 +107,26 @@ pub fn config_parse_error(qc: &QuantizationConfig) -> Option<String> {
             );
             let int_weights = g.weights.as_ref()?.qtype == QuantType::Int;
             (activation_format
-                && g.input_activations.is_none()
+                && g.vllm_input_activations().is_none()
                 && int_weights
                 && !g.targets.is_empty())
             .then(|| {
                 format!(
                     "AssertionError (while parsing quantization_config, before any layer: config \
                      group \"{}\" is read with the activation-quantization format \"{}\"{} and \
-                     has no input_activations, so vLLM asserts that its weights are float; they \
-                     are int, and the model does not load)",
+                     has {}, so vLLM asserts that its weights are float; they are int, and the \
+                     model does not load)",
                     g.name,
                     format.name(),
                     if qc.format == Some(format) {
                         ", the config's global format,"
                     } else {
                         ""
+                    },
+                    if g.empty_input_activations {
+                        "an empty input_activations ({}), which vLLM reads as none"
+                    } else {
+                        "no input_activations"
                     }
                 )
             })

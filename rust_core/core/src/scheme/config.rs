@@ -145,6 +145,9 @@ pub struct Scheme {
     pub declared_format: Option<Format>,
     /// Written in preset form (`{"W4A16": ["Linear"]}`), which vLLM's parse cannot read.
     pub preset: bool,
+    /// `"input_activations": {}`: compressed-tensors (and moeq) read the default arguments
+    /// (static per-tensor int8), vLLM reads the empty, falsy dict as no activation quantization.
+    pub empty_input_activations: bool,
 }
 
 impl Scheme {
@@ -152,6 +155,14 @@ impl Scheme {
     /// `declared_format`); None where they agree or where the config names no format at all.
     pub fn vllm_format(&self) -> Option<Format> {
         self.declared_format.filter(|&f| f != self.format)
+    }
+
+    /// The input activations vLLM reads for this group: none for an empty object (see
+    /// `empty_input_activations`).
+    pub fn vllm_input_activations(&self) -> Option<&QuantArgs> {
+        self.input_activations
+            .as_ref()
+            .filter(|_| !self.empty_input_activations)
     }
 
     fn same_quantization(&self, other: &Scheme) -> bool {
@@ -338,12 +349,14 @@ impl QuantizationConfig {
                             format,
                             declared_format: global_format,
                             preset: true,
+                            empty_input_activations: false,
                         }
                     }
                     _ => {
                         let g = gfield.object()?;
                         let weights = parse_args(&g, "weights", ArgsRole::Weights)?;
                         let inputs = parse_args(&g, "input_activations", ArgsRole::InputActivations)?;
+                        let empty_inputs = g.field("input_activations").opt_object()?.is_some_and(|o| o.map.is_empty());
                         let outputs = parse_args(&g, "output_activations", ArgsRole::OutputActivations)?;
                         let own_format = parse_format(&g.field("format"))?;
                         if own_format == Some(Format::MixedPrecision) {
@@ -359,6 +372,7 @@ impl QuantizationConfig {
                             format,
                             declared_format: own_format.or(global_format),
                             preset: false,
+                            empty_input_activations: empty_inputs,
                         }
                     }
                 });

@@ -31,6 +31,9 @@ pub struct ResolvedScheme {
     pub vllm_format: Option<Format>,
     pub weights: Option<QuantArgs>,
     pub input_activations: Option<QuantArgs>,
+    /// vLLM reads the group's `input_activations` as none (see
+    /// [`super::config::Scheme::vllm_input_activations`]).
+    pub vllm_drops_input_activations: bool,
 }
 
 /// How the zero points of an asymmetric module are stored.
@@ -74,6 +77,13 @@ impl ModuleInfo {
     /// The format vLLM reads for the module's group where it differs from [`Self::format`].
     pub fn vllm_format(&self) -> Option<Format> {
         self.scheme.as_ref().and_then(|s| s.vllm_format)
+    }
+    /// The input activations vLLM reads for the module's group.
+    pub fn vllm_input_activations(&self) -> Option<&QuantArgs> {
+        self.scheme
+            .as_ref()
+            .filter(|s| !s.vllm_drops_input_activations)
+            .and_then(|s| s.input_activations.as_ref())
     }
 }
 
@@ -212,6 +222,8 @@ pub fn analyze(
                 vllm_format: s.vllm_format(),
                 weights: s.weights.clone(),
                 input_activations: s.input_activations.clone(),
+                vllm_drops_input_activations: s.input_activations.is_some()
+                    && s.vllm_input_activations().is_none(),
             }),
     };
     let stored_unquantized = qc.is_some_and(QuantizationConfig::stored_unquantized);
