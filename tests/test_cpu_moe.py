@@ -166,6 +166,35 @@ def test_non_finite_inputs_come_out_where_the_emulation_has_them(
     assert rel_l2(got[clean], want[clean]) <= limit
 
 
+@pytest.mark.parametrize(
+    "name,layer",
+    [("qwen3_w8a16_channel", 0), ("deepseek_v3_w8a8_dynamic", 1), ("laguna_mixed_int4_int8", 1)],
+)
+def test_a_nan_router_logit_makes_its_token_nan(
+    fixture_path: Callable[[str], Path], name: str, layer: int
+) -> None:
+    """A NaN router logit makes that token's output NaN whatever the routing: softmax spreads
+    it to every score, and sigmoid routing (DeepSeek-V3's grouped, biased top-k; Laguna) ranks
+    the NaN score first, as ``torch.topk`` does in vLLM's and transformers' routers, so the
+    expert is chosen with a NaN weight rather than the NaN silently dropping out (it used to
+    rank last there: the token came out finite, as if the logit were -inf). The other tokens
+    are untouched."""
+    moe = mq.MoELayer.from_checkpoint(fixture_path(name), layer)
+    x = torch.randn(4, moe.hidden_size)
+    logits = torch.randn(4, moe.num_experts)
+    bad = logits.clone()
+    bad[2, 3] = float("nan")
+    got, clean = moe(x, bad), moe(x, logits)
+    assert got[2].isnan().all(), name
+    rows = [0, 1, 3]
+    # (Weight-only tokens' last bits may move with their experts' row counts in the call.)
+    assert rel_l2(got[rows], clean[rows]) <= 1e-6
+    # As -inf the logit is a number: that expert is never chosen and the token stays finite.
+    masked = logits.clone()
+    masked[2, 3] = float("-inf")
+    assert torch.isfinite(moe(x, masked)).all()
+
+
 def balanced_routing(tokens: int, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-2 routing that gives every expert the same number of rows (tokens * 2 / experts)."""
     t = torch.arange(tokens)

@@ -17,11 +17,13 @@ pub struct Routed {
 
 /// Indices of the `k` largest values, largest first; ties keep the lower index (like
 /// `torch.topk` on CPU for distinct values; ties are measure-zero with real logits). NaN ranks
-/// below every number. An insertion into a sorted list of `k`: routing picks a few of many.
+/// above every number, as in `torch.topk` (and so in vLLM's and transformers' routers): a NaN
+/// score is chosen, and its NaN weight makes the token's output NaN rather than vanishing. An
+/// insertion into a sorted list of `k`: routing picks a few of many.
 fn top_k_indices(values: &[f32], k: usize) -> Vec<usize> {
-    // `a` ranks strictly above `b`; the scan goes in index order, so an equal value found
-    // later never passes an earlier one.
-    let above = |a: f32, b: f32| !a.is_nan() && (b.is_nan() || a > b);
+    // `a` ranks strictly above `b`; the scan goes in index order, so an equal value (or a
+    // second NaN) found later never passes an earlier one.
+    let above = |a: f32, b: f32| !b.is_nan() && (a.is_nan() || a > b);
     let mut best: Vec<usize> = Vec::with_capacity(k + 1);
     for (i, &v) in values.iter().enumerate() {
         if best.len() == k && best.last().is_none_or(|&l| !above(v, values[l])) {
@@ -155,28 +157,40 @@ mod tests {
     use super::top_k_indices;
 
     /// The insertion selection equals a full sort (value descending, then index), ties and
-    /// repeated values included; NaN ranks last.
+    /// repeated values included; NaN ranks first, as in `torch.topk`.
     #[test]
     fn top_k_equals_full_sort() {
         let mut next = crate::cpu::xorshift(0x1234_5678_u64);
         for case in 0..300 {
             let n = 1 + case % 70;
             let values: Vec<f32> = (0..n)
-                .map(|_| {
+                .map(|_| match next() % 9 {
+                    // Some NaN in every fourth case.
+                    8 if case % 4 == 0 => f32::NAN,
                     // Few distinct values, so ties are common.
-                    ((next() % 9) as f32 - 4.0) * if case % 3 == 0 { 0.5 } else { 1.7 }
+                    v => (v as f32 - 4.0) * if case % 3 == 0 { 0.5 } else { 1.7 },
                 })
                 .collect();
+            // NaN first, then the numbers descending (none is -0.0), then the index.
+            let key = |v: f32| (!v.is_nan(), if v.is_nan() { 0.0 } else { -v });
             for k in [0, 1, 2, 6, 8, n, n + 3] {
                 let mut want: Vec<usize> = (0..n).collect();
-                want.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
+                want.sort_by(|&a, &b| {
+                    let (ka, kb) = (key(values[a]), key(values[b]));
+                    ka.0.cmp(&kb.0).then(ka.1.total_cmp(&kb.1)).then(a.cmp(&b))
+                });
                 want.truncate(k);
                 assert_eq!(top_k_indices(&values, k), want, "{values:?} k={k}");
             }
         }
         assert_eq!(
             top_k_indices(&[f32::NAN, 1.0, f32::NEG_INFINITY, 3.0], 3),
-            vec![3, 1, 2]
+            vec![0, 3, 1]
+        );
+        // torch.topk([1, nan, 2, nan, 5], 3).indices
+        assert_eq!(
+            top_k_indices(&[1.0, f32::NAN, 2.0, f32::NAN, 5.0], 3),
+            vec![1, 3, 4]
         );
     }
 }
