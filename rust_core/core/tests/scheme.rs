@@ -139,6 +139,26 @@ fn preset_form_expands() {
     }
 }
 
+/// compressed-tensors' `QuantizationScheme` requires `targets` (vLLM's parse too, with a
+/// KeyError); `[]` is a group that targets nothing.
+#[test]
+fn a_config_group_lists_its_targets() {
+    let w = json!({"num_bits": 4, "group_size": 128});
+    for group in [
+        json!({"weights": w}),
+        json!({"weights": w, "targets": null}),
+    ] {
+        let e = parse(json!({"config_groups": {"g": group}})).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("config_groups.g.targets") && msg.contains("missing"),
+            "{msg}"
+        );
+    }
+    let q = parse(json!({"config_groups": {"g": {"weights": w, "targets": []}}})).unwrap();
+    assert!(q.groups[0].targets.is_empty());
+}
+
 #[test]
 fn presets_follow_the_compressed_tensors_release_that_wrote_them() {
     // W8A16 was channelwise int8 up to compressed-tensors 0.15 and is int8 group 128 from

@@ -363,9 +363,17 @@ impl QuantizationConfig {
                             return Err(g.field("format").invalid("\"mixed-precision\" is only valid as the global format"));
                         }
                         let format = group_format(global_format, own_format, weights.as_ref(), inputs.as_ref());
+                        let targets = g.field("targets");
+                        if matches!(targets.value, None | Some(Value::Null)) {
+                            // compressed-tensors' QuantizationScheme requires the field (vLLM
+                            // fails on it too, with a KeyError).
+                            return Err(targets.invalid(
+                                "missing: every config group lists its target modules (a list of names, class names or \"re:\" regexes; [] for none)",
+                            ));
+                        }
                         Scheme {
                             name: name.clone(),
-                            targets: parse_targets(&g.field("targets"))?,
+                            targets: parse_targets(&targets)?,
                             weights,
                             input_activations: inputs,
                             output_activations: outputs,
