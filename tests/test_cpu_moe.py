@@ -2818,6 +2818,41 @@ def test_lazy_names_are_listed() -> None:
     assert {"MoELayer", "fused_moe", "open", "plan"} <= set(dir(mq))
 
 
+def test_a_meta_argument_beside_cpu_inputs_is_refused_by_name() -> None:
+    """torch sends a call with any meta argument to the op's fake implementation, whose
+    ``empty_like(hidden_states)`` would come back unwritten for CPU ``hidden_states``: the fake
+    implementations refuse the mix by name (all-meta calls still trace shapes), and
+    ``fused_moe``'s numbers for static scales become CPU tensors whatever torch's default
+    device is. Found by a review helper: garbage came back (values like 1e38)."""
+    w13, w2, s13, s2 = _small_w8a16()
+    x, w = torch.randn(3, 64), torch.full((3, 2), 0.5)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    args = dict(hidden_states=x, w13=w13, w2=w2, w13_scale=s13, w2_scale=s2,
+                topk_weights=w, topk_ids=ids)  # fmt: skip
+    for name in ("w13", "w13_scale", "topk_weights", "topk_ids"):
+        bad = dict(args, **{name: args[name].to("meta")})
+        with pytest.raises(mq.LayoutError, match=f"{name}: on device meta"):
+            mq.fused_moe(*bad.values(), scheme="w8a16")
+    meta = mq.fused_moe(*(t.to("meta") for t in args.values()), scheme="w8a16")
+    assert meta.device.type == "meta" and meta.shape == x.shape
+    moe = mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a16", top_k=2)
+    with pytest.raises(mq.LayoutError, match="topk_ids: on device meta"):
+        torch.ops.moeq.moe_forward_topk(x, w, ids.to("meta"), moe._handle)
+    with pytest.raises(mq.LayoutError, match="router_logits: on device meta"):
+        torch.ops.moeq.moe_forward(x, torch.randn(3, 4, device="meta"), moe._handle)
+    meta_logits = torch.randn(3, 4).to("meta")
+    assert torch.ops.moeq.moe_forward(x.to("meta"), meta_logits, moe._handle).is_meta
+    # Static scales given as numbers under a meta default device.
+    w13_8 = torch.randint(-127, 128, w13.shape, dtype=torch.int8)
+    w2_8 = torch.randint(-127, 128, w2.shape, dtype=torch.int8)
+    static = dict(scheme="w8a8_static", a13_scale=0.02, a2_scale=0.002)
+    want = mq.fused_moe(x, w13_8, w2_8, s13, s2, w, ids, **static)
+    assert torch.isfinite(want).all()
+    with torch.device("meta"):
+        got = mq.fused_moe(x, w13_8, w2_8, s13, s2, w, ids, **static)
+    assert torch.equal(got, want)
+
+
 def test_layers_of_one_shape_share_one_compiled_graph() -> None:
     """The handle was an int attribute, which dynamo specialises on: each layer compiled the
     forward again, and the ninth hit the recompile limit (an error under fullgraph=True, eager

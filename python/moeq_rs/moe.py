@@ -644,9 +644,11 @@ def fused_moe(
                 else type(topk_ids).__name__
             )
         )
-    # A number for a static input scale crosses as a 0-d float64 tensor (its exact value).
+    # A number for a static input scale crosses as a 0-d float64 CPU tensor (its exact value;
+    # on the CPU whatever torch's default device is, as `torch.device("meta")` would route the
+    # call to the fake implementation).
     a13, a2 = (
-        torch.tensor(float(s), dtype=torch.float64)
+        torch.tensor(float(s), dtype=torch.float64, device="cpu")
         if isinstance(s, (int, float)) and not isinstance(s, bool)
         else s
         for s in (a13_scale, a2_scale)
@@ -778,6 +780,19 @@ def _layer(handle: torch.Tensor) -> Any:
     return layer
 
 
+def _refuse_meta_mix(hidden_states: torch.Tensor, **others: torch.Tensor | None) -> None:
+    """In a fake implementation: every argument on the meta device, or none. torch sends a call
+    to the fake implementation when any argument is a meta tensor, and with real CPU
+    ``hidden_states`` its ``empty_like`` would come back as the (unwritten) result."""
+    meta = hidden_states.device.type == "meta"
+    for name, t in others.items():
+        if isinstance(t, torch.Tensor) and (t.device.type == "meta") != meta:
+            raise LayoutError(
+                f"{name}: on device {t.device}, but hidden_states is on {hidden_states.device} "
+                "(MoE layers run on the CPU; meta tensors only trace shapes, all of them meta)"
+            )
+
+
 @torch.library.custom_op("moeq::moe_forward_topk", mutates_args=())
 def _op_forward_topk(
     hidden_states: torch.Tensor,
@@ -795,6 +810,8 @@ def _(
     topk_ids: torch.Tensor,
     layer: torch.Tensor,
 ) -> torch.Tensor:
+    # (The handle is a CPU tensor whatever the inputs' device.)
+    _refuse_meta_mix(hidden_states, topk_weights=topk_weights, topk_ids=topk_ids)
     return torch.empty_like(hidden_states)
 
 
@@ -809,6 +826,7 @@ def _op_forward(
 def _(
     hidden_states: torch.Tensor, router_logits: torch.Tensor, layer: torch.Tensor
 ) -> torch.Tensor:
+    _refuse_meta_mix(hidden_states, router_logits=router_logits)
     return torch.empty_like(hidden_states)
 
 
@@ -834,8 +852,15 @@ def _op_fused_moe(
     )  # fmt: skip
 
 
+_FUSED_MOE_ARGS = (
+    "w13", "w2", "w13_scale", "w2_scale", "topk_weights", "topk_ids", "scheme", "group_size",
+    "w13_zero_point", "w2_zero_point", "a13_scale", "a2_scale",
+)  # fmt: skip
+
+
 @_op_fused_moe.register_fake
-def _(hidden_states: torch.Tensor, *_: Any) -> torch.Tensor:
+def _(hidden_states: torch.Tensor, *rest: Any) -> torch.Tensor:
+    _refuse_meta_mix(hidden_states, **dict(zip(_FUSED_MOE_ARGS, rest, strict=True)))
     # The output is [T, H] in the input's dtype, whatever the weights.
     return torch.empty_like(hidden_states)
 
