@@ -1323,3 +1323,50 @@ def test_an_earlier_output_pinned_during_the_run_is_not_replaced(
         subprocess.run(["chattr", "-i", str(pinned)], check=False)
     assert digest(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_int8_codes_stored_wider_are_read_by_value(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """`int-quantized` weights stored as I16 or I32 (which opening accepts for 8-bit codes, as
+    ``Checkpoint.dequantize`` reads them) run as their values on the CPU and repack with
+    ``--verify``; their raw bytes used to be read as int8 (wrong output, exit 0). Values outside
+    int8 (here from a U8 store) are refused naming the tensor and element. Found by a review
+    helper."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = fixture_path("qwen3_w8a8_static")
+    tensors = load_file(str(src / "model.safetensors"))
+    x = torch.randn(4, 256)
+    w, ids = torch.ones(4, 1), torch.tensor([[0], [1], [2], [3]])
+    want = mq.MoELayer.from_checkpoint(src, 0).forward_topk(x, w, ids)
+
+    def stored(dtype: torch.dtype, name: str) -> Path:
+        dst = tmp_path / name
+        dst.mkdir()
+        (dst / "config.json").write_text((src / "config.json").read_text())
+        out = {
+            k: v.to(dtype) if ".experts." in k and k.endswith(".weight") else v
+            for k, v in tensors.items()
+        }
+        save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+        return dst
+
+    module = "model.layers.0.mlp.experts.0.gate_proj"
+    for dtype in (torch.int16, torch.int32):
+        dst = stored(dtype, str(dtype).removeprefix("torch."))
+        assert mq.open(dst).tensor(f"{module}.weight").dtype == np.dtype(str(dtype)[6:])
+        got = mq.MoELayer.from_checkpoint(dst, 0).forward_topk(x, w, ids)
+        assert torch.equal(got, want), dtype
+        out = tmp_path / f"{dst.name}.cpu"
+        r = cli("repack", str(dst), str(out), "--target", "cpu", "--verify")
+        assert r.returncode == 0, r.stderr
+        assert torch.equal(mq.MoELayer.from_checkpoint(out, 0).forward_topk(x, w, ids), want)
+    # int8 codes wrapped into U8 (a negative code becomes 129..255).
+    dst = stored(torch.uint8, "uint8")
+    bad_code = r"experts\.\d+\.\w+_proj\.weight'.*element \d+ is"
+    with pytest.raises(mq.CheckpointError, match=bad_code):
+        mq.MoELayer.from_checkpoint(dst, 0)
+    r = cli("repack", str(dst), str(tmp_path / "uint8.cpu"), "--target", "cpu")
+    assert r.returncode == 1 and "-128..=127" in r.stderr and not (tmp_path / "uint8.cpu").exists()

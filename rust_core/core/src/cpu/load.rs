@@ -16,6 +16,36 @@ pub fn floats(ckpt: &Checkpoint, name: &str) -> Result<Vec<f32>> {
     crate::quant::dequant::float_values(&ckpt.tensor(name)?)
 }
 
+/// int8 weight codes (`int-quantized`), read by the stored dtype's values, as
+/// `Checkpoint::dequantize` and compressed-tensors read them: I8 as it is, and I16, I32 or U8
+/// (which opening accepts for 8-bit codes) converted, every value within -128..=127, the codes
+/// the int8 kernels hold. (Their raw bytes read as int8 gave wrong results without an error.)
+pub fn int8_codes(ckpt: &Checkpoint, name: &str) -> Result<Vec<i8>> {
+    let view = ckpt.tensor(name)?;
+    if view.info.dtype == crate::checkpoint::DType::I8 {
+        return Ok(view.bytes.iter().map(|&b| b as i8).collect());
+    }
+    let values = view.to_i64_vec()?;
+    let mut out = Vec::with_capacity(values.len());
+    for (i, &v) in values.iter().enumerate() {
+        match i8::try_from(v) {
+            Ok(q) => out.push(q),
+            Err(_) => {
+                return Err(CheckpointError::Tensor {
+                    path: view.path.to_path_buf(),
+                    tensor: name.to_string(),
+                    reason: format!(
+                        "element {i} is {v} ({} storage); 8-bit integer codes lie in -128..=127",
+                        view.info.dtype
+                    ),
+                }
+                .into())
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// A scale tensor (weight or static activation scales) as f32 values, every one finite: a NaN
 /// or infinite scale turns each token routed through it into NaN, and from there the whole
 /// sequence, so it is refused at load, naming the file, tensor and element.
@@ -97,12 +127,7 @@ pub fn linear(ckpt: &Checkpoint, m: &ModuleInfo, version: Option<&str>) -> Resul
             if w.num_bits != 8 || w.strategy != Strategy::Channel || !w.symmetric || !a.symmetric {
                 return Err(unsupported("the CPU int8 path needs symmetric channelwise int8 weights and symmetric activations".into()));
             }
-            let q: Vec<i8> = ckpt
-                .tensor(&m.weight_tensor)?
-                .bytes
-                .iter()
-                .map(|&b| b as i8)
-                .collect();
+            let q = int8_codes(ckpt, &m.weight_tensor)?;
             let scale = scales(ckpt, &format!("{name}.weight_scale"))?;
             let input_scale = if a.is_dynamic() {
                 None

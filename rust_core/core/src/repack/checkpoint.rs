@@ -1183,16 +1183,13 @@ fn verify_cpu<'f>(
                 sums.to_vec(),
             )
             .ok_or_else(|| fail(m.name.clone()))?;
-            let src = ckpt.tensor(&m.weight_tensor)?;
+            let src = crate::cpu::load::int8_codes(ckpt, &m.weight_tensor)?;
             let want_scale = crate::cpu::load::floats(ckpt, &format!("{}.weight_scale", m.name))?;
-            if src.bytes.len() != n * k || want_scale.as_slice() != scales {
+            if src.len() != n * k || want_scale.as_slice() != scales {
                 return Err(fail(m.name.clone()));
             }
             for j in 0..n {
-                let row: Vec<i8> = src.bytes[j * k..(j + 1) * k]
-                    .iter()
-                    .map(|&b| b as i8)
-                    .collect();
+                let row = &src[j * k..(j + 1) * k];
                 let sum: i32 = row.iter().map(|&v| i32::from(v)).sum();
                 if packed.row(j) != row || packed.wsum[j] != sum {
                     return Err(fail(format!("{} row {j}", m.name)));
