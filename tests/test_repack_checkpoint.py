@@ -1001,6 +1001,30 @@ def test_side_files_are_copied_but_not_other_weight_formats(
         assert not (out / name).exists(), name
 
 
+def test_side_files_keep_names_that_are_not_utf8(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Side files are copied under their exact (byte) names: names that are not UTF-8 used to
+    be copied under their lossy form, so two of them and a real "tok\ufffd.json" became one
+    file and two were lost, with exit 0. Found by a review helper."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(fixture_path("qwen3_w8a16_g128"), src)
+    names = [os.fsencode(src / "tok") + b"\xff.json", os.fsencode(src / "tok") + b"\xfe.json"]
+    names.append(os.fsencode(src / "tok\ufffd.json"))
+    for i, name in enumerate(names):
+        with open(name, "wb") as f:
+            f.write(b"side %d" % i)
+    out = tmp_path / "out"
+    r = cli("repack", str(src), str(out), "--target", "cpu")
+    assert r.returncode == 0, r.stderr
+    for i, name in enumerate(names):
+        copied = os.fsencode(out) + name[len(os.fsencode(src)) :]
+        with open(copied, "rb") as f:
+            assert f.read() == b"side %d" % i
+
+
 def test_an_unwritable_parent_is_reported_as_out_dir(fixture_path: Callable[[str], Path]) -> None:
     """The error named the hidden temporary directory (`/x/.out.moeq-tmp-PID`), a path the user
     never typed. (/proc refuses new entries even to root, whom permissions would not stop.)"""

@@ -998,9 +998,12 @@ fn copy_side_files(src: &Path, dst: &Path) -> Result<()> {
         .collect();
     entries.sort();
     for p in entries {
-        let Some(file) = p.file_name().map(|f| f.to_string_lossy().into_owned()) else {
+        let Some(name) = p.file_name() else {
             continue;
         };
+        // (Tested in lossy form; copied under the exact name: a lossy one merged names that
+        // are not UTF-8 into one file, the others lost.)
+        let file = name.to_string_lossy();
         if file == CONFIG_FILE
             || file == INDEX_FILE
             || file.ends_with(".safetensors")
@@ -1009,7 +1012,7 @@ fn copy_side_files(src: &Path, dst: &Path) -> Result<()> {
         {
             continue;
         }
-        copy_file(&p, &dst.join(&file))?;
+        copy_file(&p, &dst.join(name))?;
     }
     Ok(())
 }
