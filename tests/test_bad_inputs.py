@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -1097,3 +1098,72 @@ def test_import_survives_a_torch_without_the_ops() -> None:
         text=True,
     )
     assert (r.returncode, r.stdout.strip()) == (0, "ok"), r.stderr
+
+
+def _altered_fixture(src: Path, dst: Path, change: dict[str, torch.Tensor]) -> Path:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "ref"))
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors.update(change)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_router_and_input_scale_shapes_are_checked_at_open(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A router of the right row count but the wrong width, and a per-tensor input_scale holding
+    more than one value, are refused when the checkpoint opens, naming the tensor (the router's
+    width went unchecked; an input_scale's values after the first were silently dropped).
+    Found by a review helper."""
+    router = "model.layers.0.mlp.gate.weight"
+    c = _altered_fixture(
+        fixture_path("qwen3_w4a16_g128_sym"), tmp_path / "router", {router: torch.ones(8, 128)}
+    )
+    with pytest.raises(mq.CheckpointError, match=r"mlp\.gate'.*\[8, 128\], expected \[8, 256\]"):
+        mq.open(c)
+    scale = "model.layers.0.mlp.experts.0.gate_proj.input_scale"
+    c = _altered_fixture(
+        fixture_path("qwen3_w8a8_static"), tmp_path / "scale", {scale: torch.tensor([0.02, 1.0])}
+    )
+    with pytest.raises(mq.CheckpointError, match=r"gate_proj'.*input_scale has shape \[2\], exp"):
+        mq.open(c)
+
+
+def test_a_correction_bias_of_the_wrong_length_refuses_its_layer(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A score-correction bias without one value per expert: `inspect` showed the layer planned
+    (backend cpu_simd, no error) while the CPU loader refused it. The plan now refuses the layer
+    with the loader's reason; the checkpoint still opens. Found by a review helper."""
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    c = _altered_fixture(
+        fixture_path("deepseek_v3_w8a8_dynamic"), tmp_path / "bias", {bias: torch.zeros(4)}
+    )
+    doc = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "moeq_rs", "inspect", str(c), "--json"],
+            capture_output=True, text=True, check=True,
+        ).stdout
+    )  # fmt: skip
+    (layer,) = [entry for entry in doc["moe_layers"] if entry["layer"] == 1]
+    assert layer["backend"] is None
+    assert (
+        "e_score_correction_bias" in layer["error"]
+        and "expected one per expert (8)" in layer["error"]
+    )
+    with pytest.raises(mq.CheckpointError, match="e_score_correction_bias.*expected 8"):
+        mq.MoELayer.from_checkpoint(c, 1)
+
+
+def test_an_index_naming_a_file_that_is_not_a_shard_says_so(tmp_path: Path) -> None:
+    c = write_checkpoint(tmp_path / "m", shards=2)
+    idx = json.loads((c / "model.safetensors.index.json").read_text())
+    name = next(iter(idx["weight_map"]))
+    idx["weight_map"][name] = "config.json"
+    (c / "model.safetensors.index.json").write_text(json.dumps(idx))
+    with pytest.raises(mq.CheckpointError, match="'config.json', which is not a .safetensors file"):
+        mq.open(c)

@@ -354,7 +354,7 @@ impl Model {
             }
             if let Some(r) = &d.router {
                 if let Some(info) = ckpt.info(&r.weight) {
-                    if info.shape.first() != Some(&count) {
+                    if info.shape.as_slice() != [count, hidden_size] {
                         return Err(module_error(
                             &r.module,
                             format!(
@@ -645,6 +645,26 @@ impl Model {
     /// unquantized in another dtype than BF16, F16 or F32, or a shared expert gate that is not a
     /// `[1, hidden]` vector of those (a quantized one, say). A CPU plan refusal and a loader
     /// error, not an error opening the checkpoint, which other platforms and tools read.
+    /// A score-correction bias that does not hold one value per expert: every engine's loader
+    /// refuses it (the CPU loader names it), so the plan refuses the layer too rather than
+    /// showing a backend the layer cannot load on. (Not an error at open: ERNIE-4.5-VL, say,
+    /// stores one row per modality, which `inspect` should still describe.)
+    pub fn correction_bias_problem(&self, l: &MoeLayer) -> Option<crate::error::Error> {
+        let name = l.correction_bias.as_ref()?;
+        let info = self.ckpt.info(name)?;
+        let values = info.numel();
+        (values != l.experts.len()).then(|| {
+            module_error(
+                name,
+                format!(
+                    "holds {values} values (shape {:?}), expected one per expert ({})",
+                    info.shape,
+                    l.experts.len()
+                ),
+            )
+        })
+    }
+
     pub fn shared_expert_problem(&self, l: &MoeLayer) -> Option<crate::error::Error> {
         if let Some(s) = &l.shared_experts {
             for m in s.gate.iter().chain([&s.up, &s.down]) {
@@ -705,6 +725,9 @@ impl Model {
                 }
                 self.refuse_unsupported_part(&mut plan, &l.prefix);
                 if let Some(e) = self.static_scale_problem(l) {
+                    refuse(&mut plan, e.to_string());
+                }
+                if let Some(e) = self.correction_bias_problem(l) {
                     refuse(&mut plan, e.to_string());
                 }
                 let mut v = layer_json(l);

@@ -149,6 +149,10 @@ impl Checkpoint {
                             path: index_path.clone(),
                             // The scan opened regular `.safetensors` files only.
                             reason: match not_a_file(&p) {
+                                // A regular file the scan skipped: its name is not a shard's.
+                                Some(_) if p.is_file() => {
+                                    format!("names shard '{n}', which is not a .safetensors file")
+                                }
                                 Some(what) => format!("names shard '{n}', which {what}"),
                                 None => format!("names shard '{n}' which does not exist"),
                             },

@@ -579,6 +579,17 @@ pub fn analyze(
                     format!("input_scale has dtype {}, expected a float dtype", s.dtype),
                 ));
             }
+            // Per-tensor: one value (compressed-tensors writes [1]); the kernels read one, and
+            // more used to be read as their first, the others silently dropped.
+            if a.strategy == super::Strategy::Tensor && s.numel() != 1 {
+                return Err(module_error(
+                    module,
+                    format!(
+                        "input_scale has shape {}, expected one value (per-tensor static input activations)",
+                        shape_str(&s.shape)
+                    ),
+                ));
+            }
             true
         }
     };
