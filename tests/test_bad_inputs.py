@@ -389,6 +389,31 @@ def test_cli_help_and_version_report_a_failed_write(argv: list[str]) -> None:
     assert ok.returncode == 0 and ok.stdout.strip() and not ok.stderr
 
 
+@pytest.mark.parametrize("json_out", [False, True])
+def test_inspect_reports_a_stdout_it_cannot_write(json_out: bool) -> None:
+    """`moeq inspect >&-` (stdout closed from the start): the table form exited 0 having
+    written nothing, `--json` died with an internal AttributeError. Both are now one line
+    naming stdout, exit 1, as a full disk is (which said only "No space left on device").
+    Found by a review helper."""
+    argv = [sys.executable, "-m", "moeq_rs", "inspect", "examples/tiny-moe-int4-int8"]
+    argv += ["--json"] if json_out else []
+    root = Path(__file__).resolve().parent.parent
+    closed = subprocess.run(
+        ["/bin/sh", "-c", 'exec "$@" >&-', "sh", *argv], capture_output=True, text=True, cwd=root
+    )
+    assert (closed.returncode, closed.stderr) == (
+        1,
+        "moeq: error: cannot write to stdout: it is closed\n",
+    )
+    if Path("/dev/full").exists():
+        with open("/dev/full", "w") as full:
+            r = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, text=True, cwd=root)
+        assert (r.returncode, r.stderr) == (
+            1,
+            "moeq: error: cannot write to stdout: No space left on device\n",
+        )
+
+
 def _copy_with_tensor_edited(src: Path, dst: Path, name: str, edit) -> Path:  # type: ignore[no-untyped-def]
     """A copy of checkpoint ``src`` at ``dst`` whose tensor ``name`` (in whichever shard holds
     it) is ``edit(copy of it)``; returns the shard file."""

@@ -7,6 +7,7 @@ prints a Python traceback (set ``MOEQ_DEBUG=1`` to see one for an internal error
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -221,11 +222,24 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     summary = plan(
         ckpt, args.platform, args.sm, backend=args.backend, tp_size=args.tp_size, compat=args.compat
     )
-    if args.json:
-        json.dump(summary, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        _print_table(summary, compat=args.compat == "vllm")
+    if sys.stdout is None:
+        # Started with stdout closed (`>&-`): print() would write nothing and succeed.
+        _fail("cannot write to stdout: it is closed")
+    try:
+        if args.json:
+            json.dump(summary, sys.stdout, indent=2)
+            sys.stdout.write("\n")
+        else:
+            _print_table(summary, compat=args.compat == "vllm")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise  # main's quiet exit for a reader that went away
+    except OSError as err:
+        # Redirected to the file /dev/full, say: name stdout, not only the errno (and point
+        # stdout at /dev/null, so that its flush at exit cannot fail again).
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _fail(f"cannot write to stdout: {err.strerror or err}")
     return 0
 
 
