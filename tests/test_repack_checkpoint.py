@@ -1394,3 +1394,36 @@ def test_int8_codes_stored_wider_are_read_by_value(
         mq.MoELayer.from_checkpoint(dst, 0)
     r = cli("repack", str(dst), str(tmp_path / "uint8.cpu"), "--target", "cpu")
     assert r.returncode == 1 and "-128..=127" in r.stderr and not (tmp_path / "uint8.cpu").exists()
+
+
+def test_marlin_reads_a_missing_g_idx_as_in_order(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """An act-order layer with one projection stored without `weight_g_idx` (read as in order
+    by `dequantize` and the CPU path): the Marlin target asked for the missing tensor, and
+    without expert 0's up_proj g_idx it dropped act-order for the whole layer (caught only by
+    --verify). It now converts the projection as in order, or, for a w13 pair, names the one
+    that stores none. Found by a review helper."""
+    from safetensors.torch import load_file, save_file
+
+    src = fixture_path("qwen3_w4a16_actorder")
+    tensors = load_file(str(src / "model.safetensors"))
+
+    def without(module: str) -> Path:
+        dst = tmp_path / module
+        dst.mkdir()
+        (dst / "config.json").write_text((src / "config.json").read_text())
+        kept = {
+            k: v for k, v in tensors.items() if k != f"model.layers.0.mlp.{module}.weight_g_idx"
+        }
+        assert len(kept) == len(tensors) - 1
+        save_file(kept, str(dst / "model.safetensors"), metadata={"format": "pt"})
+        return dst
+
+    dst = without("experts.3.down_proj")
+    r = cli("repack", str(dst), str(tmp_path / "down.marlin"), "--target", "marlin", "--verify")
+    assert r.returncode == 0, r.stderr
+    dst = without("experts.0.up_proj")
+    r = cli("repack", str(dst), str(tmp_path / "up.marlin"), "--target", "marlin")
+    assert r.returncode == 1
+    assert "expert 0:" in r.stderr and "up_proj stores none: read as in order" in r.stderr

@@ -238,7 +238,13 @@ pub fn geometry(layer: &MoeLayer) -> Result<MarlinGeometry> {
             ),
         ));
     }
-    let act_order = w.actorder == Some(ActOrder::Group) && reference.has_g_idx;
+    // Act-order where any projection stores a g_idx (one without reads as in order), not only
+    // where expert 0's up_proj does: without its g_idx the whole layer lost act-order.
+    let act_order = w.actorder == Some(ActOrder::Group)
+        && layer
+            .experts
+            .iter()
+            .any(|x| x.modules().any(|(_, m)| m.has_g_idx));
     let (h, i) = (layer.hidden_size, layer.intermediate_size);
     let g = w.group_size;
     let ip = if act_order {
@@ -354,6 +360,13 @@ pub(crate) fn g_idx_and_perm(
     k: usize,
     groups: usize,
 ) -> Result<(Vec<i32>, Vec<u32>)> {
+    if !m.has_g_idx {
+        // A module of an act-order layer stored without one: column c in group c / group_size,
+        // as the CPU loader and `dequantize` read it (Marlin asked for the missing tensor).
+        let per = k.div_ceil(groups.max(1)).max(1);
+        let g = (0..k).map(|c| (c / per) as i32).collect();
+        return Ok((g, (0..k as u32).collect()));
+    }
     let name = format!("{}.weight_g_idx", m.name);
     let raw = ckpt.tensor(&name)?.to_i64_vec()?;
     if raw.len() != k {
@@ -449,7 +462,16 @@ pub fn convert_layer(
             if gg != ug {
                 return Err(layout(
                         &geo.prefix,
-                        format!("expert {e}: '{}.weight_g_idx' and '{}.weight_g_idx' differ; Marlin keeps one w13 g_idx per expert", gate.name, up.name),
+                        format!(
+                            "expert {e}: '{}.weight_g_idx' and '{}.weight_g_idx' differ{}; Marlin keeps one w13 g_idx per expert",
+                            gate.name,
+                            up.name,
+                            match (gate.has_g_idx, up.has_g_idx) {
+                                (false, _) => " (gate_proj stores none: read as in order)",
+                                (_, false) => " (up_proj stores none: read as in order)",
+                                _ => "",
+                            }
+                        ),
                     ));
             }
             let (dg, dp) = g_idx_and_perm(ckpt, down, i, gi_src)?;
