@@ -453,12 +453,15 @@ def test_vllm_compat_reads_empty_input_activations_as_none(
         save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
         return dst
 
-    doc = inspect(
-        with_empty_activations("qwen3_w8a8_static"), "--platform", "cuda", "--sm", "90",
-        "--compat", "vllm",
-    )  # fmt: skip
-    assert doc["moe_layers"]
-    for layer in doc["moe_layers"]:
+    def compat_layers(name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        doc = inspect(
+            with_empty_activations(name), "--platform", "cuda", "--sm", "90", "--compat", "vllm"
+        )
+        assert doc["moe_layers"]
+        return doc, doc["moe_layers"]
+
+    doc, layers = compat_layers("qwen3_w8a8_static")
+    for layer in layers:
         assert layer["method"] == "w8a8_int8" and layer["activation"]["dynamic"] is False
         error = layer["vllm"]["error"]
         assert error.startswith("AssertionError (while parsing quantization_config"), error
@@ -466,12 +469,8 @@ def test_vllm_compat_reads_empty_input_activations_as_none(
     # The parse fails before any layer code: no layer-level regression applies.
     assert doc["vllm_regressions"] == []
 
-    doc = inspect(
-        with_empty_activations("qwen3_w8a16_g128"), "--platform", "cuda", "--sm", "90",
-        "--compat", "vllm",
-    )  # fmt: skip
-    assert doc["moe_layers"]
-    for layer in doc["moe_layers"]:
+    doc, layers = compat_layers("qwen3_w8a16_g128")
+    for layer in layers:
         # moeq reads static activations, as compressed-tensors does.
         assert layer["activation"] is not None and layer["activation"]["dynamic"] is False
         verdict = layer["vllm"]
