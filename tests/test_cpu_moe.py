@@ -1146,6 +1146,42 @@ def _with_config(
     return _edited_copy(src, dst, tensors, change)
 
 
+@pytest.mark.parametrize(
+    "model_type,top_k,renormalize",
+    [
+        ("minimax", 2, True),
+        ("minimax_m2", 2, True),
+        ("ernie4_5_moe", 2, True),
+        ("hunyuan_v1_moe", 2, True),
+        # vLLM's Hunyuan: `renormalize=top_k > 1`; a top-1 expert keeps its score.
+        ("hunyuan_v1_moe", 1, False),
+    ],
+)
+def test_families_whose_routers_ignore_norm_topk_prob(
+    fixture_path: Callable[[str], Path],
+    tmp_path: Path,
+    model_type: str,
+    top_k: int,
+    renormalize: bool,
+) -> None:
+    """MiniMax(-M2), ERNIE-4.5 and Hunyuan route as their transformers routers and vLLM's
+    models do whatever `norm_topk_prob: false` says: renormalised (Hunyuan: above top-1).
+    moeq followed the explicit false, off by up to 2.5 relative L2 on MiniMax-M2 (found by a
+    review helper comparing transformers' blocks)."""
+    path = _with_config(
+        fixture_path("qwen3_w8a16_g128"), tmp_path / "m", model_type=model_type,
+        norm_topk_prob=False, num_experts_per_tok=top_k,
+    )  # fmt: skip
+    ckpt = mq.open(path)
+    assert ckpt.summary()["routing"]["renormalize"] is renormalize
+    moe = mq.MoELayer.from_checkpoint(ckpt, 0)
+    x, logits = torch.randn(16, moe.hidden_size), torch.randn(16, moe.num_experts)
+    top = torch.softmax(logits.double(), -1).topk(top_k, dim=-1)
+    w = top.values / top.values.sum(-1, keepdim=True) if renormalize else top.values
+    want = moe.forward_topk(x, w.float(), top.indices)
+    assert rel_l2(moe(x, logits), want) <= 1e-6
+
+
 @pytest.mark.parametrize("value", [False, True, "no"])
 def test_mixtral_renormalises_whatever_norm_topk_prob_says(
     fixture_path: Callable[[str], Path], tmp_path: Path, value: object

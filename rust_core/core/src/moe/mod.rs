@@ -211,8 +211,11 @@ struct Family {
     /// always does, or the config class defaults to it.
     renormalize: bool,
     /// The router renormalises whatever `config.json` says: its config class has no
-    /// `norm_topk_prob`, and transformers and vLLM both ignore one that a config carries.
+    /// `norm_topk_prob`, or transformers and vLLM both ignore one that a config carries.
     renormalize_always: bool,
+    /// With `renormalize_always`: except at top-1, where the one weight stays its score
+    /// (vLLM's Hunyuan, `renormalize=top_k > 1`, as Hunyuan-Large's own top-1 gate).
+    keep_top_1_score: bool,
     /// The routed scaling factor when `config.json` does not set one.
     scale: f64,
     /// The expert groups when `config.json` does not set them; such families group whatever
@@ -231,6 +234,7 @@ const fn family(names: &'static [&'static str]) -> Family {
         scoring: DefaultScoring::Generic,
         renormalize: false,
         renormalize_always: false,
+        keep_top_1_score: false,
         scale: 1.0,
         groups: None,
         refusal: None,
@@ -260,6 +264,12 @@ impl Family {
         Family {
             renormalize: true,
             renormalize_always: true,
+            ..self
+        }
+    }
+    const fn keeping_top_1_score(self) -> Family {
+        Family {
+            keep_top_1_score: true,
             ..self
         }
     }
@@ -294,12 +304,18 @@ const FAMILIES: &[Family] = &[
     // (the last two have no `norm_topk_prob` in their config classes); Command-A's softmax over
     // the top-k logits is renormalised softmax; Qwen3-Next's and Qwen3-Omni's config classes
     // default to it.
-    // Mixtral's router (transformers) and vLLM's Mixtral (`renormalize=True`) both ignore a
-    // `norm_topk_prob` in config.json.
+    // Mixtral's, MiniMax's, MiniMax-M2's and ERNIE-4.5's routers (transformers) and vLLM's
+    // (`renormalize=True`) ignore a `norm_topk_prob` in config.json; Hunyuan's do as well
+    // (vLLM: `renormalize=top_k > 1`, keeping a top-1 expert's score, as Hunyuan-Large's own
+    // gate does; transformers' renormalises that to 1).
     family(&["mixtral"]).checked().always_renormalizing(),
-    family(&["minimax", "minimax_m2", "hunyuan_v1_moe"])
+    family(&["minimax", "minimax_m2"])
         .checked()
-        .renormalizing(),
+        .always_renormalizing(),
+    family(&["hunyuan_v1_moe"])
+        .checked()
+        .always_renormalizing()
+        .keeping_top_1_score(),
     family(&[
         "qwen3_vl_moe",
         "qwen3_vl_moe_text",
@@ -315,7 +331,7 @@ const FAMILIES: &[Family] = &[
     family(&["ernie4_5_moe"])
         .checked()
         .scoring(DefaultScoring::Softmax)
-        .renormalizing(),
+        .always_renormalizing(),
     // DeepSeek-V3's router and those built on it (DeepSeek-V3.2, GLM-4.5, GLM-5, EXAONE-MoE),
     // Laguna, AFMoE, Hunyuan-V3: sigmoid, renormalised. vLLM reads Kimi-K2's config through
     // transformers' DeepseekV3Config.
@@ -553,6 +569,7 @@ impl Routing {
         let renormalize = match renorm_key {
             // vLLM's AFMoE applies route_norm to sigmoid scores only.
             Some(_) if is("afmoe") && scoring == Scoring::Softmax => false,
+            _ if top_k == Some(1) && any(|r| r.keep_top_1_score) => false,
             Some(b) => b,
             None if any(|r| r.renormalize) => {
                 defaulted.push("renormalize");
