@@ -1427,3 +1427,41 @@ def test_marlin_reads_a_missing_g_idx_as_in_order(
     r = cli("repack", str(dst), str(tmp_path / "up.marlin"), "--target", "marlin")
     assert r.returncode == 1
     assert "expert 0:" in r.stderr and "up_proj stores none: read as in order" in r.stderr
+
+
+def test_two_repacks_to_one_out_dir_in_one_process(tmp_path: Path) -> None:
+    """Two threads repacking into one OUT_DIR: the staging directory is named by the pid, so
+    they shared it, the second removing the first's files, and a mixed checkpoint (Marlin
+    tensors with a CPU layout record) could be committed with no error. Now one repack claims
+    it and the other is refused, naming OUT_DIR. Found by a review helper."""
+    import threading
+
+    src = Path(__file__).resolve().parent.parent / "examples" / "tiny-moe-int4-int8"
+
+    def run(target: str, out: Path, results: dict, start: threading.Barrier) -> None:
+        start.wait()
+        try:
+            repack_checkpoint(src, out, target=target)
+            results[target] = None
+        except mq.MoeqError as err:
+            results[target] = err
+
+    for trial in range(3):
+        out = tmp_path / f"out{trial}"
+        results: dict[str, BaseException | None] = {}
+        start = threading.Barrier(2)
+        threads = [
+            threading.Thread(target=run, args=(t, out, results, start)) for t in ("marlin", "cpu")
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        winners = [t for t, e in results.items() if e is None]
+        assert len(winners) == 1, results
+        (loser,) = (e for e in results.values() if e is not None)
+        # Refused while the other ran, or (if it had finished first) as an existing OUT_DIR.
+        assert str(out) in str(loser), loser
+        layout = mq.open(out).config["moeq"]["layout"]
+        assert layout == winners[0]
+        assert mq.open(out).moe_layers()

@@ -218,6 +218,48 @@ fn staged_path(parent: &Path, name: &str, kind: &str) -> PathBuf {
     ))
 }
 
+/// The staging directories this process's repacks are writing. Their names carry the pid only,
+/// so two repacks to one OUT_DIR from two threads shared one: the second removed the first's
+/// files, and one of them could commit a mix of both.
+static STAGING: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+
+/// This process's claim on a staging directory, released when dropped.
+struct StagingClaim(PathBuf);
+
+impl StagingClaim {
+    /// Claims `staged` (beside `out_dir`), or says that another repack of this process is
+    /// writing `out_dir`.
+    fn new(staged: &Path, out_dir: &Path) -> Result<StagingClaim> {
+        // The same directory however it was spelled (relative, through a symlinked parent).
+        let key = match (staged.parent(), staged.file_name()) {
+            (Some(dir), Some(file)) => std::fs::canonicalize(dir)
+                .map(|d| d.join(file))
+                .unwrap_or_else(|_| staged.to_path_buf()),
+            _ => staged.to_path_buf(),
+        };
+        let mut held = STAGING
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if held.contains(&key) {
+            return Err(output_error(
+                out_dir,
+                "another repack in this process is writing it; wait for that one to finish",
+            ));
+        }
+        held.push(key.clone());
+        Ok(StagingClaim(key))
+    }
+}
+
+impl Drop for StagingClaim {
+    fn drop(&mut self) {
+        STAGING
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .retain(|p| *p != self.0);
+    }
+}
+
 /// Removes a directory tree, or the file or symlink `path` names (never what a link points to).
 fn remove_entry(path: &Path) -> std::io::Result<()> {
     if path.is_dir() && !path.is_symlink() {
@@ -637,8 +679,10 @@ pub fn repack(
     // the progress never reached its total).
     let bytes_total: u64 = plan.slots.values().map(|s| s.nbytes).sum();
 
-    remove_abandoned(&parent, &name);
     let tmp_path = staged_path(&parent, &name, TMP);
+    // Held to the end, the commit and the removal of a moved-aside earlier output included.
+    let _claim = StagingClaim::new(&tmp_path, out_dir)?;
+    remove_abandoned(&parent, &name);
     if tmp_path.exists() {
         std::fs::remove_dir_all(&tmp_path).map_err(|e| io(&tmp_path, e))?;
     }
@@ -1279,6 +1323,26 @@ fn verify_cpu_weight_only(
 #[cfg(all(test, target_os = "linux"))]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_staging_directory_is_claimed_by_one_repack_at_a_time() {
+        let dir = std::env::temp_dir().join(format!("moeq-claim-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let staged = staged_path(&dir, "out", TMP);
+        let out = dir.join("out");
+        let first = StagingClaim::new(&staged, &out).unwrap();
+        // The same directory spelled through `..` is the same claim.
+        let other_spelling = dir.join("..").join(dir.file_name().unwrap());
+        for path in [staged.clone(), staged_path(&other_spelling, "out", TMP)] {
+            let e = StagingClaim::new(&path, &out).err().unwrap().to_string();
+            assert!(e.contains("another repack in this process"), "{e}");
+        }
+        // Another OUT_DIR beside it is free; the first is once its claim is dropped.
+        drop(StagingClaim::new(&staged_path(&dir, "other", TMP), &out).unwrap());
+        drop(first);
+        drop(StagingClaim::new(&staged, &out).unwrap());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn mount_points_are_found_in_mountinfo_and_by_device() {
