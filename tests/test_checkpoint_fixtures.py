@@ -415,3 +415,17 @@ def test_asking_for_a_router_says_what_it_is() -> None:
         assert f"'{gate}.weight' as stored with Checkpoint.tensor" in str(e.value)
     with pytest.raises(mq.CheckpointError, match="no such Linear module"):
         ck.scheme("model.layers.1.mlp.nothing")
+
+
+def test_summary_and_moe_layers_are_copies(fixture_path: Callable[[str], Path]) -> None:
+    """Editing what `summary()` or `moe_layers()` returned changes nothing the checkpoint answers
+    later: they handed out the cached dicts, and an edited layer number made the layer
+    unloadable ("this decoder layer has no MoE block"). Found by a review helper."""
+    ckpt = mq.open(fixture_path("qwen3_w4a16_g128_sym"))
+    want = ckpt.summary()
+    ckpt.moe_layers()[0]["num_experts"] = 999
+    ckpt.summary()["moe_layers"][0]["layer"] = 7
+    ckpt.summary()["routing"].clear()
+    assert ckpt.summary() == want
+    assert [entry["layer"] for entry in ckpt.moe_layers()] == [0, 1]
+    assert mq.MoELayer.from_checkpoint(ckpt, 0).num_experts == want["moe_layers"][0]["num_experts"]

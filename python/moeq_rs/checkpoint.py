@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -133,15 +134,22 @@ class Checkpoint:
         return qc if isinstance(qc, dict) else None
 
     def summary(self) -> dict[str, Any]:
-        """The checkpoint facts of ``moeq inspect --json``."""
+        """The checkpoint facts of ``moeq inspect --json`` (a copy: editing it changes nothing
+        the checkpoint answers later)."""
+        return copy.deepcopy(self._facts())
+
+    def _facts(self) -> dict[str, Any]:
+        """:meth:`summary`, parsed once and shared by this package's own readers (which do not
+        edit it)."""
         if self._summary is None:
             self._summary = json.loads(self._core.summary_json())
         return self._summary
 
     def moe_layers(self) -> list[dict[str, Any]]:
         """One dict per MoE layer: ``layer``, ``prefix``, ``num_experts``, ``weight``,
-        ``activation``, ``format``, sizes, router and shared experts (see ``moeq inspect``)."""
-        return list(self.summary()["moe_layers"])
+        ``activation``, ``format``, sizes, router and shared experts (see ``moeq inspect``);
+        copies, as :meth:`summary`'s."""
+        return copy.deepcopy(self._facts()["moe_layers"])
 
     def tensor_names(self) -> list[str]:
         return self._core.tensor_names()
@@ -229,7 +237,7 @@ class Checkpoint:
         return geometry, {name: convert(data, dtype, shape) for name, dtype, shape, data in tensors}
 
     def __repr__(self) -> str:
-        layers = self.summary()["moe_layers"]
+        layers = self._facts()["moe_layers"]
         return f"<moeq_rs.Checkpoint {str(self.path)!r}: {len(layers)} MoE layers>"
 
 

@@ -742,10 +742,10 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
     from .moe import warn_unchecked_family
 
     ckpt = as_checkpoint(path_or_checkpoint)
-    info = next((x for x in ckpt.moe_layers() if x["layer"] == layer), None)
+    info = next((x for x in ckpt._facts()["moe_layers"] if x["layer"] == layer), None)
     if info is None:
         raise LayoutError(f"layer {layer}: this decoder layer has no MoE block")
-    summary = ckpt.summary()
+    summary = ckpt._facts()
     routing = summary["routing"]
     why = []
     if info["unsupported"]:

@@ -176,7 +176,7 @@ def _output(out, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[no-untyped
 
 def warn_unchecked_family(ckpt: Any) -> None:
     """Warns once per checkpoint object when its model family's router was not checked."""
-    summary = ckpt.summary()
+    summary = ckpt._facts()
     if summary["routing"]["family_checked"] or ckpt._routing_warned:
         return
     ckpt._routing_warned = True
