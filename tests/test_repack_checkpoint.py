@@ -1465,3 +1465,25 @@ def test_two_repacks_to_one_out_dir_in_one_process(tmp_path: Path) -> None:
         layout = mq.open(out).config["moeq"]["layout"]
         assert layout == winners[0]
         assert mq.open(out).moe_layers()
+
+
+def test_marlin_layer_of_a_repacked_checkpoint(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """`Checkpoint.marlin_layer` on a checkpoint repacked for Marlin returns its stored layer,
+    equal to what the source gives (it said "this decoder layer has no MoE block", though the
+    plan points the layer at the Marlin backend); on one repacked for the CPU it says where the
+    layer is. Found by a review helper."""
+    src = mq.open(fixture_path("qwen3_w4a16_g128_sym"))
+    marlin, cpu = tmp_path / "marlin", tmp_path / "cpu"
+    repack_checkpoint(src, marlin, target="marlin")
+    repack_checkpoint(src, cpu, target="cpu")
+    for layer in (0, 1):
+        want_geometry, want = src.marlin_layer(layer, framework="numpy")
+        geometry, got = mq.open(marlin).marlin_layer(layer, framework="numpy")
+        assert geometry == want_geometry
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            assert got[name].dtype == value.dtype and np.array_equal(got[name], value), name
+        with pytest.raises(mq.LayoutError, match=f"layer {layer}: is stored in moeq's CPU layout"):
+            mq.open(cpu).marlin_layer(layer)

@@ -917,6 +917,32 @@ pub type LayerTensor = (String, crate::checkpoint::dtype::DType, Vec<usize>, Vec
 /// loading one layer onto a GPU without writing a checkpoint.
 pub fn marlin_layer(model: &Model, layer: usize) -> Result<(MarlinGeometry, Vec<LayerTensor>)> {
     let ckpt = model.checkpoint();
+    if let Some(layout) = model.layout() {
+        // A repacked checkpoint's layers are not MoE layers in source form: one in the Marlin
+        // layout is what this returns, stored (checked against its record at open); one in the
+        // CPU layout cannot be converted back.
+        if let Some(r) = layout.layers.iter().find(|r| r.layer == layer) {
+            let tensors = r
+                .geometry
+                .specs()
+                .into_iter()
+                .map(|(name, dtype, shape)| {
+                    let bytes = ckpt.tensor(&name)?.bytes.to_vec();
+                    Ok((name, dtype, shape, bytes))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            return Ok((r.geometry.clone(), tensors));
+        }
+        if layout.cpu_layers.iter().any(|g| g.layer == layer) {
+            return Err(LayoutError {
+                subject: format!("layer {layer}"),
+                reason: "is stored in moeq's CPU layout (moeq repack --target cpu), which is not \
+                         converted to Marlin's: repack the source checkpoint with --target marlin"
+                    .into(),
+            }
+            .into());
+        }
+    }
     let l = model
         .moe_layers()
         .iter()
