@@ -1,6 +1,8 @@
 """The main job on the shipped tiny checkpoint: inspect -> repack (Marlin, verified) -> repack
 for the CPU (verified) -> CPU MoE forward from the CPU layout on random tokens -> compare with
-an fp64 reference from the source's dequantised weights -> tokens/s.
+an fp64 reference from the source's dequantised weights (W8A8: and its activation
+quantisation) -> tokens/s. Another MODEL_DIR works too where its experts are named
+gate/up/down_proj or w1/w3/w2 (a layer the Marlin layout cannot hold skips that repack).
 
     .venv/bin/python examples/demo.py [MODEL_DIR]
 """
@@ -17,6 +19,17 @@ import torch
 import moeq_rs as mq
 from moeq_rs.repack import repack_checkpoint
 
+# An expert's (gate, up, down) projections under the naming schemes the demo knows.
+NAMINGS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+def projections(ckpt: mq.Checkpoint, expert: str) -> tuple[str, str, str]:
+    names = ckpt.tensor_names()
+    for naming in NAMINGS:
+        if all(any(n.startswith(f"{expert}.{p}.") for n in names) for p in naming):
+            return naming
+    raise SystemExit(f"{expert}: the demo knows expert projections named {NAMINGS} only")
+
 
 def reference(
     ckpt: mq.Checkpoint, layer: dict, x: torch.Tensor, logits: torch.Tensor, moe: mq.MoELayer
@@ -30,6 +43,13 @@ def reference(
     )
     bias_name = (layer["router"] or {}).get("e_score_correction_bias")
     choice = scores + (ckpt.tensor(bias_name, "torch").double() if bias_name else 0)
+    if r["n_group"] and r["n_group"] > 1:
+        # Grouped top-k (DeepSeek-V3): a group scores its best (with a bias: its two best)
+        # choices; only the topk_group best groups compete.
+        groups = choice.view(choice.shape[0], r["n_group"], -1)
+        best = groups.topk(2 if bias_name else 1, -1).values.sum(-1)
+        kept = torch.zeros_like(best).scatter_(1, best.topk(r["topk_group"], -1).indices, 1)
+        choice = groups.masked_fill(kept[..., None] == 0, float("-inf")).flatten(1)
     ids = choice.topk(moe.top_k, -1).indices
     w = scores.gather(1, ids)
     if r["renormalize"]:
@@ -37,10 +57,26 @@ def reference(
     w = w * r["routed_scaling_factor"]
 
     def mlp(prefix: str, v: torch.Tensor) -> torch.Tensor:
-        def lin(name: str, a: torch.Tensor) -> torch.Tensor:
-            return a @ ckpt.dequantize(f"{prefix}.{name}", exact=True).double().T
+        gate, up, down = projections(ckpt, prefix)
 
-        return lin("down_proj", torch.nn.functional.silu(lin("gate_proj", v)) * lin("up_proj", v))
+        def quantised(name: str, a: torch.Tensor) -> torch.Tensor:
+            """W8A8: `a` as the int8 codes times scale the kernels multiply (DESIGN.md: the
+            expert's static input_scale, or max|a| / 127 per row; fp32, round half to even)."""
+            if layer["activation"] is None:
+                return a
+            a32 = a.float()
+            if layer["activation"]["dynamic"]:
+                s = a32.abs().amax(-1, keepdim=True) / 127
+            else:
+                s = ckpt.tensor(f"{prefix}.{name}.input_scale", "torch").float()
+            q = torch.where(s > 0, a32 / s, 0.0).round().clamp(-128, 127)
+            return q.double() * s.double()
+
+        def lin(name: str, a: torch.Tensor) -> torch.Tensor:
+            w = ckpt.dequantize(f"{prefix}.{name}", exact=True).double()
+            return quantised(name, a) @ w.T
+
+        return lin(down, torch.nn.functional.silu(lin(gate, v)) * lin(up, v))
 
     out = torch.zeros(x.shape, dtype=torch.float64)
     xd = x.double()
@@ -52,9 +88,18 @@ def reference(
     return out
 
 
+def tolerance(layer: dict) -> float:
+    """The relative L2 error allowed against the reference: fp32 compute on exact weights; with
+    W8A8, an intermediate element now and then rounds to the other int8 code (the issue's
+    bounds: 2e-3 dynamic, 1e-2 static)."""
+    if layer["activation"] is None:
+        return 1e-5
+    return 2e-3 if layer["activation"]["dynamic"] else 1e-2
+
+
 def forward_from(cpu_dir: Path, ckpt: mq.Checkpoint) -> float:
     """Runs every MoE layer loaded from the CPU layout against the source's fp64 reference;
-    returns the worst relative L2 error."""
+    returns the worst relative L2 error, scaled so that each layer's tolerance is 1e-5."""
     print("\n== CPU forward (layers loaded from the CPU layout) against the fp64 reference")
     print(
         f"kernels: {mq.oracle.cpu_kernel()}, bf16 dot products "
@@ -70,7 +115,7 @@ def forward_from(cpu_dir: Path, ckpt: mq.Checkpoint) -> float:
         logits = torch.randn(16, moe.num_experts)
         want = reference(ckpt, layer, x, logits, moe)
         err = float((moe(x, logits).double() - want).norm() / want.norm())
-        worst = max(worst, err)
+        worst = max(worst, err / tolerance(layer) * 1e-5)
         tokens = 256
         xb = torch.randn(tokens, moe.hidden_size, dtype=torch.bfloat16)
         lb = torch.randn(tokens, moe.num_experts)
@@ -80,8 +125,9 @@ def forward_from(cpu_dir: Path, ckpt: mq.Checkpoint) -> float:
             moe(xb, lb)
         rate = 5 * tokens / (time.perf_counter() - t0)
         print(
-            f"layer {layer['layer']}: loaded in {load_ms:.1f} ms; relative L2 error {err:.1e}; "
-            f"{rate:,.0f} tokens/s (bf16, {tokens} tokens per call)"
+            f"layer {layer['layer']}: loaded in {load_ms:.1f} ms; relative L2 error {err:.1e} "
+            f"(bound {tolerance(layer):.0e}); {rate:,.0f} tokens/s (bf16, {tokens} tokens per "
+            "call)"
         )
     return worst
 
@@ -95,17 +141,20 @@ def main() -> int:
     ckpt = mq.open(model)
     print(f"\n== plan ({len(ckpt.moe_layers())} MoE layers)")
     for layer in mq.plan(ckpt).layers:
-        print(
-            f"layer {layer['layer']}: {layer['method']} {layer['quant_config']['kind']} "
-            f"g{layer['quant_config']['group_size']} -> {layer['backend']}"
-        )
+        q = layer["quant_config"]
+        kind = f"{q['kind']} g{q['group_size']}" if q else "(no single quant config)"
+        print(f"layer {layer['layer']}: {layer['method']} {kind} -> {layer['backend']}")
     with tempfile.TemporaryDirectory() as tmp:
-        r = repack_checkpoint(ckpt, Path(tmp) / "marlin", verify=True)
-        print(
-            f"\n== repack --target marlin: {r['tensors']} tensors, "
-            f"{r['bytes_written'] / 1e6:.1f} MB, verified {r['verified_modules']} expert "
-            f"projections bit for bit"
-        )
+        try:
+            r = repack_checkpoint(ckpt, Path(tmp) / "marlin", verify=True)
+        except mq.UnsupportedSchemeError as e:
+            print(f"\n== repack --target marlin: skipped, {e}")
+        else:
+            print(
+                f"\n== repack --target marlin: {r['tensors']} tensors, "
+                f"{r['bytes_written'] / 1e6:.1f} MB, verified {r['verified_modules']} expert "
+                f"projections bit for bit"
+            )
         cpu_dir = Path(tmp) / "cpu"
         r = repack_checkpoint(ckpt, cpu_dir, target="cpu", verify=True)
         print(
@@ -115,7 +164,7 @@ def main() -> int:
         )
         worst = forward_from(cpu_dir, ckpt)
     if worst > 1e-5:
-        print(f"FAILED: error {worst:.1e} above 1e-5")
+        print("FAILED: a layer's error is above its bound")
         return 1
     print("\nok")
     return 0
