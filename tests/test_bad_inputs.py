@@ -16,6 +16,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -1190,3 +1191,33 @@ def test_a_correction_bias_of_the_wrong_length_refuses_its_layer(
     )
     with pytest.raises(mq.CheckpointError, match="e_score_correction_bias.*expected 8"):
         mq.MoELayer.from_checkpoint(c, 1)
+
+
+def test_api_arguments_of_the_wrong_type_are_named(tmp_path: Path) -> None:
+    """A name that is not a str (or not UTF-8), a flag that is not a bool, a platform or target
+    that is not a str: a MoeqError naming the argument, not PyO3's bare TypeError or a
+    UnicodeEncodeError. Found by a review helper."""
+    from moeq_rs.repack import repack_checkpoint
+
+    ck = mq.open(write_checkpoint(tmp_path / "m"))
+    module = f"{EXPERT0}"
+    cases = [
+        (lambda: ck.tensor(None), mq.LayoutError, "name: expected a str, got NoneType"),
+        (lambda: ck.tensor("lm\udcffhead"), mq.LayoutError, "name: .* is not valid UTF-8"),
+        (lambda: ck.tensor_info(1), mq.LayoutError, "name: expected a str, got int"),
+        (lambda: ck.module(None), mq.LayoutError, "module: expected a str"),
+        (lambda: ck.dequantize(b"x"), mq.LayoutError, "module: expected a str, got bytes"),
+        (lambda: ck.dequantize(module, exact=1), mq.LayoutError, "exact: expected True or False"),
+        (lambda: mq.plan(ck, platform=None), mq.ConfigError, "platform: expected a str"),
+        (lambda: mq.plan(ck, backend=3), mq.ConfigError, "backend: expected a str, got int"),
+        (lambda: repack_checkpoint(ck, tmp_path / "o", target=None), mq.LayoutError, "target:"),
+        (lambda: repack_checkpoint(ck, tmp_path / "o", force="yes"), mq.LayoutError, "force:"),
+        (lambda: repack_checkpoint(ck, tmp_path / "o", verify=1), mq.LayoutError, "verify:"),
+        (lambda: mq.cuda.compile_kernels(90), mq.LayoutError, "arch: expected a str, got int"),
+    ]
+    for call, error, match in cases:
+        with pytest.raises(error, match=match):
+            call()
+    assert not (tmp_path / "o").exists()
+    # numpy's bool is a bool.
+    assert ck.dequantize(module, exact=np.bool_(True), framework="numpy").dtype == np.float32

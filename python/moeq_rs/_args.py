@@ -27,3 +27,30 @@ def int_in(value: object, low: int, high: int) -> int | None:
     """``value`` as an int when it is one in ``low..=high``, else None."""
     v = as_int(value)
     return v if v is not None and low <= v <= high else None
+
+
+def text_arg(value: object, what: str) -> str:
+    """``value`` when it is a str the native module can take (UTF-8: no lone surrogates), else a
+    :class:`moeq_rs.LayoutError` naming the argument ``what`` (PyO3's own TypeError or
+    UnicodeEncodeError named neither the argument nor moeq_rs)."""
+    from .errors import LayoutError
+
+    if not isinstance(value, str):
+        raise LayoutError(f"{what}: expected a str, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise LayoutError(f"{what}: {value!r} is not valid UTF-8") from None
+    return value
+
+
+def flag_arg(value: object, what: str) -> bool:
+    """``value`` as a bool when it is one (Python or numpy), else a :class:`moeq_rs.LayoutError`
+    naming the argument ``what``: 1, "yes" or None are not taken for a flag."""
+    import numpy as np
+
+    from .errors import LayoutError
+
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise LayoutError(f"{what}: expected True or False, got {value!r}")

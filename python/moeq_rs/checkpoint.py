@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from . import _core
-from ._args import I64_MAX, int_in
+from ._args import I64_MAX, flag_arg, int_in, text_arg
 from ._deps import need_torch
 from ._threads import adopt_main_thread
 from .errors import CheckpointError, ConfigError, LayoutError
@@ -156,7 +156,7 @@ class Checkpoint:
 
     def tensor_info(self, name: str) -> tuple[str, list[int], Path]:
         """``(dtype, shape, file)`` of a tensor, from the header only."""
-        dtype, shape, file = self._core.tensor_info(name)
+        dtype, shape, file = self._core.tensor_info(text_arg(name, "name"))
         return dtype, list(shape), Path(file)
 
     def view(self, name: str) -> _core.TensorBuffer:  # replaced per instance in __init__
@@ -179,7 +179,7 @@ class Checkpoint:
         ``TypeError`` for a dtype this torch lacks (F6).
         """
         as_torch = _wants_torch(framework, "Checkpoint.tensor(framework='torch')")
-        buf = self._core.tensor_buffer(name)
+        buf = self._core.tensor_buffer(text_arg(name, "name"))
         arr = np.asarray(buf)
         if not as_torch:
             return arr
@@ -192,7 +192,7 @@ class Checkpoint:
 
     def module(self, module: str) -> dict[str, Any]:
         """Facts of a Linear module: scheme, sizes, which quantization tensors it has."""
-        return json.loads(self._core.module_json(module))
+        return json.loads(self._core.module_json(text_arg(module, "module")))
 
     def scheme(self, module: str) -> dict[str, Any] | None:
         """The resolved scheme of a module, or None when it is stored unquantized.
@@ -213,7 +213,9 @@ class Checkpoint:
         dtype (what the CPU kernels compute with). ``framework="numpy"``: a numpy array instead
         of a torch tensor (no torch needed; bf16 as its uint16 bit pattern, as :meth:`tensor`)."""
         as_torch = _wants_torch(framework, "Checkpoint.dequantize (framework='torch')")
-        data, dtype, shape = self._core.dequantize(module, exact)
+        data, dtype, shape = self._core.dequantize(
+            text_arg(module, "module"), flag_arg(exact, "exact")
+        )
         return _tensor(data, dtype, shape) if as_torch else _array(data, dtype, shape)
 
     def marlin_layer(

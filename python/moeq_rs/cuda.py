@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _core
+from ._args import text_arg
 from ._deps import need_torch
 
 __all__ = [
@@ -80,7 +81,7 @@ def compile_kernels(arch: str = "sm_90") -> dict[str, dict[str, Any]]:
     int, "seconds": float, "entries": [str]}}`` (registers: the most any entry function uses;
     spill_stores: bytes, summed). The CUBINs also go to the disk cache. Raises
     :class:`moeq_rs.CudaUnavailableError` when NVRTC is missing or a kernel fails to compile."""
-    return _core.cuda_compile_kernels(arch, nvrtc_dirs())
+    return _core.cuda_compile_kernels(text_arg(arch, "arch"), nvrtc_dirs())
 
 
 def _launch(

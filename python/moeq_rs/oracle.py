@@ -357,5 +357,8 @@ def plan(
     tp = int_in(tp_size, 1, I64_MAX)
     if tp is None:
         raise ConfigError(f"arguments: tp_size: {tp_size!r} must be an int of at least 1")
+    for name, value in (("platform", platform), ("backend", backend)):
+        if not (isinstance(value, str) or (name == "backend" and value is None)):
+            raise ConfigError(f"arguments: {name}: expected a str, got {type(value).__name__}")
     doc = ckpt._core.report_json(platform, as_int(sm), backend, tp, compat == "vllm")
     return Plan(json.loads(doc))

@@ -19,7 +19,7 @@ from typing import Any, ParamSpec, TypeVar
 import numpy as np
 
 from . import _core
-from ._args import I64_MAX, U32_MAX, U64_MAX, int_in
+from ._args import I64_MAX, U32_MAX, U64_MAX, flag_arg, int_in, text_arg
 from ._threads import adopt_main_thread
 from .errors import LayoutError
 
@@ -350,5 +350,10 @@ def repack_checkpoint(
 
     ckpt = as_checkpoint(model_dir, "model_dir")
     return ckpt._core.repack(
-        path_text(out_dir, "out_dir"), target, force, parse_size(max_shard_size), verify, progress
+        path_text(out_dir, "out_dir"),
+        text_arg(target, "target"),
+        flag_arg(force, "force"),
+        parse_size(max_shard_size),
+        flag_arg(verify, "verify"),
+        progress,
     )
