@@ -24,10 +24,13 @@ NAMINGS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
 
 def projections(ckpt: mq.Checkpoint, expert: str) -> tuple[str, str, str]:
-    names = ckpt.tensor_names()
     for naming in NAMINGS:
-        if all(any(n.startswith(f"{expert}.{p}.") for n in names) for p in naming):
-            return naming
+        try:
+            for p in naming:
+                ckpt.module(f"{expert}.{p}")
+        except mq.CheckpointError:
+            continue
+        return naming
     raise SystemExit(f"{expert}: the demo knows expert projections named {NAMINGS} only")
 
 
@@ -56,25 +59,41 @@ def reference(
         w = w / w.sum(-1, keepdim=True)
     w = w * r["routed_scaling_factor"]
 
-    def mlp(prefix: str, v: torch.Tensor) -> torch.Tensor:
-        gate, up, down = projections(ckpt, prefix)
+    # Per expert (routed or shared): its projections' names, weights and schemes, read once.
+    seen: dict[str, tuple] = {}
 
-        def quantised(name: str, a: torch.Tensor) -> torch.Tensor:
+    def expert(prefix: str) -> tuple:
+        if prefix not in seen:
+            names = projections(ckpt, prefix)
+            seen[prefix] = tuple(
+                (
+                    name,
+                    ckpt.dequantize(f"{prefix}.{name}", exact=True).double(),
+                    (ckpt.scheme(f"{prefix}.{name}") or {}).get("activation"),
+                )
+                for name in names
+            )
+        return seen[prefix]
+
+    def mlp(prefix: str, v: torch.Tensor) -> torch.Tensor:
+        gate, up, down = expert(prefix)
+
+        def quantised(name: str, act: dict | None, a: torch.Tensor) -> torch.Tensor:
             """W8A8: `a` as the int8 codes times scale the kernels multiply (DESIGN.md: the
             expert's static input_scale, or max|a| / 127 per row; fp32, round half to even)."""
-            if layer["activation"] is None:
+            if act is None:
                 return a
             a32 = a.float()
-            if layer["activation"]["dynamic"]:
+            if act["dynamic"]:
                 s = a32.abs().amax(-1, keepdim=True) / 127
             else:
                 s = ckpt.tensor(f"{prefix}.{name}.input_scale", "torch").float()
             q = torch.where(s > 0, a32 / s, 0.0).round().clamp(-128, 127)
             return q.double() * s.double()
 
-        def lin(name: str, a: torch.Tensor) -> torch.Tensor:
-            w = ckpt.dequantize(f"{prefix}.{name}", exact=True).double()
-            return quantised(name, a) @ w.T
+        def lin(proj: tuple, a: torch.Tensor) -> torch.Tensor:
+            name, w, act = proj
+            return quantised(name, act, a) @ w.T
 
         return lin(down, torch.nn.functional.silu(lin(gate, v)) * lin(up, v))
 
@@ -147,7 +166,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             r = repack_checkpoint(ckpt, Path(tmp) / "marlin", verify=True)
-        except mq.UnsupportedSchemeError as e:
+        except (mq.UnsupportedSchemeError, mq.LayoutError) as e:
+            # A scheme or a shape the Marlin layout cannot hold.
             print(f"\n== repack --target marlin: skipped, {e}")
         else:
             print(

@@ -1187,7 +1187,7 @@ def test_a_correction_bias_of_the_wrong_length_refuses_its_layer(
     assert layer["backend"] is None
     assert (
         "e_score_correction_bias" in layer["error"]
-        and "expected one per expert (8)" in layer["error"]
+        and "expected one score-correction value per expert (8)" in layer["error"]
     )
     with pytest.raises(mq.CheckpointError, match="e_score_correction_bias.*expected 8"):
         mq.MoELayer.from_checkpoint(c, 1)

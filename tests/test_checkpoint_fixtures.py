@@ -429,3 +429,8 @@ def test_summary_and_moe_layers_are_copies(fixture_path: Callable[[str], Path]) 
     assert ckpt.summary() == want
     assert [entry["layer"] for entry in ckpt.moe_layers()] == [0, 1]
     assert mq.MoELayer.from_checkpoint(ckpt, 0).num_experts == want["moe_layers"][0]["num_experts"]
+    # config.json and its quantization_config likewise.
+    config = ckpt.config
+    ckpt.config["num_experts"] = 1
+    ckpt.quantization_config["config_groups"].clear()  # type: ignore[index]
+    assert ckpt.config == config and ckpt.quantization_config == config["quantization_config"]

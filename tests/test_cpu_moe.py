@@ -2887,6 +2887,9 @@ def test_a_meta_argument_beside_cpu_inputs_is_refused_by_name() -> None:
     with torch.device("meta"):
         got = mq.fused_moe(x, w13_8, w2_8, s13, s2, w, ids, **static)
     assert torch.equal(got, want)
+    # All-meta tensors with number scales still trace (a 0-d CPU tensor is a scalar to torch).
+    metas = (t.to("meta") for t in (x, w13_8, w2_8, s13, s2, w, ids))
+    assert mq.fused_moe(*metas, **static).is_meta
 
 
 def test_layers_of_one_shape_share_one_compiled_graph() -> None:

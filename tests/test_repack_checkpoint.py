@@ -1365,6 +1365,8 @@ def test_int8_codes_stored_wider_are_read_by_value(
     x = torch.randn(4, 256)
     w, ids = torch.ones(4, 1), torch.tensor([[0], [1], [2], [3]])
     want = mq.MoELayer.from_checkpoint(src, 0).forward_topk(x, w, ids)
+    source_cuda_layer = mq.cuda.load_moe_layer_unverified(src, 0, device="cpu")
+    assert source_cuda_layer.w13.dtype == torch.int8
 
     def stored(dtype: torch.dtype, name: str) -> Path:
         dst = tmp_path / name
@@ -1387,11 +1389,17 @@ def test_int8_codes_stored_wider_are_read_by_value(
         r = cli("repack", str(dst), str(out), "--target", "cpu", "--verify")
         assert r.returncode == 0, r.stderr
         assert torch.equal(mq.MoELayer.from_checkpoint(out, 0).forward_topk(x, w, ids), want)
+        # The CUDA path's loader stacks the same int8 codes (it kept the stored dtype).
+        cuda_layer = mq.cuda.load_moe_layer_unverified(dst, 0, device="cpu")
+        assert torch.equal(cuda_layer.w13, source_cuda_layer.w13)
+        assert torch.equal(cuda_layer.w2, source_cuda_layer.w2)
     # int8 codes wrapped into U8 (a negative code becomes 129..255).
     dst = stored(torch.uint8, "uint8")
     bad_code = r"experts\.\d+\.\w+_proj\.weight'.*element \d+ is"
     with pytest.raises(mq.CheckpointError, match=bad_code):
         mq.MoELayer.from_checkpoint(dst, 0)
+    with pytest.raises(mq.CheckpointError, match=bad_code):
+        mq.cuda.load_moe_layer_unverified(dst, 0, device="cpu")
     r = cli("repack", str(dst), str(tmp_path / "uint8.cpu"), "--target", "cpu")
     assert r.returncode == 1 and "-128..=127" in r.stderr and not (tmp_path / "uint8.cpu").exists()
 
@@ -1423,6 +1431,19 @@ def test_marlin_reads_a_missing_g_idx_as_in_order(
     dst = without("experts.3.down_proj")
     r = cli("repack", str(dst), str(tmp_path / "down.marlin"), "--target", "marlin", "--verify")
     assert r.returncode == 0, r.stderr
+    # The CPU target likewise converts the layer (it was left in source form) and runs it as
+    # the source does.
+    import torch
+
+    r = cli("repack", str(dst), str(tmp_path / "down.cpu"), "--target", "cpu", "--verify")
+    assert r.returncode == 0, r.stderr
+    layers = mq.open(tmp_path / "down.cpu").moe_layers()
+    assert [(e["layer"], e.get("layout")) for e in layers] == [(0, "cpu"), (1, "cpu")]
+    x, w = torch.randn(4, 256), torch.full((4, 2), 0.5)
+    ids = torch.tensor([[3, 0], [3, 1], [2, 3], [3, 4]])
+    want = mq.MoELayer.from_checkpoint(dst, 0).forward_topk(x, w, ids)
+    got = mq.MoELayer.from_checkpoint(tmp_path / "down.cpu", 0).forward_topk(x, w, ids)
+    assert torch.equal(got, want)
     dst = without("experts.0.up_proj")
     r = cli("repack", str(dst), str(tmp_path / "up.marlin"), "--target", "marlin")
     assert r.returncode == 1
@@ -1433,7 +1454,8 @@ def test_two_repacks_to_one_out_dir_in_one_process(tmp_path: Path) -> None:
     """Two threads repacking into one OUT_DIR: the staging directory is named by the pid, so
     they shared it, the second removing the first's files, and a mixed checkpoint (Marlin
     tensors with a CPU layout record) could be committed with no error. Now one repack claims
-    it and the other is refused, naming OUT_DIR. Found by a review helper."""
+    it and the other is refused, naming OUT_DIR. (Whether the two overlap is up to the
+    scheduler; the claim itself is unit-tested in the Rust core.) Found by a review helper."""
     import threading
 
     src = Path(__file__).resolve().parent.parent / "examples" / "tiny-moe-int4-int8"

@@ -123,15 +123,19 @@ class Checkpoint:
 
     @property
     def config(self) -> dict[str, Any]:
-        """``config.json`` as a dict (a fresh copy each time is not made: do not mutate)."""
+        """``config.json`` as a dict (a copy: editing it changes nothing read later)."""
+        return copy.deepcopy(self._parsed_config())
+
+    def _parsed_config(self) -> dict[str, Any]:
         if self._config is None:
             self._config = json.loads(self._core.config_json())
         return self._config
 
     @property
     def quantization_config(self) -> dict[str, Any] | None:
-        qc = self.config.get("quantization_config")
-        return qc if isinstance(qc, dict) else None
+        """``config.json``'s ``quantization_config`` (a copy), or None."""
+        qc = self._parsed_config().get("quantization_config")
+        return copy.deepcopy(qc) if isinstance(qc, dict) else None
 
     def summary(self) -> dict[str, Any]:
         """The checkpoint facts of ``moeq inspect --json`` (a copy: editing it changes nothing
@@ -227,7 +231,9 @@ class Checkpoint:
         (``experts``, ``hidden``, ``intermediate``, ``intermediate_padded``, ``bits``,
         ``group_size``, ``symmetric``, ``act_order``, ``scale_dtype``, ``prefix``). Raises
         :class:`moeq_rs.UnsupportedSchemeError` for layers whose scheme the Marlin layout cannot
-        hold; limits of the kernels (see the plan's ``cuda`` backends) are not checked here.
+        hold; limits of the kernels (see the plan's ``cuda`` backends) are not checked here. On a
+        checkpoint repacked for Marlin: the stored layer, as written; one repacked for the CPU
+        raises :class:`moeq_rs.LayoutError` (its layers are not converted back).
         ``framework="numpy"``: numpy arrays instead of torch tensors (bf16 scales as uint16 bit
         patterns)."""
         index = int_in(layer, 0, I64_MAX)

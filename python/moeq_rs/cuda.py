@@ -674,6 +674,23 @@ def _int8_stack(ckpt: Any, info: dict[str, Any]) -> dict[str, Any]:
     def t(name: str) -> Any:
         return ckpt.tensor(name, "torch")
 
+    def codes(name: str) -> Any:
+        """int8 codes stored in any integer dtype opening accepts (I16, I32, U8 too), read by
+        value as the CPU path reads them; a value outside int8 is refused, naming it."""
+        v = t(name)
+        if v.dtype != torch.int8:
+            wide = v.to(torch.int64)
+            flat = wide.reshape(-1)
+            bad = ((flat < -128) | (flat > 127)).nonzero()
+            if len(bad):
+                at = int(bad[0])
+                raise CheckpointError(
+                    f"tensor '{name}': element {at} is {int(flat[at])} ({v.dtype} storage); "
+                    "8-bit integer codes lie in -128..=127"
+                )
+            v = wide.to(torch.int8)
+        return v
+
     w13, s13, w2, s2, a13, a2 = [], [], [], [], [], []
     static = not info["activation"]["dynamic"]
     if info["weight"]["strategy"] != "channel":
@@ -698,11 +715,11 @@ def _int8_stack(ckpt: Any, info: dict[str, Any]) -> dict[str, Any]:
     for e in range(info["num_experts"]):
         base = f"{p}.experts.{e}"
         gate, up, down = (f"{base}.{m}" for m in (gate_n, up_n, down_n))
-        w13.append(torch.cat([t(f"{gate}.weight"), t(f"{up}.weight")]))
+        w13.append(torch.cat([codes(f"{gate}.weight"), codes(f"{up}.weight")]))
         s13.append(
             torch.cat([t(f"{gate}.weight_scale"), t(f"{up}.weight_scale")]).float().reshape(-1)
         )
-        w2.append(t(f"{down}.weight"))
+        w2.append(codes(f"{down}.weight"))
         s2.append(t(f"{down}.weight_scale").float().reshape(-1))
         if static:
             g_in, u_in = one(f"{gate}.input_scale"), one(f"{up}.input_scale")

@@ -786,10 +786,13 @@ def _refuse_meta_mix(hidden_states: torch.Tensor, **others: torch.Tensor | None)
     ``hidden_states`` its ``empty_like`` would come back as the (unwritten) result."""
     meta = hidden_states.device.type == "meta"
     for name, t in others.items():
-        if isinstance(t, torch.Tensor) and (t.device.type == "meta") != meta:
+        # (A 0-d CPU tensor is a scalar to torch on any device: fused_moe's number scales.)
+        if not isinstance(t, torch.Tensor) or (t.dim() == 0 and t.device.type == "cpu"):
+            continue
+        if (t.device.type == "meta") != meta:
             raise LayoutError(
                 f"{name}: on device {t.device}, but hidden_states is on {hidden_states.device} "
-                "(MoE layers run on the CPU; meta tensors only trace shapes, all of them meta)"
+                "(meta tensors only trace shapes: all the tensor arguments on meta, or none)"
             )
 
 

@@ -360,5 +360,8 @@ def plan(
     for name, value in (("platform", platform), ("backend", backend)):
         if not (isinstance(value, str) or (name == "backend" and value is None)):
             raise ConfigError(f"arguments: {name}: expected a str, got {type(value).__name__}")
+        if isinstance(value, str) and not value.isascii():
+            # (Every platform and backend name is ASCII; lone surrogates would not even cross.)
+            raise ConfigError(f"arguments: {name}: {value!r} is not a {name} name")
     doc = ckpt._core.report_json(platform, as_int(sm), backend, tp, compat == "vllm")
     return Plan(json.loads(doc))

@@ -641,30 +641,33 @@ impl Model {
         check().err()
     }
 
-    /// What the CPU forward cannot read in a layer's shared expert: a projection stored
-    /// unquantized in another dtype than BF16, F16 or F32, or a shared expert gate that is not a
-    /// `[1, hidden]` vector of those (a quantized one, say). A CPU plan refusal and a loader
-    /// error, not an error opening the checkpoint, which other platforms and tools read.
     /// A score-correction bias that does not hold one value per expert: every engine's loader
     /// refuses it (the CPU loader names it), so the plan refuses the layer too rather than
     /// showing a backend the layer cannot load on. (Not an error at open: ERNIE-4.5-VL, say,
     /// stores one row per modality, which `inspect` should still describe.)
     pub fn correction_bias_problem(&self, l: &MoeLayer) -> Option<crate::error::Error> {
         let name = l.correction_bias.as_ref()?;
-        let info = self.ckpt.info(name)?;
+        let (file, info) = self.ckpt.locate(name)?;
         let values = info.numel();
         (values != l.experts.len()).then(|| {
-            module_error(
-                name,
-                format!(
-                    "holds {values} values (shape {:?}), expected one per expert ({})",
+            crate::error::CheckpointError::Tensor {
+                path: file.path().to_path_buf(),
+                tensor: name.clone(),
+                reason: format!(
+                    "holds {values} values (shape {:?}), expected one score-correction value \
+                     per expert ({})",
                     info.shape,
                     l.experts.len()
                 ),
-            )
+            }
+            .into()
         })
     }
 
+    /// What the CPU forward cannot read in a layer's shared expert: a projection stored
+    /// unquantized in another dtype than BF16, F16 or F32, or a shared expert gate that is not a
+    /// `[1, hidden]` vector of those (a quantized one, say). A CPU plan refusal and a loader
+    /// error, not an error opening the checkpoint, which other platforms and tools read.
     pub fn shared_expert_problem(&self, l: &MoeLayer) -> Option<crate::error::Error> {
         if let Some(s) = &l.shared_experts {
             for m in s.gate.iter().chain([&s.up, &s.down]) {

@@ -139,8 +139,8 @@ fn preset_form_expands() {
     }
 }
 
-/// compressed-tensors' `QuantizationScheme` requires `targets` (vLLM's parse too, with a
-/// KeyError); `[]` is a group that targets nothing.
+/// compressed-tensors' `QuantizationScheme` requires `targets` (vLLM's parse fails without it
+/// too); `[]` is a group that targets nothing.
 #[test]
 fn a_config_group_lists_its_targets() {
     let w = json!({"num_bits": 4, "group_size": 128});

@@ -169,12 +169,14 @@ pub fn geometry(l: &MoeLayer) -> Option<CpuGeometry> {
     let w = first.weights()?.clone();
     let a = first.input_activations().cloned();
     let format = first.format();
-    let act_order = first.has_g_idx && w.actorder == Some(crate::scheme::ActOrder::Group);
+    // Act-order where any projection stores a g_idx, as the Marlin target decides: one without
+    // is read in order (an identity permutation), as the loader reads it.
+    let act_order = w.actorder == Some(crate::scheme::ActOrder::Group)
+        && l.experts
+            .iter()
+            .any(|e| e.modules().any(|(_, m)| m.has_g_idx));
     let fits = |m: &crate::scheme::module::ModuleInfo| {
-        m.format() == format
-            && m.weights() == Some(&w)
-            && m.input_activations() == a.as_ref()
-            && (m.has_g_idx && w.actorder == Some(crate::scheme::ActOrder::Group)) == act_order
+        m.format() == format && m.weights() == Some(&w) && m.input_activations() == a.as_ref()
     };
     let scheme_ok = match (&a, format) {
         (Some(a), Format::IntQuantized) => {

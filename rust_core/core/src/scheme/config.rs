@@ -366,7 +366,8 @@ impl QuantizationConfig {
                         let targets = g.field("targets");
                         if matches!(targets.value, None | Some(Value::Null)) {
                             // compressed-tensors' QuantizationScheme requires the field (vLLM
-                            // fails on it too, with a KeyError).
+                            // fails on it too: main's from_config with a KeyError, 0.32's
+                            // scheme map with a TypeError).
                             return Err(targets.invalid(
                                 "missing: every config group lists its target modules (a list of names, class names or \"re:\" regexes; [] for none)",
                             ));
