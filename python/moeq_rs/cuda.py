@@ -677,19 +677,8 @@ def _int8_stack(ckpt: Any, info: dict[str, Any]) -> dict[str, Any]:
     def codes(name: str) -> Any:
         """int8 codes stored in any integer dtype opening accepts (I16, I32, U8 too), read by
         value as the CPU path reads them; a value outside int8 is refused, naming it."""
-        v = t(name)
-        if v.dtype != torch.int8:
-            wide = v.to(torch.int64)
-            flat = wide.reshape(-1)
-            bad = ((flat < -128) | (flat > 127)).nonzero()
-            if len(bad):
-                at = int(bad[0])
-                raise CheckpointError(
-                    f"tensor '{name}': element {at} is {int(flat[at])} ({v.dtype} storage); "
-                    "8-bit integer codes lie in -128..=127"
-                )
-            v = wide.to(torch.int8)
-        return v
+        data, shape = ckpt._core.int8_codes(name)
+        return torch.frombuffer(data, dtype=torch.int8).reshape(shape)
 
     w13, s13, w2, s2, a13, a2 = [], [], [], [], [], []
     static = not info["activation"]["dynamic"]

@@ -352,6 +352,21 @@ impl Checkpoint {
             d.shape.to_vec(),
         ))
     }
+
+    /// A tensor of 8-bit integer weight codes as int8 `(bytearray, shape)`: read by its
+    /// stored dtype's values (I16, I32 and U8 too), each within -128..=127, as the CPU loader
+    /// reads them (`moeq_core::cpu::load::int8_codes`).
+    fn int8_codes<'py>(
+        &self,
+        py: Python<'py>,
+        name: &str,
+    ) -> PyResult<(Bound<'py, PyByteArray>, Vec<usize>)> {
+        let ckpt = self.model.checkpoint();
+        let shape = self.locate(py, name)?.1.shape.to_vec();
+        let codes = moeq_core::cpu::load::int8_codes(ckpt, name).map_err(|e| to_py(py, e))?;
+        let bytes: Vec<u8> = codes.into_iter().map(|v| v as u8).collect();
+        Ok((PyByteArray::new(py, &bytes), shape))
+    }
 }
 
 /// `(name, dtype, shape, bytes)` of one converted tensor.

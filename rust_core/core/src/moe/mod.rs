@@ -82,6 +82,19 @@ pub struct MoeLayer {
     pub shared_expert_gate: Option<String>,
 }
 
+impl MoeLayer {
+    /// Whether the routed experts run act-order for weights `w` (expert 0's): `actorder:
+    /// "group"` and a `weight_g_idx` stored by any projection; one stored without is read in
+    /// order, as the CPU loader and `dequantize` read it. Both repack targets decide so.
+    pub fn act_order(&self, w: &crate::scheme::QuantArgs) -> bool {
+        w.actorder == Some(crate::scheme::ActOrder::Group)
+            && self
+                .experts
+                .iter()
+                .any(|e| e.modules().any(|(_, m)| m.has_g_idx))
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Scoring {
     Softmax,

@@ -169,12 +169,7 @@ pub fn geometry(l: &MoeLayer) -> Option<CpuGeometry> {
     let w = first.weights()?.clone();
     let a = first.input_activations().cloned();
     let format = first.format();
-    // Act-order where any projection stores a g_idx, as the Marlin target decides: one without
-    // is read in order (an identity permutation), as the loader reads it.
-    let act_order = w.actorder == Some(crate::scheme::ActOrder::Group)
-        && l.experts
-            .iter()
-            .any(|e| e.modules().any(|(_, m)| m.has_g_idx));
+    let act_order = l.act_order(&w);
     let fits = |m: &crate::scheme::module::ModuleInfo| {
         m.format() == format && m.weights() == Some(&w) && m.input_activations() == a.as_ref()
     };

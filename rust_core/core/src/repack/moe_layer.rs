@@ -16,7 +16,7 @@ use crate::error::{Error, LayoutError, Result, UnsupportedSchemeError};
 use crate::moe::MoeLayer;
 use crate::quant::pack::{field, PackVariant};
 use crate::scheme::module::{ModuleInfo, ZeroPointLayout};
-use crate::scheme::{ActOrder, Format, Strategy};
+use crate::scheme::{Format, Strategy};
 
 /// The Marlin group sizes (`-1` = channelwise).
 pub const MARLIN_GROUPS: [i64; 4] = [-1, 32, 64, 128];
@@ -238,13 +238,8 @@ pub fn geometry(layer: &MoeLayer) -> Result<MarlinGeometry> {
             ),
         ));
     }
-    // Act-order where any projection stores a g_idx (one without reads as in order), not only
-    // where expert 0's up_proj does: without its g_idx the whole layer lost act-order.
-    let act_order = w.actorder == Some(ActOrder::Group)
-        && layer
-            .experts
-            .iter()
-            .any(|x| x.modules().any(|(_, m)| m.has_g_idx));
+    // (Not where expert 0's up_proj stores a g_idx: without it the whole layer lost act-order.)
+    let act_order = layer.act_order(w);
     let (h, i) = (layer.hidden_size, layer.intermediate_size);
     let g = w.group_size;
     let ip = if act_order {

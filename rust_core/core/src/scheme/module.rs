@@ -31,8 +31,8 @@ pub struct ResolvedScheme {
     pub vllm_format: Option<Format>,
     pub weights: Option<QuantArgs>,
     pub input_activations: Option<QuantArgs>,
-    /// vLLM reads the group's `input_activations` as none (see
-    /// [`super::config::Scheme::vllm_input_activations`]).
+    /// vLLM reads the group's `input_activations` as none: an empty `{}` (see
+    /// [`super::config::Scheme::empty_input_activations`]).
     pub vllm_drops_input_activations: bool,
 }
 
@@ -222,8 +222,7 @@ pub fn analyze(
                 vllm_format: s.vllm_format(),
                 weights: s.weights.clone(),
                 input_activations: s.input_activations.clone(),
-                vllm_drops_input_activations: s.input_activations.is_some()
-                    && s.vllm_input_activations().is_none(),
+                vllm_drops_input_activations: s.empty_input_activations,
             }),
     };
     let stored_unquantized = qc.is_some_and(QuantizationConfig::stored_unquantized);
