@@ -3,9 +3,10 @@
 // order within an expert, so the result is deterministic). One block, one thread per expert
 // (E <= 1024).
 
-extern "C" __global__ void moe_align(const int* __restrict__ topk_ids, int slots, int experts,
-                                     int* __restrict__ expert_offsets,
-                                     int* __restrict__ sorted_slots) {
+// The bound lets a block of up to 1024 threads launch whatever registers NVRTC assigns.
+extern "C" __global__ void __launch_bounds__(1024)
+    moe_align(const int* __restrict__ topk_ids, int slots, int experts,
+              int* __restrict__ expert_offsets, int* __restrict__ sorted_slots) {
     __shared__ int counts[1024];
     int e = threadIdx.x;
     if (e < experts) {

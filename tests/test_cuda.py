@@ -574,6 +574,30 @@ def test_wna16_launcher_refuses_shapes_the_kernel_would_overrun(
     mq.cuda._check_grid(1024, 8, 128)
 
 
+def test_w8a8_launcher_refuses_empty_dimensions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """H or I of 0 would launch an empty grid (a bare CUDA_ERROR_INVALID_VALUE): refused by
+    name, while the same call with I = 4 passes validation."""
+    import torch
+
+    e, h = 2, 32
+    _validate_only(monkeypatch)
+    for inter in (0, 4):
+        args = (
+            torch.randn(3, h, dtype=torch.bfloat16),
+            torch.randn(3, e),
+            torch.zeros(e, 2 * inter, h, dtype=torch.int8),
+            torch.ones(e, 2 * inter),
+            torch.zeros(e, h, inter, dtype=torch.int8),
+            torch.ones(e, h),
+        )
+        if inter == 0:
+            with pytest.raises(mq.LayoutError, match="positive multiples of 4.*I=0"):
+                mq.cuda.w8a8_moe_unverified(*args, top_k=1)
+        else:
+            with pytest.raises(_Validated):
+                mq.cuda.w8a8_moe_unverified(*args, top_k=1)
+
+
 def test_act_order_indices_are_range_checked(fixture_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A sort index past K would make the kernel read past an activation row: refused."""
     import torch

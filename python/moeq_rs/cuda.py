@@ -337,8 +337,13 @@ def w8a8_moe_unverified(
     inter = two_i // 2
     if w2.dtype != torch.int8 or tuple(w2.shape) != (e, h, inter):
         raise LayoutError(f"w2: expected int8 [{e}, {h}, {inter}]")
-    if h % 4 or inter % 4 or two_i % 2:
-        raise LayoutError("w13/w2: H and I must be multiples of 4 (4-byte dp4a rows)")
+    if h % 4 or inter % 4 or two_i % 2 or h == 0 or inter == 0:
+        # An empty dimension would launch an empty grid, which the driver refuses with a bare
+        # CUDA_ERROR_INVALID_VALUE.
+        raise LayoutError(
+            f"w13/w2: H and I must be positive multiples of 4 (4-byte dp4a rows), got H={h}, "
+            f"I={two_i / 2:g}"
+        )
     if w13_scale.dtype != torch.float32 or tuple(w13_scale.shape) != (e, two_i):
         raise LayoutError(f"w13_scale: expected float32 [{e}, {two_i}]")
     if w2_scale.dtype != torch.float32 or tuple(w2_scale.shape) != (e, h):

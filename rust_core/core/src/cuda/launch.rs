@@ -69,6 +69,28 @@ pub fn device_arch(ordinal: i32) -> Result<String, CudaError> {
     Ok(format!("sm_{major}{minor}"))
 }
 
+/// The calling thread's current CUDA context when captured, made current again on drop.
+struct RestoreContext(Option<sys::CUcontext>);
+
+impl RestoreContext {
+    fn capture() -> Result<Self, CudaError> {
+        result::ctx::get_current()
+            .map(Self)
+            .map_err(|e| driver(e, "cuCtxGetCurrent"))
+    }
+}
+
+impl Drop for RestoreContext {
+    fn drop(&mut self) {
+        let previous = self.0.unwrap_or(std::ptr::null_mut());
+        // SAFETY: `previous` was current on this thread when captured (or null, which unbinds
+        // the thread); a context torch or the caller made current stays alive across a launch.
+        // A failure here cannot be reported from a destructor, and the launch's own result
+        // is what the caller acts on.
+        let _ = unsafe { result::ctx::set_current(previous) };
+    }
+}
+
 /// Launches `entry` of kernel variant `variant` on device `ordinal`, stream `stream` (a
 /// `cudaStream_t` as an integer; 0 is the legacy default stream).
 ///
@@ -88,6 +110,13 @@ pub unsafe fn launch(
     args: &[Arg],
     nvrtc_dirs: &[std::path::PathBuf],
 ) -> Result<(), CudaError> {
+    // Launching makes `ordinal`'s primary context current; the caller's is put back on
+    // return, or torch (which reads its current device from the current context) would place
+    // later allocations on this device.
+    if !super::driver_available() {
+        return Err(err("cuda", "no CUDA driver or device"));
+    }
+    let _restore = RestoreContext::capture()?;
     let mut guard = LOADED
         .lock()
         .map_err(|_| err("cuda", "module cache lock poisoned"))?;
