@@ -219,6 +219,34 @@ def test_progress_ends_at_its_totals(
     assert all(e[3] <= e[4] for e in events)
 
 
+@pytest.mark.parametrize("target", ["marlin", "cpu"])
+def test_verify_reports_its_own_progress(
+    fixture_path: Callable[[str], Path], tmp_path: Path, target: str
+) -> None:
+    """--verify (most of a verified repack's time) reported the final counts on every tick:
+    the bar sat at 100% and a log got one identical line per tick. Its ticks now count the
+    layers checked and their bytes, from the copies' bytes up to the total."""
+    events: list[tuple[str, int, int, int, int]] = []
+
+    def progress(*event: Any) -> None:
+        events.append(event)
+
+    out = tmp_path / "out"
+    src = fixture_path("laguna_mixed_int4_int8")
+    repack_checkpoint(src, out, target=target, verify=True, progress=progress)
+    copied = max(e[3] for e in events if e[0] == "copy")
+    ticks = [(e[1], e[3]) for e in events if e[0] == "verify"]
+    total, wtotal = events[-1][2], events[-1][4]
+    assert ticks[0][1] == copied < ticks[-1][1] == wtotal, ticks
+    assert ticks == sorted(ticks) and ticks[-1][0] == total
+    assert len({b for _, b in ticks}) == 1 + len(mq.open(out).moe_layers())
+    # A log (stderr not a terminal) gets a line per tenth, not one per tick.
+    r = cli("repack", str(src), str(tmp_path / "o2"), "--target", target, "--verify")
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.startswith("repack [")]
+    assert 0 < sum(" verify " in x for x in lines) <= 11 and len(lines) <= 22, r.stderr
+
+
 @pytest.mark.parametrize("stage", ["verify", "commit"])
 def test_an_interrupt_while_verifying_or_before_the_commit_leaves_nothing(
     fixture_path: Callable[[str], Path], tmp_path: Path, stage: str
@@ -506,6 +534,46 @@ def test_bad_max_shard_size(fixture_path: Callable[[str], Path], tmp_path: Path)
         "lots",
     )
     assert r.returncode == 1 and "cannot read 'lots'" in r.stderr
+
+
+def test_more_shards_than_the_process_may_hold_open(tmp_path: Path) -> None:
+    """An output of more shards than the open-file limit (1,024 by default; a 700 GB model in
+    500 MB shards has 1,400) is written: shards are not all held open at once."""
+    import resource
+
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
+
+    out = tmp_path / "o"
+    r = subprocess.run(
+        [sys.executable, "-m", "moeq_rs", "repack", "examples/tiny-moe-int4-int8", str(out),
+         "--target", "cpu", "--max-shard-size", "1KB", "--verify"],
+        capture_output=True, text=True, preexec_fn=low_limit, cwd=Path(__file__).parent.parent,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) > 48, len(shards)
+    assert len(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]) > 48
+    assert mq.open(out).summary()["layout"] == "cpu"
+
+
+def test_a_failed_write_is_named_by_out_dir(tmp_path: Path) -> None:
+    """A write that fails (here a file-size limit; a full disk alike) named the hidden staging
+    directory, gone by the time the message is read; it names OUT_DIR and the file."""
+    import resource
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+    out = tmp_path / "o"
+    r = subprocess.run(
+        [sys.executable, "-m", "moeq_rs", "repack", "examples/tiny-moe-int4-int8", str(out),
+         "--target", "cpu"],
+        capture_output=True, text=True, preexec_fn=small_files, cwd=Path(__file__).parent.parent,
+    )  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    assert f"moeq: error: {out}: writing model.safetensors: File too large" in r.stderr, r.stderr
+    assert "moeq-tmp" not in r.stderr and list(tmp_path.iterdir()) == []
 
 
 def test_repacked_checkpoint_inspects(fixture_path: Callable[[str], Path], tmp_path: Path) -> None:
@@ -931,20 +999,22 @@ def test_paths_the_terminal_cannot_encode_are_escaped(
 
 
 @pytest.mark.parametrize(
-    ("name", "target"),
+    ("name", "target", "suffix"),
     [
-        ("qwen3_w4a16_g128_sym", "marlin"),
-        ("qwen3_w4a16_actorder", "cpu"),
-        ("qwen3_w8a8_dynamic", "cpu"),
+        ("qwen3_w4a16_g128_sym", "marlin", "w13_weight_packed"),
+        ("qwen3_w4a16_actorder", "cpu", "w13_weight_packed"),
+        ("qwen3_w8a8_dynamic", "cpu", "w13_weight_packed"),
+        ("qwen3_w8a8_static", "cpu", "w13_input_scale"),
+        ("qwen3_w8a8_static", "cpu", "w2_input_scale"),
     ],
 )
 def test_verify_catches_a_changed_byte(
-    fixture_path: Callable[[str], Path], tmp_path: Path, name: str, target: str
+    fixture_path: Callable[[str], Path], tmp_path: Path, name: str, target: str, suffix: str
 ) -> None:
     """--verify compares what was written with the source: one expert byte changed in the
     written shard (after the write, before the verify reads it) fails the repack, naming the
     module, and nothing is left at OUT_DIR. (Each verify path: Marlin, CPU weight-only, CPU
-    W8A8.)"""
+    W8A8, and W8A8's static activation scales, which verify once skipped.)"""
     src = fixture_path(name)
     out = tmp_path / "out"
     changed: list[str] = []
@@ -955,7 +1025,7 @@ def test_verify_catches_a_changed_byte(
         (tmp,) = tmp_path.glob(".out.moeq-tmp-*")
         for shard in sorted(tmp.glob("*.safetensors")):
             header, _ = read_raw(shard)
-            tensor = next((t for t in header if t.endswith("experts.w13_weight_packed")), None)
+            tensor = next((t for t in header if t.endswith(f"experts.{suffix}")), None)
             if tensor is None:
                 continue
             begin, end = header[tensor]["data_offsets"]
@@ -971,7 +1041,7 @@ def test_verify_catches_a_changed_byte(
 
     with pytest.raises(mq.LayoutError, match="differs between the source and the"):
         repack_checkpoint(src, out, target=target, verify=True, progress=progress)
-    assert changed, "no stacked w13 tensor found to change"
+    assert changed, f"no stacked {suffix} tensor found to change"
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
@@ -1181,7 +1251,7 @@ def test_a_side_file_that_cannot_be_written_names_the_output(
 ) -> None:
     """A write error while copying a side file (here a file-size limit; a full disk alike)
     named the source file, sending the user to the wrong disk; it names what was being
-    written."""
+    written, by OUT_DIR (the staging directory it is written in is hidden, and gone)."""
     src = tmp_path / "src"
     shutil.copytree(fixture_path("qwen3_w4a16_sharded"), src)
     (src / "tokenizer.json").write_bytes(b"x" * (3 << 20))
@@ -1202,7 +1272,8 @@ def test_a_side_file_that_cannot_be_written_names_the_output(
     assert r.returncode == 1, r.stdout
     last = r.stderr.splitlines()[-1]
     assert last.startswith("moeq: error: ") and "tokenizer.json: File too large" in last, last
-    assert str(src) not in last and ".o.moeq-tmp-" in last
+    assert str(src) not in last and "moeq-tmp" not in last
+    assert f"{tmp_path / 'o'}: writing tokenizer.json: File too large" in last, last
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 

@@ -276,7 +276,7 @@ class _ProgressBar:
         )
         if self._tty:
             self._print("\r" + line, end="")
-        elif int(frac * 10) != self._last_decile or stage == "verify":
+        elif int(frac * 10) != self._last_decile:
             self._last_decile = int(frac * 10)
             self._print(line)
 

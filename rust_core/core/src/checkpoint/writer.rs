@@ -143,23 +143,46 @@ impl Plan {
     }
 }
 
-/// Open shard files of a plan, headers written, data filled in by [`ShardWriter::write`].
+/// Shard files a writer keeps open for its whole life. Beyond this many, each write opens its
+/// shard: a plan of more shards than the process may hold open (1,024 is a common default
+/// limit; a 700 GB model in 500 MB shards has 1,400) must still be writable.
+const KEEP_OPEN: usize = 64;
+
+/// The shard files of a plan, headers written, data filled in by [`ShardWriter::write`].
 pub struct ShardWriter {
     plan: Plan,
-    files: Vec<(PathBuf, File)>,
+    /// Each shard's path and, for plans of at most [`KEEP_OPEN`] shards, its open file.
+    files: Vec<(PathBuf, Option<File>)>,
 }
 
 impl ShardWriter {
     pub fn create(dir: &Path, plan: Plan) -> Result<ShardWriter> {
+        let keep = plan.shards.len() <= KEEP_OPEN;
         let mut files = Vec::with_capacity(plan.shards.len());
         for s in &plan.shards {
             let path = dir.join(&s.file_name);
             let f = File::create(&path).map_err(|e| io(&path, e))?;
             f.set_len(s.size).map_err(|e| io(&path, e))?;
             f.write_all_at(&s.header, 0).map_err(|e| io(&path, e))?;
-            files.push((path, f));
+            files.push((path, keep.then_some(f)));
         }
         Ok(ShardWriter { plan, files })
+    }
+
+    /// Runs `f` on shard `path`'s file: the kept one, or the file opened for this call.
+    fn with_file<T>(
+        path: &Path,
+        kept: Option<&File>,
+        f: impl FnOnce(&File) -> std::io::Result<T>,
+    ) -> Result<T> {
+        match kept {
+            Some(file) => f(file),
+            None => std::fs::OpenOptions::new()
+                .write(true)
+                .open(path)
+                .and_then(|file| f(&file)),
+        }
+        .map_err(|e| io(path, e))
     }
 
     pub fn plan(&self) -> &Plan {
@@ -209,14 +232,15 @@ impl ShardWriter {
                 path: PathBuf::from(name),
                 reason: "shard missing".into(),
             })?;
-        f.write_all_at(data, slot.offset + offset)
-            .map_err(|e| io(path, e))
+        Self::with_file(path, f.as_ref(), |file| {
+            file.write_all_at(data, slot.offset + offset)
+        })
     }
 
     /// Flushes every shard to disk.
     pub fn finish(self) -> Result<()> {
         for (path, f) in &self.files {
-            f.sync_all().map_err(|e| io(path, e))?;
+            Self::with_file(path, f.as_ref(), File::sync_all)?;
         }
         Ok(())
     }

@@ -336,6 +336,62 @@ fn not_replaceable(out_dir: &Path) -> Option<String> {
     None
 }
 
+/// Why a repack does not replace what came to be at OUT_DIR after its checks.
+const APPEARED: &str =
+    "appeared while the repack ran; not replaced (remove it, or run again with --force to \
+     replace it)";
+
+/// The error of the rename that commits the output: something that took OUT_DIR in the
+/// meantime is named as such, not as the OS's "Directory not empty".
+fn commit_error(out_dir: &Path, e: std::io::Error) -> Error {
+    let taken = e.kind() == std::io::ErrorKind::AlreadyExists
+        || matches!(e.raw_os_error(), Some(libc::ENOTEMPTY | libc::EEXIST));
+    if taken {
+        output_error(out_dir, APPEARED)
+    } else {
+        io(out_dir, e)
+    }
+}
+
+/// Renames `from` to `to` unless something is at `to`: then `AlreadyExists`, where a plain
+/// rename would silently replace an empty directory that appeared there. Linux's
+/// `renameat2(RENAME_NOREPLACE)` makes the check and the rename one step; where it is missing
+/// (another OS, an old kernel, a file system without the flag) the check comes just before.
+fn rename_no_replace(from: &Path, to: &Path) -> std::io::Result<()> {
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let cstr = |p: &Path| {
+            std::ffi::CString::new(p.as_os_str().as_bytes())
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))
+        };
+        let (a, b) = (cstr(from)?, cstr(to)?);
+        // SAFETY: both paths are NUL-terminated strings that outlive the call, which only
+        // reads them; the syscall (as opposed to glibc's wrapper, 2.28+) works on any glibc.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_renameat2,
+                libc::AT_FDCWD,
+                a.as_ptr(),
+                libc::AT_FDCWD,
+                b.as_ptr(),
+                libc::RENAME_NOREPLACE,
+            )
+        };
+        if r == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        if !matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EINVAL)) {
+            return Err(e);
+        }
+    }
+    if to.exists() || to.is_symlink() {
+        return Err(std::io::ErrorKind::AlreadyExists.into());
+    }
+    std::fs::rename(from, to)
+}
+
 /// Whether this process may remove the entries of `dir`: write and search permission on it
 /// (`access(2)`, for this process's user; a read-only mount fails too), and on Linux no
 /// immutable or append-only flag on it or on any of its files, which stop even root.
@@ -733,6 +789,8 @@ pub fn repack(
         report("copy", done, written)?;
         let version = model.quantization_config().and_then(|q| q.version.clone());
         let mut layer_meta = Vec::new();
+        // What the copies and then each layer wrote: verify's progress, in the same bytes.
+        let mut written_by = vec![written];
         for job in &layers {
             let l = job.layer();
             // The source pages of an expert are dropped as soon as it is converted.
@@ -782,6 +840,7 @@ pub fn repack(
                 }
             }
             done += 1;
+            written_by.push(written);
             report("layers", done, written)?;
         }
         let index = writer.plan().index_json();
@@ -821,7 +880,11 @@ pub fn repack(
                 &copied,
                 &tmp.path,
                 &shard_names,
-                &mut || report("verify", done, written),
+                // Before layer `j`: the copies and `j` layers checked.
+                &mut |j| {
+                    let bytes = written_by.get(j).copied().unwrap_or(written);
+                    report("verify", copied.len() + j, bytes)
+                },
             )?;
             report("verify", done, written)?;
         }
@@ -836,11 +899,7 @@ pub fn repack(
             // Something appeared at OUT_DIR while we wrote (another repack, say): --force was
             // given for what was there at the start, if anything, not for this.
             if !existed {
-                return Err(output_error(
-                    out_dir,
-                    "appeared while the repack ran; not replaced (remove it, or run again with \
-                     --force to replace it)",
-                ));
+                return Err(output_error(out_dir, APPEARED));
             }
             // What was there may have changed since the checks at the start.
             if let Some(why) = not_replaceable(&entry) {
@@ -858,8 +917,8 @@ pub fn repack(
                     io(out_dir, e)
                 }
             })?;
-            if let Err(e) = std::fs::rename(&tmp.path, &entry) {
-                let err = io(out_dir, e);
+            if let Err(e) = rename_no_replace(&tmp.path, &entry) {
+                let err = commit_error(out_dir, e);
                 return Err(match std::fs::rename(&old, &entry) {
                     Ok(()) => err,
                     // Said, not hidden: the next runs would remove it as abandoned.
@@ -874,7 +933,7 @@ pub fn repack(
                 .err()
                 .map(|e| moved_aside(&old, &format!("removed ({e}); remove it by hand")));
         } else {
-            std::fs::rename(&tmp.path, &entry).map_err(|e| io(out_dir, e))?;
+            rename_no_replace(&tmp.path, &entry).map_err(|e| commit_error(out_dir, e))?;
             tmp.committed = true;
         }
         // The rename to disk, so that a crash now keeps the output. Best effort: the output is
@@ -891,10 +950,31 @@ pub fn repack(
             leftover,
         })
     })();
-    result.map_err(|e| match tmp.discard() {
-        Some(note) => e.noted(note),
-        None => e,
+    result.map_err(|e| {
+        let e = named_by_out_dir(e, &tmp.path, out_dir);
+        match tmp.discard() {
+            Some(note) => e.noted(note),
+            None => e,
+        }
     })
+}
+
+/// An I/O error on a file of the staging directory (a full disk, say), named by OUT_DIR and
+/// the file's name in it: the staging directory is hidden, and gone once the error is read.
+fn named_by_out_dir(e: Error, staging: &Path, out_dir: &Path) -> Error {
+    match e {
+        Error::Checkpoint(CheckpointError::Io { path, source }) if path.starts_with(staging) => {
+            let name = path.strip_prefix(staging).unwrap_or(&path);
+            output_error(
+                out_dir,
+                format!(
+                    "writing {}: {source} (nothing was written to OUT_DIR)",
+                    name.display()
+                ),
+            )
+        }
+        e => e,
+    }
 }
 
 /// Every stored tensor of an expert's projections (`weight_packed`, `weight_scale`, ...).
@@ -1105,7 +1185,7 @@ fn verify(
     copied: &[String],
     dir: &Path,
     shards: &[String],
-    tick: &mut dyn FnMut() -> Result<()>,
+    tick: &mut dyn FnMut(usize) -> Result<()>,
 ) -> Result<usize> {
     let files: Vec<SafetensorsFile> = shards
         .iter()
@@ -1131,8 +1211,8 @@ fn verify(
     }
     let mut checked = 0;
     let threads = rayon::current_num_threads().max(1);
-    for job in layers {
-        tick()?;
+    for (j, job) in layers.iter().enumerate() {
+        tick(j)?;
         let (l, g) = match job {
             Job::Marlin(l, g) => (l, g),
             Job::Cpu(l, g) if g.activation.is_none() => {
@@ -1163,7 +1243,7 @@ fn verify(
         // batches, a chance to stop (Ctrl-C).
         let experts: Vec<_> = l.experts.iter().enumerate().collect();
         for batch in experts.chunks(threads) {
-            tick()?;
+            tick(j)?;
             let modules: Vec<_> = batch
                 .iter()
                 .flat_map(|&(e, x)| x.modules().map(move |(role, m)| (e, role, m)))
@@ -1217,6 +1297,15 @@ fn verify_cpu<'f>(
             .collect()
     };
     let (s13, s2, c13, c2) = (ints(s13.2), ints(s2.2), floats(c13.2), floats(c2.2));
+    // Static activation scales: one per expert and projection input.
+    let (a13, a2) = if g.static_act {
+        (
+            floats(fetch("w13_input_scale")?.2),
+            floats(fetch("w2_input_scale")?.2),
+        )
+    } else {
+        (Vec::new(), Vec::new())
+    };
     let (h, i) = (g.hidden, g.intermediate);
     let e_count = g.experts.max(1);
     let (w13_len, w2_len) = (w13.2.len() / e_count, w2.2.len() / e_count);
@@ -1260,6 +1349,14 @@ fn verify_cpu<'f>(
             let want_scale = crate::cpu::load::floats(ckpt, &format!("{}.weight_scale", m.name))?;
             if src.len() != n * k || want_scale.as_slice() != scales {
                 return Err(fail(m.name.clone()));
+            }
+            if g.static_act {
+                let stored = if role.name() == "down" { &a2 } else { &a13 }.get(e);
+                let input = format!("{}.input_scale", m.name);
+                let want = crate::cpu::load::input_scales(ckpt, &input)?;
+                if stored.map(|v| v.to_bits()) != want.first().map(|v| v.to_bits()) {
+                    return Err(fail(input));
+                }
             }
             for j in 0..n {
                 let row = &src[j * k..(j + 1) * k];
@@ -1349,6 +1446,34 @@ fn verify_cpu_weight_only(
 #[cfg(all(test, target_os = "linux"))]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_commit_rename_never_replaces_what_appeared() {
+        let dir = tempfile::tempdir().unwrap();
+        let (staged, out) = (dir.path().join("staged"), dir.path().join("out"));
+        std::fs::create_dir(&staged).unwrap();
+        std::fs::write(staged.join("model.safetensors"), b"ours").unwrap();
+        // An empty directory, which a plain rename(2) silently replaces, and a file.
+        std::fs::create_dir(&out).unwrap();
+        let e = rename_no_replace(&staged, &out).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::AlreadyExists, "{e}");
+        let msg = commit_error(&out, e).to_string();
+        assert!(
+            msg.contains("appeared while the repack ran; not replaced"),
+            "{msg}"
+        );
+        assert!(out.read_dir().unwrap().next().is_none() && staged.exists());
+        std::fs::remove_dir(&out).unwrap();
+        std::fs::write(&out, b"theirs").unwrap();
+        assert!(rename_no_replace(&staged, &out).is_err());
+        assert_eq!(std::fs::read(&out).unwrap(), b"theirs");
+        std::fs::remove_file(&out).unwrap();
+        rename_no_replace(&staged, &out).unwrap();
+        assert_eq!(
+            std::fs::read(out.join("model.safetensors")).unwrap(),
+            b"ours"
+        );
+    }
 
     #[test]
     fn a_staging_directory_is_claimed_by_one_repack_at_a_time() {
