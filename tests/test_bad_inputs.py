@@ -1054,6 +1054,33 @@ def test_from_tensors_argument_checks_the_native_side_does_not_repeat() -> None:
         )
 
 
+def test_routing_and_shape_errors_say_what_is_accepted() -> None:
+    """A negative expert id and one past the last are worded alike, by [token, slot]; float8
+    inputs are told which dtypes are accepted; an int4 layer whose I is not a multiple of 8 is
+    told so, not asked for a w2 shape that cannot exist."""
+    w13, w2, s13, s2 = _int8_layer_tensors()
+    moe = mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a16", top_k=2)
+    x, w = torch.randn(3, 64), torch.rand(3, 2)
+    for bad in (-1, 2):
+        ids = torch.tensor([[0, 1], [1, bad], [0, 0]])
+        with pytest.raises(
+            mq.LayoutError,
+            match=rf"moe forward: topk_ids\[1, 1\] = {bad} is not an expert \(the layer has 2",
+        ):
+            moe.forward_topk(x, w, ids)
+    with pytest.raises(
+        mq.LayoutError, match="hidden_states: expected float32, float64, float16 or bfloat16"
+    ):
+        moe(x.to(torch.float8_e4m3fn), torch.randn(3, 2))
+    e, h, i = 2, 16, 4
+    with pytest.raises(mq.LayoutError, match="a multiple of 8, got I = 4"):
+        mq.MoELayer.from_tensors(
+            torch.zeros(e, 2 * i, h // 8, dtype=torch.int32),
+            torch.zeros(e, h, 1, dtype=torch.int32),
+            torch.ones(e, 2 * i, 1), torch.ones(e, h, 1), scheme="w4a16", top_k=1,
+        )  # fmt: skip
+
+
 def test_checkpoint_api_argument_errors(fixture_path) -> None:  # type: ignore[no-untyped-def]
     ck = mq.open(fixture_path("qwen3_w4a16_g128_sym"))
     name = next(iter(ck.tensor_names()))

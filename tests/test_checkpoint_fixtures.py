@@ -434,3 +434,29 @@ def test_summary_and_moe_layers_are_copies(fixture_path: Callable[[str], Path]) 
     ckpt.config["num_experts"] = 1
     ckpt.quantization_config["config_groups"].clear()  # type: ignore[index]
     assert ckpt.config == config and ckpt.quantization_config == config["quantization_config"]
+
+
+def test_checkpoint_copies_and_pickles_as_its_directory(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """deepcopy of anything holding a Checkpoint, and pickling one (multiprocessing's spawn),
+    failed with the native object's bare TypeError. A deep copy shares the read-only object; a
+    pickle carries the directory, opened and checked again where it is loaded."""
+    import copy
+    import pickle
+    import shutil
+
+    src = tmp_path / "ck"
+    shutil.copytree(fixture_path("qwen3_w8a16_g128"), src)
+    ck = mq.open(src)
+    held = {"checkpoint": ck, "layers": [0]}
+    assert copy.deepcopy(held)["checkpoint"] is ck
+    back = pickle.loads(pickle.dumps(held))["checkpoint"]
+    assert isinstance(back, mq.Checkpoint) and back is not ck and back.path == ck.path
+    assert back.summary() == ck.summary()
+    name = next(iter(ck.tensor_names()))
+    assert np.array_equal(back.tensor(name), ck.tensor(name))
+    blob = pickle.dumps(ck)
+    shutil.rmtree(src)
+    with pytest.raises(mq.CheckpointError, match=str(src)):
+        pickle.loads(blob)

@@ -2755,6 +2755,41 @@ def test_a_hidden_size_the_experts_do_not_have_names_where_config_json_says_it(
         mq.open(nested)
 
 
+_FREEZING_SCRIPT = r"""
+import sys, torch, moeq_rs as mq
+import torch._inductor.config as ic
+ic.freezing = True  # a usual CPU-inference setting
+def layer(seed):
+    g = torch.Generator().manual_seed(seed)
+    return mq.MoELayer.from_tensors(
+        torch.randint(-127, 128, (4, 64, 64), dtype=torch.int8, generator=g),
+        torch.randint(-127, 128, (4, 64, 32), dtype=torch.int8, generator=g),
+        torch.rand(4, 64, 1, generator=g) / 1e3, torch.rand(4, 64, 1, generator=g) / 1e3,
+        scheme="w8a16", top_k=2)
+x, r = torch.randn(3, 64), torch.randn(3, 4)
+with torch.no_grad():
+    for seed in map(int, sys.argv[1:]):
+        moe = layer(seed)
+        got = torch.compile(moe, fullgraph=True)(x, r)
+        assert torch.equal(got, moe(x, r)), seed
+print("ok")
+"""
+
+
+def test_inductor_freezing_runs_each_layer_with_its_own_weights(tmp_path: Path) -> None:
+    """Under inductor's freezing the layer handle became a constant that the FX graph cache did
+    not tell apart by value: a second layer of the same shapes got the first one's compiled
+    graph and silently ran the first layer's weights (and in another process sharing the
+    cache, failed to find it). Each layer now runs its own weights."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    for seeds in (["1", "2"], ["2"]):
+        r = subprocess.run(
+            [sys.executable, "-c", _FREEZING_SCRIPT, *seeds],
+            capture_output=True, text=True, env=env, timeout=600,
+        )  # fmt: skip
+        assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
 def _small_w8a16(e: int = 4, h: int = 64, i: int = 32) -> tuple[torch.Tensor, ...]:
     w13 = torch.randint(-127, 128, (e, 2 * i, h), dtype=torch.int8)
     w2 = torch.randint(-127, 128, (e, h, i), dtype=torch.int8)
@@ -3063,7 +3098,14 @@ def test_module_moves_are_refused_and_dtype_casts_change_nothing() -> None:
     x, logits = torch.randn(3, 64), torch.randn(3, 4)
     want = moe(x, logits)
     assert moe.to(torch.bfloat16) is moe and moe.half() is moe and moe.to("cpu") is moe
+    # What a caller or subclass attaches is cast as any module's would be (it was skipped).
+    moe.gain = torch.nn.Parameter(torch.ones(2))
+    moe.register_buffer("offset", torch.zeros(2))
+    moe.half()
+    assert moe.gain.dtype == moe.offset.dtype == torch.float16
     model = torch.nn.ModuleList([torch.nn.Linear(64, 64), moe])
+    model.double()
+    assert moe.gain.dtype == moe.offset.dtype == model[0].weight.dtype == torch.float64
     for move in (
         moe.cuda,
         lambda: moe.to("cuda:0"),

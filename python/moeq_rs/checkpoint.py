@@ -244,6 +244,16 @@ class Checkpoint:
         convert = _tensor if as_torch else _array
         return geometry, {name: convert(data, dtype, shape) for name, dtype, shape, data in tensors}
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Checkpoint:
+        # Read-only (mapped files; every accessor returns copies), so a deep copy may share
+        # it, as one shares a str. The native object itself cannot be copied.
+        return self
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        # Pickled as its directory: unpickling (another process, say) opens and checks it
+        # again. The native object and its mappings cannot cross a process.
+        return (open, (str(self.path),))
+
     def __repr__(self) -> str:
         layers = self._facts()["moe_layers"]
         return f"<moeq_rs.Checkpoint {str(self.path)!r}: {len(layers)} MoE layers>"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import os
 import random
+import sys
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -61,7 +62,7 @@ def _check(t: object, name: str, ndim: int, floating: bool) -> torch.Tensor:
     if t.dim() != ndim:
         raise LayoutError(f"{name}: expected {ndim} dimensions, got shape {list(t.shape)}")
     if floating and t.dtype not in _FLOATS:
-        raise LayoutError(f"{name}: expected a float dtype, got {t.dtype}")
+        raise LayoutError(f"{name}: expected float32, float64, float16 or bfloat16, got {t.dtype}")
     if not floating and t.dtype not in (torch.int32, torch.int64):
         raise LayoutError(f"{name}: expected int32 or int64, got {t.dtype}")
     if not t.is_contiguous():
@@ -197,6 +198,8 @@ class _NotPicklable(MoeqError, TypeError):
 class MoELayer(torch.nn.Module):
     """A quantized MoE layer on the CPU (``device="cpu"``)."""
 
+    _handle_id: int  # the value of ``_handle``, set by ``_register``
+
     def __init__(self, core: _core.CpuMoeLayer) -> None:
         super().__init__()
         self._core = core
@@ -210,10 +213,11 @@ class MoELayer(torch.nn.Module):
     def __copy__(self) -> MoELayer:
         return _copy_layer(self)
 
-    def _apply(self, fn: Any, recurse: bool = True) -> MoELayer:  # noqa: ARG002
+    def _apply(self, fn: Any, recurse: bool = True) -> MoELayer:
         """What ``.to()``, ``.cuda()``, ``.half()`` and the like do to a module. The weights live
-        in moeq_rs's CPU memory, not in parameters: a dtype changes nothing (outputs take the
-        input's dtype), and a move off the CPU is refused instead of silently not happening."""
+        in moeq_rs's CPU memory, not in parameters: a dtype changes nothing for them (outputs
+        take the input's dtype), and a move off the CPU is refused instead of silently not
+        happening. Parameters, buffers and modules a caller or subclass adds get the cast."""
         try:
             moved = fn(torch.empty(0, device="cpu"))
         except Exception as e:  # a device this torch cannot reach
@@ -225,7 +229,7 @@ class MoELayer(torch.nn.Module):
             raise CudaUnavailableError(_NOT_ON_CUDA_YET.format(device=str(device)))
         if device.type != "cpu":
             raise LayoutError(f"MoELayer runs on the CPU only; cannot move it to {device}")
-        return self
+        return super()._apply(fn, recurse)  # type: ignore[no-any-return]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> MoELayer:
         return _deepcopy_layer(self, memo)
@@ -331,6 +335,12 @@ class MoELayer(torch.nn.Module):
             mode = getattr(hidden_states, "fake_mode", None)
             if mode is not None:
                 return mode.from_tensor(self._handle)
+        elif _inductor_freezes():
+            # Freezing folds the handle tensor into a constant that inductor's FX graph cache
+            # does not tell apart by value: a second layer of the same shapes was served the
+            # first one's graph, handle included, and ran its weights. A literal in the graph
+            # is part of the cache key.
+            return torch.full((), self._handle_id, dtype=torch.int64)
         return self._handle
 
     def _forward_eager(
@@ -502,6 +512,12 @@ def _from_tensors(
             f"w13: expected [E, 2*I, H] (gate rows, then up rows), got {list(a.shape)}"
         )
     i = n13 // 2
+    if int4 and i % 8:
+        # w2 packs I along its rows: no [E, H, I/8] exists to ask for.
+        raise LayoutError(
+            f"w13: int4 packing needs an intermediate size that is a multiple of 8, got "
+            f"I = {i} from w13 {list(a.shape)}"
+        )
     want = (e, h, i // 8 if int4 else i)
     if tuple(b.shape) != want:
         raise LayoutError(f"w2: expected {list(want)}, got {list(b.shape)}")
@@ -731,8 +747,15 @@ def _register(layer: torch.nn.Module) -> torch.Tensor:
         if handle and handle not in _LAYERS:
             break
     _LAYERS[handle] = layer
+    layer._handle_id = handle  # type: ignore[assignment]
     # On the CPU whatever torch's default device is (a layer built under `torch.device("cuda")`).
     return torch.tensor(handle, dtype=torch.int64, device="cpu")
+
+
+def _inductor_freezes() -> bool:
+    """Whether torch.compile's inductor freezes parameters and buffers into constants."""
+    config = sys.modules.get("torch._inductor.config")
+    return bool(getattr(config, "freezing", False))
 
 
 def _copy_layer(layer: Any) -> Any:

@@ -170,10 +170,11 @@ impl CpuMoeLayer {
             .enumerate()
             .find(|(_, &v)| v < 0 || v > u32::MAX as i64)
         {
+            let experts = self.moe.experts.len();
             return Err(layout_error(
                 py,
-                "topk_ids",
-                format!("entry {i} is {v}, not an expert index"),
+                "moe forward",
+                moeq_core::cpu::moe::not_an_expert(i, top_k, *v, experts),
             ));
         }
         let routed = Routed {

@@ -356,6 +356,17 @@ pub struct CpuMoe {
     pub correction_bias: Option<Vec<f32>>,
 }
 
+/// Why slot `slot` of a `[tokens, top_k]` routing naming expert `id` of a layer of `experts`
+/// is refused; the Python binding words ids outside `u32` the same way.
+pub fn not_an_expert(slot: usize, top_k: usize, id: i64, experts: usize) -> String {
+    format!(
+        "topk_ids[{}, {}] = {id} is not an expert (the layer has {experts}, ids 0 to {})",
+        slot / top_k.max(1),
+        slot % top_k.max(1),
+        experts.saturating_sub(1)
+    )
+}
+
 fn bad(reason: String) -> crate::error::Error {
     LayoutError {
         subject: "moe forward".into(),
@@ -461,12 +472,7 @@ impl CpuMoe {
             .enumerate()
             .find(|(_, &id)| id as usize >= e_count)
         {
-            return Err(bad(format!(
-                "topk_ids[{}, {}] = {bad_id} is not an expert (the layer has {e_count}, ids 0 to {})",
-                i / k.max(1),
-                i % k.max(1),
-                e_count.saturating_sub(1)
-            )));
+            return Err(bad(not_an_expert(i, k, i64::from(bad_id), e_count)));
         }
         let chunk = chunk_tokens(k, h, e_count);
         Ok(in_chunks(tokens, chunk, h, |at| {
