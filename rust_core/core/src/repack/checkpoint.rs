@@ -919,7 +919,8 @@ pub fn repack(
             })?;
             if let Err(e) = rename_no_replace(&tmp.path, &entry) {
                 let err = commit_error(out_dir, e);
-                return Err(match std::fs::rename(&old, &entry) {
+                // Back, unless something took OUT_DIR meanwhile (then the note says where).
+                return Err(match rename_no_replace(&old, &entry) {
                     Ok(()) => err,
                     // Said, not hidden: the next runs would remove it as abandoned.
                     Err(back) => err.noted(moved_aside(&old, &format!("moved back ({back})"))),
