@@ -33,20 +33,28 @@ def test_int8_quant_config_truth_table(as_numpy: bool) -> None:
     w1, w2 = t(8, 256, 1), t(8, 128, 1)
     dyn = make_int8_moe_quant_config(w1, w2, per_act_token_quant=True)
     assert (dyn.kind, dyn.use_int8_w8a8, dyn.use_int8_w8a16) == ("int8_w8a8", True, False)
-    assert dyn.per_act_token_quant and dyn.quant_dtype == "int8"
+    assert dyn.per_act_token_quant and dyn.quant_dtype is torch.int8 and dyn.is_quantized
+    assert dyn.is_per_act_token and not dyn.is_per_tensor and dyn.weight_quant_dtype is torch.int8
     assert dyn.a1_scale is None and dyn.a2_scale is None and not dyn.static_act_scales
     assert dyn.w1_scale is w1 and dyn.w2_scale is w2
 
     w8a16 = make_int8_moe_quant_config(w1, w2)
     assert (w8a16.kind, w8a16.use_int8_w8a8, w8a16.use_int8_w8a16) == ("int8_w8a16", False, True)
     assert not w8a16.per_act_token_quant and w8a16.quant_dtype is None
+    # vLLM's is_quantized means "activations are quantized": False for W8A16 (it said True).
+    assert not w8a16.is_quantized and not w8a16.is_per_tensor
+    assert w8a16.weight_quant_dtype is torch.int8
+    # The NVFP4/MX parts of vLLM's config are there, unset.
+    for cfg in (dyn, w8a16):
+        assert cfg.a1_gscale is None and cfg.g2_alphas is None and cfg.ocp_mx_scheme is None
+        assert not (cfg.use_nvfp4_w4a4 or cfg.use_mxfp4_w4a16 or cfg.is_block_quantized)
 
     a1, a2 = t(8), t(8)
     for flag in (False, True):
         static = make_int8_moe_quant_config(w1, w2, a1, a2, per_act_token_quant=flag)
         assert static.kind == "int8_w8a8" and static.static_act_scales
         assert static.a1_scale is a1 and static.a2_scale is a2
-        assert static.per_act_token_quant is flag
+        assert static.per_act_token_quant is flag and static.is_per_tensor is not flag
 
 
 @pytest.mark.parametrize("which", ["a1", "a2"])

@@ -248,9 +248,82 @@ class Int8MoEQuantConfig:
         return None
 
     @property
-    def quant_dtype(self) -> str | None:
-        """Activation quantization dtype: ``"int8"`` for W8A8, None for 16-bit activations."""
-        return "int8" if self.use_int8_w8a8 else None
+    def quant_dtype(self) -> Any:
+        """Activation quantization dtype, as vLLM's: ``torch.int8`` for W8A8 (the string
+        ``"int8"`` where torch is not installed), None for 16-bit activations."""
+        return _int8_dtype() if self.use_int8_w8a8 else None
+
+    @property
+    def weight_quant_dtype(self) -> Any:
+        """Weight dtype: ``torch.int8`` (``"int8"`` without torch) for both kinds."""
+        return _int8_dtype()
+
+    @property
+    def is_per_act_token(self) -> bool:
+        return self.per_act_token_quant
+
+    @property
+    def is_per_tensor(self) -> bool:
+        """One activation scale per tensor: W8A8 without per-token scales (vLLM's
+        ``GroupShape.PER_TENSOR``); 16-bit activations have no activation scale shape."""
+        return self.use_int8_w8a8 and not self.per_act_token_quant
+
+    @property
+    def is_block_quantized(self) -> bool:
+        return False
+
+    # The NVFP4 / MX / W4A8 parts of vLLM's config, which int8 configs leave unset.
+    @property
+    def a1_gscale(self) -> None:
+        return None
+
+    @property
+    def a2_gscale(self) -> None:
+        return None
+
+    @property
+    def g1_alphas(self) -> None:
+        return None
+
+    @property
+    def g2_alphas(self) -> None:
+        return None
+
+    @property
+    def w1_precision(self) -> None:
+        return None
+
+    @property
+    def w2_precision(self) -> None:
+        return None
+
+    @property
+    def ocp_mx_scheme(self) -> None:
+        return None
+
+    @property
+    def use_fp8_w8a16(self) -> bool:
+        return False
+
+    @property
+    def use_nvfp4_w4a16(self) -> bool:
+        return False
+
+    @property
+    def use_nvfp4_w4a4(self) -> bool:
+        return False
+
+    @property
+    def use_mxfp4_w4a16(self) -> bool:
+        return False
+
+    @property
+    def use_mxfp4_w4a4(self) -> bool:
+        return False
+
+    @property
+    def use_mxfp4_w4a8(self) -> bool:
+        return False
 
     @property
     def static_act_scales(self) -> bool:
@@ -266,13 +339,24 @@ class Int8MoEQuantConfig:
 
     @property
     def is_quantized(self) -> bool:
-        return True
+        """Whether activations are quantized, as vLLM defines it (``quant_dtype is not None``):
+        True for W8A8, False for W8A16."""
+        return self.use_int8_w8a8
 
     def __repr__(self) -> str:
         return (
             f"Int8MoEQuantConfig(kind={self._kind!r}, per_act_token_quant="
             f"{self.per_act_token_quant}, static_act_scales={self.static_act_scales})"
         )
+
+
+def _int8_dtype() -> Any:
+    """``torch.int8`` where torch is installed (vLLM's dtype objects), else ``"int8"``."""
+    try:
+        import torch
+    except ImportError:
+        return "int8"
+    return torch.int8
 
 
 def make_int8_moe_quant_config(
