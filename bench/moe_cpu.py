@@ -230,34 +230,29 @@ def vllm_layer(layer_weights: tuple[torch.Tensor, ...], k: int):  # type: ignore
         out = torch.empty_like(x)
 
         def kernel() -> torch.Tensor:
-            return _int8_kernel(out, x, w, ids)
+            torch.ops._C.fused_experts_cpu(
+                out,
+                x,
+                w13p,
+                w2p,
+                w,
+                ids,
+                1,  # INT8_W8A8
+                s13,
+                s2,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                True,
+            )
+            return out
 
         return kernel
-
-    def _int8_kernel(
-        out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor
-    ) -> torch.Tensor:
-        torch.ops._C.fused_experts_cpu(
-            out,
-            x,
-            w13p,
-            w2p,
-            w,
-            ids,
-            1,  # INT8_W8A8
-            s13,
-            s2,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            True,
-        )
-        return out
 
     return prepare
 

@@ -342,7 +342,7 @@ def w8a8_moe_unverified(
         # CUDA_ERROR_INVALID_VALUE.
         raise LayoutError(
             f"w13/w2: H and I must be positive multiples of 4 (4-byte dp4a rows), got H={h}, "
-            f"I={two_i / 2:g}"
+            f"2I={two_i}"
         )
     if w13_scale.dtype != torch.float32 or tuple(w13_scale.shape) != (e, two_i):
         raise LayoutError(f"w13_scale: expected float32 [{e}, {two_i}]")

@@ -39,6 +39,9 @@ unsafe impl Send for Loaded {}
 
 static LOADED: Mutex<Option<HashMap<(i32, String), Loaded>>> = Mutex::new(None);
 
+/// Whether a launch has found the CUDA driver loaded and initialised in this process.
+static DRIVER_READY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 fn driver(e: result::DriverError, what: &str) -> CudaError {
     err(what, format!("{e:?}"))
 }
@@ -113,8 +116,13 @@ pub unsafe fn launch(
     // Launching makes `ordinal`'s primary context current; the caller's is put back on
     // return, or torch (which reads its current device from the current context) would place
     // later allocations on this device.
-    if !super::driver_available() {
-        return Err(err("cuda", "no CUDA driver or device"));
+    // The driver must be loaded and initialised before the current context can be read; once
+    // it was, it stays so, and later launches skip the probe (a dlopen and two driver calls).
+    if !DRIVER_READY.load(std::sync::atomic::Ordering::Relaxed) {
+        if !super::driver_available() {
+            return Err(err("cuda", "no CUDA driver or device"));
+        }
+        DRIVER_READY.store(true, std::sync::atomic::Ordering::Relaxed);
     }
     let _restore = RestoreContext::capture()?;
     let mut guard = LOADED

@@ -344,8 +344,9 @@ const APPEARED: &str =
 /// The error of the rename that commits the output: something that took OUT_DIR in the
 /// meantime is named as such, not as the OS's "Directory not empty".
 fn commit_error(out_dir: &Path, e: std::io::Error) -> Error {
-    let taken = e.kind() == std::io::ErrorKind::AlreadyExists
-        || matches!(e.raw_os_error(), Some(libc::ENOTEMPTY | libc::EEXIST));
+    // EEXIST is `AlreadyExists`; a plain rename onto a non-empty directory says ENOTEMPTY.
+    let taken =
+        e.kind() == std::io::ErrorKind::AlreadyExists || e.raw_os_error() == Some(libc::ENOTEMPTY);
     if taken {
         output_error(out_dir, APPEARED)
     } else {
