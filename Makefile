@@ -1,5 +1,6 @@
 # The two commands of the README: `make demo` and `make test`. Each creates .venv when missing and
-# installs what it needs, so both work on a machine with only a Rust toolchain and Python >= 3.10.
+# installs what it needs, so both work on a machine with only a Rust toolchain and Python (>= 3.10
+# for the demo; >= 3.11 for the tests, whose pinned fixture writers need it).
 
 PYTHON ?= python3
 VENV := .venv
@@ -7,7 +8,7 @@ PY := $(VENV)/bin/python
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-BASE_DEPS := "numpy>=1.24" "torch>=2.4" "safetensors>=0.4" "maturin>=1.9.4,<2" "pytest>=8"
+BASE_DEPS := "numpy>=1.24" "torch>=2.5" "safetensors>=0.4" "maturin>=1.9.4,<2" "pytest>=8"
 TEST_DEPS := "compressed-tensors==0.20.1" "transformers==5.24.0" "ruff>=0.6" "mypy==2.4.1"
 DEMO_MODEL := examples/tiny-moe-int4-int8
 
@@ -25,6 +26,7 @@ $(VENV)/.base-deps: | $(PY)
 
 # (Also after the Makefile changes, which may add a dependency: pip skips what is installed.)
 $(VENV)/.test-deps: $(VENV)/.base-deps Makefile
+	@$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "make test needs Python >= 3.11 (the pinned compressed-tensors and transformers that write the test fixtures do); this .venv has " + sys.version.split()[0] + ": rm -rf $(VENV) and run make test PYTHON=python3.11 (or newer)")'
 	$(PY) -m pip install -q --no-cache-dir $(TEST_DEPS)
 	touch $@
 

@@ -24,7 +24,7 @@ def have_torch() -> bool:
 def missing_torch(what: str) -> MissingDependencyError:
     return MissingDependencyError(
         f"{what} needs torch, which is not installed: pip install 'moeq_rs[torch]' "
-        "(or any torch >= 2.4)"
+        "(or any torch >= 2.5)"
     )
 
 
