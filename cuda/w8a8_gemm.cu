@@ -1,8 +1,15 @@
-// Grouped int8 GEMM of the W8A8 MoE (a baseline with __dp4a, not yet tensor cores): rows of
+// Grouped int8 GEMM of the W8A8 MoE (a baseline with dp4a, not yet tensor cores): rows of
 // `a` ([M, K] int8, grouped by expert as expert_offsets says) times expert e's weights
 // w[e] ([N, K] int8), int32 accumulation, out[m, n] = acc * a_scale[m] * w_scale[e, n] in
 // DTYPE. K % 4 == 0 and 4-byte aligned rows. Grid: (ceil(N / 16), ceil(M / 16), E); block
 // 16 x 16; each 16 x 16 tile of the output stages 16 x 64 bytes of a and w in shared memory.
+
+// dp4a by its PTX instruction: NVRTC 12.1 does not resolve the `__dp4a` intrinsic.
+__device__ __forceinline__ int dot4_s8(int a, int b, int acc) {
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(acc));
+    return d;
+}
 
 extern "C" __global__ void SUFFIX(w8a8_grouped_gemm)(
     const signed char* __restrict__ a, const float* __restrict__ a_scale,
@@ -27,7 +34,7 @@ extern "C" __global__ void SUFFIX(w8a8_grouped_gemm)(
         sw[threadIdx.y][threadIdx.x] = (wrow < n && kk < k4) ? w4[(long)wrow * k4 + kk] : 0;
         __syncthreads();
 #pragma unroll
-        for (int i = 0; i < 16; ++i) acc = __dp4a(sa[threadIdx.y][i], sw[threadIdx.x][i], acc);
+        for (int i = 0; i < 16; ++i) acc = dot4_s8(sa[threadIdx.y][i], sw[threadIdx.x][i], acc);
         __syncthreads();
     }
     if (row < end && col < n)

@@ -4,6 +4,7 @@ exceptions. GPU tests (launches) need a device and skip with a reason here."""
 
 from __future__ import annotations
 
+import locale
 import os
 
 import numpy as np
@@ -25,9 +26,14 @@ def test_no_driver_answers_are_false_not_exceptions() -> None:
 )
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_kernel_variant_compiles_without_spills(arch: str) -> None:
+    """Also on the oldest NVRTC we take (``MOEQ_NVRTC_PATH`` at the nvidia-cuda-nvrtc-cu12 12.1
+    wheel's ``lib``): it did not resolve ``__dp4a``, and 12.1 to 12.4 left the calling thread in
+    the "C" locale, after which Python in the process read and wrote text as ASCII."""
     major, _minor, _path = mq.cuda.nvrtc_version()
     assert major >= 12
+    locale_before = (locale.setlocale(locale.LC_ALL), locale.getpreferredencoding(False))
     report = mq.cuda.compile_kernels(arch)
+    assert (locale.setlocale(locale.LC_ALL), locale.getpreferredencoding(False)) == locale_before
     assert len(report) >= 4
     expected = {
         "moe_routing",
