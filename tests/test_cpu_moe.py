@@ -187,8 +187,9 @@ def test_a_nan_router_logit_makes_its_token_nan(
     got, clean = moe(x, bad), moe(x, logits)
     assert got[2].isnan().all(), name
     rows = [0, 1, 3]
-    # (Weight-only tokens' last bits may move with their experts' row counts in the call.)
-    assert rel_l2(got[rows], clean[rows]) <= 1e-6
+    # (Weight-only tokens' last bits may move with their experts' row counts in the call: the
+    # kernels tile rows differently, so fp32 sums round differently; 1.5e-6 seen in 300 seeds.)
+    assert rel_l2(got[rows], clean[rows]) <= 1e-5
     # As -inf the logit is a number: that expert is never chosen and the token stays finite.
     masked = logits.clone()
     masked[2, 3] = float("-inf")

@@ -8,6 +8,7 @@ import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -71,13 +72,13 @@ def test_readme_command_output_is_what_the_command_prints() -> None:
     "name",
     ["deepseek_v3_w8a8_dynamic", "qwen3_w8a8_static", "mixtral_w8a16_channel", "qwen3_unquantized"],
 )
-def test_the_demo_runs_on_other_checkpoints(name: str) -> None:
+def test_the_demo_runs_on_other_checkpoints(name: str, fixture_path: Callable[[str], Path]) -> None:
     """`examples/demo.py MODEL_DIR` (`make demo DEMO_MODEL=...`) on checkpoints other than the
     shipped one: W8A8 (its reference quantises activations as DESIGN.md says), DeepSeek-V3's
     grouped routing, Mixtral's w1/w2/w3 names, unquantized experts; a layer the Marlin layout
     cannot hold skips that repack. It used to stop with a traceback, or report a wrong error
     from a reference that modelled neither W8A8 nor expert groups. Found by a review helper."""
-    model = ROOT / "tests" / "fixtures" / "out" / name
+    model = fixture_path(name)
     r = subprocess.run(
         [sys.executable, "examples/demo.py", str(model)], capture_output=True, text=True, cwd=ROOT
     )
