@@ -254,7 +254,7 @@ def test_sub_byte_tensors_are_views_of_their_packed_bytes(tmp_path: Path) -> Non
     assert int(a.astype(np.int64).sum()) == sum(payload)
     f4 = getattr(torch, "float4_e2m1fn_x2", None)
     if f4 is None:
-        # (torch < 2.8 has no packed-F4 dtype: the torch view is refused, with the dtype named.)
+        # (A torch without the packed-F4 dtype: the torch view is refused, the dtype named.)
         with pytest.raises(TypeError, match="F4 has no torch equivalent"):
             ck.tensor("zz.weight", framework="torch")
         return
