@@ -11,8 +11,10 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 BASE_DEPS := "numpy>=1.24" "torch>=2.5" "safetensors>=0.4" "maturin>=1.9.4,<2" "pytest>=8"
 TEST_DEPS := "compressed-tensors==0.20.1" "transformers==5.24.0" "ruff>=0.6" "mypy==2.4.1"
 DEMO_MODEL := examples/tiny-moe-int4-int8
+# make test needs Python >= 3.11: said before anything is built or installed.
+TEST_PYTHON_CHECK = $(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "make test needs Python >= 3.11 (the pinned compressed-tensors and transformers that write the test fixtures do); this .venv has " + sys.version.split()[0] + ": rm -rf $(VENV) and run make test PYTHON=python3.11 (or newer)")'
 
-.PHONY: demo test build venv rust-checks py-checks fuzz bench bench-vllm clean check-aarch64 check-amx-emulated check-marlin-vllm
+.PHONY: demo test test-python build venv rust-checks py-checks fuzz bench bench-vllm clean check-aarch64 check-amx-emulated check-marlin-vllm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +28,7 @@ $(VENV)/.base-deps: | $(PY)
 
 # (Also after the Makefile changes, which may add a dependency: pip skips what is installed.)
 $(VENV)/.test-deps: $(VENV)/.base-deps Makefile
-	@$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "make test needs Python >= 3.11 (the pinned compressed-tensors and transformers that write the test fixtures do); this .venv has " + sys.version.split()[0] + ": rm -rf $(VENV) and run make test PYTHON=python3.11 (or newer)")'
+	@$(TEST_PYTHON_CHECK)
 	$(PY) -m pip install -q --no-cache-dir $(TEST_DEPS)
 	touch $@
 
@@ -55,7 +57,10 @@ py-checks: $(VENV)/.test-deps build
 	$(PY) -m mypy.stubtest moeq_rs._core
 	MOEQ_REQUIRE_NVRTC=1 MOEQ_NO_DISK_CACHE=1 $(PY) -m pytest -q
 
-test: rust-checks py-checks
+test-python: | $(PY)
+	@$(TEST_PYTHON_CHECK)
+
+test: test-python rust-checks py-checks
 
 # The core crate on aarch64 (scalar and NEON kernels), its tests run under qemu. Needs
 # `rustup target add aarch64-unknown-linux-gnu` and the Debian packages gcc-aarch64-linux-gnu
