@@ -136,9 +136,9 @@ pub fn load(dirs: &[PathBuf]) -> Result<Nvrtc, CudaError> {
     Ok(n)
 }
 
-/// The process's and the calling thread's locales, put back when dropped. NVRTC 12.1 to 12.4 set
-/// the "C" locale while compiling and leave it set: Python in the same process then reads and
-/// writes text files as ASCII.
+/// The process's and the calling thread's locales, put back when dropped. NVRTC 12.x (seen with
+/// 12.1 and 12.4; 13.2 does not) sets the "C" locale on the calling thread while compiling and
+/// leaves it set: Python in the same process then reads and writes text files as ASCII.
 struct LocaleGuard {
     global: Option<CString>,
     thread: libc::locale_t,
