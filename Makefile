@@ -11,8 +11,6 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 BASE_DEPS := "numpy>=1.24" "torch>=2.5" "safetensors>=0.4" "maturin>=1.9.4,<2" "pytest>=8"
 TEST_DEPS := "compressed-tensors==0.20.1" "transformers==5.24.0" "ruff>=0.6" "mypy==2.4.1"
 DEMO_MODEL := examples/tiny-moe-int4-int8
-# make test needs Python >= 3.11: said before anything is built or installed.
-TEST_PYTHON_CHECK = $(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "make test needs Python >= 3.11 (the pinned compressed-tensors and transformers that write the test fixtures do); this .venv has " + sys.version.split()[0] + ": rm -rf $(VENV) and run make test PYTHON=python3.11 (or newer)")'
 
 .PHONY: demo test test-python build venv rust-checks py-checks fuzz bench bench-vllm clean check-aarch64 check-amx-emulated check-marlin-vllm
 
@@ -27,8 +25,7 @@ $(VENV)/.base-deps: | $(PY)
 	touch $@
 
 # (Also after the Makefile changes, which may add a dependency: pip skips what is installed.)
-$(VENV)/.test-deps: $(VENV)/.base-deps Makefile
-	@$(TEST_PYTHON_CHECK)
+$(VENV)/.test-deps: $(VENV)/.base-deps Makefile | test-python
 	$(PY) -m pip install -q --no-cache-dir $(TEST_DEPS)
 	touch $@
 
@@ -57,8 +54,9 @@ py-checks: $(VENV)/.test-deps build
 	$(PY) -m mypy.stubtest moeq_rs._core
 	MOEQ_REQUIRE_NVRTC=1 MOEQ_NO_DISK_CACHE=1 $(PY) -m pytest -q
 
+# The tests need Python >= 3.11: said before anything is built or installed.
 test-python: | $(PY)
-	@$(TEST_PYTHON_CHECK)
+	@$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "make test needs Python >= 3.11 (the pinned compressed-tensors and transformers that write the test fixtures do); this .venv has " + sys.version.split()[0] + ": rm -rf $(VENV) and run make test PYTHON=python3.11 (or newer)")'
 
 test: test-python rust-checks py-checks
 

@@ -3,18 +3,15 @@
 //! and `K` set the layer shape, Qwen3-30B-A3B's gate|up by default).
 use std::time::Instant;
 
+mod common;
+use common::env_size;
+
 use moeq_core::cpu::linear::Linear;
 use moeq_core::cpu::packed::PackedI8;
 
 fn main() {
     // `N=... K=...` time other shapes (default: Qwen3-30B-A3B's gate|up).
-    let dim = |name: &str, default: usize| {
-        std::env::var(name)
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(default)
-    };
-    let (n, k) = (dim("N", 1536), dim("K", 2048));
+    let (n, k) = (env_size("N", 1536), env_size("K", 2048));
     let q: Vec<i8> = (0..n * k).map(|i| ((i * 7919) % 255) as i8).collect();
     let packed = PackedI8::pack(&q, n, k);
     let lin = Linear::int8(n, k, q, vec![1e-3; n], None);

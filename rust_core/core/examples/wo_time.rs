@@ -4,6 +4,9 @@
 //! (`COLD=1`). `BF16_SCALES=1` gives the layer bf16 scales (see the example's `main`).
 use std::time::Instant;
 
+mod common;
+use common::env_size;
+
 use moeq_core::cpu::wo::BlockedWo;
 
 /// Where a timed GEMM emits each block's lanes.
@@ -14,13 +17,7 @@ fn main() {
         return cold();
     }
     // `K=14336` (a multiple of 128) times a wider layer; `N` sets its output features.
-    let dim = |name: &str, default: usize| {
-        std::env::var(name)
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(default)
-    };
-    let (n, k) = (dim("N", 512), dim("K", 2048));
+    let (n, k) = (env_size("N", 512), env_size("K", 2048));
     // `ROWS=64,256` times prefill-sized calls instead of the decode sizes.
     let rows: Vec<usize> = std::env::var("ROWS")
         .ok()
@@ -38,7 +35,7 @@ fn main() {
             })
             .collect();
         // `GROUP=2048` times larger groups (a multiple of 2 dividing `k`).
-        let group = dim("GROUP", 128);
+        let group = env_size("GROUP", 128);
         let groups: Vec<usize> = (0..k / group).map(|g| g * group).collect();
         // `BF16_SCALES=1`: scales that are bf16 values, as a checkpoint's are, so that tiles
         // of more than one row tile (and int8 ones) widen into dequantised bf16 weights

@@ -7,7 +7,7 @@
 //! Python package passes the nvidia wheel's `lib` directories), then whatever is already loaded
 //! or on the loader path.
 
-use std::ffi::{c_char, c_int, CStr, CString};
+use std::ffi::{c_char, c_int, CString};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Instant;
@@ -136,44 +136,24 @@ pub fn load(dirs: &[PathBuf]) -> Result<Nvrtc, CudaError> {
     Ok(n)
 }
 
-/// The process's and the calling thread's locales, put back when dropped. NVRTC 12.x (seen with
-/// 12.1 and 12.4; 13.2 does not) sets the "C" locale on the calling thread while compiling and
-/// leaves it set: Python in the same process then reads and writes text files as ASCII.
-struct LocaleGuard {
-    global: Option<CString>,
-    thread: libc::locale_t,
-}
+/// The calling thread's locale, put back when dropped. NVRTC 12.x (seen with 12.1 and 12.4;
+/// 13.2 does not) switches the calling thread to the "C" locale (`uselocale`) while compiling
+/// and leaves it there: Python in the same process then reads and writes text files as ASCII.
+struct ThreadLocale(libc::locale_t);
 
-impl LocaleGuard {
+impl ThreadLocale {
     fn save() -> Self {
-        // SAFETY: a null locale argument only queries; the returned string is copied at once,
-        // before any other `setlocale` call of ours could overwrite it.
-        let global = unsafe {
-            let p = libc::setlocale(libc::LC_ALL, std::ptr::null());
-            (!p.is_null()).then(|| CStr::from_ptr(p).to_owned())
-        };
         // SAFETY: `uselocale(0)` only returns the thread's current locale (or
         // LC_GLOBAL_LOCALE), a handle that stays valid while no one frees it; we never do.
-        let thread = unsafe { libc::uselocale(std::ptr::null_mut()) };
-        LocaleGuard { global, thread }
+        ThreadLocale(unsafe { libc::uselocale(std::ptr::null_mut()) })
     }
 }
 
-impl Drop for LocaleGuard {
+impl Drop for ThreadLocale {
     fn drop(&mut self) {
-        if let Some(saved) = &self.global {
-            // SAFETY: as in `save`: the query's string is compared before any other call.
-            let changed = unsafe {
-                let p = libc::setlocale(libc::LC_ALL, std::ptr::null());
-                p.is_null() || CStr::from_ptr(p) != saved.as_c_str()
-            };
-            if changed {
-                // SAFETY: `saved` is a NUL-terminated name `setlocale` itself returned.
-                unsafe { libc::setlocale(libc::LC_ALL, saved.as_ptr()) };
-            }
-        }
-        // SAFETY: `thread` came from `uselocale` on this thread and was never freed.
-        unsafe { libc::uselocale(self.thread) };
+        // SAFETY: the handle came from `uselocale` on this thread (the guard is a local of
+        // `compile`, dropped where it was made) and was never freed.
+        unsafe { libc::uselocale(self.0) };
     }
 }
 
@@ -228,7 +208,7 @@ pub fn compile(
         return Err(err(name, "a define holds a NUL byte"));
     }
     let t0 = Instant::now();
-    let _locale = LocaleGuard::save();
+    let _locale = ThreadLocale::save();
     let prog = result::create_program(&src, Some(&cname))
         .map_err(|e| err(name, format!("nvrtcCreateProgram failed: {e:?}")))?;
     // SAFETY: `prog` was just created and is destroyed exactly once below; the options hold no
