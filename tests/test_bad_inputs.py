@@ -875,6 +875,8 @@ def test_paths_may_be_bytes_and_anything_else_is_named(ckpt: Path, tmp_path: Pat
 
     as_text = mq.open(ckpt).summary()
     assert mq.open(os.fsencode(ckpt)).summary() == as_text
+    # The constructor opens a path as `open` does (it was an AttributeError on `str`).
+    assert mq.Checkpoint(ckpt).summary() == mq.Checkpoint(str(ckpt)).summary() == as_text
     for bad, match in [
         (None, "path: expected a path .*got NoneType"),
         (3, "path: expected a path .*got int"),
@@ -882,6 +884,8 @@ def test_paths_may_be_bytes_and_anything_else_is_named(ckpt: Path, tmp_path: Pat
     ]:
         with pytest.raises(mq.CheckpointError, match=match):
             mq.open(bad)  # type: ignore[arg-type]
+        with pytest.raises(mq.CheckpointError, match=match):
+            mq.Checkpoint(bad)  # type: ignore[arg-type]
         with pytest.raises(mq.CheckpointError, match=match.replace("path:", "path_or_checkpoint:")):
             mq.plan(bad)  # type: ignore[arg-type]
         with pytest.raises(mq.CheckpointError, match=match.replace("path:", "model_dir:")):

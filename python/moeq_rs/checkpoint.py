@@ -103,13 +103,20 @@ def _torch_dtype(name: str) -> torch.dtype:
 class Checkpoint:
     """A validated, memory-mapped compressed-tensors checkpoint directory.
 
-    Create it with :func:`moeq_rs.open`. Headers, ``config.json``, the quantization config and the
-    tensors of every Linear module were checked when it was opened; tensor data stays mapped and
-    is read only when asked for. Tensors returned as numpy arrays are read-only views of the
-    mapped files: another process truncating a file underneath is outside moeq_rs's control.
+    Create it with :func:`moeq_rs.open` or ``Checkpoint(path)`` (the same). Headers,
+    ``config.json``, the quantization config and the tensors of every Linear module were checked
+    when it was opened; tensor data stays mapped and is read only when asked for. Tensors
+    returned as numpy arrays are read-only views of the mapped files: another process truncating
+    a file underneath is outside moeq_rs's control.
     """
 
-    def __init__(self, core: _core.Checkpoint) -> None:
+    def __init__(self, path: str | os.PathLike[str] | _core.Checkpoint) -> None:
+        if isinstance(path, _core.Checkpoint):
+            core = path
+        else:
+            text = path_text(path, "path")
+            adopt_main_thread()  # the parallel parsing runs on the CPU forward's threads
+            core = _core.Checkpoint.open(text)
         self._core = core
         # Bound directly: listing views of thousands of tensors should cost one call each.
         self.view = core.tensor_buffer  # type: ignore[method-assign]
