@@ -305,6 +305,5 @@ def open(path: str | os.PathLike[str]) -> Checkpoint:  # noqa: A001 - mirrors sa
 
 
 def _open(path: object, what: str) -> Checkpoint:
-    text = path_text(path, what)
-    adopt_main_thread()  # the parallel parsing runs on the CPU forward's threads
-    return Checkpoint(_core.Checkpoint.open(text))
+    # Checked here too, so that a bad path's error names the caller's argument.
+    return Checkpoint(path_text(path, what))

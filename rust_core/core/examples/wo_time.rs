@@ -1,7 +1,8 @@
 //! Times the weight-only (W4A16 / W8A16) GEMM kernels, fp32 and bf16 dot products, on one
 //! thread: with the weights cache-resident (their compute rate,
 //! `cargo run --release --example wo_time`), or streaming a 64 MB 4-bit layer from memory
-//! (`COLD=1`). The bf16 kernel is timed only on CPUs with bf16 dot products. `BF16_SCALES=1` gives the layer bf16 scales (see the example's `main`).
+//! (`COLD=1`). The bf16 kernel is timed only on CPUs with bf16 dot products. `BF16_SCALES=1`
+//! gives the layer bf16 scales (see the example's `main`).
 use std::time::Instant;
 
 mod common;
@@ -49,7 +50,8 @@ fn main() {
         let w = BlockedWo::new(n, k, &q, &scale, None, groups);
         for &m in &rows {
             let x: Vec<f32> = (0..m * k).map(|i| ((i % 97) as f32 - 48.0) / 7.0).collect();
-            let reps = (2000 / m).max(20);
+            // Calls per batch: 20 batches of ~2000 / m calls in all.
+            let batch = (100 / m).max(1);
             // Seconds per call of `gemm`, which emits each block's lanes to a sink: the best of
             // 20 batches, as a shared VM's neighbours slow some batches by up to 2x.
             let per_call = |gemm: &dyn Fn(&mut Sink)| {
@@ -57,10 +59,10 @@ fn main() {
                 let mut best = f64::INFINITY;
                 for _ in 0..20 {
                     let t = Instant::now();
-                    for _ in 0..reps.div_ceil(20) {
+                    for _ in 0..batch {
                         gemm(&mut |l| sink += l[0]);
                     }
-                    best = best.min(t.elapsed().as_secs_f64() / reps.div_ceil(20) as f64);
+                    best = best.min(t.elapsed().as_secs_f64() / batch as f64);
                 }
                 std::hint::black_box(sink);
                 best
