@@ -1,10 +1,9 @@
 //! Times the packed int8 GEMM and the int8 linear layer on a Qwen3-MoE expert shape:
 //! `cargo run --release --example int8_gemm_time` (`MOEQ_CPU_ISA` picks the kernel family; `N`
-//! and `K` set the layer shape, Qwen3-30B-A3B's gate|up by default).
-use std::time::Instant;
-
+//! and `K` set the layer shape, Qwen3-30B-A3B's gate|up by default). Each figure is the best
+//! of 20 batches of calls.
 mod common;
-use common::env_size;
+use common::{best_per_call, env_size};
 
 use moeq_core::cpu::linear::Linear;
 use moeq_core::cpu::packed::PackedI8;
@@ -19,20 +18,16 @@ fn main() {
     println!("kernel family: {}", moeq_core::cpu::kernels::isa_name(isa));
     for m in [1usize, 4, 6, 64, 256] {
         let xu: Vec<u8> = (0..m * packed.k_pad).map(|i| (i % 251) as u8).collect();
-        let reps = (512 / m).max(8);
-        let t = Instant::now();
+        let calls = (512 / m).max(20);
         let mut sink = 0i32;
-        for _ in 0..reps {
+        let kernel = best_per_call(calls, || {
             packed.gemm(&xu, m, 0, packed.blocks(), |_, _, acc| sink ^= acc[0]);
-        }
-        let kernel = t.elapsed().as_secs_f64() / reps as f64;
+        });
         std::hint::black_box(sink);
         let x: Vec<f32> = (0..m * k).map(|i| ((i % 97) as f32 - 48.0) / 7.0).collect();
-        let t = Instant::now();
-        for _ in 0..reps {
+        let layer = best_per_call(calls, || {
             std::hint::black_box(lin.forward(&x, m, false));
-        }
-        let layer = t.elapsed().as_secs_f64() / reps as f64;
+        });
         let macs = (m * n * k) as f64;
         println!(
             "m={m:4}: one thread: packed GEMM {:.1} GMAC/s, linear layer {:.1} GMAC/s",

@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 mod common;
-use common::env_size;
+use common::{best_per_call, env_size};
 
 use moeq_core::cpu::wo::BlockedWo;
 
@@ -50,22 +50,13 @@ fn main() {
         let w = BlockedWo::new(n, k, &q, &scale, None, groups);
         for &m in &rows {
             let x: Vec<f32> = (0..m * k).map(|i| ((i % 97) as f32 - 48.0) / 7.0).collect();
-            // Calls per batch: 20 batches of ~2000 / m calls in all.
-            let batch = (100 / m).max(1);
-            // Seconds per call of `gemm`, which emits each block's lanes to a sink: the best of
-            // 20 batches, as a shared VM's neighbours slow some batches by up to 2x.
+            // Seconds per call of `gemm`, which emits each block's lanes to a sink (the best
+            // batch of ~2000 / m calls in all).
             let per_call = |gemm: &dyn Fn(&mut Sink)| {
                 let mut sink = 0f32;
-                let mut best = f64::INFINITY;
-                for _ in 0..20 {
-                    let t = Instant::now();
-                    for _ in 0..batch {
-                        gemm(&mut |l| sink += l[0]);
-                    }
-                    best = best.min(t.elapsed().as_secs_f64() / batch as f64);
-                }
+                let s = best_per_call((2000 / m).max(20), || gemm(&mut |l| sink += l[0]));
                 std::hint::black_box(sink);
-                best
+                s
             };
             let s = per_call(&|f| w.gemm(&x, m, 0, w.blocks(), |_, _, l| f(l)));
             report(bits, m, "f32", s, n, k);
