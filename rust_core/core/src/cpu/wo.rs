@@ -577,9 +577,9 @@ mod x86 {
         let cp = t.codes.as_ptr();
         let block_len = t.codes.len();
         let xp = x.as_ptr();
-        // The 16 stored values as floats: a permute by the nibble (which reads only an index's
-        // low 4 bits, so no mask is needed) converts it in one instruction where a mask and a
-        // conversion took two; the floats are the same, so the sums are too.
+        // The 16 stored values as floats, looked up by a permute: it reads only the low 4 bits
+        // of each index, so one instruction turns a nibble into its float (a mask and a
+        // conversion would take two) and gives the same floats, hence the same sums.
         let values = _mm512_setr_ps(
             0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
         );
