@@ -2756,6 +2756,32 @@ def test_a_hidden_size_the_experts_do_not_have_names_where_config_json_says_it(
         mq.open(nested)
 
 
+def test_an_expert_width_the_experts_do_not_have_names_moe_intermediate_size(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """config.json's `moe_intermediate_size` (what transformers and vLLM build the experts
+    from) is checked against the experts' tensors, at the top level or nested; a list (per
+    layer or modality in some families) and a config without the key are not checked."""
+    src = fixture_path("qwen3_w8a16_g128")
+    assert mq.open(src).moe_layers()[0]["intermediate_size"] == 128
+    top = _with_config(src, tmp_path / "top", moe_intermediate_size=96)
+    says = "experts have intermediate size 128 but config.json says moe_intermediate_size 96"
+    with pytest.raises(mq.CheckpointError, match=says) as err:
+        mq.open(top)
+    assert "model.layers.0.mlp.experts" in str(err.value)
+
+    def nest(cfg: dict) -> None:
+        cfg["text_config"] = {"moe_intermediate_size": 96}
+        del cfg["moe_intermediate_size"]
+
+    nested = _edited_copy(src, tmp_path / "nested", config=nest)
+    with pytest.raises(mq.CheckpointError, match="says text_config.moe_intermediate_size 96"):
+        mq.open(nested)
+    for name, value in (("listed", [96, 96]), ("absent", None)):
+        ok = _with_config(src, tmp_path / name, moe_intermediate_size=value)
+        assert mq.open(ok).moe_layers()[0]["intermediate_size"] == 128
+
+
 _FREEZING_SCRIPT = r"""
 import sys, torch, moeq_rs as mq
 import torch._inductor.config as ic

@@ -286,8 +286,16 @@ impl Model {
         let config = ckpt.config();
         let configured = moe::configured_num_experts(&ckpt.config_path(), config)?;
         // (where config.json says it, e.g. `text_config.hidden_size`, and the value)
-        let hidden_cfg = moe::cfg_at(config, "hidden_size")
-            .and_then(|(at, v)| Some((at, usize::try_from(v.as_u64()?).ok()?)));
+        let size_at = |key: &str| {
+            moe::cfg_at(config, key)
+                .and_then(|(at, v)| Some((at, usize::try_from(v.as_u64()?).ok()?)))
+        };
+        let hidden_cfg = size_at("hidden_size");
+        // The routed experts' width, in the families that name it apart from the dense MLP's
+        // `intermediate_size` (Qwen-MoE, DeepSeek, GLM-MoE, ...): transformers and vLLM build
+        // the experts from it, so experts of another width fail to load there. Where it is a
+        // list (per layer or per modality in some families), it is not checked.
+        let moe_inter_cfg = size_at("moe_intermediate_size");
         let mut moe_layers = Vec::with_capacity(discovery.layers.len());
         let mut any_bias = false;
         for d in discovery.layers {
@@ -349,6 +357,17 @@ impl Model {
                     return Err(module_error(
                         &owner,
                         format!("experts take {hidden_size} inputs but config.json says {at} {h}"),
+                    ));
+                }
+            }
+            if let Some((at, i)) = &moe_inter_cfg {
+                if *i != intermediate_size {
+                    return Err(module_error(
+                        &owner,
+                        format!(
+                            "experts have intermediate size {intermediate_size} but config.json \
+                             says {at} {i}"
+                        ),
                     ));
                 }
             }
