@@ -20,8 +20,8 @@ pub const BLOCK: usize = 16;
 /// Activation rows per register tile.
 pub const TILE_ROWS: usize = 8;
 /// From this many rows the AVX-512 tile runs two blocks of int8 codes at once (`x86::tile2`);
-/// below, each block streams alone (decode is bound by the weight stream, and its tuned prefetch reads one
-/// block after another).
+/// below, each block streams alone (decode is bound by the weight stream, and its tuned
+/// prefetch reads one block after another).
 #[cfg(target_arch = "x86_64")]
 const PAIR_ROWS: usize = 3;
 
