@@ -19,7 +19,7 @@ pub mod bf16;
 pub const BLOCK: usize = 16;
 /// Activation rows per register tile.
 pub const TILE_ROWS: usize = 8;
-/// From this many rows the AVX-512 tile runs two blocks of int8 codes at once (`x86::tile2`);
+/// From this many rows the AVX-512 tile runs two blocks at once (`x86::tile2`);
 /// below, each block streams alone (decode is bound by the weight stream, and its tuned
 /// prefetch reads one block after another).
 #[cfg(target_arch = "x86_64")]
@@ -297,7 +297,7 @@ impl BlockedWo {
         let mut b = first_block;
         while b < end {
             #[cfg(target_arch = "x86_64")]
-            if simd && m >= PAIR_ROWS && b + 1 < end && matches!(self.codes, Codes::I8(_)) {
+            if simd && m >= PAIR_ROWS && b + 1 < end {
                 let ts = [tile(b), tile(b + 1)];
                 let mut r = 0;
                 while r < m {
@@ -451,19 +451,19 @@ mod x86 {
     ) {
         // SAFETY: the caller's contract is each kernel's contract (all arms).
         unsafe {
+            let outs = [out];
             if matches!(t.storage, super::Codes::U4(_)) {
                 return match mr {
-                    1 => kernel4::<1, 4>(t, x, sums, out),
-                    2 => kernel4::<2, 2>(t, x, sums, out),
-                    3 => kernel4::<3, 1>(t, x, sums, out),
-                    4 => kernel4::<4, 1>(t, x, sums, out),
-                    5 => kernel4::<5, 1>(t, x, sums, out),
-                    6 => kernel4::<6, 1>(t, x, sums, out),
-                    7 => kernel4::<7, 1>(t, x, sums, out),
-                    _ => kernel4::<8, 1>(t, x, sums, out),
+                    1 => kernel4::<1, 4, 1>([t], x, sums, outs),
+                    2 => kernel4::<2, 2, 1>([t], x, sums, outs),
+                    3 => kernel4::<3, 1, 1>([t], x, sums, outs),
+                    4 => kernel4::<4, 1, 1>([t], x, sums, outs),
+                    5 => kernel4::<5, 1, 1>([t], x, sums, outs),
+                    6 => kernel4::<6, 1, 1>([t], x, sums, outs),
+                    7 => kernel4::<7, 1, 1>([t], x, sums, outs),
+                    _ => kernel4::<8, 1, 1>([t], x, sums, outs),
                 };
             }
-            let outs = [out];
             match mr {
                 1 => kernel::<1, 4, 1>([t], x, sums, outs),
                 2 => kernel::<2, 2, 1>([t], x, sums, outs),
@@ -477,15 +477,14 @@ mod x86 {
         }
     }
 
-    /// [`tile`] for two blocks of int8 codes at once, `ts[i]` into `outs[i]`: each broadcast
-    /// activation feeds a multiply-add for both blocks. With one broadcast per multiply-add
-    /// the tile ran at about half the FMA peak (one thread, 8 rows: 43-44 GMAC/s against the
-    /// 81 of the `vfmadd` probe); with two, 47-57. Every block's sums are [`tile`]'s, bit for
-    /// bit. (4-bit codes stay one block at a time: their decode, not the broadcasts, bounds
-    /// them, and the pair measured no faster there.)
+    /// [`tile`] for two blocks at once, `ts[i]` into `outs[i]`: each broadcast activation
+    /// feeds a multiply-add for both blocks. With one broadcast per multiply-add the tile ran
+    /// at about half the FMA peak (one thread, 8-64 rows: int8 43-56 GMAC/s, int4 43, against
+    /// the 81 of the `vfmadd` probe); with two, 67 and 61. Every block's sums are [`tile`]'s,
+    /// bit for bit.
     ///
     /// # Safety
-    /// As [`tile`] for each block, both holding int8 codes, with the same `k` and groups.
+    /// As [`tile`] for each block, both with the same storage, `k` and groups.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn tile2(
         ts: [&Tile<'_>; 2],
@@ -496,6 +495,18 @@ mod x86 {
     ) {
         // SAFETY: the caller's contract is each kernel's contract (all arms).
         unsafe {
+            if matches!(ts[0].storage, super::Codes::U4(_)) {
+                return match mr {
+                    1 => kernel4::<1, 4, 2>(ts, x, sums, outs),
+                    2 => kernel4::<2, 2, 2>(ts, x, sums, outs),
+                    3 => kernel4::<3, 1, 2>(ts, x, sums, outs),
+                    4 => kernel4::<4, 1, 2>(ts, x, sums, outs),
+                    5 => kernel4::<5, 1, 2>(ts, x, sums, outs),
+                    6 => kernel4::<6, 1, 2>(ts, x, sums, outs),
+                    7 => kernel4::<7, 1, 2>(ts, x, sums, outs),
+                    _ => kernel4::<8, 1, 2>(ts, x, sums, outs),
+                };
+            }
             match mr {
                 1 => kernel::<1, 4, 2>(ts, x, sums, outs),
                 2 => kernel::<2, 2, 2>(ts, x, sums, outs),
@@ -588,10 +599,12 @@ mod x86 {
                 }
             }
         };
-        // Columns per batch: whole runs of U, and at least the 4 columns of a 64-byte line,
-        // whose prefetches (ahead in these blocks, and in the next ones, which the same task
-        // usually reads next) are then issued once per batch, not tested for at every column.
-        let batch = U.max(4);
+        // Columns per batch, one block: whole runs of U, and at least the 4 columns of a
+        // 64-byte line, whose prefetches (ahead in this block, and in the next, which the same
+        // task usually reads next) are then issued once per batch, not tested for at every
+        // column. Two blocks: a run of U, prefetching at each line's first column (with 4
+        // columns per step the pair ran at 48-56 GMAC/s, with one at 67).
+        let batch = if NB > 1 { U } else { U.max(4) };
         for g in 0..groups {
             let (a, e) = t.bounds(g);
             let e = e.min(k);
@@ -602,6 +615,9 @@ mod x86 {
             while c + batch <= e {
                 for q in (0..batch).step_by(4) {
                     let at = (c + q) * BLOCK;
+                    if NB > 1 && !at.is_multiple_of(64) {
+                        continue;
+                    }
                     for cp in cps {
                         // The addresses are formed with wrapping_add; a prefetch never faults.
                         _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(at + PF_DIST).cast());
@@ -637,24 +653,29 @@ mod x86 {
         }
     }
 
-    /// The 4-bit kernel: one 16-byte load holds two columns for 16 features. Columns go to the
-    /// same partial sums, in the same order, as in [`kernel`] (groups start at even columns and
-    /// `U` is even or 1, so a byte never straddles a chunk), hence identical results.
+    /// The 4-bit kernel over `NB` blocks: one 16-byte load holds two columns for 16 features.
+    /// Columns go to the same partial sums, in the same order, as in [`kernel`] (groups start
+    /// at even columns and `U` is even or 1, so a byte never straddles a chunk), hence
+    /// identical results.
     ///
     /// # Safety
-    /// As [`kernel`], with `t.codes` holding `ceil(k / 2) * 16` bytes and `k` even.
+    /// As [`kernel`], with each block's codes holding `ceil(k / 2) * 16` bytes and `k` even.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    unsafe fn kernel4<const MR: usize, const U: usize>(
-        t: &Tile<'_>,
+    unsafe fn kernel4<const MR: usize, const U: usize, const NB: usize>(
+        ts: [&Tile<'_>; NB],
         x: &[f32],
         sums: Option<&[f32]>,
-        out: &mut [[f32; BLOCK]; TILE_ROWS],
+        outs: [&mut [[f32; BLOCK]; TILE_ROWS]; NB],
     ) {
+        let t = ts[0];
         let k = t.k;
         let groups = t.group_starts.len().max(1);
-        let mut total = [_mm512_setzero_ps(); MR];
-        let cp = t.codes.as_ptr();
+        let mut total = [[_mm512_setzero_ps(); MR]; NB];
+        let mut cps = [t.codes.as_ptr(); NB];
+        for (cp, t) in cps.iter_mut().zip(ts) {
+            *cp = t.codes.as_ptr();
+        }
         let block_len = t.codes.len();
         let xp = x.as_ptr();
         // The 16 stored values as floats, looked up by a permute: it reads only the low 4 bits
@@ -663,72 +684,86 @@ mod x86 {
         let values = _mm512_setr_ps(
             0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
         );
+        // Columns c and c + 1 (byte row c / 2) of every block into partial sums `ul` and `uh`.
+        let pair = |parts: &mut [[[__m512; U]; MR]; NB], c: usize, ul: usize, uh: usize| {
+            let mut lo = [_mm512_setzero_ps(); NB];
+            let mut hi = [_mm512_setzero_ps(); NB];
+            for b in 0..NB {
+                // SAFETY: callers pass c + 1 < e <= k: byte row c / 2 lies inside each block
+                // of ceil(k / 2) * 16 bytes (stored + 8; the 8 is in the zero point).
+                let v = unsafe {
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128(cps[b].add((c / 2) * BLOCK).cast()))
+                };
+                lo[b] = _mm512_permutexvar_ps(v, values);
+                hi[b] = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), values);
+            }
+            for r in 0..MR {
+                // SAFETY: c + 1 < e <= k: x[r * k + c] and the next lie inside row r.
+                let xv = _mm512_set1_ps(unsafe { *xp.add(r * k + c) });
+                for (p, l) in parts.iter_mut().zip(lo) {
+                    p[r][ul] = _mm512_fmadd_ps(l, xv, p[r][ul]);
+                }
+            }
+            for r in 0..MR {
+                // SAFETY: as above.
+                let xv = _mm512_set1_ps(unsafe { *xp.add(r * k + c + 1) });
+                for (p, h) in parts.iter_mut().zip(hi) {
+                    p[r][uh] = _mm512_fmadd_ps(h, xv, p[r][uh]);
+                }
+            }
+        };
         for g in 0..groups {
             let (a, e) = t.bounds(g);
             let e = e.min(k);
             // Columns below `full` go round-robin to U partial sums, the rest to partial 0.
             let full = a + (e.saturating_sub(a) / U) * U;
-            let mut parts = [[_mm512_setzero_ps(); U]; MR];
-            // Columns c and c + 1 of all 16 features (stored + 8; the 8 is in the zero point).
-            let decode = |c: usize| {
-                // SAFETY: callers pass c + 1 < e <= k: byte row c / 2 lies inside the block of
-                // ceil(k / 2) * 16 bytes.
-                unsafe {
-                    let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(cp.add((c / 2) * BLOCK).cast()));
-                    (
-                        _mm512_permutexvar_ps(v, values),
-                        _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), values),
-                    )
-                }
-            };
-            // Column c times row r's activation into partial sum `u` (constant after unrolling,
-            // so the partial sums stay in registers).
-            let fma = |parts: &mut [[__m512; U]; MR], w: __m512, c: usize, u: usize| {
-                for (r, p) in parts.iter_mut().enumerate() {
-                    // SAFETY: c < e <= k: x[r * k + c] lies inside row r (x holds MR rows).
-                    p[u] = _mm512_fmadd_ps(w, _mm512_set1_ps(unsafe { *xp.add(r * k + c) }), p[u]);
-                }
-            };
+            let mut parts = [[[_mm512_setzero_ps(); U]; MR]; NB];
             let mut c = a;
-            // Batches of whole runs of U columns and at least the 8 columns of a 64-byte line
-            // (4 byte rows), whose prefetches (ahead in this block, and in the next) are then
-            // issued once per batch; column c + o goes to partial o % U, as in the runs below.
-            let batch = U.max(8);
+            // One block: batches of whole runs of U columns and at least the 8 columns of a
+            // 64-byte line (4 byte rows), whose prefetches (ahead in this block, and in the
+            // next) are then issued once per batch. Two blocks: batches of one byte row (or a
+            // run of U), prefetching at each line's first; with four byte rows in the loop body
+            // the compiler hoisted their loads and spilled the partial sums. Column c + o goes
+            // to partial o % U, as in the runs below.
+            let batch = if NB > 1 { U.max(2) } else { U.max(8) };
             // (`full` is `e` when U is 1.)
             while c + batch <= full {
                 let at = (c / 2) * BLOCK;
-                // The addresses are formed with wrapping_add; a prefetch never faults.
-                _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(at + PF_DIST).cast());
-                _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(at + block_len).cast());
+                if NB == 1 || at.is_multiple_of(64) {
+                    for cp in cps {
+                        // The addresses are formed with wrapping_add; a prefetch never faults.
+                        _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(at + PF_DIST).cast());
+                        _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(at + NB * block_len).cast());
+                    }
+                }
                 for o in (0..batch).step_by(2) {
-                    let (lo, hi) = decode(c + o);
-                    fma(&mut parts, lo, c + o, o % U);
-                    fma(&mut parts, hi, c + o + 1, (o + 1) % U);
+                    pair(&mut parts, c + o, o % U, (o + 1) % U);
                 }
                 c += batch;
             }
             if U >= 2 {
                 while c < full {
                     for q in 0..U / 2 {
-                        let (lo, hi) = decode(c + 2 * q);
-                        fma(&mut parts, lo, c + 2 * q, 2 * q);
-                        fma(&mut parts, hi, c + 2 * q + 1, 2 * q + 1);
+                        pair(&mut parts, c + 2 * q, 2 * q, 2 * q + 1);
                     }
                     c += U;
                 }
             }
             while c + 1 < e {
-                let (lo, hi) = decode(c);
-                fma(&mut parts, lo, c, 0);
-                fma(&mut parts, hi, c + 1, 0);
+                pair(&mut parts, c, 0, 0);
                 c += 2;
             }
-            // SAFETY: g < groups; the caller's contract covers the scales, zero points and sums.
-            unsafe { finish_group(&parts, t, g, sums, &mut total) };
+            for ((p, t), tot) in parts.iter().zip(ts).zip(total.iter_mut()) {
+                // SAFETY: g < groups; the caller's contract covers the scales, zero points
+                // and sums.
+                unsafe { finish_group(p, t, g, sums, tot) };
+            }
         }
-        for (r, tot) in total.iter().enumerate() {
-            // SAFETY: r < MR <= 8 = out.len(); each entry is 16 f32.
-            unsafe { _mm512_storeu_ps(out[r].as_mut_ptr(), *tot) };
+        for (out, tot) in outs.into_iter().zip(total) {
+            for (r, v) in tot.iter().enumerate() {
+                // SAFETY: r < MR <= 8 = out.len(); each entry is 16 f32.
+                unsafe { _mm512_storeu_ps(out[r].as_mut_ptr(), *v) };
+            }
         }
     }
 }
