@@ -51,6 +51,10 @@ const CHUNK_QUADS: usize = 64;
 /// Row passes that share a depth chunk (their partial sums, 12 KB, stay in L1 beside it).
 #[cfg(target_arch = "x86_64")]
 const GROUP_PASSES: usize = 8;
+/// The partial sums of one group of row passes over a tile (`PackedI8::chunked_tile`),
+/// kept by the caller for all of a GEMM's tiles.
+#[cfg(target_arch = "x86_64")]
+type ChunkSums = [[i32; BLOCK]; GROUP_PASSES * TILE_ROWS * TILE_BLOCKS];
 // `x86::rows_streaming` handles one or two rows.
 const _: () = assert!(STREAM_ROWS >= 1 && STREAM_ROWS <= 2);
 
@@ -335,6 +339,8 @@ impl PackedI8 {
         let use_avx_vnni = isa().avx_vnni();
         let mut acc = [[0i32; BLOCK]; TILE_ROWS * TILE_BLOCKS];
         #[cfg(target_arch = "x86_64")]
+        let mut chunk_sums: ChunkSums = [[0; BLOCK]; GROUP_PASSES * TILE_ROWS * TILE_BLOCKS];
+        #[cfg(target_arch = "x86_64")]
         let passes = m.div_ceil(TILE_ROWS);
         #[cfg(target_arch = "x86_64")]
         let xw = if use_avx2 {
@@ -347,7 +353,7 @@ impl PackedI8 {
             let nb = (end - b).min(TILE_BLOCKS);
             #[cfg(target_arch = "x86_64")]
             if use_vnni && nb == TILE_BLOCKS && m > TILE_ROWS && self.k_pad / 4 > CHUNK_QUADS {
-                self.chunked_tile(xu, m, b, end, &mut done);
+                self.chunked_tile(xu, m, b, end, &mut chunk_sums, &mut done);
                 b += nb;
                 continue;
             }
@@ -437,6 +443,7 @@ impl PackedI8 {
         m: usize,
         b: usize,
         end: usize,
+        store: &mut ChunkSums,
         done: &mut impl FnMut(usize, usize, usize, usize, &mut [[i32; BLOCK]]),
     ) {
         use x86::{Depth, Prefetch};
@@ -447,7 +454,6 @@ impl PackedI8 {
         let chunks = quads.div_ceil(CHUNK_QUADS);
         let data = self.bytes();
         let w = &data[b * block_len..(b + nb) * block_len];
-        let mut store = [[0i32; BLOCK]; GROUP_PASSES * TILE_ROWS * TILE_BLOCKS];
         let group_rows = GROUP_PASSES * TILE_ROWS;
         let groups = m.div_ceil(group_rows);
         let passes_all = m.div_ceil(TILE_ROWS);
@@ -699,12 +705,7 @@ mod x86 {
         // SAFETY: the caller's contract is exactly each kernel's contract (all arms).
         unsafe {
             match (mr, nb) {
-                (1, 4) => kernel::<1, 4>(xu, k_pad, w, out, pf, full),
-                (2, 4) => kernel::<2, 4>(xu, k_pad, w, out, pf, full),
-                (3, 4) => kernel::<3, 4>(xu, k_pad, w, out, pf, full),
-                (4, 4) => kernel::<4, 4>(xu, k_pad, w, out, pf, full),
-                (5, 4) => kernel::<5, 4>(xu, k_pad, w, out, pf, full),
-                (6, 4) => kernel::<6, 4>(xu, k_pad, w, out, pf, full),
+                (1..=6, 4) => tile4_part(xu, mr, k_pad, w, out, pf, full),
                 (1, 1) => kernel::<1, 1>(xu, k_pad, w, out, pf, full),
                 (1, 2) => kernel::<1, 2>(xu, k_pad, w, out, pf, full),
                 (1, 3) => kernel::<1, 3>(xu, k_pad, w, out, pf, full),

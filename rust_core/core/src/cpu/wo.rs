@@ -265,6 +265,22 @@ impl BlockedWo {
         out
     }
 
+    /// Block `b`'s codes, scales and zero points (`b < self.blocks()`).
+    fn tile(&self, b: usize) -> Tile<'_> {
+        let (g, len) = (self.groups(), self.codes.block_len(self.k));
+        Tile {
+            storage: &self.codes,
+            codes: &self.codes.bytes()[b * len..(b + 1) * len],
+            scale: &self.scale[b * g * BLOCK..(b + 1) * g * BLOCK],
+            zp: self
+                .zp
+                .as_ref()
+                .map(|z| &z[b * g * BLOCK..(b + 1) * g * BLOCK]),
+            k: self.k,
+            group_starts: &self.group_starts,
+        }
+    }
+
     /// `y[r, 16 b + l]` for rows `0..m` of `x` (`[m, k]` f32, sorted column order) and blocks
     /// `first_block..first_block + nblocks`: calls `emit(row, block, &lanes)`.
     pub fn gemm(
@@ -282,23 +298,11 @@ impl BlockedWo {
         let sums = self.zp.as_ref().map(|_| self.group_sums(x, m));
         let (simd, avx2, neon) = (isa().avx512(), isa().avx2_fma(), isa().neon());
         let g = self.groups();
-        let len = self.codes.block_len(self.k);
-        let tile = |b: usize| Tile {
-            storage: &self.codes,
-            codes: &self.codes.bytes()[b * len..(b + 1) * len],
-            scale: &self.scale[b * g * BLOCK..(b + 1) * g * BLOCK],
-            zp: self
-                .zp
-                .as_ref()
-                .map(|z| &z[b * g * BLOCK..(b + 1) * g * BLOCK]),
-            k: self.k,
-            group_starts: &self.group_starts,
-        };
         let mut b = first_block;
         while b < end {
             #[cfg(target_arch = "x86_64")]
             if simd && m >= PAIR_ROWS && b + 1 < end {
-                let ts = [tile(b), tile(b + 1)];
+                let ts = [self.tile(b), self.tile(b + 1)];
                 let mut r = 0;
                 while r < m {
                     let mr = (m - r).min(TILE_ROWS);
@@ -320,7 +324,7 @@ impl BlockedWo {
                 b += 2;
                 continue;
             }
-            let tile = tile(b);
+            let tile = self.tile(b);
             let mut r = 0;
             while r < m {
                 let mr = (m - r).min(TILE_ROWS);
@@ -672,10 +676,7 @@ mod x86 {
         let k = t.k;
         let groups = t.group_starts.len().max(1);
         let mut total = [[_mm512_setzero_ps(); MR]; NB];
-        let mut cps = [t.codes.as_ptr(); NB];
-        for (cp, t) in cps.iter_mut().zip(ts) {
-            *cp = t.codes.as_ptr();
-        }
+        let cps = ts.map(|t| t.codes.as_ptr());
         let block_len = t.codes.len();
         let xp = x.as_ptr();
         // The 16 stored values as floats, looked up by a permute: it reads only the low 4 bits
@@ -1449,20 +1450,8 @@ mod tests {
                     .map(|i| ((i * 37) % 101) as f32 / 11.0 - 4.0)
                     .collect();
                 let sums = w.zp.is_some().then(|| w.group_sums(&x, m));
-                let g = w.groups();
-                let len = w.codes.block_len(k);
                 for b in 0..w.blocks() {
-                    let t = Tile {
-                        storage: &w.codes,
-                        codes: &w.codes.bytes()[b * len..(b + 1) * len],
-                        scale: &w.scale[b * g * BLOCK..(b + 1) * g * BLOCK],
-                        zp: w
-                            .zp
-                            .as_ref()
-                            .map(|z| &z[b * g * BLOCK..(b + 1) * g * BLOCK]),
-                        k,
-                        group_starts: w.group_starts(),
-                    };
+                    let t = w.tile(b);
                     let mut want = [[0f32; BLOCK]; TILE_ROWS];
                     tile_scalar(&t, &x, sums.as_deref(), m, &mut want);
                     let mut got = [[f32::NAN; BLOCK]; TILE_ROWS];
@@ -1506,18 +1495,7 @@ mod tests {
                 let sums = w.zp.is_some().then(|| w.group_sums(&x, m));
                 for b in 0..w.blocks() {
                     let g = w.groups();
-                    let len = w.codes.block_len(k);
-                    let t = Tile {
-                        storage: &w.codes,
-                        codes: &w.codes.bytes()[b * len..(b + 1) * len],
-                        scale: &w.scale[b * g * BLOCK..(b + 1) * g * BLOCK],
-                        zp: w
-                            .zp
-                            .as_ref()
-                            .map(|z| &z[b * g * BLOCK..(b + 1) * g * BLOCK]),
-                        k,
-                        group_starts: w.group_starts(),
-                    };
+                    let t = w.tile(b);
                     for r0 in (0..m).step_by(TILE_ROWS) {
                         let mr = (m - r0).min(TILE_ROWS);
                         let mut want = [[0f32; BLOCK]; TILE_ROWS];
