@@ -296,6 +296,22 @@ def test_weights_or_config_that_are_not_files(ckpt: Path, tmp_path: Path) -> Non
     config.symlink_to(tmp_path / "gone.json")
     with pytest.raises(mq.CheckpointError, match="config.json: is a broken symbolic link"):
         mq.open(ckpt)
+    # An index that is not a file said "no weights found" (there is no model.safetensors).
+    config.unlink()
+    config.write_text("{}")
+    weights.unlink()
+    index = ckpt / "model.safetensors.index.json"
+    index.mkdir()
+    with pytest.raises(
+        mq.CheckpointError, match=r"model.safetensors.index.json: is a directory, not a file"
+    ):
+        mq.open(ckpt)
+    index.rmdir()
+    index.symlink_to(tmp_path / "gone.json")
+    with pytest.raises(
+        mq.CheckpointError, match=r"model.safetensors.index.json: is a broken symbolic link"
+    ):
+        mq.open(ckpt)
 
 
 def test_invalid_config_json(ckpt: Path) -> None:

@@ -164,6 +164,13 @@ impl Checkpoint {
             (opened, Some(weight_map))
         } else if single_path.is_file() {
             (vec![SafetensorsFile::open(&single_path)?], None)
+        } else if let Some(what) = not_a_file(&index_path) {
+            // There, but not a file to read: say so rather than "no weights found".
+            return Err(CheckpointError::Io {
+                path: index_path,
+                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, what),
+            }
+            .into());
         } else if let Some(what) = not_a_file(&single_path) {
             return Err(CheckpointError::Io {
                 path: single_path,
