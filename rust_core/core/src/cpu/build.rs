@@ -370,6 +370,7 @@ pub fn from_raw(
             routed_scaling_factor: 1.0,
             routed_scaling_key: "routed_scaling_factor",
             logit_softcapping: None,
+            weight_on_input: false,
             // from_tensors: the caller chose the routing.
             family_checked: true,
             family_defaults: Vec::new(),

@@ -123,7 +123,9 @@ pub fn linear(ckpt: &Checkpoint, m: &ModuleInfo, version: Option<&str>) -> Resul
     };
     let name = &m.name;
     match (m.format(), m.input_activations()) {
-        (Format::IntQuantized, Some(a)) => {
+        // compressed-tensors writes int8 codes alike under both names (its naive compressor
+        // is the int one's fallback), and the oracle plans both onto this path.
+        (Format::IntQuantized | Format::NaiveQuantized, Some(a)) => {
             if w.num_bits != 8 || w.strategy != Strategy::Channel || !w.symmetric || !a.symmetric {
                 return Err(unsupported("the CPU int8 path needs symmetric channelwise int8 weights and symmetric activations".into()));
             }
@@ -350,7 +352,7 @@ fn vector(ckpt: &Checkpoint, name: &str, want: usize) -> Result<Vec<f32>> {
 
 /// The CPU computes what `config.json` describes for a layer of `experts` experts
 /// ([`Model::cpu_layer_check`]), checked before any expert is loaded: an activation, scoring
-/// function or model family no kernel has is an `UnsupportedSchemeError`, inconsistent
+/// function, model family or router-weight placement no kernel has is an `UnsupportedSchemeError`, inconsistent
 /// routing keys a `ConfigError` naming the key.
 fn check_layer_config(model: &Model, prefix: &str, experts: usize) -> Result<()> {
     if let Some(part) = model.unsupported_part(prefix) {
@@ -360,11 +362,13 @@ fn check_layer_config(model: &Model, prefix: &str, experts: usize) -> Result<()>
     model
         .cpu_layer_check(experts)
         .map_err(|(key, reason)| match key {
-            "hidden_act" | "scoring_func" | "model_type" => UnsupportedSchemeError {
-                subject: format!("{}: {key}", file.display()),
-                reason,
+            "hidden_act" | "scoring_func" | "model_type" | "moe_apply_router_weight_on_input" => {
+                UnsupportedSchemeError {
+                    subject: format!("{}: {key}", file.display()),
+                    reason,
+                }
+                .into()
             }
-            .into(),
             _ => ConfigError {
                 file,
                 key: key.to_string(),

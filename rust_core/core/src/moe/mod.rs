@@ -130,6 +130,10 @@ pub struct Routing {
     pub routed_scaling_key: &'static str,
     /// `tanh(logits / c) * c` before scoring when set (Laguna `moe_router_logit_softcapping`).
     pub logit_softcapping: Option<f64>,
+    /// `moe_apply_router_weight_on_input` is true: the top-k weight scales each expert's
+    /// input, not its output. For SiLU-gated experts that is another function, which no kernel
+    /// here computes (and transformers' Laguna refuses it), so CPU layers are refused.
+    pub weight_on_input: bool,
     /// Whether the model family's router was checked to be what this config-driven routing
     /// computes (`Family::checked`); other families get the same routing, unverified.
     pub family_checked: bool,
@@ -621,6 +625,9 @@ impl Routing {
         )
         .opt_f64()?
         .filter(|&c| c > 0.0);
+        let weight_on_input = cfg_field(file, config, &["moe_apply_router_weight_on_input"])
+            .opt_bool()?
+            .unwrap_or(false);
         // Command-A MoE averages its shared and routed experts unless told to add them.
         let averaged = is("cohere2_moe")
             && count(&cfg_field(file, config, &["num_shared_experts"]))?.is_some_and(|n| n > 0)
@@ -685,6 +692,7 @@ impl Routing {
             routed_scaling_factor,
             routed_scaling_key,
             logit_softcapping,
+            weight_on_input,
             family_checked: any(|r| r.checked),
             family_defaults: defaulted,
         })
@@ -697,6 +705,14 @@ impl Routing {
     pub fn check(&self, experts: usize) -> std::result::Result<(), (&'static str, String)> {
         if let Some(why) = self.unsupported_model {
             return Err(("model_type", why.to_string()));
+        }
+        if self.weight_on_input {
+            return Err((
+                "moe_apply_router_weight_on_input",
+                "true: the top-k weight would scale each expert's input, where the CPU forward \
+                 scales its output (for gated experts those differ)"
+                    .into(),
+            ));
         }
         if let Some(s) = &self.unsupported_scoring {
             return Err((

@@ -164,7 +164,7 @@ fn classify_w8a8(w: &QuantArgs, a: &QuantArgs, format: Format) -> Result<ExpertK
     };
     if format != Format::IntQuantized && format != Format::NaiveQuantized {
         return Err(format!(
-            "W8A8 MoE needs int8 weights stored as \"int-quantized\", found \"{}\"",
+            "W8A8 MoE needs int8 weights stored as \"int-quantized\" or \"naive-quantized\", found \"{}\"",
             format.name()
         ));
     }

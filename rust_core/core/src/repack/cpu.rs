@@ -174,7 +174,7 @@ pub fn geometry(l: &MoeLayer) -> Option<CpuGeometry> {
         m.format() == format && m.weights() == Some(&w) && m.input_activations() == a.as_ref()
     };
     let scheme_ok = match (&a, format) {
-        (Some(a), Format::IntQuantized) => {
+        (Some(a), Format::IntQuantized | Format::NaiveQuantized) => {
             w.num_bits == 8
                 && w.strategy == Strategy::Channel
                 && w.symmetric
