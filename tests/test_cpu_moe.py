@@ -1258,6 +1258,14 @@ def test_grouped_routing_without_bias(
             mq.UnsupportedSchemeError,
             'hidden_act: "gelu_pytorch_tanh" experts',
         ),
+        # The router weight on the expert input (transformers' Laguna refuses it too); the
+        # fixtures' Laguna config says false, which loads.
+        (
+            dict(moe_apply_router_weight_on_input=True),
+            mq.UnsupportedSchemeError,
+            "moe_apply_router_weight_on_input: true: the top-k weight would scale each expert's "
+            "input",
+        ),
         (dict(model_type="llama4"), mq.UnsupportedSchemeError, "model_type: Llama-4 scales"),
         (dict(model_type="phimoe"), mq.UnsupportedSchemeError, "model_type: PhiMoE"),
         (dict(model_type="gpt_oss"), mq.UnsupportedSchemeError, "model_type: gpt-oss experts"),
@@ -1310,6 +1318,61 @@ def test_routing_the_cpu_cannot_follow_is_refused(
     assert mq.plan(ckpt, "cuda").layer(0)["backend"] is not None
 
 
+@pytest.mark.parametrize("name", ["qwen3_w8a8_dynamic", "qwen3_w8a8_static"])
+def test_naive_quantized_w8a8_loads_and_repacks_as_int_quantized(
+    fixture_path: Callable[[str], Path], tmp_path: Path, name: str
+) -> None:
+    """compressed-tensors writes the same int8 codes under "naive-quantized" as under
+    "int-quantized", and the oracle plans both onto the CPU W8A8 path. The loader took only the
+    second ("format has no CPU kernel") and repack --target cpu copied the layer unconverted."""
+    from moeq_rs.repack import repack_checkpoint
+
+    def naive(cfg: dict) -> None:
+        q = cfg["quantization_config"]
+        q["format"] = "naive-quantized"
+        for group in q["config_groups"].values():
+            group["format"] = "naive-quantized"
+
+    src = fixture_path(name)
+    path = _edited_copy(src, tmp_path / "naive", config=naive)
+    layer = mq.plan(path, "cpu").layer(0)
+    assert (layer["method"], layer["backend"], layer["error"]) == ("w8a8_int8", "cpu_simd", None)
+    repack_checkpoint(path, tmp_path / "cpu", target="cpu")
+    layers = json.loads((tmp_path / "cpu" / "config.json").read_text())["moeq"]["layers"]
+    assert [entry["kind"] for entry in layers] == ["int8_w8a8"] * len(layers) and layers
+    want = mq.MoELayer.from_checkpoint(src, 0)
+    x = torch.randn(5, want.hidden_size)
+    logits = torch.randn(5, want.num_experts)
+    for got in (path, tmp_path / "cpu"):
+        assert torch.equal(mq.MoELayer.from_checkpoint(got, 0)(x, logits), want(x, logits))
+
+
+def test_a_cpu_layout_static_scale_the_loader_refuses_is_refused_by_the_plan(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A source checkpoint's bad static input scale is in its plan's error; in the CPU layout
+    the plan did not read the stacked scales, so it promised cpu_simd and the load failed."""
+    from moeq_rs.repack import repack_checkpoint
+
+    repack_checkpoint(fixture_path("qwen3_w8a8_static"), tmp_path / "cpu", target="cpu")
+    prefix = json.loads((tmp_path / "cpu" / "config.json").read_text())["moeq"]["layers"][0][
+        "prefix"
+    ]
+    assert mq.plan(tmp_path / "cpu", "cpu").layer(0)["backend"] == "cpu_simd"
+    for which in ("w13_input_scale", "w2_input_scale"):
+        name = f"{prefix}.{which}"
+
+        def edit(state: dict, name: str = name) -> None:
+            state[name][1] = -1.0
+
+        path = _edited_copy(tmp_path / "cpu", tmp_path / which, tensors=edit)
+        want = rf"tensor '{re.escape(name)}': element 1 is -1"
+        layer = mq.plan(path, "cpu").layer(0)
+        assert layer["backend"] is None and re.search(want, layer["error"]), layer["error"]
+        with pytest.raises(mq.CheckpointError, match=want):
+            mq.MoELayer.from_checkpoint(path, 0)
+
+
 def test_cpu_layout_checkpoints_are_refused_for_their_config(
     fixture_path: Callable[[str], Path], tmp_path: Path
 ) -> None:
@@ -1336,6 +1399,7 @@ def test_cpu_layout_checkpoints_are_refused_for_their_config(
         ("routed_scaling_factor", "2.5", "a number"),
         ("scoring_func", 1, "a string"),
         ("hidden_act", ["silu"], "a string"),
+        ("moe_apply_router_weight_on_input", "yes", "true or false"),
         # The family sets routing defaults (Laguna's sigmoid, Mixtral's renormalisation).
         ("model_type", ["qwen3_moe"], "a string"),
     ],

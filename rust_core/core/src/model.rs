@@ -876,6 +876,17 @@ impl Model {
                     .unwrap_or(prefix)
                     .to_string();
                 self.refuse_unsupported_part(&mut plan, &layer_prefix);
+                // The stacked static scales, checked as the loader reads them (as
+                // `static_scale_problem` does for a source checkpoint's).
+                if activation.as_ref().is_some_and(|a| !a.is_dynamic()) {
+                    for which in ["w13_input_scale", "w2_input_scale"] {
+                        let name = format!("{prefix}.{which}");
+                        if let Err(e) = crate::cpu::load::input_scales(&self.ckpt, &name) {
+                            refuse(&mut plan, e.to_string());
+                            break;
+                        }
+                    }
+                }
                 let router = moe::find_router(&self.ckpt, &layer_prefix);
                 let shared = moe::SHARED_EXPERT_NAMES.iter().find_map(|s| {
                     let sp = format!("{layer_prefix}.{s}");
