@@ -352,8 +352,8 @@ fn vector(ckpt: &Checkpoint, name: &str, want: usize) -> Result<Vec<f32>> {
 
 /// The CPU computes what `config.json` describes for a layer of `experts` experts
 /// ([`Model::cpu_layer_check`]), checked before any expert is loaded: an activation, scoring
-/// function, model family or router-weight placement no kernel has is an `UnsupportedSchemeError`, inconsistent
-/// routing keys a `ConfigError` naming the key.
+/// function, model family or router-weight placement no kernel has is an
+/// `UnsupportedSchemeError`, inconsistent routing keys a `ConfigError` naming the key.
 fn check_layer_config(model: &Model, prefix: &str, experts: usize) -> Result<()> {
     if let Some(part) = model.unsupported_part(prefix) {
         return Err(part.error().into());
