@@ -19,10 +19,9 @@ pub mod bf16;
 pub const BLOCK: usize = 16;
 /// Activation rows per register tile.
 pub const TILE_ROWS: usize = 8;
-/// From this many rows the AVX-512 tile runs two blocks at once (`x86::tile2`);
+/// From this many rows the AVX-512 tile runs two blocks at once (`x86::tiles`);
 /// below, each block streams alone (decode is bound by the weight stream, and its tuned
 /// prefetch reads one block after another).
-#[cfg(target_arch = "x86_64")]
 const PAIR_ROWS: usize = 3;
 
 #[derive(Clone, Debug)]
@@ -300,60 +299,50 @@ impl BlockedWo {
         let g = self.groups();
         let mut b = first_block;
         while b < end {
-            #[cfg(target_arch = "x86_64")]
-            if simd && m >= PAIR_ROWS && b + 1 < end {
-                let ts = [self.tile(b), self.tile(b + 1)];
-                let mut r = 0;
-                while r < m {
-                    let mr = (m - r).min(TILE_ROWS);
-                    let xs = &x[r * self.k..(r + mr) * self.k];
-                    let ss = sums.as_ref().map(|s| &s[r * g..(r + mr) * g]);
-                    let mut out = [[[0f32; BLOCK]; TILE_ROWS]; 2];
-                    let [o0, o1] = &mut out;
-                    // SAFETY: AVX-512F detected by `isa()`; both tiles are blocks of this layer
-                    // (same storage, k and groups), sized as for `x86::tile`, and `xs`/`ss`
-                    // hold `mr` rows.
-                    unsafe { x86::tile2([&ts[0], &ts[1]], xs, ss, mr, [o0, o1]) };
-                    for (bb, block) in out.iter().enumerate() {
-                        for (rr, lanes) in block.iter().enumerate().take(mr) {
-                            emit(r + rr, b + bb, lanes);
-                        }
-                    }
-                    r += mr;
-                }
-                b += 2;
-                continue;
-            }
-            let tile = self.tile(b);
+            // Two blocks at a time where the AVX-512 pair applies (`PAIR_ROWS`), else one.
+            let nb = if cfg!(target_arch = "x86_64") && simd && m >= PAIR_ROWS && b + 1 < end {
+                2
+            } else {
+                1
+            };
+            let tiles = [self.tile(b), self.tile(b + nb - 1)];
             let mut r = 0;
             while r < m {
                 let mr = (m - r).min(TILE_ROWS);
                 let xs = &x[r * self.k..(r + mr) * self.k];
                 let ss = sums.as_ref().map(|s| &s[r * g..(r + mr) * g]);
-                let mut out = [[0f32; BLOCK]; TILE_ROWS];
+                let mut out = [[[0f32; BLOCK]; TILE_ROWS]; 2];
                 if simd {
                     #[cfg(target_arch = "x86_64")]
-                    // SAFETY: AVX-512F detected by `isa()`; the tile's slices hold one block
-                    // (k x 16 int8 codes or ceil(k/2) x 16 nibble bytes, groups x 16 scales)
-                    // and `xs`/`ss` hold `mr` rows.
+                    // SAFETY: AVX-512F detected by `isa()`; each tile's slices hold one block
+                    // of this layer (k x 16 int8 codes or ceil(k/2) x 16 nibble bytes,
+                    // groups x 16 scales; a pair shares storage, k and groups) and `xs`/`ss`
+                    // hold `mr` rows.
                     unsafe {
-                        x86::tile(&tile, xs, ss, mr, &mut out)
-                    };
+                        let [o0, o1] = &mut out;
+                        if nb == 2 {
+                            x86::tiles([&tiles[0], &tiles[1]], xs, ss, mr, [o0, o1]);
+                        } else {
+                            x86::tiles([&tiles[0]], xs, ss, mr, [o0]);
+                        }
+                    }
                 } else if avx2 {
                     #[cfg(target_arch = "x86_64")]
-                    avx2::tile(&tile, xs, ss, mr, &mut out);
+                    avx2::tile(&tiles[0], xs, ss, mr, &mut out[0]);
                 } else if neon {
                     #[cfg(target_arch = "aarch64")]
-                    neon::tile(&tile, xs, ss, mr, &mut out);
+                    neon::tile(&tiles[0], xs, ss, mr, &mut out[0]);
                 } else {
-                    tile_scalar(&tile, xs, ss, mr, &mut out);
+                    tile_scalar(&tiles[0], xs, ss, mr, &mut out[0]);
                 }
-                for (rr, lanes) in out.iter().enumerate().take(mr) {
-                    emit(r + rr, b, lanes);
+                for (bb, block) in out.iter().enumerate().take(nb) {
+                    for (rr, lanes) in block.iter().enumerate().take(mr) {
+                        emit(r + rr, b + bb, lanes);
+                    }
                 }
                 r += mr;
             }
-            b += 1;
+            b += nb;
         }
     }
 }
@@ -440,86 +429,48 @@ mod x86 {
     /// How far ahead (bytes) the weight stream is prefetched.
     const PF_DIST: usize = 4096;
 
-    /// # Safety
-    /// The CPU supports AVX-512F; `t.codes.len() >= t.k * 16` (int8 codes) or
-    /// `>= t.k.div_ceil(2) * 16` (nibble bytes, which go to `kernel4`), `t.scale` (and `t.zp`) hold
-    /// `groups * 16` values, `x.len() >= mr * t.k`, `sums` (when zero points exist) holds
-    /// `mr * groups` values, `1 <= mr <= 8`.
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn tile(
-        t: &Tile<'_>,
-        x: &[f32],
-        sums: Option<&[f32]>,
-        mr: usize,
-        out: &mut [[f32; BLOCK]; TILE_ROWS],
-    ) {
-        // SAFETY: the caller's contract is each kernel's contract (all arms).
-        unsafe {
-            let outs = [out];
-            if matches!(t.storage, super::Codes::U4(_)) {
-                return match mr {
-                    1 => kernel4::<1, 4, 1>([t], x, sums, outs),
-                    2 => kernel4::<2, 2, 1>([t], x, sums, outs),
-                    3 => kernel4::<3, 1, 1>([t], x, sums, outs),
-                    4 => kernel4::<4, 1, 1>([t], x, sums, outs),
-                    5 => kernel4::<5, 1, 1>([t], x, sums, outs),
-                    6 => kernel4::<6, 1, 1>([t], x, sums, outs),
-                    7 => kernel4::<7, 1, 1>([t], x, sums, outs),
-                    _ => kernel4::<8, 1, 1>([t], x, sums, outs),
-                };
-            }
-            match mr {
-                1 => kernel::<1, 4, 1>([t], x, sums, outs),
-                2 => kernel::<2, 2, 1>([t], x, sums, outs),
-                3 => kernel::<3, 1, 1>([t], x, sums, outs),
-                4 => kernel::<4, 1, 1>([t], x, sums, outs),
-                5 => kernel::<5, 1, 1>([t], x, sums, outs),
-                6 => kernel::<6, 1, 1>([t], x, sums, outs),
-                7 => kernel::<7, 1, 1>([t], x, sums, outs),
-                _ => kernel::<8, 1, 1>([t], x, sums, outs),
-            }
-        }
-    }
-
-    /// [`tile`] for two blocks at once, `ts[i]` into `outs[i]`: each broadcast activation
-    /// feeds a multiply-add for both blocks. With one broadcast per multiply-add the tile ran
-    /// at about half the FMA peak (one thread, 8-64 rows: int8 43-56 GMAC/s, int4 43, against
-    /// the 81 of the `vfmadd` probe); with two, 67 and 61. Every block's sums are [`tile`]'s,
-    /// bit for bit.
+    /// `NB` blocks (one, or a pair) over the same rows, `ts[i]` into `outs[i]`. With a pair,
+    /// each broadcast activation feeds a multiply-add for both blocks: with one broadcast per
+    /// multiply-add the tile ran at about half the FMA peak (one thread, 8-64 rows: int8 43-56
+    /// GMAC/s, int4 43, against the 81 of the `vfmadd` probe); with two, 67 and 61. Every
+    /// block's sums are the same, bit for bit, alone or paired.
     ///
     /// # Safety
-    /// As [`tile`] for each block, both with the same storage, `k` and groups.
+    /// The CPU supports AVX-512F; the blocks share storage, `k` and groups; each block's
+    /// `codes.len() >= k * 16` (int8 codes) or `>= k.div_ceil(2) * 16` (nibble bytes, which
+    /// go to `kernel4`), its `scale` (and `zp`) hold `groups * 16` values; `x.len() >= mr * k`,
+    /// `sums` (when zero points exist) holds `mr * groups` values, `1 <= mr <= 8`.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn tile2(
-        ts: [&Tile<'_>; 2],
+    pub unsafe fn tiles<const NB: usize>(
+        ts: [&Tile<'_>; NB],
         x: &[f32],
         sums: Option<&[f32]>,
         mr: usize,
-        outs: [&mut [[f32; BLOCK]; TILE_ROWS]; 2],
+        outs: [&mut [[f32; BLOCK]; TILE_ROWS]; NB],
     ) {
         // SAFETY: the caller's contract is each kernel's contract (all arms).
         unsafe {
             if matches!(ts[0].storage, super::Codes::U4(_)) {
                 return match mr {
-                    1 => kernel4::<1, 4, 2>(ts, x, sums, outs),
-                    2 => kernel4::<2, 2, 2>(ts, x, sums, outs),
-                    3 => kernel4::<3, 1, 2>(ts, x, sums, outs),
-                    4 => kernel4::<4, 1, 2>(ts, x, sums, outs),
-                    5 => kernel4::<5, 1, 2>(ts, x, sums, outs),
-                    6 => kernel4::<6, 1, 2>(ts, x, sums, outs),
-                    7 => kernel4::<7, 1, 2>(ts, x, sums, outs),
-                    _ => kernel4::<8, 1, 2>(ts, x, sums, outs),
+                    1 => kernel4::<1, 4, NB>(ts, x, sums, outs),
+                    2 => kernel4::<2, 2, NB>(ts, x, sums, outs),
+                    3 => kernel4::<3, 1, NB>(ts, x, sums, outs),
+                    4 => kernel4::<4, 1, NB>(ts, x, sums, outs),
+                    5 => kernel4::<5, 1, NB>(ts, x, sums, outs),
+                    6 => kernel4::<6, 1, NB>(ts, x, sums, outs),
+                    7 => kernel4::<7, 1, NB>(ts, x, sums, outs),
+                    _ => kernel4::<8, 1, NB>(ts, x, sums, outs),
                 };
             }
             match mr {
-                1 => kernel::<1, 4, 2>(ts, x, sums, outs),
-                2 => kernel::<2, 2, 2>(ts, x, sums, outs),
-                3 => kernel::<3, 1, 2>(ts, x, sums, outs),
-                4 => kernel::<4, 1, 2>(ts, x, sums, outs),
-                5 => kernel::<5, 1, 2>(ts, x, sums, outs),
-                6 => kernel::<6, 1, 2>(ts, x, sums, outs),
-                7 => kernel::<7, 1, 2>(ts, x, sums, outs),
-                _ => kernel::<8, 1, 2>(ts, x, sums, outs),
+                1 => kernel::<1, 4, NB>(ts, x, sums, outs),
+                2 => kernel::<2, 2, NB>(ts, x, sums, outs),
+                3 => kernel::<3, 1, NB>(ts, x, sums, outs),
+                4 => kernel::<4, 1, NB>(ts, x, sums, outs),
+                5 => kernel::<5, 1, NB>(ts, x, sums, outs),
+                6 => kernel::<6, 1, NB>(ts, x, sums, outs),
+                7 => kernel::<7, 1, NB>(ts, x, sums, outs),
+                _ => kernel::<8, 1, NB>(ts, x, sums, outs),
             }
         }
     }
@@ -531,7 +482,7 @@ mod x86 {
     ///
     /// # Safety
     /// AVX-512F; `g < groups`; `t.scale` (and `t.zp`) hold `groups * 16` values and `sums`,
-    /// when given, `MR * groups` (the contract of [`tile`]).
+    /// when given, `MR * groups` (the contract of [`tiles`]).
     #[target_feature(enable = "avx512f")]
     #[inline]
     unsafe fn finish_group<const MR: usize, const U: usize>(
@@ -569,7 +520,7 @@ mod x86 {
     /// `NB` blocks of int8 codes (the same `k` and groups) over the same rows.
     ///
     /// # Safety
-    /// As [`tile`] for each block with `mr == MR`; `U` is [`super::unroll`]`(MR)`.
+    /// As [`tiles`] with `mr == MR`; `U` is [`super::unroll`]`(MR)`.
     #[target_feature(enable = "avx512f")]
     #[inline]
     unsafe fn kernel<const MR: usize, const U: usize, const NB: usize>(
