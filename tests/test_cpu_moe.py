@@ -3286,3 +3286,33 @@ def test_fused_moe_compiles_with_fullgraph() -> None:
     args = (x, w13, w2, s13, s2, w, ids, "w8a16", -1, None, None, None, None)
     checks = torch.library.opcheck(torch.ops.moeq.fused_moe.default, args)
     assert set(checks.values()) == {"SUCCESS"}, checks
+
+
+def test_a_layer_traces_shapes_on_meta_inputs() -> None:
+    """A forward with every argument on the meta device (a model run under
+    ``torch.device("meta")`` to infer shapes) returns a meta ``[T, H]`` output in the input's
+    dtype, after the checks a CPU call makes; it raised "expected a CPU tensor" although the
+    ``torch.ops.moeq`` ops traced such calls. Found by a review helper."""
+    w13, w2, s13, s2 = _small_w8a16()
+    moe = mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a16", top_k=2)
+    t = int(torch.randint(1, 9, ()))
+    for grad in (False, True):
+        x = torch.randn(t, 64, dtype=torch.bfloat16, device="meta", requires_grad=grad)
+        logits = torch.randn(t, 4, device="meta")
+        out = moe(x, logits)
+        assert out.is_meta and out.shape == (t, 64) and out.dtype == torch.bfloat16
+        w = torch.rand(t, 2, device="meta")
+        ids = torch.zeros(t, 2, dtype=torch.int64, device="meta")
+        out = moe.forward_topk(x, w, ids)
+        assert out.is_meta and out.shape == (t, 64) and out.dtype == torch.bfloat16
+        wide = torch.randn(t, 65, device="meta", requires_grad=grad)
+        with pytest.raises(mq.LayoutError, match=r"hidden_states: expected \[T, 64\]"):
+            moe(wide, logits)
+        with pytest.raises(mq.LayoutError, match=r"router_logits: expected \[\d+, 4\]"):
+            moe(x, torch.randn(t, 5, device="meta"))
+        with pytest.raises(mq.LayoutError, match="topk_ids: expected int32 or int64"):
+            moe.forward_topk(x, w, ids.float())
+        with pytest.raises(mq.LayoutError, match="router_logits: on device cpu"):
+            moe(x, torch.randn(t, 4))
+    with torch.device("meta"):
+        assert moe(torch.randn(2, 64), torch.randn(2, 4)).is_meta

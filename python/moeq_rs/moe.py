@@ -54,10 +54,12 @@ def _require_cpu(device: str | torch.device) -> None:
         raise LayoutError(f'device={device!r}: MoELayer runs on the CPU (device="cpu")')
 
 
-def _check(t: object, name: str, ndim: int, floating: bool) -> torch.Tensor:
+def _check(t: object, name: str, ndim: int, floating: bool, meta: bool = False) -> torch.Tensor:
+    """``t`` as a layer's forward takes it; ``meta``: the call only traces shapes, so it is on
+    the meta device (``_meta_call`` has checked that every argument is)."""
     if not isinstance(t, torch.Tensor):
         raise LayoutError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if not t.is_cpu:
+    if not meta and not t.is_cpu:
         raise LayoutError(f"{name}: expected a CPU tensor, got device {t.device}")
     if t.dim() != ndim:
         raise LayoutError(f"{name}: expected {ndim} dimensions, got shape {list(t.shape)}")
@@ -68,6 +70,19 @@ def _check(t: object, name: str, ndim: int, floating: bool) -> torch.Tensor:
     if not t.is_contiguous():
         raise LayoutError(f"{name}: expected a contiguous tensor")
     return t
+
+
+def _meta_call(hidden_states: object, **others: object) -> bool:
+    """Whether a layer's forward only traces shapes (every tensor argument on the meta device,
+    as in a model built under ``torch.device("meta")``): it then returns a meta ``[T, H]``
+    output after the usual checks. A mix of meta and CPU arguments is refused by name."""
+    if not isinstance(hidden_states, torch.Tensor):
+        return False
+    tensors = [t for t in others.values() if isinstance(t, torch.Tensor)]
+    if not hidden_states.is_meta and not any(t.is_meta for t in tensors):
+        return False
+    _refuse_meta_mix(hidden_states, **others)  # type: ignore[arg-type]
+    return True
 
 
 # Plain CPU torch tensors go to the native forward as they are, read and made through torch's
@@ -304,9 +319,12 @@ class MoELayer(torch.nn.Module):
         if not _is_compiling():
             # While torch.compile traces, an error raised here would reach the caller as
             # dynamo's own (with fullgraph=True); the op checks the same when it runs.
-            _check(hidden_states, "hidden_states", 2, True)
-            _check(router_logits, "router_logits", 2, True)
+            meta = _meta_call(hidden_states, router_logits=router_logits)
+            _check(hidden_states, "hidden_states", 2, True, meta)
+            _check(router_logits, "router_logits", 2, True, meta)
             _refuse_transforms(hidden_states, router_logits)
+            if meta:  # shapes only, checked as an eager call checks them
+                return self._forward_checked(hidden_states, router_logits)
         return torch.ops.moeq.moe_forward(
             hidden_states, router_logits, self._op_handle(hidden_states)
         )
@@ -319,10 +337,13 @@ class MoELayer(torch.nn.Module):
             return self._forward_topk_eager(hidden_states, topk_weights, topk_ids)
         if not _is_compiling():
             # As in forward: the op checks them when it runs.
-            _check(hidden_states, "hidden_states", 2, True)
-            _check(topk_weights, "topk_weights", 2, True)
-            _check(topk_ids, "topk_ids", 2, False)
+            meta = _meta_call(hidden_states, topk_weights=topk_weights, topk_ids=topk_ids)
+            _check(hidden_states, "hidden_states", 2, True, meta)
+            _check(topk_weights, "topk_weights", 2, True, meta)
+            _check(topk_ids, "topk_ids", 2, False, meta)
             _refuse_transforms(hidden_states, topk_weights, topk_ids)
+            if meta:
+                return self._forward_topk_checked(hidden_states, topk_weights, topk_ids)
         return torch.ops.moeq.moe_forward_topk(
             hidden_states, topk_weights, topk_ids, self._op_handle(hidden_states)
         )
@@ -371,8 +392,9 @@ class MoELayer(torch.nn.Module):
     ) -> torch.Tensor:
         """Any input the native torch path declines: checked (errors name the argument), then
         through numpy."""
-        x = _check(hidden_states, "hidden_states", 2, True)
-        logits = _check(router_logits, "router_logits", 2, True)
+        meta = _meta_call(hidden_states, router_logits=router_logits)
+        x = _check(hidden_states, "hidden_states", 2, True, meta)
+        logits = _check(router_logits, "router_logits", 2, True, meta)
         t, h = x.shape
         if h != self._hidden_size:
             raise LayoutError(
@@ -382,6 +404,8 @@ class MoELayer(torch.nn.Module):
             raise LayoutError(
                 f"router_logits: expected [{t}, {self._num_experts}], got {list(logits.shape)}"
             )
+        if meta:
+            return torch.empty_like(x)
         # bf16 input: weight-only layers may use bf16 dot products (moeq_rs.oracle.cpu_bf16_dot).
         out = self._core.forward(_hidden(x), t, _f32(logits))
         return _output(out, x.dtype)
@@ -389,9 +413,10 @@ class MoELayer(torch.nn.Module):
     def _forward_topk_checked(
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        x = _check(hidden_states, "hidden_states", 2, True)
-        w = _check(topk_weights, "topk_weights", 2, True)
-        ids = _check(topk_ids, "topk_ids", 2, False)
+        meta = _meta_call(hidden_states, topk_weights=topk_weights, topk_ids=topk_ids)
+        x = _check(hidden_states, "hidden_states", 2, True, meta)
+        w = _check(topk_weights, "topk_weights", 2, True, meta)
+        ids = _check(topk_ids, "topk_ids", 2, False, meta)
         t, h = x.shape
         if h != self._hidden_size:
             raise LayoutError(
@@ -401,6 +426,8 @@ class MoELayer(torch.nn.Module):
             raise LayoutError(
                 f"topk_weights {list(w.shape)} and topk_ids {list(ids.shape)} must both be [{t}, k]"
             )
+        if meta:
+            return torch.empty_like(x)
         k = w.shape[1]
         out = self._core.forward_topk(
             _hidden(x), t, _f32(w), _plain(ids).to(torch.int64).contiguous().numpy(), k
