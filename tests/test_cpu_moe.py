@@ -2528,7 +2528,7 @@ def test_parking_puts_torch_openmp_threads_to_sleep_during_a_forward() -> None:
 def test_a_sleeping_openmp_team_is_not_woken_to_be_parked() -> None:
     """With torch's idle threads sleeping at once, a forward after a torch operator finds its
     team asleep (their CPU clocks stand still, none is runnable) and runs without a region
-    (the team's threads were learnt by the script's first forward)."""
+    (before any park, no thread is seen on a CPU, so none is created to learn the team)."""
     if not _torch_uses_libgomp():
         pytest.skip("torch here has no libgomp team")
     # 20 ms for the team to reach its sleep even when the machine is busy (a thread still on
@@ -2567,6 +2567,45 @@ def test_a_forked_child_never_parks_its_inherited_openmp_team() -> None:
     parent's team but not its threads: a parallel region there would wait forever. Its forward
     runs unparked and returns."""
     assert _two_thread_script(_FORK_SCRIPT) == ["True", "False", "0"]
+
+
+_NO_TEAM_SCRIPT = (
+    _layer_script(4, 8, 1024, 512, 2)
+    + r"""
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+x, lg = torch.randn(256, h, generator=g), torch.randn(256, e, generator=g)
+before = threads()  # torch has run no parallel operator: it has no OpenMP team yet
+want = layer(x, lg)
+after = threads()
+pid = os.fork()
+if pid == 0:
+    ok = torch.equal(layer(x, lg), want)
+    ok = ok and bool(torch.isfinite((x + 1).sum()))  # a parallel torch operator
+    os._exit(0 if ok else 1)
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+    time.sleep(0.05)
+else:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    status = "hung"
+print(after - before, status)
+"""
+)
+
+
+def test_a_forward_creates_no_openmp_team_so_forked_children_can_run_torch() -> None:
+    """The first forward parked torch's OpenMP team without knowing whether one existed, and a
+    parallel region where torch had made none created its threads: the process then had a
+    team that a forked child does not, so the child's own parallel torch operators hung (found
+    by a review helper; as after any parallel torch operator in the parent, but here moeq_rs
+    made it). A first park now waits until some other thread is seen spinning."""
+    assert _two_thread_script(_NO_TEAM_SCRIPT) == ["0", "0"]
 
 
 def _two_thread_script(script: str) -> list[str]:

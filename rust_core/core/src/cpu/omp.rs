@@ -16,7 +16,10 @@
 //! CPU, and waking it only to park it cost ~50 us at decode, so a team whose threads are known
 //! (up to four of them, from an earlier region) is parked only when one of them is spinning:
 //! its CPU clock moves across a 3 us window, or it is waiting for a CPU. A region of ours
-//! leaves the team spinning as any other does, so forwards back to back park each time.
+//! leaves the team spinning as any other does, so forwards back to back park each time. Before
+//! the team is known, the first park waits until some other thread of the process is seen on a
+//! CPU or waiting for one: a region where torch has made no team yet would create one, and a
+//! child forked afterwards would hang in torch's own parallel operators.
 //!
 //! Only GNU OpenMP (libgomp, which torch's PyPI wheels ship) is recognised, only a copy the
 //! process has loaded already (looked up once, at the first forward that could park), and
@@ -264,6 +267,63 @@ mod imp {
         })
     }
 
+    thread_local! {
+        /// When [`unknown_team_may_spin`] last found no sign of a spinning team, and the
+        /// [`super::PARKING_EPOCH`] it belongs to (switching parking on scans afresh).
+        static LAST_QUIET_SCAN: std::cell::Cell<Option<(u32, std::time::Instant)>> =
+            const { std::cell::Cell::new(None) };
+    }
+
+    /// Whether, with no team known yet, some thread of this process other than the caller and
+    /// this library's own workers (`moeq-cpu-*`) is on a CPU or waiting for one: the spinning
+    /// OpenMP threads a park is for. A region is what reveals the team's threads (they enter
+    /// it), and where none exists it creates them, so parking starts only once threads are
+    /// seen spinning. Reading `/proc/self/task` costs tens of microseconds, so after a scan
+    /// that finds none the next waits 100 ms (a forward in between runs unparked), unless
+    /// parking is switched on again meanwhile ([`super::set_parking`]).
+    fn unknown_team_may_spin() -> bool {
+        const QUIET_FOR: std::time::Duration = std::time::Duration::from_millis(100);
+        let now = std::time::Instant::now();
+        let epoch = super::PARKING_EPOCH.load(Ordering::Relaxed);
+        if LAST_QUIET_SCAN
+            .get()
+            .is_some_and(|(e, t)| e == epoch && now.duration_since(t) < QUIET_FOR)
+        {
+            return false;
+        }
+        let seen = others_runnable();
+        LAST_QUIET_SCAN.set((!seen).then_some((epoch, now)));
+        seen
+    }
+
+    /// The scan of [`unknown_team_may_spin`].
+    fn others_runnable() -> bool {
+        // SAFETY: gettid has no arguments and cannot fail.
+        let me = unsafe { libc::gettid() };
+        let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+            return false;
+        };
+        tasks.flatten().any(|task| {
+            let name = task.file_name();
+            let tid = name.to_str().and_then(|n| n.parse::<libc::pid_t>().ok());
+            if tid.is_none_or(|tid| tid == me) {
+                return false;
+            }
+            let Ok(line) = std::fs::read(task.path().join("stat")) else {
+                return false;
+            };
+            // "tid (comm) S ...": the name sits between the first '(' and the last ')'.
+            let (Some(open), Some(close)) = (
+                line.iter().position(|&c| c == b'('),
+                line.iter().rposition(|&c| c == b')'),
+            ) else {
+                return false;
+            };
+            let comm = line.get(open + 1..close).unwrap_or_default();
+            !comm.starts_with(b"moeq-cpu") && line.get(close + 2) == Some(&b'R')
+        })
+    }
+
     /// Remembers the team's other threads (`tids`, 0 for none) unless they are the ones
     /// remembered already.
     fn remember(tids: &[libc::pid_t]) {
@@ -449,8 +509,15 @@ mod imp {
         let Some((rt, threads)) = team() else {
             return f();
         };
-        if team_is_spinning() == Some(false) {
-            // Asleep already: nothing to park, and waking it would cost.
+        let spinning = match team_is_spinning() {
+            Some(known) => known,
+            // A region would create the team where torch has not made one yet, leaving the
+            // process with OpenMP threads that a forked child does not have (torch's own
+            // parallel operators then hang there), so the first park waits for a sign of one.
+            None => super::always_park() || unknown_team_may_spin(),
+        };
+        if !spinning {
+            // Asleep already (or none yet): nothing to park, and waking it would cost.
             return f();
         }
         let region = Region {
