@@ -239,7 +239,11 @@ class CpuMoeLayer:
     # forward / forward_topk for plain (exact type) row-major 2-d CPU torch tensors of a float
     # dtype (topk_ids int32 or int64) and the layer's shapes: a [tokens, hidden] tensor of the
     # input's dtype, or None for anything else (the caller's checked path names the problem).
-    def forward_torch(self, hidden_states: Any, router_logits: Any) -> Any | None: ...
+    # eager: None also unless torch is in eager mode (not compiling, tracing or in a forward-AD
+    # level), no argument needs gradients and the main thread's adoption is settled.
+    def forward_torch(
+        self, hidden_states: Any, router_logits: Any, eager: bool = False
+    ) -> Any | None: ...
     def forward_topk_torch(
-        self, hidden_states: Any, topk_weights: Any, topk_ids: Any
+        self, hidden_states: Any, topk_weights: Any, topk_ids: Any, eager: bool = False
     ) -> Any | None: ...

@@ -92,6 +92,9 @@ _TORCH_TENSORS_NATIVE = _core.cpu_use_torch_tensors(torch.Tensor)
 # Bound once: an attribute chain costs microseconds per decode step with cold caches. torch.compile
 # recognises the function itself, whatever it is called here.
 _is_compiling = torch.compiler.is_compiling
+# Only dynamo's tracing, which the eager fast path must not reach (native code breaks its
+# graph); a plain `return False` outside it, cheaper than `is_compiling` (~12 us once evicted).
+_is_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", _is_compiling)
 _is_tracing = torch.jit.is_tracing
 _Tensor = torch.Tensor
 _forward_ad = torch.autograd.forward_ad
@@ -310,6 +313,13 @@ class MoELayer(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """Routed experts (routing per the model config, routed scaling) plus shared experts."""
+        if not _is_dynamo_compiling():
+            # Plain CPU tensors of the layer's shapes, in eager mode with no gradient wanted:
+            # straight to native code, which checks that state itself (the checks below cost
+            # ~50 us per call once a cache flush, or the rest of a model, has evicted them).
+            out = self._core.forward_torch(hidden_states, router_logits, True)
+            if out is not None:
+                return out
         if _eager(hidden_states, router_logits):
             # Eager: skip the custom-op dispatch (tens of microseconds, a third of a decode
             # step); graphs, traces, tensor subclasses (fake tensors among them) and inputs that
@@ -333,6 +343,11 @@ class MoELayer(torch.nn.Module):
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """``sum_k topk_weights[t, k] * expert[topk_ids[t, k]](x_t)``: routed experts only."""
+        if not _is_dynamo_compiling():
+            # As in forward.
+            out = self._core.forward_topk_torch(hidden_states, topk_weights, topk_ids, True)
+            if out is not None:
+                return out
         if _eager(hidden_states, topk_weights, topk_ids):
             return self._forward_topk_eager(hidden_states, topk_weights, topk_ids)
         if not _is_compiling():

@@ -193,14 +193,22 @@ impl CpuMoeLayer {
     /// numpy, no Python-level conversions; see `dlpack`): `[T, H]` in the input's dtype, or
     /// `None` when an argument is not a row-major 2-d CPU `torch.Tensor` of a float dtype and
     /// the layer's shape, so that the caller takes its checked path (which names the argument).
+    /// `eager`: `None` also unless torch is in eager mode with no gradient wanted
+    /// (`dlpack::eager`) and the main thread's adoption is settled, so that the Python wrapper
+    /// may call this before its own checks.
+    #[pyo3(signature = (hidden_states, router_logits, eager = false))]
     fn forward_torch<'py>(
         &self,
         py: Python<'py>,
         hidden_states: &Bound<'py, PyAny>,
         router_logits: &Bound<'py, PyAny>,
+        eager: bool,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         // All checks that may run Python first, then the exports (which run none).
         if !dlpack::plain(hidden_states) || !dlpack::plain(router_logits) {
+            return Ok(None);
+        }
+        if eager && !eager_ready(py, &[hidden_states, router_logits]) {
             return Ok(None);
         }
         let (Some(x), Some(l)) = (dlpack::view(hidden_states), dlpack::view(router_logits)) else {
@@ -232,17 +240,17 @@ impl CpuMoeLayer {
 
     /// `forward_topk` for plain torch tensors, as `forward_torch`; `topk_ids` int32 or int64.
     /// `None` also for an id outside `0..2^32`: the checked path names it.
+    #[pyo3(signature = (hidden_states, topk_weights, topk_ids, eager = false))]
     fn forward_topk_torch<'py>(
         &self,
         py: Python<'py>,
         hidden_states: &Bound<'py, PyAny>,
         topk_weights: &Bound<'py, PyAny>,
         topk_ids: &Bound<'py, PyAny>,
+        eager: bool,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
-        if ![hidden_states, topk_weights, topk_ids]
-            .into_iter()
-            .all(dlpack::plain)
-        {
+        let args = [hidden_states, topk_weights, topk_ids];
+        if !args.into_iter().all(dlpack::plain) || (eager && !eager_ready(py, &args)) {
             return Ok(None);
         }
         let (Some(x), Some(w), Some(ids)) = (
@@ -286,6 +294,13 @@ impl CpuMoeLayer {
         })
         .map(Some)
     }
+}
+
+/// The `eager` condition of `forward_torch`: the wrapper adopts Python's main thread into the
+/// forward's threads (`moeq_rs._threads`) before its first forward, so until that has happened
+/// its path runs.
+fn eager_ready(py: Python<'_>, tensors: &[&Bound<'_, PyAny>]) -> bool {
+    moeq_core::cpu::adoption_settled() && dlpack::eager(py, tensors)
 }
 
 /// Runs `f` on `x` widened to f32 and returns its `[tokens, h]` output as a torch tensor of

@@ -251,6 +251,69 @@ impl<'a> View<'a> {
     }
 }
 
+/// torch's eager-mode state, read by [`eager`]: the functions and modules that hold it.
+struct EagerState {
+    /// `torch._C._is_tracing` (inside `torch.jit.trace`).
+    is_tracing: Py<PyAny>,
+    /// `torch._C.is_grad_enabled`.
+    grad_enabled: Py<PyAny>,
+    /// `torch.compiler`, whose `_is_compiling_flag` is `torch.compiler.is_compiling()`.
+    compiler: Py<PyAny>,
+    /// `torch.autograd.forward_ad`, whose `_current_level` is at least 0 inside a dual level.
+    forward_ad: Py<PyAny>,
+}
+
+/// Read once, as [`TORCH`]; `None` where this torch lacks one of them (no fast path then).
+static EAGER: PyOnceLock<Option<EagerState>> = PyOnceLock::new();
+
+fn read_eager_state(py: Python<'_>) -> Option<EagerState> {
+    let c = py.import("torch._C").ok()?;
+    let compiler = py.import("torch.compiler").ok()?;
+    let forward_ad = py.import("torch.autograd.forward_ad").ok()?;
+    // Both flags must be there now, or the checks below could never pass.
+    compiler.getattr("_is_compiling_flag").ok()?;
+    forward_ad.getattr("_current_level").ok()?;
+    Some(EagerState {
+        is_tracing: c.getattr("_is_tracing").ok()?.unbind(),
+        grad_enabled: c.getattr("is_grad_enabled").ok()?.unbind(),
+        compiler: compiler.into_any().unbind(),
+        forward_ad: forward_ad.into_any().unbind(),
+    })
+}
+
+/// Whether a layer's forward may run natively on `tensors` without its Python wrapper's checks:
+/// not inside `torch.compile`/`torch.export` (`torch.compiler.is_compiling()`; the caller has
+/// ruled out dynamo's tracing, which never reaches native code), `torch.jit.trace` or a
+/// forward-AD dual level, and no argument needs gradients (the custom op's path gives those
+/// a backward that says there is none). The same answer as the wrapper's `_eager`, read in C:
+/// its Python checks cost ~50 us per call once a cache flush (or the rest of a model) has
+/// evicted them. Anything unexpected answers false, and the wrapper then decides.
+pub(crate) fn eager(py: Python<'_>, tensors: &[&Bound<'_, PyAny>]) -> bool {
+    let Some(state) = EAGER.get_or_init(py, || read_eager_state(py)).as_ref() else {
+        return false;
+    };
+    let falsy = |v: PyResult<Bound<'_, PyAny>>| matches!(v.map(|v| v.is_truthy()), Ok(Ok(false)));
+    let below_zero = |v: PyResult<Bound<'_, PyAny>>| matches!(v.and_then(|v| v.extract::<i64>()), Ok(level) if level < 0);
+    if !falsy(
+        state
+            .compiler
+            .bind(py)
+            .getattr(pyo3::intern!(py, "_is_compiling_flag")),
+    ) || !below_zero(
+        state
+            .forward_ad
+            .bind(py)
+            .getattr(pyo3::intern!(py, "_current_level")),
+    ) || !falsy(state.is_tracing.bind(py).call0())
+    {
+        return false;
+    }
+    falsy(state.grad_enabled.bind(py).call0())
+        || tensors
+            .iter()
+            .all(|t| falsy(t.getattr(pyo3::intern!(py, "requires_grad"))))
+}
+
 /// Whether `ob` is a plain `torch.Tensor` whose memory holds its values. A negative view
 /// (`torch._neg_view`, the `.imag` of a conjugate view) keeps them un-negated with a flag that
 /// DLPack cannot carry (torch exports the raw memory): the checked path resolves it. This may

@@ -97,6 +97,12 @@ pub fn adopt_calling_thread() -> bool {
     adopted
 }
 
+/// Whether [`adopt_calling_thread`] has run in this process (whether or not it adopted): a
+/// caller that adopts its main thread on first use (Python's `moeq_rs`) has then done so.
+pub fn adoption_settled() -> bool {
+    OWNER.get().is_some()
+}
+
 /// The process that adopted a thread into [`OWNER`] (a forked child has the pool without its
 /// other threads).
 static OWNER_PROCESS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
