@@ -3355,3 +3355,40 @@ def test_a_layer_traces_shapes_on_meta_inputs() -> None:
             moe(x, torch.randn(t, 4))
     with torch.device("meta"):
         assert moe(torch.randn(2, 64), torch.randn(2, 4)).is_meta
+
+
+def test_plain_eager_calls_skip_the_python_checks_and_others_do_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Plain CPU tensors in eager mode go straight to native code, which checks torch's state
+    itself (the wrapper's ``_eager`` costs ~50 us once evicted); an input that needs gradients,
+    a trace or a forward-AD level still reaches ``_eager``, whose paths handle them."""
+    from moeq_rs import moe as moe_module
+
+    w13, w2, s13, s2 = _small_w8a16()
+    layer = mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a16", top_k=2)
+    seen: list[int] = []
+    real = moe_module._eager
+
+    def counting(*tensors: object) -> bool:
+        seen.append(len(tensors))
+        return real(*tensors)
+
+    monkeypatch.setattr(moe_module, "_eager", counting)
+    x, logits = torch.randn(3, 64), torch.randn(3, 4)
+    w, ids = torch.rand(3, 2), torch.randint(0, 4, (3, 2))
+    want, want_topk = layer(x, logits), layer.forward_topk(x, w, ids)
+    assert seen == []
+    grad_x = x.clone().requires_grad_()
+    out = layer(grad_x, logits)
+    assert seen == [2] and out.requires_grad and torch.equal(out.detach(), want)
+    with torch.no_grad():  # no gradient wanted: the native path again
+        assert torch.equal(layer.forward_topk(grad_x, w, ids), want_topk)
+    assert seen == [2]
+    traced = torch.jit.trace(layer, (x, logits), check_trace=False)
+    assert len(seen) > 1
+    assert torch.equal(traced(x, logits), want)
+    import torch.autograd.forward_ad as fwad
+
+    with fwad.dual_level(), pytest.raises(NotImplementedError, match="forward-mode"):
+        layer(fwad.make_dual(x, torch.ones_like(x)), logits)
