@@ -3355,6 +3355,21 @@ def test_a_layer_traces_shapes_on_meta_inputs() -> None:
             moe(x, torch.randn(t, 4))
     with torch.device("meta"):
         assert moe(torch.randn(2, 64), torch.randn(2, 4)).is_meta
+    # The meta call runs the op (a review found it returning `empty_like` directly): a trace
+    # on meta inputs records it and replays the layer on CPU inputs; an input that needs
+    # gradients gets the op's no-backward node; torch.func transforms are refused.
+    x, logits = torch.randn(t, 64), torch.randn(t, 4)
+    traced = torch.jit.trace(moe, (x.to("meta"), logits.to("meta")), check_trace=False)
+    assert torch.equal(traced(x, logits), moe(x, logits))
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    metas = (x.to("meta"), torch.rand(t, 2, device="meta"), ids.new_zeros(t, 2))
+    graph = make_fx(lambda a, b, c: moe.forward_topk(a, b, c))(*metas)
+    assert "moeq.moe_forward_topk" in str(graph.graph)
+    out = moe(x.to("meta").requires_grad_(), logits.to("meta"))
+    assert out.is_meta and out.requires_grad
+    with pytest.raises(NotImplementedError, match="torch.func"):
+        torch.vmap(moe)(x.to("meta")[None], logits.to("meta")[None])
 
 
 def test_plain_eager_calls_skip_the_python_checks_and_others_do_not(

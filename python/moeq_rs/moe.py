@@ -74,8 +74,9 @@ def _check(t: object, name: str, ndim: int, floating: bool, meta: bool = False) 
 
 def _meta_call(hidden_states: object, **others: object) -> bool:
     """Whether a layer's forward only traces shapes (every tensor argument on the meta device,
-    as in a model built under ``torch.device("meta")``): it then returns a meta ``[T, H]``
-    output after the usual checks. A mix of meta and CPU arguments is refused by name."""
+    as in a model built under ``torch.device("meta")``): after the usual checks it runs the
+    custom op, whose fake implementation makes the meta ``[T, H]`` output (so traces record
+    the op). A mix of meta and CPU arguments is refused by name."""
     if not isinstance(hidden_states, torch.Tensor):
         return False
     tensors = [t for t in others.values() if isinstance(t, torch.Tensor)]
@@ -420,7 +421,11 @@ class MoELayer(torch.nn.Module):
                 f"router_logits: expected [{t}, {self._num_experts}], got {list(logits.shape)}"
             )
         if meta:
-            return torch.empty_like(x)
+            # Through the op (its fake implementation makes the meta output), so that a trace
+            # (torch.jit.trace, make_fx) records the op and an input that needs gradients gets
+            # its no-backward node, as for CPU inputs.
+            _refuse_transforms(x, logits)
+            return torch.ops.moeq.moe_forward(x, logits, self._handle)
         # bf16 input: weight-only layers may use bf16 dot products (moeq_rs.oracle.cpu_bf16_dot).
         out = self._core.forward(_hidden(x), t, _f32(logits))
         return _output(out, x.dtype)
@@ -441,8 +446,9 @@ class MoELayer(torch.nn.Module):
             raise LayoutError(
                 f"topk_weights {list(w.shape)} and topk_ids {list(ids.shape)} must both be [{t}, k]"
             )
-        if meta:
-            return torch.empty_like(x)
+        if meta:  # as in _forward_checked
+            _refuse_transforms(x, w, ids)
+            return torch.ops.moeq.moe_forward_topk(x, w, ids, self._handle)
         k = w.shape[1]
         out = self._core.forward_topk(
             _hidden(x), t, _f32(w), _plain(ids).to(torch.int64).contiguous().numpy(), k

@@ -142,10 +142,31 @@ impl Backoff {
     }
 }
 
+/// The wait before the next scan for a spinning team after a quiet one, given the wait before
+/// that one (`None`: it was the first): 100 ms, doubling up to 6.4 s.
+#[cfg_attr(not(target_os = "linux"), allow(dead_code))]
+fn quiet_scan_wait(last: Option<std::time::Duration>) -> std::time::Duration {
+    const FIRST: std::time::Duration = std::time::Duration::from_millis(100);
+    const LONGEST: std::time::Duration = std::time::Duration::from_millis(6400);
+    last.map_or(FIRST, |w| w.saturating_mul(2).min(LONGEST))
+}
+
 #[cfg(test)]
 mod tests {
     use super::Backoff;
     use std::time::Duration;
+
+    #[test]
+    fn quiet_scans_back_off_to_six_seconds() {
+        let mut wait = None;
+        let mut seen = Vec::new();
+        for _ in 0..9 {
+            let w = super::quiet_scan_wait(wait);
+            seen.push(w.as_millis());
+            wait = Some(w);
+        }
+        assert_eq!(seen, [100, 200, 400, 800, 1600, 3200, 6400, 6400, 6400]);
+    }
 
     #[test]
     fn costly_parks_back_off_and_cheap_ones_reset() {
@@ -267,10 +288,19 @@ mod imp {
         })
     }
 
+    /// The record of [`unknown_team_may_spin`]'s scans on a thread.
+    #[derive(Clone, Copy)]
+    struct QuietScans {
+        /// The [`super::PARKING_EPOCH`] it belongs to (switching parking on scans afresh).
+        epoch: u32,
+        /// When the last scan found no sign of a spinning team.
+        at: std::time::Instant,
+        /// How long to wait before the next scan.
+        wait: std::time::Duration,
+    }
+
     thread_local! {
-        /// When [`unknown_team_may_spin`] last found no sign of a spinning team, and the
-        /// [`super::PARKING_EPOCH`] it belongs to (switching parking on scans afresh).
-        static LAST_QUIET_SCAN: std::cell::Cell<Option<(u32, std::time::Instant)>> =
+        static QUIET_SCANS: std::cell::Cell<Option<QuietScans>> =
             const { std::cell::Cell::new(None) };
     }
 
@@ -278,40 +308,49 @@ mod imp {
     /// this library's own workers (`moeq-cpu-*`) is on a CPU or waiting for one: the spinning
     /// OpenMP threads a park is for. A region is what reveals the team's threads (they enter
     /// it), and where none exists it creates them, so parking starts only once threads are
-    /// seen spinning. Reading `/proc/self/task` costs tens of microseconds, so after a scan
-    /// that finds none the next waits 100 ms (a forward in between runs unparked), unless
-    /// parking is switched on again meanwhile ([`super::set_parking`]).
+    /// seen spinning. Any busy thread counts (one hashing without the GIL as well): /proc does
+    /// not tell an OpenMP spinner from it. A scan opens a file per thread (~0.1 ms for a few
+    /// threads, ~4 ms for 300), so after one that finds none the next waits 100 ms, twice as
+    /// long after each quiet one in a row (at most 6.4 s; forwards in between run unparked),
+    /// until parking is switched on again ([`super::set_parking`]).
     fn unknown_team_may_spin() -> bool {
-        const QUIET_FOR: std::time::Duration = std::time::Duration::from_millis(100);
         let now = std::time::Instant::now();
         let epoch = super::PARKING_EPOCH.load(Ordering::Relaxed);
-        if LAST_QUIET_SCAN
-            .get()
-            .is_some_and(|(e, t)| e == epoch && now.duration_since(t) < QUIET_FOR)
-        {
+        let last = QUIET_SCANS.get().filter(|q| q.epoch == epoch);
+        if last.is_some_and(|q| now.duration_since(q.at) < q.wait) {
             return false;
         }
         let seen = others_runnable();
-        LAST_QUIET_SCAN.set((!seen).then_some((epoch, now)));
+        QUIET_SCANS.set((!seen).then(|| QuietScans {
+            epoch,
+            at: now,
+            wait: super::quiet_scan_wait(last.map(|q| q.wait)),
+        }));
         seen
     }
 
     /// The scan of [`unknown_team_may_spin`].
     fn others_runnable() -> bool {
+        use std::io::Read;
         // SAFETY: gettid has no arguments and cannot fail.
         let me = unsafe { libc::gettid() };
         let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
             return false;
         };
+        let mut line = [0u8; 512];
         tasks.flatten().any(|task| {
             let name = task.file_name();
             let tid = name.to_str().and_then(|n| n.parse::<libc::pid_t>().ok());
             if tid.is_none_or(|tid| tid == me) {
                 return false;
             }
-            let Ok(line) = std::fs::read(task.path().join("stat")) else {
+            // A thread that exited meanwhile fails to open or read: it is not spinning.
+            let Ok(n) =
+                std::fs::File::open(task.path().join("stat")).and_then(|mut f| f.read(&mut line))
+            else {
                 return false;
             };
+            let line = &line[..n];
             // "tid (comm) S ...": the name sits between the first '(' and the last ')'.
             let (Some(open), Some(close)) = (
                 line.iter().position(|&c| c == b'('),
