@@ -3370,6 +3370,14 @@ def test_a_layer_traces_shapes_on_meta_inputs() -> None:
     assert out.is_meta and out.requires_grad
     with pytest.raises(NotImplementedError, match="torch.func"):
         torch.vmap(moe)(x.to("meta")[None], logits.to("meta")[None])
+    # Fake meta tensors (under FakeTensorMode) get a fake handle, as fake CPU ones do.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake_x, fake_logits = torch.randn(t, 64, device="meta"), torch.randn(t, 4, device="meta")
+        assert moe(fake_x, fake_logits).shape == (t, 64)
+        fake_ids = torch.zeros(t, 2, dtype=torch.int64, device="meta")
+        assert moe.forward_topk(fake_x, torch.rand(t, 2, device="meta"), fake_ids).is_meta
 
 
 def test_plain_eager_calls_skip_the_python_checks_and_others_do_not(

@@ -425,7 +425,7 @@ class MoELayer(torch.nn.Module):
             # (torch.jit.trace, make_fx) records the op and an input that needs gradients gets
             # its no-backward node, as for CPU inputs.
             _refuse_transforms(x, logits)
-            return torch.ops.moeq.moe_forward(x, logits, self._handle)
+            return torch.ops.moeq.moe_forward(x, logits, self._op_handle(x))
         # bf16 input: weight-only layers may use bf16 dot products (moeq_rs.oracle.cpu_bf16_dot).
         out = self._core.forward(_hidden(x), t, _f32(logits))
         return _output(out, x.dtype)
@@ -448,7 +448,7 @@ class MoELayer(torch.nn.Module):
             )
         if meta:  # as in _forward_checked
             _refuse_transforms(x, w, ids)
-            return torch.ops.moeq.moe_forward_topk(x, w, ids, self._handle)
+            return torch.ops.moeq.moe_forward_topk(x, w, ids, self._op_handle(x))
         k = w.shape[1]
         out = self._core.forward_topk(
             _hidden(x), t, _f32(w), _plain(ids).to(torch.int64).contiguous().numpy(), k
