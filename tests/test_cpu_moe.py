@@ -3415,3 +3415,40 @@ def test_plain_eager_calls_skip_the_python_checks_and_others_do_not(
 
     with fwad.dual_level(), pytest.raises(NotImplementedError, match="forward-mode"):
         layer(fwad.make_dual(x, torch.ones_like(x)), logits)
+
+
+def test_dispatch_modes_see_the_op_and_make_fx_records_it() -> None:
+    """Under a TorchDispatchMode the eager native call bypassed the mode: ``make_fx`` in real
+    mode baked the output in as a constant (a graph that replayed one input's result for every
+    input) and modes such as FLOP counters never saw the layer. Such calls take the op."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    w13, w2, s13, s2 = _small_w8a16()
+    layer = mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a16", top_k=2)
+    x, logits = torch.randn(3, 64), torch.randn(3, 4)
+    w, ids = torch.rand(3, 2), torch.randint(0, 4, (3, 2))
+    graph = make_fx(lambda a, b: layer(a, b))(x, logits)
+    assert "moeq.moe_forward" in str(graph.graph)
+    x2, logits2 = torch.randn(3, 64), torch.randn(3, 4)
+    assert torch.equal(graph(x2, logits2), layer(x2, logits2))
+    graph = make_fx(lambda a, b, c: layer.forward_topk(a, b, c))(x, w, ids)
+    assert torch.equal(graph(x2, w, ids), layer.forward_topk(x2, w, ids))
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as seen:
+        out = layer(x, logits)
+        out_topk = layer.forward_topk(x, w, ids)
+    assert "moeq.moe_forward.default" in seen.ops
+    assert "moeq.moe_forward_topk.default" in seen.ops
+    assert torch.equal(out, layer(x, logits)) and torch.equal(
+        out_topk, layer.forward_topk(x, w, ids)
+    )

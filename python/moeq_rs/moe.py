@@ -97,20 +97,24 @@ _is_compiling = torch.compiler.is_compiling
 # graph); a plain `return False` outside it, cheaper than `is_compiling` (~12 us once evicted).
 _is_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", _is_compiling)
 _is_tracing = torch.jit.is_tracing
+# How many TorchDispatchModes are active (make_fx's proxy mode and FakeTensorMode among them).
+_dispatch_modes = torch._C._len_torch_dispatch_stack
 _Tensor = torch.Tensor
 _forward_ad = torch.autograd.forward_ad
 
 
 def _eager(*tensors: object) -> bool:
     """Whether a call may skip the custom op: not compiling or ``torch.jit.trace``-ing (a trace
-    that never saw the op recorded the output as a constant), plain tensors (a subclass, a fake
-    tensor among them, needs the op's dispatch: the numpy path cannot read it), and no input
-    that needs gradients."""
+    that never saw the op recorded the output as a constant), no TorchDispatchMode active (as
+    ``make_fx`` tracing, which likewise baked the output in, ``FakeTensorMode`` or a FLOP
+    counter), plain tensors (a subclass, a fake tensor among them, needs the op's dispatch: the
+    numpy path cannot read it), and no input that needs gradients."""
     if _forward_ad._current_level >= 0:
         _refuse_dual_tensors(tensors)
     return (
         not _is_compiling()
         and not _is_tracing()
+        and not _dispatch_modes()
         and all(type(t) is _Tensor for t in tensors)
         and not _wants_grad(*tensors)
     )

@@ -257,6 +257,9 @@ struct EagerState {
     is_tracing: Py<PyAny>,
     /// `torch._C.is_grad_enabled`.
     grad_enabled: Py<PyAny>,
+    /// `torch._C._len_torch_dispatch_stack`: how many TorchDispatchModes are active (`make_fx`'s
+    /// proxy mode and `FakeTensorMode` among them).
+    dispatch_modes: Py<PyAny>,
     /// `torch.compiler`, whose `_is_compiling_flag` is `torch.compiler.is_compiling()`.
     compiler: Py<PyAny>,
     /// `torch.autograd.forward_ad`, whose `_current_level` is at least 0 inside a dual level.
@@ -276,6 +279,7 @@ fn read_eager_state(py: Python<'_>) -> Option<EagerState> {
     Some(EagerState {
         is_tracing: c.getattr("_is_tracing").ok()?.unbind(),
         grad_enabled: c.getattr("is_grad_enabled").ok()?.unbind(),
+        dispatch_modes: c.getattr("_len_torch_dispatch_stack").ok()?.unbind(),
         compiler: compiler.into_any().unbind(),
         forward_ad: forward_ad.into_any().unbind(),
     })
@@ -283,7 +287,8 @@ fn read_eager_state(py: Python<'_>) -> Option<EagerState> {
 
 /// Whether a layer's forward may run natively on `tensors` without its Python wrapper's checks:
 /// not inside `torch.compile`/`torch.export` (`torch.compiler.is_compiling()`; the caller has
-/// ruled out dynamo's tracing, which never reaches native code), `torch.jit.trace` or a
+/// ruled out dynamo's tracing, which never reaches native code), `torch.jit.trace`, a
+/// TorchDispatchMode (`make_fx`, `FakeTensorMode`, a FLOP counter: each must see the op) or a
 /// forward-AD dual level, and no argument needs gradients (the custom op's path gives those
 /// a backward that says there is none). The same answer as the wrapper's `_eager`, read in C:
 /// its Python checks cost ~50 us per call once a cache flush (or the rest of a model) has
@@ -305,6 +310,7 @@ pub(crate) fn eager(py: Python<'_>, tensors: &[&Bound<'_, PyAny>]) -> bool {
             .bind(py)
             .getattr(pyo3::intern!(py, "_current_level")),
     ) || !falsy(state.is_tracing.bind(py).call0())
+        || !falsy(state.dispatch_modes.bind(py).call0())
     {
         return false;
     }
