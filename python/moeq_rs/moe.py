@@ -334,12 +334,12 @@ class MoELayer(torch.nn.Module):
         if not _is_compiling():
             # While torch.compile traces, an error raised here would reach the caller as
             # dynamo's own (with fullgraph=True); the op checks the same when it runs.
-            meta = _meta_call(hidden_states, router_logits=router_logits)
-            _check(hidden_states, "hidden_states", 2, True, meta)
-            _check(router_logits, "router_logits", 2, True, meta)
-            _refuse_transforms(hidden_states, router_logits)
-            if meta:  # shapes only, checked as an eager call checks them
+            if _meta_call(hidden_states, router_logits=router_logits):
+                # Shapes only: checked as an eager call checks them, then the op.
                 return self._forward_checked(hidden_states, router_logits)
+            _check(hidden_states, "hidden_states", 2, True)
+            _check(router_logits, "router_logits", 2, True)
+            _refuse_transforms(hidden_states, router_logits)
         return torch.ops.moeq.moe_forward(
             hidden_states, router_logits, self._op_handle(hidden_states)
         )
@@ -357,13 +357,12 @@ class MoELayer(torch.nn.Module):
             return self._forward_topk_eager(hidden_states, topk_weights, topk_ids)
         if not _is_compiling():
             # As in forward: the op checks them when it runs.
-            meta = _meta_call(hidden_states, topk_weights=topk_weights, topk_ids=topk_ids)
-            _check(hidden_states, "hidden_states", 2, True, meta)
-            _check(topk_weights, "topk_weights", 2, True, meta)
-            _check(topk_ids, "topk_ids", 2, False, meta)
-            _refuse_transforms(hidden_states, topk_weights, topk_ids)
-            if meta:
+            if _meta_call(hidden_states, topk_weights=topk_weights, topk_ids=topk_ids):
                 return self._forward_topk_checked(hidden_states, topk_weights, topk_ids)
+            _check(hidden_states, "hidden_states", 2, True)
+            _check(topk_weights, "topk_weights", 2, True)
+            _check(topk_ids, "topk_ids", 2, False)
+            _refuse_transforms(hidden_states, topk_weights, topk_ids)
         return torch.ops.moeq.moe_forward_topk(
             hidden_states, topk_weights, topk_ids, self._op_handle(hidden_states)
         )

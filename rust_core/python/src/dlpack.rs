@@ -297,7 +297,6 @@ pub(crate) fn eager(py: Python<'_>, tensors: &[&Bound<'_, PyAny>]) -> bool {
     let Some(state) = EAGER.get_or_init(py, || read_eager_state(py)).as_ref() else {
         return false;
     };
-    let falsy = |v: PyResult<Bound<'_, PyAny>>| matches!(v.map(|v| v.is_truthy()), Ok(Ok(false)));
     let below_zero = |v: PyResult<Bound<'_, PyAny>>| matches!(v.and_then(|v| v.extract::<i64>()), Ok(level) if level < 0);
     if !falsy(
         state
@@ -330,11 +329,13 @@ pub(crate) fn plain(ob: &Bound<'_, PyAny>) -> bool {
     let Some(torch) = TORCH.get(py).and_then(Option::as_ref) else {
         return false;
     };
-    ob.get_type().is(torch.tensor_type.bind(py))
-        && matches!(
-            torch.is_neg.bind(py).call1((ob,)).map(|v| v.is_truthy()),
-            Ok(Ok(false))
-        )
+    ob.get_type().is(torch.tensor_type.bind(py)) && falsy(torch.is_neg.bind(py).call1((ob,)))
+}
+
+/// Whether a Python call or attribute read gave a false value (an error counts as true: the
+/// callers then take their checked path).
+fn falsy(v: PyResult<Bound<'_, PyAny>>) -> bool {
+    matches!(v.map(|v| v.is_truthy()), Ok(Ok(false)))
 }
 
 /// `ob`, which [`plain`] accepted, as a 2-d row-major CPU tensor of a type the forward reads,

@@ -247,15 +247,18 @@ mod imp {
     fn runnable(stat: &std::fs::File) -> bool {
         use std::os::unix::fs::FileExt;
         let mut line = [0u8; 512];
-        let Ok(n) = stat.read_at(&mut line, 0) else {
-            return false;
-        };
-        // "tid (comm) S ...": the state follows the last ')'.
-        let line = &line[..n];
-        line.iter()
-            .rposition(|&c| c == b')')
-            .and_then(|end| line.get(end + 2))
-            .is_some_and(|&state| state == b'R')
+        stat.read_at(&mut line, 0)
+            .ok()
+            .and_then(|n| name_and_state(&line[..n]))
+            .is_some_and(|(_, state)| state == b'R')
+    }
+
+    /// The thread name and state letter of a `/proc/.../stat` line, "tid (comm) S ...": the
+    /// name sits between the first '(' and the last ')' (it may hold either), the state after.
+    fn name_and_state(line: &[u8]) -> Option<(&[u8], u8)> {
+        let open = line.iter().position(|&c| c == b'(')?;
+        let close = line.iter().rposition(|&c| c == b')')?;
+        Some((line.get(open + 1..close)?, *line.get(close + 2)?))
     }
 
     /// Whether the team's remembered threads are spinning: using CPU time across a 3 us
@@ -350,16 +353,8 @@ mod imp {
             else {
                 return false;
             };
-            let line = &line[..n];
-            // "tid (comm) S ...": the name sits between the first '(' and the last ')'.
-            let (Some(open), Some(close)) = (
-                line.iter().position(|&c| c == b'('),
-                line.iter().rposition(|&c| c == b')'),
-            ) else {
-                return false;
-            };
-            let comm = line.get(open + 1..close).unwrap_or_default();
-            !comm.starts_with(b"moeq-cpu") && line.get(close + 2) == Some(&b'R')
+            name_and_state(&line[..n])
+                .is_some_and(|(name, state)| state == b'R' && !name.starts_with(b"moeq-cpu"))
         })
     }
 

@@ -448,29 +448,27 @@ mod x86 {
         mr: usize,
         outs: [&mut [[f32; BLOCK]; TILE_ROWS]; NB],
     ) {
+        // The kernels take the row count and unroll as constants: one arm per row count.
+        macro_rules! by_rows {
+            ($kernel:ident) => {
+                match mr {
+                    1 => $kernel::<1, 4, NB>(ts, x, sums, outs),
+                    2 => $kernel::<2, 2, NB>(ts, x, sums, outs),
+                    3 => $kernel::<3, 1, NB>(ts, x, sums, outs),
+                    4 => $kernel::<4, 1, NB>(ts, x, sums, outs),
+                    5 => $kernel::<5, 1, NB>(ts, x, sums, outs),
+                    6 => $kernel::<6, 1, NB>(ts, x, sums, outs),
+                    7 => $kernel::<7, 1, NB>(ts, x, sums, outs),
+                    _ => $kernel::<8, 1, NB>(ts, x, sums, outs),
+                }
+            };
+        }
         // SAFETY: the caller's contract is each kernel's contract (all arms).
         unsafe {
             if matches!(ts[0].storage, super::Codes::U4(_)) {
-                return match mr {
-                    1 => kernel4::<1, 4, NB>(ts, x, sums, outs),
-                    2 => kernel4::<2, 2, NB>(ts, x, sums, outs),
-                    3 => kernel4::<3, 1, NB>(ts, x, sums, outs),
-                    4 => kernel4::<4, 1, NB>(ts, x, sums, outs),
-                    5 => kernel4::<5, 1, NB>(ts, x, sums, outs),
-                    6 => kernel4::<6, 1, NB>(ts, x, sums, outs),
-                    7 => kernel4::<7, 1, NB>(ts, x, sums, outs),
-                    _ => kernel4::<8, 1, NB>(ts, x, sums, outs),
-                };
-            }
-            match mr {
-                1 => kernel::<1, 4, NB>(ts, x, sums, outs),
-                2 => kernel::<2, 2, NB>(ts, x, sums, outs),
-                3 => kernel::<3, 1, NB>(ts, x, sums, outs),
-                4 => kernel::<4, 1, NB>(ts, x, sums, outs),
-                5 => kernel::<5, 1, NB>(ts, x, sums, outs),
-                6 => kernel::<6, 1, NB>(ts, x, sums, outs),
-                7 => kernel::<7, 1, NB>(ts, x, sums, outs),
-                _ => kernel::<8, 1, NB>(ts, x, sums, outs),
+                by_rows!(kernel4)
+            } else {
+                by_rows!(kernel)
             }
         }
     }
