@@ -107,9 +107,13 @@ pub fn parked_regions() -> u64 {
 /// on an idle machine, but on one whose CPUs other processes keep busy each of those threads
 /// waits for a time slice first, and parking then cost milliseconds per forward (a 0.1 ms
 /// forward took 7-20 ms, a 1.9 ms decode step 3.3-4.2 ms). A park whose region outlasted its
-/// work by more than [`Backoff::COSTLY`] (or a quarter of the work) is followed by forwards
-/// that run unparked, 16 and then twice as many after each costly park in a row (at most
-/// 1024); a park that cost little resets that. `MOEQ_PARK_OPENMP=always` never backs off.
+/// work by more than [`Backoff::COSTLY`] (or a quarter of the work) is costly; after
+/// [`Backoff::STRIKES`] costly parks in a row, forwards run unparked, 16 and then twice as
+/// many after each further costly park (at most 1024); a park that cost little resets that.
+/// One costly park alone does not back off: a VM's scheduling hiccup makes one now and then on
+/// an idle machine, and backing off on it ran the next 16-1024 forwards unparked, 1.7x slower
+/// after a torch operator (a benchmark's Mixtral W4A16 decode steps took 10-14 ms against 6 ms
+/// parked). `MOEQ_PARK_OPENMP=always` never backs off.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
 struct Backoff {
@@ -117,13 +121,21 @@ struct Backoff {
     skip: u32,
     /// Forwards to skip after the next costly park, halved (0: none yet).
     last: u32,
+    /// Costly parks in a row so far (counted up to [`Backoff::STRIKES`]).
+    strikes: u32,
 }
 
 #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
 impl Backoff {
-    const NONE: Backoff = Backoff { skip: 0, last: 0 };
+    const NONE: Backoff = Backoff {
+        skip: 0,
+        last: 0,
+        strikes: 0,
+    };
     /// The region's own cost (beyond its work) that counts as costly.
     const COSTLY: std::time::Duration = std::time::Duration::from_micros(200);
+    /// Costly parks in a row before the first back-off.
+    const STRIKES: u32 = 3;
     const FIRST: u32 = 16;
     const MOST: u32 = 1024;
 
@@ -133,12 +145,23 @@ impl Backoff {
         if cost <= Self::COSTLY.max(worked / 4) {
             return Self::NONE;
         }
+        let strikes = (self.strikes + 1).min(Self::STRIKES);
+        if strikes < Self::STRIKES {
+            return Backoff {
+                strikes,
+                ..Self::NONE
+            };
+        }
         let skip = if self.last == 0 {
             Self::FIRST
         } else {
             self.last.saturating_mul(2).min(Self::MOST)
         };
-        Backoff { skip, last: skip }
+        Backoff {
+            skip,
+            last: skip,
+            strikes,
+        }
     }
 }
 
@@ -174,19 +197,36 @@ mod tests {
         // Cheap: the region's own cost within 200 us, or within a quarter of the work.
         assert_eq!(Backoff::NONE.after(us(100), us(250)), Backoff::NONE);
         assert_eq!(Backoff::NONE.after(us(4000), us(4900)), Backoff::NONE);
-        // Costly: 16 unparked forwards, then twice as many after each costly park in a row.
-        let mut b = Backoff::NONE.after(us(100), us(6800));
-        assert_eq!(b, Backoff { skip: 16, last: 16 });
+        // Costly: nothing skipped for the first two in a row, then 16 unparked forwards, then
+        // twice as many after each further costly park.
+        let costly = |b: Backoff| b.after(us(100), us(6800));
+        let b = costly(Backoff::NONE);
+        assert_eq!((b.skip, b.strikes), (0, 1));
+        let b = costly(b);
+        assert_eq!((b.skip, b.strikes), (0, 2));
+        let mut b = costly(b);
+        assert_eq!(b.skip, 16);
         let mut seen = vec![b.skip];
         for _ in 0..8 {
             b = b.after(us(1900), us(3300));
             seen.push(b.skip);
         }
         assert_eq!(seen, [16, 32, 64, 128, 256, 512, 1024, 1024, 1024]);
-        // One cheap park and the next costly one starts from 16 again.
+        // One cheap park and the next costly ones count from the first strike again.
         let b = b.after(us(1900), us(1950));
         assert_eq!(b, Backoff::NONE);
-        assert_eq!(b.after(us(10), us(900)).skip, 16);
+        assert_eq!(costly(costly(b)).skip, 0);
+        assert_eq!(costly(costly(costly(b))).skip, 16);
+        // A costly park between cheap ones (a scheduling hiccup) never backs off.
+        let mut b = Backoff::NONE;
+        for i in 0..10 {
+            b = if i % 2 == 0 {
+                costly(b)
+            } else {
+                b.after(us(10), us(20))
+            };
+            assert_eq!(b.skip, 0);
+        }
     }
 }
 
