@@ -3452,3 +3452,51 @@ def test_dispatch_modes_see_the_op_and_make_fx_records_it() -> None:
     assert torch.equal(out, layer(x, logits)) and torch.equal(
         out_topk, layer.forward_topk(x, w, ids)
     )
+
+
+def test_function_modes_see_the_op_and_torch_device_stays_eager(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A TorchFunctionMode (a user's logging or tracing mode) sees ``torch.ops.moeq.*`` as
+    dispatch modes do; the eager native call bypassed it. ``torch.device``'s own mode (``with
+    torch.device(...)``, ``torch.set_default_device``) changes factory functions only, so
+    calls under it stay on the native path."""
+    from torch.overrides import TorchFunctionMode
+
+    from moeq_rs import moe as moe_module
+
+    w13, w2, s13, s2 = _small_w8a16()
+    layer = mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a16", top_k=2)
+    x, logits = torch.randn(3, 64), torch.randn(3, 4)
+    w, ids = torch.rand(3, 2), torch.randint(0, 4, (3, 2))
+    want, want_topk = layer(x, logits), layer.forward_topk(x, w, ids)
+
+    class Seen(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.funcs: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.funcs.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as seen:
+        out, out_topk = layer(x, logits), layer.forward_topk(x, w, ids)
+    assert "moeq.moe_forward" in seen.funcs and "moeq.moe_forward_topk" in seen.funcs
+    assert torch.equal(out, want) and torch.equal(out_topk, want_topk)
+
+    calls: list[int] = []
+    real = moe_module._eager
+
+    def counting(*tensors: object) -> bool:
+        calls.append(len(tensors))
+        return real(*tensors)
+
+    monkeypatch.setattr(moe_module, "_eager", counting)
+    with torch.device("cpu"):
+        assert torch.equal(layer(x, logits), want)
+        assert torch.equal(layer.forward_topk(x, w, ids), want_topk)
+    assert calls == []  # the native path took both
+    with Seen() as seen, torch.device("cpu"):
+        assert torch.equal(layer(x, logits), want)
+    assert calls == [2] and "moeq.moe_forward" in seen.funcs

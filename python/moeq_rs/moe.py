@@ -99,6 +99,27 @@ _is_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", _is_compil
 _is_tracing = torch.jit.is_tracing
 # How many TorchDispatchModes are active (make_fx's proxy mode and FakeTensorMode among them).
 _dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_modes_enabled = torch._C._is_torch_function_mode_enabled
+_function_stack_len = torch._C._len_torch_function_stack
+_function_stack_at = torch._C._get_function_stack_at
+try:
+    from torch.utils._device import DeviceContext as _DeviceContext
+except ImportError:  # pragma: no cover - every supported torch has it
+    _DeviceContext = None
+
+
+def _function_modes() -> bool:
+    """Whether a TorchFunctionMode is active that should see ``torch.ops.moeq.*``, as dispatch
+    modes do: any but ``torch.device``'s (``with torch.device(...)``,
+    ``torch.set_default_device``), which changes factory functions only."""
+    if not _function_modes_enabled():
+        return False
+    return any(
+        _DeviceContext is None or type(_function_stack_at(i)) is not _DeviceContext
+        for i in range(_function_stack_len())
+    )
+
+
 _Tensor = torch.Tensor
 _forward_ad = torch.autograd.forward_ad
 
@@ -107,7 +128,8 @@ def _eager(*tensors: object) -> bool:
     """Whether a call may skip the custom op: not compiling or ``torch.jit.trace``-ing (a trace
     that never saw the op recorded the output as a constant), no TorchDispatchMode active (as
     ``make_fx`` tracing, which likewise baked the output in, ``FakeTensorMode`` or a FLOP
-    counter), plain tensors (a subclass, a fake tensor among them, needs the op's dispatch: the
+    counter) and no TorchFunctionMode but ``torch.device``'s (each sees the op, never the native
+    call), plain tensors (a subclass, a fake tensor among them, needs the op's dispatch: the
     numpy path cannot read it), and no input that needs gradients."""
     if _forward_ad._current_level >= 0:
         _refuse_dual_tensors(tensors)
@@ -115,6 +137,7 @@ def _eager(*tensors: object) -> bool:
         not _is_compiling()
         and not _is_tracing()
         and not _dispatch_modes()
+        and not _function_modes()
         and all(type(t) is _Tensor for t in tensors)
         and not _wants_grad(*tensors)
     )

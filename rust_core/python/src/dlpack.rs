@@ -260,6 +260,16 @@ struct EagerState {
     /// `torch._C._len_torch_dispatch_stack`: how many TorchDispatchModes are active (`make_fx`'s
     /// proxy mode and `FakeTensorMode` among them).
     dispatch_modes: Py<PyAny>,
+    /// `torch._C._is_torch_function_mode_enabled`: a TorchFunctionMode is active (a user's
+    /// logging or tracing mode sees `torch.ops.moeq.*`, never the native call).
+    function_modes: Py<PyAny>,
+    /// `torch._C._len_torch_function_stack` and `_get_function_stack_at`: the active modes.
+    function_stack_len: Py<PyAny>,
+    function_stack_at: Py<PyAny>,
+    /// `torch.utils._device.DeviceContext`: the mode of `with torch.device(...)` and
+    /// `torch.set_default_device`, which changes factory functions only, so it never needs to
+    /// see the op (`set_default_device("cpu")` would otherwise slow every call).
+    device_context: Option<Py<PyAny>>,
     /// `torch.compiler`, whose `_is_compiling_flag` is `torch.compiler.is_compiling()`.
     compiler: Py<PyAny>,
     /// `torch.autograd.forward_ad`, whose `_current_level` is at least 0 inside a dual level.
@@ -280,6 +290,14 @@ fn read_eager_state(py: Python<'_>) -> Option<EagerState> {
         is_tracing: c.getattr("_is_tracing").ok()?.unbind(),
         grad_enabled: c.getattr("is_grad_enabled").ok()?.unbind(),
         dispatch_modes: c.getattr("_len_torch_dispatch_stack").ok()?.unbind(),
+        function_modes: c.getattr("_is_torch_function_mode_enabled").ok()?.unbind(),
+        function_stack_len: c.getattr("_len_torch_function_stack").ok()?.unbind(),
+        function_stack_at: c.getattr("_get_function_stack_at").ok()?.unbind(),
+        device_context: py
+            .import("torch.utils._device")
+            .and_then(|m| m.getattr("DeviceContext"))
+            .ok()
+            .map(Bound::unbind),
         compiler: compiler.into_any().unbind(),
         forward_ad: forward_ad.into_any().unbind(),
     })
@@ -288,8 +306,8 @@ fn read_eager_state(py: Python<'_>) -> Option<EagerState> {
 /// Whether a layer's forward may run natively on `tensors` without its Python wrapper's checks:
 /// not inside `torch.compile`/`torch.export` (`torch.compiler.is_compiling()`; the caller has
 /// ruled out dynamo's tracing, which never reaches native code), `torch.jit.trace`, a
-/// TorchDispatchMode (`make_fx`, `FakeTensorMode`, a FLOP counter: each must see the op) or a
-/// forward-AD dual level, and no argument needs gradients (the custom op's path gives those
+/// TorchDispatchMode (`make_fx`, `FakeTensorMode`, a FLOP counter: each must see the op), a
+/// TorchFunctionMode (likewise) or a forward-AD dual level, and no argument needs gradients (the custom op's path gives those
 /// a backward that says there is none). The same answer as the wrapper's `_eager`, read in C:
 /// its Python checks cost ~50 us per call once a cache flush (or the rest of a model) has
 /// evicted them. Anything unexpected answers false, and the wrapper then decides.
@@ -310,6 +328,7 @@ pub(crate) fn eager(py: Python<'_>, tensors: &[&Bound<'_, PyAny>]) -> bool {
             .getattr(pyo3::intern!(py, "_current_level")),
     ) || !falsy(state.is_tracing.bind(py).call0())
         || !falsy(state.dispatch_modes.bind(py).call0())
+        || function_mode_active(py, state)
     {
         return false;
     }
@@ -317,6 +336,31 @@ pub(crate) fn eager(py: Python<'_>, tensors: &[&Bound<'_, PyAny>]) -> bool {
         || tensors
             .iter()
             .all(|t| falsy(t.getattr(pyo3::intern!(py, "requires_grad"))))
+}
+
+/// Whether a TorchFunctionMode other than `torch.device`'s ([`EagerState::device_context`]) is
+/// active; anything unexpected answers true.
+fn function_mode_active(py: Python<'_>, state: &EagerState) -> bool {
+    if falsy(state.function_modes.bind(py).call0()) {
+        return false;
+    }
+    let Some(device_context) = state.device_context.as_ref().map(|t| t.bind(py)) else {
+        return true;
+    };
+    let Ok(len) = state
+        .function_stack_len
+        .bind(py)
+        .call0()
+        .and_then(|v| v.extract::<usize>())
+    else {
+        return true;
+    };
+    (0..len).any(|i| {
+        !matches!(
+            state.function_stack_at.bind(py).call1((i,)),
+            Ok(mode) if mode.get_type().is(device_context)
+        )
+    })
 }
 
 /// Whether `ob` is a plain `torch.Tensor` whose memory holds its values. A negative view
