@@ -154,7 +154,7 @@ pub struct ProjScheme {
     pub format: Format,
     /// The format vLLM reads where it differs from `format` (see
     /// [`crate::scheme::config::Scheme::vllm_format`]), for the `--compat vllm` verdict.
-    pub vllm_format: Option<Format>,
+    pub vllm_format: Option<Option<Format>>,
 }
 
 /// The projections of one expert (`gate` is absent for non-gated experts).

@@ -202,7 +202,7 @@ fn vllm_scheme(
     if matches!(w.strategy, Strategy::Group | Strategy::Channel) && a.is_none() && !w.is_dynamic() {
         return vllm_wna16(
             w,
-            s.vllm_format.unwrap_or(s.format),
+            s.vllm_format.unwrap_or(Some(s.format)),
             input,
             platform,
             tp_size,
@@ -322,18 +322,18 @@ fn vllm_scheme(
 
 fn vllm_wna16(
     w: &QuantArgs,
-    format: Format,
+    format: Option<Format>,
     input: &LayerInput,
     platform: Platform,
     tp_size: usize,
 ) -> VllmVerdict {
     let method = "CompressedTensorsWNA16MoEMethod";
-    if !(2..=8).contains(&w.num_bits) || format != Format::PackQuantized {
+    if !(2..=8).contains(&w.num_bits) || format != Some(Format::PackQuantized) {
         return verdict_error(
             None,
             format!(
                 "ValueError: For Fused MoE layers, only format: pack-quantized and bits: 2..8 is supported (checkpoint: format {}, {} bits)",
-                format.name(),
+                format.map_or("None (the config names none)", Format::name),
                 w.num_bits
             ),
         );

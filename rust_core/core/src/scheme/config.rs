@@ -152,9 +152,14 @@ pub struct Scheme {
 
 impl Scheme {
     /// The format vLLM reads for this group where it differs from `format` (see
-    /// `declared_format`); None where they agree or where the config names no format at all.
-    pub fn vllm_format(&self) -> Option<Format> {
-        self.declared_format.filter(|&f| f != self.format)
+    /// `declared_format`): None where they agree, `Some(None)` where the config names no
+    /// format at all (moeq_rs infers one from the tensors; vLLM reads None, and its weight-only
+    /// MoE method then refuses the layer).
+    pub fn vllm_format(&self) -> Option<Option<Format>> {
+        match self.declared_format {
+            Some(f) if f == self.format => None,
+            declared => Some(declared),
+        }
     }
 
     /// The input activations vLLM reads for this group: none for an empty object (see

@@ -28,7 +28,7 @@ pub struct ResolvedScheme {
     pub tier: MatchTier,
     pub format: Format,
     /// The format vLLM reads for the group (see [`super::config::Scheme::vllm_format`]).
-    pub vllm_format: Option<Format>,
+    pub vllm_format: Option<Option<Format>>,
     pub weights: Option<QuantArgs>,
     pub input_activations: Option<QuantArgs>,
     /// vLLM reads the group's `input_activations` as none: an empty `{}` (see
@@ -75,7 +75,7 @@ impl ModuleInfo {
         self.scheme.as_ref().map_or(Format::Dense, |s| s.format)
     }
     /// The format vLLM reads for the module's group where it differs from [`Self::format`].
-    pub fn vllm_format(&self) -> Option<Format> {
+    pub fn vllm_format(&self) -> Option<Option<Format>> {
         self.scheme.as_ref().and_then(|s| s.vllm_format)
     }
     /// The input activations vLLM reads for the module's group.
