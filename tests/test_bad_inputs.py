@@ -1214,6 +1214,128 @@ def test_router_and_input_scale_shapes_are_checked_at_open(
         mq.open(c)
 
 
+def test_fused_expert_tensors_are_refused_naming_the_tensor(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A block whose experts are stored fused (transformers 5's ``experts.gate_up_proj`` [E, 2I,
+    H] and ``experts.down_proj``) vanished from the plan: neither MoE nor dense, exit status 0,
+    the checkpoint one MoE layer short. It is refused at open, naming the tensor. Found by a
+    review helper."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = fixture_path("qwen3_unquantized")
+    dst = tmp_path / "fused"
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "ref"))
+    tensors = load_file(str(src / "model.safetensors"))
+    p = "model.layers.1.mlp.experts"
+    experts = sorted({int(n.split(".")[5]) for n in tensors if n.startswith(p + ".")})
+    gate, up, down = (
+        [tensors.pop(f"{p}.{e}.{proj}.weight") for e in experts]
+        for proj in ("gate_proj", "up_proj", "down_proj")
+    )
+    tensors[f"{p}.gate_up_proj"] = torch.stack([torch.cat(gu) for gu in zip(gate, up, strict=True)])
+    tensors[f"{p}.down_proj"] = torch.stack(down)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    want = r"tensor 'model\.layers\.1\.mlp\.experts\.down_proj': holds several experts"
+    with pytest.raises(mq.UnsupportedSchemeError, match=want):
+        mq.open(dst)
+    with pytest.raises(mq.UnsupportedSchemeError, match=want):
+        mq.oracle.plan(dst)
+    run = subprocess.run(
+        [sys.executable, "-m", "moeq_rs", "inspect", str(dst)], capture_output=True, text=True
+    )
+    assert run.returncode == 1 and "holds several experts in one tensor" in run.stderr
+
+
+def test_codes_outside_their_bit_range_are_refused_where_read(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """int8 codes stored as U8 (200) or I32 (300) were dequantised as they stood while the CPU
+    loader refused them; an unpacked zero point beyond its range was dequantised as it stood,
+    wrapped by the CPU loader and clamped by the Marlin repack. Every reader now refuses a
+    value outside the scheme's num_bits range, naming the tensor and element. Found by a review
+    helper."""
+    from safetensors.torch import load_file
+
+    m = "model.layers.0.mlp.experts.3.gate_proj"
+    src = fixture_path("qwen3_w8a8_dynamic")
+    w = load_file(str(src / "model.safetensors"))[m + ".weight"]
+    good = mq.open(src).dequantize(m)
+    u8 = w.to(torch.int16).clamp(min=0).to(torch.uint8)  # the non-negative codes, as U8
+    c = _altered_fixture(src, tmp_path / "u8_ok", {m + ".weight": u8})
+    assert torch.equal(mq.open(c).dequantize(m), torch.where(w >= 0, good, 0 * good))
+    for name, bad, value in (("u8", u8.clone(), 200), ("i32", w.to(torch.int32), 300)):
+        bad[1, 2] = value
+        c = _altered_fixture(src, tmp_path / name, {m + ".weight": bad})
+        element = 1 * w.shape[1] + 2
+        want = (
+            rf"{m}\.weight.*element {element} is {value} .*8-bit integer codes lie in -128\.\.=127"
+        )
+        with pytest.raises(mq.CheckpointError, match=want):
+            mq.open(c).dequantize(m)
+        with pytest.raises(mq.CheckpointError, match=want):
+            mq.MoELayer.from_checkpoint(c, 0)
+
+    zp = "model.layers.0.mlp.experts.0.gate_proj.weight_zero_point"
+    src = fixture_path("qwen3_w4a16_g128_asym")
+    packed = load_file(str(src / "model.safetensors"))[zp]  # [out / 8, groups] int32
+    rows = torch.arange(packed.shape[0] * 8)
+    fields = (packed[rows // 8] >> (4 * (rows % 8))[:, None]) & 0xF
+    unpacked = (fields - 8).to(torch.int8)  # [out, groups], as older compressed-tensors kept it
+    c = _altered_fixture(src, tmp_path / "zp_ok", {zp: unpacked})
+    module = zp.rsplit(".", 1)[0]
+    assert torch.equal(mq.open(c).dequantize(module), mq.open(src).dequantize(module))
+    bad_zp = unpacked.clone()
+    bad_zp.view(-1)[5] = 9  # 4-bit zero points lie in -8..=7
+    c = _altered_fixture(src, tmp_path / "zp", {zp: bad_zp})
+    want = r"weight_zero_point.*element 5 is 9 .*4-bit integer codes lie in -8\.\.=7"
+    with pytest.raises(mq.CheckpointError, match=want):
+        mq.open(c).dequantize(module)
+    with pytest.raises(mq.CheckpointError, match=want):
+        mq.MoELayer.from_checkpoint(c, 0)
+    out = tmp_path / "zp_marlin"
+    run = subprocess.run(
+        [sys.executable, "-m", "moeq_rs", "repack", "--target", "marlin", str(c), str(out)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode == 1 and "element 5 is 9" in run.stderr, run.stderr
+    assert not out.exists()
+    assert not (tmp_path / "zp_marlin").exists()
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "says"),
+    [
+        ("n_shared_experts", 0, "n_shared_experts 0 x moe_intermediate_size 128 (0: no shared"),
+        ("n_shared_experts", 2, "n_shared_experts 2 x moe_intermediate_size 128 (256)"),
+    ],
+)
+def test_a_shared_expert_of_another_width_than_the_config_says_is_refused(
+    fixture_path: Callable[[str], Path], tmp_path: Path, key: str, value: int, says: str
+) -> None:
+    """DeepSeek's shared expert is `n_shared_experts` experts of `moe_intermediate_size` fused
+    into one MLP; transformers and vLLM build it from the config (none for 0), so a stored one
+    of another width does not load there, while the forward here added it regardless. Found by
+    a review helper."""
+    import shutil
+
+    src = fixture_path("deepseek_v3_w8a8_dynamic")
+    assert mq.open(src).moe_layers()  # as shipped (n_shared_experts 1) it opens
+    dst = tmp_path / "shared"
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("ref"))
+    config = json.loads((src / "config.json").read_text())
+    config[key] = value
+    (dst / "config.json").write_text(json.dumps(config))
+    want = (
+        r"model\.layers\.1\.mlp\.shared_experts.*shared expert of intermediate size 128, but "
+        + re.escape(f"config.json says {says}")
+    )
+    with pytest.raises(mq.CheckpointError, match=want):
+        mq.open(dst)
+
+
 def test_a_correction_bias_of_the_wrong_length_refuses_its_layer(
     fixture_path: Callable[[str], Path], tmp_path: Path
 ) -> None:

@@ -277,6 +277,18 @@ impl Model {
                 .chain(l.cpu_layers.iter().map(|g| (g.layer, g.prefix.as_str())))
                 .collect()
         });
+        let repacked_prefixes: Vec<&str> = repacked.iter().map(|&(_, p)| p).collect();
+        if let Some(name) = moe::fused_expert_tensor(&ckpt, &repacked_prefixes) {
+            return Err(UnsupportedSchemeError {
+                subject: format!("tensor '{name}'"),
+                reason: "holds several experts in one tensor (a fused layout such as \
+                         transformers 5's experts.gate_up_proj [E, 2I, H]); moeq_rs reads \
+                         experts stored one module each (experts.<e>.gate_proj, up_proj, \
+                         down_proj, or w1/w3/w2), as compressed-tensors saves them"
+                    .to_string(),
+            }
+            .into());
+        }
         let discovery = moe::discover(&ckpt, &names, &repacked)?;
         let lookup = |name: &str| -> Result<ModuleInfo> {
             find(name)
@@ -296,6 +308,19 @@ impl Model {
         // the experts from it, so experts of another width fail to load there. Where it is a
         // list (per layer or per modality in some families), it is not checked.
         let moe_inter_cfg = size_at("moe_intermediate_size");
+        // The shared expert's width, where the config fixes it: DeepSeek's `n_shared_experts`
+        // experts of `moe_intermediate_size` each (fused into one MLP), Qwen2-MoE's and
+        // Laguna's `shared_expert_intermediate_size`. transformers and vLLM build the shared
+        // expert from it (none for 0), so a stored one of another width fails to load there,
+        // and the forward here added it all the same.
+        let shared_cfg: Option<(String, usize)> = match size_at("n_shared_experts") {
+            Some((at, n)) => moe_inter_cfg
+                .as_ref()
+                .map(|(mat, mi)| (format!("{at} {n} x {mat} {mi}"), n.saturating_mul(*mi))),
+            None => {
+                size_at("shared_expert_intermediate_size").map(|(at, v)| (format!("{at} {v}"), v))
+            }
+        };
         let mut moe_layers = Vec::with_capacity(discovery.layers.len());
         let mut any_bias = false;
         for d in discovery.layers {
@@ -390,7 +415,7 @@ impl Model {
                 None
             } else {
                 let s = moe::assemble(&format!("{}.shared_experts", d.prefix), &d.shared, lookup)?;
-                check_shared_expert(&s, hidden_size)?;
+                check_shared_expert(&s, hidden_size, shared_cfg.as_ref())?;
                 Some(s)
             };
             moe_layers.push(MoeLayer {
@@ -977,18 +1002,36 @@ impl Model {
 /// projections fit together ([`moe::expert_dims`]) and take the routed experts' hidden size.
 /// Unchecked, a mis-sized one loaded and then panicked in the forward or ran with the wrong
 /// sizes. (Its intermediate size may differ from the routed experts'.)
-fn check_shared_expert(s: &ExpertModules, hidden_size: usize) -> Result<()> {
+/// A stored shared expert takes the routed experts' inputs and, where the config fixes its
+/// width (`configured`: what it says, and the width), has that width.
+fn check_shared_expert(
+    s: &ExpertModules,
+    hidden_size: usize,
+    configured: Option<&(String, usize)>,
+) -> Result<()> {
     let owner =
         s.up.name
             .strip_suffix(".up_proj")
             .unwrap_or(&s.up.name)
             .to_string();
-    let (h, _) = moe::expert_dims(&owner, s)?;
+    let (h, i) = moe::expert_dims(&owner, s)?;
     if h != hidden_size {
         return Err(module_error(
             &owner,
             format!("takes {h} inputs but the routed experts take {hidden_size}"),
         ));
+    }
+    if let Some((says, want)) = configured {
+        if i != *want {
+            return Err(module_error(
+                &owner,
+                format!(
+                    "is a shared expert of intermediate size {i}, but config.json says {says} \
+                     ({want}{})",
+                    if *want == 0 { ": no shared expert" } else { "" }
+                ),
+            ));
+        }
     }
     Ok(())
 }

@@ -275,6 +275,28 @@ impl<'a> TensorView<'a> {
             }
         })
     }
+
+    /// [`Self::to_i64_vec`] of integer codes or zero points of a `bits`-bit integer scheme,
+    /// every value within its signed range (`-2^(bits-1)..=2^(bits-1)-1`), the range
+    /// compressed-tensors' quantiser clamps to: a value beyond it (an 8-bit code of 300, a U8
+    /// one of 200) only comes from a damaged checkpoint, and was dequantised as it stood by one
+    /// reader, wrapped or clamped by others, or refused by the CPU loader alone.
+    pub fn signed_codes(&self, bits: u32) -> Result<Vec<i64>, CheckpointError> {
+        let values = self.to_i64_vec()?;
+        let half = 1i64 << bits.clamp(1, 63).saturating_sub(1);
+        let (lo, hi) = (-half, half - 1);
+        match values.iter().position(|v| !(lo..=hi).contains(v)) {
+            None => Ok(values),
+            Some(i) => Err(CheckpointError::Tensor {
+                path: self.path.to_path_buf(),
+                tensor: self.info.name.clone(),
+                reason: format!(
+                    "element {i} is {} ({} storage); {bits}-bit integer codes lie in {lo}..={hi}",
+                    values[i], self.info.dtype
+                ),
+            }),
+        }
+    }
 }
 
 fn le8(c: &[u8]) -> [u8; 8] {

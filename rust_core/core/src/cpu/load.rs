@@ -18,32 +18,16 @@ pub fn floats(ckpt: &Checkpoint, name: &str) -> Result<Vec<f32>> {
 
 /// int8 weight codes (`int-quantized`), read by the stored dtype's values, as
 /// `Checkpoint::dequantize` and compressed-tensors read them: I8 as it is, and I16, I32 or U8
-/// (which opening accepts for 8-bit codes) converted, every value within -128..=127, the codes
-/// the int8 kernels hold. (Their raw bytes read as int8 gave wrong results without an error.)
+/// (which opening accepts for 8-bit codes) converted, every value within -128..=127
+/// ([`crate::checkpoint::TensorView::signed_codes`]), the codes the int8 kernels hold. (Their
+/// raw bytes read as int8 gave wrong results without an error.)
 pub fn int8_codes(ckpt: &Checkpoint, name: &str) -> Result<Vec<i8>> {
     let view = ckpt.tensor(name)?;
     if view.info.dtype == crate::checkpoint::DType::I8 {
         return Ok(view.bytes.iter().map(|&b| b as i8).collect());
     }
-    let values = view.to_i64_vec()?;
-    let mut out = Vec::with_capacity(values.len());
-    for (i, &v) in values.iter().enumerate() {
-        match i8::try_from(v) {
-            Ok(q) => out.push(q),
-            Err(_) => {
-                return Err(CheckpointError::Tensor {
-                    path: view.path.to_path_buf(),
-                    tensor: name.to_string(),
-                    reason: format!(
-                        "element {i} is {v} ({} storage); 8-bit integer codes lie in -128..=127",
-                        view.info.dtype
-                    ),
-                }
-                .into())
-            }
-        }
-    }
-    Ok(out)
+    // In range, so each fits an i8.
+    Ok(view.signed_codes(8)?.into_iter().map(|v| v as i8).collect())
 }
 
 /// A scale tensor (weight or static activation scales) as f32 values, every one finite: a NaN
@@ -197,9 +181,10 @@ pub fn linear(ckpt: &Checkpoint, m: &ModuleInfo, version: Option<&str>) -> Resul
             let scale = scales(ckpt, &format!("{name}.weight_scale"))?;
             let zp = match m.zero_point {
                 None => None,
+                // Within the codes' range (at most 8 bits here), so each fits an i8.
                 Some(ZeroPointLayout::Unpacked) => Some(
                     ckpt.tensor(&format!("{name}.weight_zero_point"))?
-                        .to_i64_vec()?
+                        .signed_codes(bits)?
                         .into_iter()
                         .map(|v| v as i8)
                         .collect(),

@@ -899,6 +899,77 @@ pub fn unsupported_parts(
     found
 }
 
+/// A tensor holding all of a block's experts in one (`mlp.experts.gate_up_proj` `[E, 2I, H]` and
+/// `mlp.experts.down_proj`, transformers 5's in-memory layout; gpt-oss's
+/// `experts.gate_up_proj_blocks`; vLLM's `experts.w13_weight`), outside the blocks a `moeq
+/// repack` layout names (`repacked`: their `...experts` prefixes): the first such tensor, by
+/// name. Discovery reads experts as `experts.<e>.<proj>` modules, so a block stored this way
+/// was found by no one: it vanished from the plan (neither MoE nor dense) and the checkpoint
+/// opened as if it had one MoE layer fewer. Leaves beside the experts that are not
+/// projections (Laguna's `experts.e_score_correction_bias`) do not count.
+pub fn fused_expert_tensor<'a>(ckpt: &'a Checkpoint, repacked: &[&str]) -> Option<&'a str> {
+    ckpt.tensors()
+        .map(|(_, t)| t.name.as_str())
+        .filter(|name| is_fused_expert_tensor(name, repacked))
+        .min()
+}
+
+/// The name rule of [`fused_expert_tensor`]: `<owner>.experts.<leaf>...` whose leaf names a
+/// projection (`..._proj...`, `w1`, `w13_weight`, ...) rather than an expert index.
+fn is_fused_expert_tensor(name: &str, repacked: &[&str]) -> bool {
+    let Some((owner, rest)) = name
+        .rsplit_once(".experts.")
+        .or_else(|| name.strip_prefix("experts.").map(|rest| ("", rest)))
+    else {
+        return false;
+    };
+    let leaf = rest.split('.').next().unwrap_or(rest);
+    let projection = leaf.contains("_proj")
+        || ["w1", "w2", "w3", "w13"]
+            .iter()
+            .any(|w| leaf == *w || leaf.strip_prefix(w).is_some_and(|r| r.starts_with('_')));
+    let block = format!("{owner}.experts");
+    projection && !repacked.iter().any(|p| *p == block || *p == owner)
+}
+
+#[cfg(test)]
+mod fused_tests {
+    use super::is_fused_expert_tensor as fused;
+
+    #[test]
+    fn fused_expert_tensors_are_told_from_per_expert_modules() {
+        let p = "model.layers.1.mlp.experts";
+        for leaf in [
+            "gate_up_proj",
+            "down_proj",
+            "gate_up_proj_blocks",
+            "down_proj_bias",
+            "w13_weight",
+            "w2_weight_scale",
+            "w1",
+        ] {
+            assert!(fused(&format!("{p}.{leaf}"), &[]), "{leaf}");
+        }
+        for leaf in [
+            "0.gate_proj.weight",
+            "12.w1.weight_packed",
+            "e_score_correction_bias",
+            "w4",
+            "w13x",
+        ] {
+            assert!(!fused(&format!("{p}.{leaf}"), &[]), "{leaf}");
+        }
+        // A `moeq repack` layout's blocks are read by their prefix.
+        assert!(!fused(&format!("{p}.w13_weight_packed"), &[p]));
+        assert!(fused(
+            &format!("{p}.w13_weight_packed"),
+            &["model.layers.0.mlp.experts"]
+        ));
+        assert!(fused("experts.gate_up_proj", &[]));
+        assert!(!fused("model.layers.1.mlp.gate.weight", &[]));
+    }
+}
+
 /// The router of the MoE block at `layer_prefix`: `gate` (most families), `router` (Jamba),
 /// `router.gate` (AFMoE), `gate.wg` (Hunyuan).
 pub fn find_router(ckpt: &Checkpoint, layer_prefix: &str) -> Option<Router> {

@@ -234,7 +234,7 @@ pub fn dequantize_with(
         None => None,
         Some(ZeroPointLayout::Unpacked) => Some(
             ckpt.tensor(&format!("{module}.weight_zero_point"))?
-                .to_i64_vec()?,
+                .signed_codes(bits)?,
         ),
         Some(ZeroPointLayout::Packed) => {
             let zp = ckpt.tensor(&format!("{module}.weight_zero_point"))?;
@@ -270,6 +270,11 @@ pub fn dequantize_with(
     }
     let wbytes = weight.bytes;
     let wdtype = weight.dtype();
+    if fmt != Format::PackQuantized && (wdtype != DType::I8 || bits < 8) {
+        // Unpacked codes are read by value, as compressed-tensors reads them; each must lie in
+        // the scheme's range, as the CPU loader requires (I8 holds every 8-bit code).
+        weight.signed_codes(bits)?;
+    }
     let words_per_row = (in_f * bits as usize).div_ceil(32);
     let words_per_row = if variant == PackVariant::WordAligned && 32 % bits != 0 {
         in_f.div_ceil(32 / bits as usize)

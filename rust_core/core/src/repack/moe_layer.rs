@@ -330,7 +330,7 @@ fn zero_point_codes(
             }
         }
         Some(ZeroPointLayout::Unpacked) => {
-            let signed = ckpt.tensor(&name)?.to_i64_vec()?;
+            let signed = ckpt.tensor(&name)?.signed_codes(bits)?;
             let offset = 1i64 << (bits - 1);
             for r in 0..out {
                 for g in 0..groups {
