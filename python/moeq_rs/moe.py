@@ -102,10 +102,8 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes_enabled = torch._C._is_torch_function_mode_enabled
 _function_stack_len = torch._C._len_torch_function_stack
 _function_stack_at = torch._C._get_function_stack_at
-try:
-    from torch.utils._device import DeviceContext as _DeviceContext
-except ImportError:  # pragma: no cover - every supported torch has it
-    _DeviceContext = None
+# torch.device's mode (`with torch.device(...)`, torch.set_default_device).
+from torch.utils._device import DeviceContext as _DeviceContext  # noqa: E402
 
 
 def _function_modes() -> bool:
@@ -115,8 +113,7 @@ def _function_modes() -> bool:
     if not _function_modes_enabled():
         return False
     return any(
-        _DeviceContext is None or type(_function_stack_at(i)) is not _DeviceContext
-        for i in range(_function_stack_len())
+        type(_function_stack_at(i)) is not _DeviceContext for i in range(_function_stack_len())
     )
 
 
