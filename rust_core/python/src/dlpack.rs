@@ -545,6 +545,14 @@ pub(crate) fn tensor<T: Element>(
     }
     let dims = |n: usize| i64::try_from(n).map_err(|_| layout_error(py, "output", "too large"));
     let (r, c) = (dims(rows)?, dims(cols)?);
+    let mut values = values;
+    if values.capacity() == 0 {
+        // An empty Vec's pointer is a placeholder (its alignment, the same for every empty
+        // output of a dtype size), so torch took two empty outputs of different dtypes for
+        // one storage viewed as both, and `torch.save` of them together failed. A real
+        // allocation gives each its own address.
+        values.reserve_exact(1);
+    }
     let owned = Box::new(Owned {
         managed: ManagedTensor {
             version: Version { major: 1, minor: 0 },
