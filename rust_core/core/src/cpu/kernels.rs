@@ -189,6 +189,17 @@ pub fn bf16_dot() -> bool {
     })
 }
 
+/// Whether weight-only layers may widen codes into dequantised bf16 weights (see
+/// `wo::bf16::BlockedWo::widens_dequantised`): each carries one bf16 rounding, as
+/// compressed-tensors' own bf16 dequantisation (and vLLM's Marlin kernels) do. With activations
+/// that share a large offset the gate and up values grow, and SiLU's flat negative side turns
+/// their small absolute error into 1-2e-2 relative (a review's fuzzing, `randn + 8` inputs);
+/// `MOEQ_CPU_BF16=exact` (read once) keeps the bf16 dot products on the exact weights.
+pub fn bf16_dequantised_weights() -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ALLOWED.get_or_init(|| std::env::var("MOEQ_CPU_BF16").map_or(true, |v| v.trim() != "exact"))
+}
+
 /// The name `MOEQ_CPU_ISA` and `cpu_features()` use for `isa`.
 pub fn isa_name(isa: Isa) -> &'static str {
     match isa {

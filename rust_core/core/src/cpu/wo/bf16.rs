@@ -440,7 +440,7 @@ impl BlockedWo {
     /// path's one row tile) when the scales are bf16 values. The tiles then need no group
     /// epilogue (zero-point term and scale every group of 128 columns).
     pub fn widens_dequantised(&self, m: usize) -> bool {
-        self.scales_bf16 && m >= DEQUANT_MIN_ROWS
+        self.scales_bf16 && m >= DEQUANT_MIN_ROWS && crate::cpu::kernels::bf16_dequantised_weights()
     }
 
     /// As [`BlockedWo::gemm`] for activations prepared by [`BlockedWo::bf16_rows`] for the
