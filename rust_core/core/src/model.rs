@@ -1001,9 +1001,8 @@ impl Model {
 /// A shared expert is checked as the routed experts are, when the checkpoint opens: its
 /// projections fit together ([`moe::expert_dims`]) and take the routed experts' hidden size.
 /// Unchecked, a mis-sized one loaded and then panicked in the forward or ran with the wrong
-/// sizes. (Its intermediate size may differ from the routed experts'.)
-/// A stored shared expert takes the routed experts' inputs and, where the config fixes its
-/// width (`configured`: what it says, and the width), has that width.
+/// sizes. Its intermediate size may differ from the routed experts', but where the config
+/// fixes it (`configured`: what the config says, and the width) it must be that.
 fn check_shared_expert(
     s: &ExpertModules,
     hidden_size: usize,
