@@ -1247,6 +1247,14 @@ def test_fused_expert_tensors_are_refused_naming_the_tensor(
         [sys.executable, "-m", "moeq_rs", "inspect", str(dst)], capture_output=True, text=True
     )
     assert run.returncode == 1 and "holds several experts in one tensor" in run.stderr
+    # Granite-MoE's names hold no `experts.`: its [E, 2I, H] tensor is found by its shape.
+    granite = {
+        "model.layers.1.block_sparse_moe.input_linear.weight": tensors.pop(f"{p}.gate_up_proj"),
+        "model.layers.1.block_sparse_moe.output_linear.weight": tensors.pop(f"{p}.down_proj"),
+    }
+    save_file({**tensors, **granite}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(mq.UnsupportedSchemeError, match=r"block_sparse_moe\.input_linear"):
+        mq.open(dst)
 
 
 def test_codes_outside_their_bit_range_are_refused_where_read(
@@ -1334,6 +1342,36 @@ def test_a_shared_expert_of_another_width_than_the_config_says_is_refused(
     )
     with pytest.raises(mq.CheckpointError, match=want):
         mq.open(dst)
+
+
+def test_an_explicit_shared_expert_width_takes_precedence(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Nemotron-H sizes its shared expert by ``moe_shared_expert_intermediate_size`` (times
+    ``n_shared_experts``), not DeepSeek's ``n_shared_experts x moe_intermediate_size``: the
+    first width check refused real Nemotron-3-Nano checkpoints (found by a review helper).
+    The fixture's shared expert is 128 wide, its routed experts 128."""
+    import shutil
+
+    src = fixture_path("deepseek_v3_w8a8_dynamic")
+    config = json.loads((src / "config.json").read_text())
+
+    def opened(name: str, **keys: int) -> Path:
+        dst = tmp_path / name
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("ref"))
+        (dst / "config.json").write_text(json.dumps({**config, **keys}))
+        return dst
+
+    # 2 x 64 = 128 (DeepSeek's rule would want 2 x 128 = 256).
+    assert mq.open(opened("two", n_shared_experts=2, moe_shared_expert_intermediate_size=64))
+    assert mq.open(opened("qwen2", n_shared_experts=2, shared_expert_intermediate_size=128))
+    bad = opened("bad", n_shared_experts=1, moe_shared_expert_intermediate_size=96)
+    with pytest.raises(
+        mq.CheckpointError,
+        match=r"intermediate size 128, but config\.json says "
+        r"moe_shared_expert_intermediate_size 96 x n_shared_experts 1 \(96\)",
+    ):
+        mq.open(bad)
 
 
 def test_a_correction_bias_of_the_wrong_length_refuses_its_layer(

@@ -308,19 +308,29 @@ impl Model {
         // the experts from it, so experts of another width fail to load there. Where it is a
         // list (per layer or per modality in some families), it is not checked.
         let moe_inter_cfg = size_at("moe_intermediate_size");
-        // The shared expert's width, where the config fixes it: DeepSeek's `n_shared_experts`
-        // experts of `moe_intermediate_size` each (fused into one MLP), Qwen2-MoE's and
-        // Laguna's `shared_expert_intermediate_size`. transformers and vLLM build the shared
-        // expert from it (none for 0), so a stored one of another width fails to load there,
-        // and the forward here added it all the same.
-        let shared_cfg: Option<(String, usize)> = match size_at("n_shared_experts") {
-            Some((at, n)) => moe_inter_cfg
-                .as_ref()
-                .map(|(mat, mi)| (format!("{at} {n} x {mat} {mi}"), n.saturating_mul(*mi))),
-            None => {
-                size_at("shared_expert_intermediate_size").map(|(at, v)| (format!("{at} {v}"), v))
-            }
-        };
+        // The shared expert's width, where the config fixes it (transformers and vLLM build the
+        // shared expert from it, none for 0, so a stored one of another width fails to load
+        // there, and the forward here added it all the same): Nemotron-H's
+        // `moe_shared_expert_intermediate_size` (times `n_shared_experts`), Qwen2-MoE's,
+        // Qwen3-Next's and Laguna's `shared_expert_intermediate_size`; without either, the
+        // DeepSeek lineage's `n_shared_experts` experts of `moe_intermediate_size` each (fused
+        // into one MLP: DeepSeek-V2/V3, Kimi-K2, GLM-4.5, dots.llm1).
+        let n_shared = size_at("n_shared_experts");
+        let shared_cfg: Option<(String, usize)> =
+            if let Some((at, v)) = size_at("moe_shared_expert_intermediate_size") {
+                Some(match &n_shared {
+                    Some((nat, n)) => (format!("{at} {v} x {nat} {n}"), v.saturating_mul(*n)),
+                    None => (format!("{at} {v}"), v),
+                })
+            } else if let Some((at, v)) = size_at("shared_expert_intermediate_size") {
+                Some((format!("{at} {v}"), v))
+            } else {
+                n_shared.and_then(|(at, n)| {
+                    moe_inter_cfg
+                        .as_ref()
+                        .map(|(mat, mi)| (format!("{at} {n} x {mat} {mi}"), n.saturating_mul(*mi)))
+                })
+            };
         let mut moe_layers = Vec::with_capacity(discovery.layers.len());
         let mut any_bias = false;
         for d in discovery.layers {

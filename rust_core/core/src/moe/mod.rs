@@ -900,36 +900,52 @@ pub fn unsupported_parts(
 }
 
 /// A tensor holding all of a block's experts in one (`mlp.experts.gate_up_proj` `[E, 2I, H]` and
-/// `mlp.experts.down_proj`, transformers 5's in-memory layout; gpt-oss's
-/// `experts.gate_up_proj_blocks`; vLLM's `experts.w13_weight`), outside the blocks a `moeq
-/// repack` layout names (`repacked`: their `...experts` prefixes): the first such tensor, by
-/// name. Discovery reads experts as `experts.<e>.<proj>` modules, so a block stored this way
+/// `mlp.experts.down_proj`, transformers 5's in-memory layout and Llama 4's; gpt-oss's
+/// `experts.gate_up_proj_blocks`; vLLM's `experts.w13_weight`; Granite-MoE's
+/// `block_sparse_moe.input_linear.weight` `[E, 2I, H]`; DBRX's `ffn.experts.mlp.w1`), outside
+/// the blocks a `moeq repack` layout names (`repacked`: their prefixes): the first such tensor,
+/// by name. Discovery reads experts as `experts.<e>.<proj>` modules, so a block stored this way
 /// was found by no one: it vanished from the plan (neither MoE nor dense) and the checkpoint
 /// opened as if it had one MoE layer fewer. Leaves beside the experts that are not
 /// projections (Laguna's `experts.e_score_correction_bias`) do not count.
 pub fn fused_expert_tensor<'a>(ckpt: &'a Checkpoint, repacked: &[&str]) -> Option<&'a str> {
     ckpt.tensors()
+        .filter(|(_, t)| is_fused_expert_tensor(&t.name, t.shape.len(), repacked))
         .map(|(_, t)| t.name.as_str())
-        .filter(|name| is_fused_expert_tensor(name, repacked))
         .min()
 }
 
-/// The name rule of [`fused_expert_tensor`]: `<owner>.experts.<leaf>...` whose leaf names a
-/// projection (`..._proj...`, `w1`, `w13_weight`, ...) rather than an expert index.
-fn is_fused_expert_tensor(name: &str, repacked: &[&str]) -> bool {
-    let Some((owner, rest)) = name
+/// The rule of [`fused_expert_tensor`] for a tensor of `ndim` dimensions: outside a repack
+/// layout's blocks, any tensor of 3 or more dimensions inside an MoE block (a name segment
+/// `experts`, `block_sparse_moe` or `moe`: compressed-tensors stores every Linear's weights,
+/// scales and zero points in at most 2), and any `<owner>.experts.<leaf>...` whose leaf names a
+/// projection (`..._proj...`, `w1`, `w13_weight`, ..., DBRX's `mlp`) rather than an expert
+/// index, whatever its shape.
+fn is_fused_expert_tensor(name: &str, ndim: usize, repacked: &[&str]) -> bool {
+    if repacked
+        .iter()
+        .any(|p| name.strip_prefix(p).is_some_and(|r| r.starts_with('.')))
+    {
+        return false;
+    }
+    let in_moe_block = name
+        .split('.')
+        .any(|s| matches!(s, "experts" | "block_sparse_moe" | "moe"));
+    if ndim >= 3 && in_moe_block {
+        return true;
+    }
+    let Some((_, rest)) = name
         .rsplit_once(".experts.")
         .or_else(|| name.strip_prefix("experts.").map(|rest| ("", rest)))
     else {
         return false;
     };
     let leaf = rest.split('.').next().unwrap_or(rest);
-    let projection = leaf.contains("_proj")
+    leaf.contains("_proj")
+        || leaf == "mlp"
         || ["w1", "w2", "w3", "w13"]
             .iter()
-            .any(|w| leaf == *w || leaf.strip_prefix(w).is_some_and(|r| r.starts_with('_')));
-    let block = format!("{owner}.experts");
-    projection && !repacked.iter().any(|p| *p == block || *p == owner)
+            .any(|w| leaf == *w || leaf.strip_prefix(w).is_some_and(|r| r.starts_with('_')))
 }
 
 #[cfg(test)]
@@ -947,8 +963,9 @@ mod fused_tests {
             "w13_weight",
             "w2_weight_scale",
             "w1",
+            "mlp.w1",
         ] {
-            assert!(fused(&format!("{p}.{leaf}"), &[]), "{leaf}");
+            assert!(fused(&format!("{p}.{leaf}"), 2, &[]), "{leaf}");
         }
         for leaf in [
             "0.gate_proj.weight",
@@ -957,16 +974,35 @@ mod fused_tests {
             "w4",
             "w13x",
         ] {
-            assert!(!fused(&format!("{p}.{leaf}"), &[]), "{leaf}");
+            assert!(!fused(&format!("{p}.{leaf}"), 2, &[]), "{leaf}");
         }
+        // Three dimensions inside an MoE block, whatever the name (Granite-MoE); not outside
+        // one (a Mamba conv1d weight).
+        assert!(fused(
+            "model.layers.0.block_sparse_moe.input_linear.weight",
+            3,
+            &[]
+        ));
+        assert!(!fused(
+            "model.layers.0.block_sparse_moe.input_linear.weight",
+            2,
+            &[]
+        ));
+        assert!(!fused("backbone.layers.0.mixer.conv1d.weight", 3, &[]));
         // A `moeq repack` layout's blocks are read by their prefix.
-        assert!(!fused(&format!("{p}.w13_weight_packed"), &[p]));
+        assert!(!fused(&format!("{p}.w13_weight_packed"), 3, &[p]));
+        assert!(!fused(
+            &format!("{p}.w13_weight_packed"),
+            3,
+            &["model.layers.1.mlp"]
+        ));
         assert!(fused(
             &format!("{p}.w13_weight_packed"),
+            3,
             &["model.layers.0.mlp.experts"]
         ));
-        assert!(fused("experts.gate_up_proj", &[]));
-        assert!(!fused("model.layers.1.mlp.gate.weight", &[]));
+        assert!(fused("experts.gate_up_proj", 3, &[]));
+        assert!(!fused("model.layers.1.mlp.gate.weight", 2, &[]));
     }
 }
 
