@@ -112,8 +112,8 @@ pub fn parked_regions() -> u64 {
 /// many after each further costly park (at most 1024); a park that cost little resets that.
 /// One costly park alone does not back off: a VM's scheduling hiccup makes one now and then on
 /// an idle machine, and backing off on it ran the next 16-1024 forwards unparked, 1.7x slower
-/// after a torch operator (a benchmark's Mixtral W4A16 decode steps took 10-14 ms against 6 ms
-/// parked). `MOEQ_PARK_OPENMP=always` never backs off.
+/// after a torch operator (a benchmark's Mixtral W4A16 decode steps took 9.4-18 ms against
+/// 6.5-7.3 ms parked). `MOEQ_PARK_OPENMP=always` never backs off.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
 struct Backoff {
