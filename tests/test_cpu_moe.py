@@ -3437,24 +3437,31 @@ def test_a_layer_traces_shapes_on_meta_inputs() -> None:
         assert moe.forward_topk(fake_x, torch.rand(t, 2, device="meta"), fake_ids).is_meta
 
 
+def _count_eager_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Wraps the wrapper's ``_eager`` check: the list gets each call's tensor count (the native
+    fast path never reaches it)."""
+    from moeq_rs import moe as moe_module
+
+    calls: list[int] = []
+    real = moe_module._eager
+
+    def counting(*tensors: object) -> bool:
+        calls.append(len(tensors))
+        return real(*tensors)
+
+    monkeypatch.setattr(moe_module, "_eager", counting)
+    return calls
+
+
 def test_plain_eager_calls_skip_the_python_checks_and_others_do_not(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Plain CPU tensors in eager mode go straight to native code, which checks torch's state
     itself (the wrapper's ``_eager`` costs ~50 us once evicted); an input that needs gradients,
     a trace or a forward-AD level still reaches ``_eager``, whose paths handle them."""
-    from moeq_rs import moe as moe_module
-
     w13, w2, s13, s2 = _small_w8a16()
     layer = mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a16", top_k=2)
-    seen: list[int] = []
-    real = moe_module._eager
-
-    def counting(*tensors: object) -> bool:
-        seen.append(len(tensors))
-        return real(*tensors)
-
-    monkeypatch.setattr(moe_module, "_eager", counting)
+    seen = _count_eager_calls(monkeypatch)
     x, logits = torch.randn(3, 64), torch.randn(3, 4)
     w, ids = torch.rand(3, 2), torch.randint(0, 4, (3, 2))
     want, want_topk = layer(x, logits), layer.forward_topk(x, w, ids)
@@ -3541,8 +3548,6 @@ def test_function_modes_see_the_op_and_torch_device_stays_eager(
     calls under it stay on the native path."""
     from torch.overrides import TorchFunctionMode
 
-    from moeq_rs import moe as moe_module
-
     w13, w2, s13, s2 = _small_w8a16()
     layer = mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a16", top_k=2)
     x, logits = torch.randn(3, 64), torch.randn(3, 4)
@@ -3563,14 +3568,7 @@ def test_function_modes_see_the_op_and_torch_device_stays_eager(
     assert "moeq.moe_forward" in seen.funcs and "moeq.moe_forward_topk" in seen.funcs
     assert torch.equal(out, want) and torch.equal(out_topk, want_topk)
 
-    calls: list[int] = []
-    real = moe_module._eager
-
-    def counting(*tensors: object) -> bool:
-        calls.append(len(tensors))
-        return real(*tensors)
-
-    monkeypatch.setattr(moe_module, "_eager", counting)
+    calls = _count_eager_calls(monkeypatch)
     with torch.device("cpu"):
         assert torch.equal(layer(x, logits), want)
         assert torch.equal(layer.forward_topk(x, w, ids), want_topk)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from torch.utils._device import DeviceContext as _DeviceContext
 
 from . import _core
 from ._args import I64_MAX, as_int, int_in
@@ -102,13 +103,11 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes_enabled = torch._C._is_torch_function_mode_enabled
 _function_stack_len = torch._C._len_torch_function_stack
 _function_stack_at = torch._C._get_function_stack_at
-# torch.device's mode (`with torch.device(...)`, torch.set_default_device).
-from torch.utils._device import DeviceContext as _DeviceContext  # noqa: E402
 
 
 def _function_modes() -> bool:
     """Whether a TorchFunctionMode is active that should see ``torch.ops.moeq.*``, as dispatch
-    modes do: any but ``torch.device``'s (``with torch.device(...)``,
+    modes do: any but ``torch.device``'s (``_DeviceContext``: ``with torch.device(...)``,
     ``torch.set_default_device``), which changes factory functions only."""
     if not _function_modes_enabled():
         return False

@@ -269,7 +269,7 @@ struct EagerState {
     /// `torch.utils._device.DeviceContext`: the mode of `with torch.device(...)` and
     /// `torch.set_default_device`, which changes factory functions only, so it never needs to
     /// see the op (`set_default_device("cpu")` would otherwise slow every call).
-    device_context: Option<Py<PyAny>>,
+    device_context: Py<PyAny>,
     /// `torch.compiler`, whose `_is_compiling_flag` is `torch.compiler.is_compiling()`.
     compiler: Py<PyAny>,
     /// `torch.autograd.forward_ad`, whose `_current_level` is at least 0 inside a dual level.
@@ -296,8 +296,8 @@ fn read_eager_state(py: Python<'_>) -> Option<EagerState> {
         device_context: py
             .import("torch.utils._device")
             .and_then(|m| m.getattr("DeviceContext"))
-            .ok()
-            .map(Bound::unbind),
+            .ok()?
+            .unbind(),
         compiler: compiler.into_any().unbind(),
         forward_ad: forward_ad.into_any().unbind(),
     })
@@ -307,8 +307,8 @@ fn read_eager_state(py: Python<'_>) -> Option<EagerState> {
 /// not inside `torch.compile`/`torch.export` (`torch.compiler.is_compiling()`; the caller has
 /// ruled out dynamo's tracing, which never reaches native code), `torch.jit.trace`, a
 /// TorchDispatchMode (`make_fx`, `FakeTensorMode`, a FLOP counter: each must see the op), a
-/// TorchFunctionMode (likewise) or a forward-AD dual level, and no argument needs gradients (the custom op's path gives those
-/// a backward that says there is none). The same answer as the wrapper's `_eager`, read in C:
+/// TorchFunctionMode (likewise) or a forward-AD dual level, and no argument needs gradients
+/// (the custom op's path gives those a backward that says there is none). The same answer as the wrapper's `_eager`, read in C:
 /// its Python checks cost ~50 us per call once a cache flush (or the rest of a model) has
 /// evicted them. Anything unexpected answers false, and the wrapper then decides.
 pub(crate) fn eager(py: Python<'_>, tensors: &[&Bound<'_, PyAny>]) -> bool {
@@ -344,9 +344,7 @@ fn function_mode_active(py: Python<'_>, state: &EagerState) -> bool {
     if falsy(state.function_modes.bind(py).call0()) {
         return false;
     }
-    let Some(device_context) = state.device_context.as_ref().map(|t| t.bind(py)) else {
-        return true;
-    };
+    let device_context = state.device_context.bind(py);
     let Ok(len) = state
         .function_stack_len
         .bind(py)
@@ -520,7 +518,7 @@ unsafe extern "C" fn drop_owned<T>(managed: *mut ManagedTensor) {
 /// `values` (`rows * cols` of them) as a `[rows, cols]` torch tensor that owns them: no copy.
 pub(crate) fn tensor<T: Element>(
     py: Python<'_>,
-    values: Vec<T>,
+    mut values: Vec<T>,
     rows: usize,
     cols: usize,
 ) -> PyResult<Bound<'_, PyAny>> {
@@ -545,7 +543,6 @@ pub(crate) fn tensor<T: Element>(
     }
     let dims = |n: usize| i64::try_from(n).map_err(|_| layout_error(py, "output", "too large"));
     let (r, c) = (dims(rows)?, dims(cols)?);
-    let mut values = values;
     if values.capacity() == 0 {
         // An empty Vec's pointer is a placeholder (its alignment, the same for every empty
         // output of a dtype size), so torch took two empty outputs of different dtypes for
