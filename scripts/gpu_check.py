@@ -2,16 +2,16 @@
 
 1. environment: driver, NVRTC, arch; every kernel variant compiles for the device's arch;
    then routing, alignment, SiLU-and-mul and combine one kernel at a time against torch;
-2. W8A8 MoE (mq.cuda.w8a8_moe_unverified: IMMA and dp4a GEMMs, dynamic and static scales)
+2. W8A8 MoE (mq.cuda.w8a8_moe: IMMA and dp4a GEMMs, dynamic and static scales)
    against the CPU path (itself tested against an fp64 emulation) for M in {1, 16, 64, 256}
    tokens, fp32/fp16/bf16 activations, and at H = 100, I = 36 (the GEMMs' tail guards);
-3. WNA16 MoE on the Marlin layout (mq.cuda.wna16_moe_unverified, the mma.sync kernel) against
+3. WNA16 MoE on the Marlin layout (mq.cuda.wna16_moe, the mma.sync kernel) against
    an fp32 torch reference (dequantised weights + matmul) for int4/int8, grouped/channelwise,
    zero points and act-order, fp16/bf16, M in {1, 16, 64, 256}; the Marlin tensors come from
    tests/marlin_ref.py (numpy, the table form of the layout);
 4. the W8A8 call on a non-default stream, and captured in a CUDA graph and replayed;
-5. whole layers from real checkpoints (mq.cuda.load_moe_layer_unverified) against the CPU
-   MoELayer, when tests/fixtures/out is carried along;
+5. whole layers from real checkpoints (MoELayer.from_checkpoint(..., device="cuda")) against
+   the CPU MoELayer, when tests/fixtures/out is carried along; MoELayer.from_tensors on CUDA;
 6. a benchmark: ratios against torch bf16 (a per-expert loop) and against copy bandwidth, for
    W8A8 and W4A16 (Qwen3-30B-A3B shape).
 
@@ -129,6 +129,33 @@ def kernel_checks(dev: torch.device) -> None:
             check(name, ok, f"weights rel L2 {rel(got_w, w_ref):.1e}")
         except Exception as ex:  # noqa: BLE001 - report and go on
             failed(name, ex)
+    # Ties and NaN: the CPU path's (and torch.topk's) ranking, NaN first, ties to the lower
+    # index: a stable descending sort. Also E = 1024 (the largest grid) and k = 64.
+    for t, e, k in ((64, 64, 6), (5, 1024, 64), (4096, 128, 8)):
+        name = f"kernel routing ties+NaN T={t} E={e} k={k}"
+        try:
+            logits = torch.randint(0, 4, (t, e), generator=g).float()
+            logits[3, 10] = float("nan")
+            logits[3, 2] = float("nan")
+            r = mq.cuda._Routed(torch.randn(t, 64, device=dev), logits.to(dev), e, k, False)
+            ids = torch.zeros(t, k, dtype=torch.int32, device=dev)
+            ids.view(-1)[r.order.long()] = torch.repeat_interleave(
+                torch.arange(e, device=dev, dtype=torch.int32),
+                (r.offsets[1:] - r.offsets[:-1]).long(),
+            )
+            torch.cuda.synchronize()
+            want = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k]
+            # Slots of a token come back grouped by expert; compare as sets per token, and the
+            # weights of the finite rows in order of the picks.
+            got_ids = ids.cpu().long().sort(-1).values
+            same = torch.equal(got_ids, want.sort(-1).values)
+            w_ref = torch.softmax(logits, -1).gather(1, want)
+            keep = torch.arange(t) != 3
+            err = rel(r.weights.cpu()[keep].sort(-1).values, w_ref[keep].sort(-1).values)
+            nan_row = bool(r.weights.cpu()[3].isnan().all())
+            check(name, same and err <= 1e-5 and nan_row, f"ids equal {same}, weights {err:.1e}")
+        except Exception as ex:  # noqa: BLE001 - report and go on
+            failed(name, ex)
     t, e, k, inter, h = 19, 8, 3, 40, 24
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int()
     weights = torch.rand(t, k, generator=g)
@@ -181,7 +208,7 @@ def w8a8_edge_checks(dev: torch.device) -> None:
                 x, logits = torch.randn(m, h), torch.randn(m, e)
                 want = ref_layer(x, logits)
                 try:
-                    got = mq.cuda.w8a8_moe_unverified(
+                    got = mq.cuda.w8a8_moe(
                         x.to(dev),
                         logits.to(dev),
                         *gw,
@@ -236,7 +263,7 @@ def wna16_checks(dev: torch.device) -> None:
                 logits = torch.randn(m, e, device=dev)
                 want = torch_moe(x, logits, ref13, ref2, k)
                 try:
-                    got = mq.cuda.wna16_moe_unverified(
+                    got = mq.cuda.wna16_moe(
                         x,
                         logits,
                         t(c13["w"]),
@@ -267,8 +294,9 @@ LAYER_FIXTURES = (
 
 
 def layer_checks(dev: torch.device) -> None:
-    """mq.cuda.load_moe_layer_unverified against the CPU MoELayer on real compressed-tensors
-    checkpoints (tests/fixtures/out, carried to the GPU machine; skipped when absent)."""
+    """MoELayer.from_checkpoint(..., device="cuda") against the CPU MoELayer on real
+    compressed-tensors checkpoints (tests/fixtures/out, carried to the GPU machine; skipped when
+    absent); the module's behaviour (a MoELayer, buffers, dtype casts kept off, CPU refused)."""
     for name in LAYER_FIXTURES:
         path = FIXTURES / name
         if not (path / ".complete").is_file():
@@ -278,7 +306,22 @@ def layer_checks(dev: torch.device) -> None:
             ckpt = mq.open(path)
             layer = ckpt.moe_layers()[0]["layer"]
             cpu = mq.MoELayer.from_checkpoint(ckpt, layer)
-            gpu = mq.cuda.load_moe_layer_unverified(ckpt, layer, device=dev)
+            gpu = mq.MoELayer.from_checkpoint(ckpt, layer, device=dev)
+            kept = gpu.half() is gpu and gpu.w13_scale.dtype != torch.float16
+            try:
+                gpu.to("cpu")
+                refused = False
+            except mq.LayoutError:
+                refused = True
+            check(
+                f"layer {name} module",
+                isinstance(gpu, mq.MoELayer)
+                and "w13" in gpu.state_dict()
+                and kept
+                and refused
+                and gpu.w13.device == dev,
+                repr(gpu),
+            )
             for dtype in (torch.float16, torch.bfloat16):
                 x = (torch.randn(33, cpu.hidden_size) / 2).to(dtype)
                 logits = torch.randn(33, cpu.num_experts)
@@ -332,7 +375,7 @@ def wna16_bench(dev: torch.device, copy_bw: float, timed) -> None:  # type: igno
         logits = torch.randn(t, e, device=dev)
 
         def ours(x: torch.Tensor = x, logits: torch.Tensor = logits) -> None:
-            mq.cuda.wna16_moe_unverified(
+            mq.cuda.wna16_moe(
                 x,
                 logits,
                 w13,
@@ -364,6 +407,7 @@ def wna16_bench(dev: torch.device, copy_bw: float, timed) -> None:  # type: igno
 def main() -> int:
     print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))
     print("nvrtc", mq.cuda.nvrtc_version(), "driver present", mq.cuda.driver_present())
+    check("moeq_rs.cuda.is_available()", mq.cuda.is_available() is True)
     cap = torch.cuda.get_device_capability(0)
     arch = f"sm_{cap[0]}{cap[1]}"
     t0 = time.perf_counter()
@@ -411,7 +455,7 @@ def main() -> int:
                     logits = torch.randn(m, e)
                     want = ref_layer(x.float(), logits)
                     try:
-                        got = mq.cuda.w8a8_moe_unverified(
+                        got = mq.cuda.w8a8_moe(
                             x.to(dev),
                             logits.to(dev),
                             gw[0],
@@ -428,6 +472,33 @@ def main() -> int:
                     except Exception as ex:  # noqa: BLE001 - report and go on
                         failed(f"{kind} {dtype} M={m}", ex)
 
+    # MoELayer.from_tensors(..., device="cuda") against the same layer on the CPU.
+    for static in (False, True):
+        name = f"MoELayer.from_tensors w8a8{' static' if static else ''} device=cuda"
+        try:
+            extra = {"a13_scale": a13, "a2_scale": a2} if static else {}
+            on_gpu = mq.MoELayer.from_tensors(
+                w13.to(dev),
+                w2,
+                s13[..., None],
+                s2[..., None],
+                scheme="w8a8_static" if static else "w8a8_dynamic",
+                top_k=k,
+                device="cuda",
+                **extra,
+            )
+            x, logits = torch.randn(40, h), torch.randn(40, e)
+            want = (static_cpu if static else cpu)(x, logits)
+            got = on_gpu(x.to(dev), logits.to(dev))
+            w, ids = torch.rand(40, k), torch.randint(0, e, (40, k))
+            got_k = on_gpu.forward_topk(x.to(dev), w.to(dev), ids.to(dev))
+            want_k = (static_cpu if static else cpu).forward_topk(x, w, ids)
+            torch.cuda.synchronize()
+            e1, e2 = rel(got.float(), want), rel(got_k.float(), want_k)
+            check(name, e1 <= 2e-3 and e2 <= 2e-3, f"rel L2 {e1:.1e} / forward_topk {e2:.1e}")
+        except Exception as ex:  # noqa: BLE001
+            failed(name, ex)
+
     w8a8_edge_checks(dev)
     wna16_checks(dev)
     layer_checks(dev)
@@ -439,7 +510,7 @@ def main() -> int:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            got = mq.cuda.w8a8_moe_unverified(x, logits, *gw[:2], *gw[2:], top_k=k)
+            got = mq.cuda.w8a8_moe(x, logits, *gw[:2], *gw[2:], top_k=k)
         side.synchronize()
         check("non-default stream", rel(got.float(), want) <= 1e-2)
     except Exception as ex:  # noqa: BLE001
@@ -448,16 +519,16 @@ def main() -> int:
         # Captured on other inputs, replayed on x and logits copied into the same buffers: the
         # replay must read them (and equal an eager call on them bit for bit).
         static_x, static_l = torch.randn_like(x), torch.randn_like(logits)
-        mq.cuda.w8a8_moe_unverified(static_x, static_l, *gw[:2], *gw[2:], top_k=k)  # warm up
+        mq.cuda.w8a8_moe(static_x, static_l, *gw[:2], *gw[2:], top_k=k)  # warm up
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = mq.cuda.w8a8_moe_unverified(static_x, static_l, *gw[:2], *gw[2:], top_k=k)
+            captured = mq.cuda.w8a8_moe(static_x, static_l, *gw[:2], *gw[2:], top_k=k)
         static_x.copy_(x)
         static_l.copy_(logits)
         graph.replay()
         torch.cuda.synchronize()
-        eager = mq.cuda.w8a8_moe_unverified(x, logits, *gw[:2], *gw[2:], top_k=k)
+        eager = mq.cuda.w8a8_moe(x, logits, *gw[:2], *gw[2:], top_k=k)
         err = rel(captured.float(), want)
         same = torch.equal(captured, eager)
         detail = f"rel L2 {err:.2e}, equal to eager: {same}"
@@ -493,10 +564,10 @@ def main() -> int:
         logits = torch.randn(t, e, device=dev)
 
         def ours(x: torch.Tensor = x, logits: torch.Tensor = logits) -> None:
-            mq.cuda.w8a8_moe_unverified(x, logits, *gw[:2], *gw[2:], top_k=k)
+            mq.cuda.w8a8_moe(x, logits, *gw[:2], *gw[2:], top_k=k)
 
         def ours_dp4a(x: torch.Tensor = x, logits: torch.Tensor = logits) -> None:
-            mq.cuda.w8a8_moe_unverified(x, logits, *gw[:2], *gw[2:], top_k=k, gemm="dp4a")
+            mq.cuda.w8a8_moe(x, logits, *gw[:2], *gw[2:], top_k=k, gemm="dp4a")
 
         def ref(x: torch.Tensor = x, logits: torch.Tensor = logits) -> None:
             torch_bf16_moe(x, logits, bw13, bw2, k)

@@ -17,7 +17,8 @@ HAVE_NVRTC = bool(mq.cuda.nvrtc_dirs()) or bool(os.environ.get("MOEQ_NVRTC_PATH"
 
 def test_no_driver_answers_are_false_not_exceptions() -> None:
     assert isinstance(mq.cuda.driver_present(), bool)
-    assert mq.cuda.is_available() is False  # launches are not built yet
+    # No driver, or no GPU torch sees: False, never an exception.
+    assert mq.cuda.is_available() is (mq.cuda.driver_present() and _gpu())
 
 
 @pytest.mark.skipif(
@@ -72,7 +73,7 @@ def test_cuda_moe_checks_its_arguments_before_any_launch() -> None:
     x = torch.randn(2, 8)
     w13 = torch.zeros(2, 8, 8, dtype=torch.int8)
     with pytest.raises(mq.LayoutError, match="hidden_states: expected a CUDA tensor"):
-        mq.cuda.w8a8_moe_unverified(
+        mq.cuda.w8a8_moe(
             x,
             torch.randn(2, 2),
             w13,
@@ -207,7 +208,7 @@ def test_wna16_checks_its_arguments_before_any_launch() -> None:
     x = torch.randn(2, 256, dtype=torch.bfloat16)
     w13 = torch.zeros(2, 16, 256, dtype=torch.int32)
     with pytest.raises(mq.LayoutError, match="hidden_states: expected a CUDA tensor"):
-        mq.cuda.wna16_moe_unverified(
+        mq.cuda.wna16_moe(
             x,
             torch.randn(2, 2),
             w13,
@@ -280,11 +281,11 @@ def test_wna16_takes_what_the_marlin_repack_writes(
     )
     _validate_only(monkeypatch)
     with pytest.raises(_Validated):
-        mq.cuda.wna16_moe_unverified(
+        mq.cuda.wna16_moe(
             *args, num_bits=bits, group_size=gs, top_k=moe.top_k, intermediate_size=128, **act
         )
     with pytest.raises(mq.LayoutError, match="w2:"):
-        mq.cuda.wna16_moe_unverified(
+        mq.cuda.wna16_moe(
             *args[:4],
             args[4][:, :-1],
             args[5],
@@ -295,7 +296,7 @@ def test_wna16_takes_what_the_marlin_repack_writes(
             **act,
         )
     with pytest.raises(mq.LayoutError, match="hidden_states"):
-        mq.cuda.wna16_moe_unverified(
+        mq.cuda.wna16_moe(
             x.float(),
             *args[1:],
             num_bits=bits,
@@ -305,9 +306,7 @@ def test_wna16_takes_what_the_marlin_repack_writes(
             **act,
         )
     with pytest.raises(mq.UnsupportedSchemeError, match="num_bits"):
-        mq.cuda.wna16_moe_unverified(
-            *args, num_bits=2, group_size=gs, top_k=1, intermediate_size=128, **act
-        )
+        mq.cuda.wna16_moe(*args, num_bits=2, group_size=gs, top_k=1, intermediate_size=128, **act)
 
 
 def test_w8a8_launcher_checks_gemm_and_static_scales(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -325,17 +324,15 @@ def test_w8a8_launcher_checks_gemm_and_static_scales(monkeypatch: pytest.MonkeyP
     _validate_only(monkeypatch)
     for gemm in ("imma", "dp4a"):
         with pytest.raises(_Validated):
-            mq.cuda.w8a8_moe_unverified(*args, top_k=2, gemm=gemm)
+            mq.cuda.w8a8_moe(*args, top_k=2, gemm=gemm)
     with pytest.raises(_Validated):
-        mq.cuda.w8a8_moe_unverified(*args, top_k=2, a13_scale=torch.ones(e), a2_scale=torch.ones(e))
+        mq.cuda.w8a8_moe(*args, top_k=2, a13_scale=torch.ones(e), a2_scale=torch.ones(e))
     with pytest.raises(mq.LayoutError, match="gemm"):
-        mq.cuda.w8a8_moe_unverified(*args, top_k=2, gemm="wmma")
+        mq.cuda.w8a8_moe(*args, top_k=2, gemm="wmma")
     with pytest.raises(mq.LayoutError, match="give both"):
-        mq.cuda.w8a8_moe_unverified(*args, top_k=2, a13_scale=torch.ones(e))
+        mq.cuda.w8a8_moe(*args, top_k=2, a13_scale=torch.ones(e))
     with pytest.raises(mq.LayoutError, match=r"a2_scale: expected float32 \[4\]"):
-        mq.cuda.w8a8_moe_unverified(
-            *args, top_k=2, a13_scale=torch.ones(e), a2_scale=torch.ones(e + 1)
-        )
+        mq.cuda.w8a8_moe(*args, top_k=2, a13_scale=torch.ones(e), a2_scale=torch.ones(e + 1))
 
 
 @pytest.mark.parametrize(
@@ -421,14 +418,14 @@ def test_kernel_reads_the_checkpoint_weights_from_the_in_memory_marlin_layer(
 def test_cuda_layer_loader_builds_the_launch_arguments(
     fixture_path, monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
-    """load_moe_layer_unverified builds its launch arguments on any device; on CPU tensors the
+    """load_moe_layer builds its launch arguments on any device; on CPU tensors the
     launch refuses with a named error, and with the device check lifted every argument check
     passes. W8A8 weights stacked for the GPU give the CPU layer's outputs exactly."""
     import torch
 
     ckpt = mq.open(fixture_path(name))
     layer = ckpt.moe_layers()[0]["layer"]
-    moe = mq.cuda.load_moe_layer_unverified(ckpt, layer, device="cpu")
+    moe = mq.cuda.load_moe_layer(ckpt, layer, device="cpu")
     x = torch.randn(5, moe.hidden_size, dtype=torch.bfloat16)
     logits = torch.randn(5, moe.num_experts)
     with pytest.raises(mq.LayoutError, match="expected a CUDA tensor"):
@@ -467,9 +464,9 @@ def test_cuda_layer_loader_names_what_it_cannot_run(fixture_path, name: str, mat
     ckpt = mq.open(fixture_path(name))
     layer = ckpt.moe_layers()[0]["layer"]
     with pytest.raises(mq.UnsupportedSchemeError, match=match):
-        mq.cuda.load_moe_layer_unverified(ckpt, layer, device="cpu")
+        mq.cuda.load_moe_layer(ckpt, layer, device="cpu")
     with pytest.raises(mq.LayoutError, match="no MoE block"):
-        mq.cuda.load_moe_layer_unverified(ckpt, 99, device="cpu")
+        mq.cuda.load_moe_layer(ckpt, 99, device="cpu")
 
 
 def test_cuda_layer_loader_without_the_gpu_is_cuda_unavailable(fixture_path) -> None:
@@ -480,9 +477,9 @@ def test_cuda_layer_loader_without_the_gpu_is_cuda_unavailable(fixture_path) -> 
     ckpt = mq.open(fixture_path("qwen3_w4a16_g128_sym"))
     device = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU, on any machine
     with pytest.raises(mq.CudaUnavailableError, match=rf"'{device}': torch sees"):
-        mq.cuda.load_moe_layer_unverified(ckpt, 0, device=device)
+        mq.cuda.load_moe_layer(ckpt, 0, device=device)
     with pytest.raises(mq.LayoutError, match="'nowhere' is not a torch device"):
-        mq.cuda.load_moe_layer_unverified(ckpt, 0, device="nowhere")
+        mq.cuda.load_moe_layer(ckpt, 0, device="nowhere")
 
 
 def test_cuda_layer_loader_refuses_other_activations_and_routers(fixture_path, tmp_path) -> None:
@@ -498,7 +495,7 @@ def test_cuda_layer_loader_refuses_other_activations_and_routers(fixture_path, t
     cfg["model_type"] = "phimoe"
     (dst / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(mq.UnsupportedSchemeError, match="hidden_act 'gelu'.*model_type 'phimoe'"):
-        mq.cuda.load_moe_layer_unverified(mq.open(dst), 0, device="cpu")
+        mq.cuda.load_moe_layer(mq.open(dst), 0, device="cpu")
 
 
 def test_cuda_layer_goes_through_the_custom_op_under_compile(
@@ -517,8 +514,8 @@ def test_cuda_layer_goes_through_the_custom_op_under_compile(
             return cpu._forward_topk_eager(x, *routing)
         return cpu._forward_eager(x, routing)
 
-    monkeypatch.setattr(mq.cuda, "w8a8_moe_unverified", launcher)
-    moe = mq.cuda.load_moe_layer_unverified(ckpt, 0, device="cpu")
+    monkeypatch.setattr(mq.cuda, "w8a8_moe", launcher)
+    moe = mq.cuda.load_moe_layer(ckpt, 0, device="cpu")
     handles = []
     ops = (
         torch.ops.moeq.moe_forward,
@@ -561,20 +558,14 @@ def test_wna16_launcher_refuses_shapes_the_kernel_would_overrun(
     _validate_only(monkeypatch)
     # A group that does not divide H would read the next expert's scales.
     with pytest.raises(mq.UnsupportedSchemeError, match="group_size: 128 must divide H = 192"):
-        mq.cuda.wna16_moe_unverified(
-            *args, num_bits=4, group_size=128, top_k=1, intermediate_size=i
-        )
+        mq.cuda.wna16_moe(*args, num_bits=4, group_size=128, top_k=1, intermediate_size=i)
     with pytest.raises(_Validated):
-        mq.cuda.wna16_moe_unverified(*args, num_bits=4, group_size=-1, top_k=1, intermediate_size=i)
+        mq.cuda.wna16_moe(*args, num_bits=4, group_size=-1, top_k=1, intermediate_size=i)
     with pytest.raises(mq.LayoutError, match="intermediate_size"):
-        mq.cuda.wna16_moe_unverified(
-            *args, num_bits=4, group_size=-1, top_k=1, intermediate_size=i + 64
-        )
+        mq.cuda.wna16_moe(*args, num_bits=4, group_size=-1, top_k=1, intermediate_size=i + 64)
     odd = torch.empty(3 * h + 1, dtype=torch.bfloat16)[1:].view(3, h)
     with pytest.raises(mq.LayoutError, match="hidden_states: its data must start 4-byte aligned"):
-        mq.cuda.wna16_moe_unverified(
-            odd, *args[1:], num_bits=4, group_size=-1, top_k=1, intermediate_size=i
-        )
+        mq.cuda.wna16_moe(odd, *args[1:], num_bits=4, group_size=-1, top_k=1, intermediate_size=i)
     with pytest.raises(mq.LayoutError, match="split the batch"):
         mq.cuda._check_grid(600_000, 2, 8)
     mq.cuda._check_grid(1024, 8, 128)
@@ -598,10 +589,10 @@ def test_w8a8_launcher_refuses_empty_dimensions(monkeypatch: pytest.MonkeyPatch)
         )
         if inter == 0:
             with pytest.raises(mq.LayoutError, match="positive multiples of 4.*I=0"):
-                mq.cuda.w8a8_moe_unverified(*args, top_k=1)
+                mq.cuda.w8a8_moe(*args, top_k=1)
         else:
             with pytest.raises(_Validated):
-                mq.cuda.w8a8_moe_unverified(*args, top_k=1)
+                mq.cuda.w8a8_moe(*args, top_k=1)
 
 
 def test_act_order_indices_are_range_checked(fixture_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -609,7 +600,7 @@ def test_act_order_indices_are_range_checked(fixture_path, monkeypatch: pytest.M
     import torch
 
     ckpt = mq.open(fixture_path("qwen3_w4a16_actorder"))
-    moe = mq.cuda.load_moe_layer_unverified(ckpt, 0, device="cpu")
+    moe = mq.cuda.load_moe_layer(ckpt, 0, device="cpu")
     _validate_only(monkeypatch)
     bad = moe.w2_sort_indices.clone()
     bad[1, 3] = 128  # I = 128: one past the last column
@@ -627,7 +618,7 @@ def test_cuda_layer_forward_topk_checks_the_routing(
     import torch
 
     ckpt = mq.open(fixture_path("qwen3_w4a16_g128_sym"))
-    moe = mq.cuda.load_moe_layer_unverified(ckpt, 0, device="cpu")
+    moe = mq.cuda.load_moe_layer(ckpt, 0, device="cpu")
     x = torch.randn(5, moe.hidden_size).to(torch.bfloat16)
     w = torch.rand(5, 3)
     ids = torch.randint(0, moe.num_experts, (5, 3), dtype=torch.int32)
@@ -667,7 +658,7 @@ def test_cuda_layer_matches_the_cpu_layer_on_a_gpu(fixture_path, name: str) -> N
     ckpt = mq.open(fixture_path(name))
     layer = ckpt.moe_layers()[0]["layer"]
     cpu = mq.MoELayer.from_checkpoint(ckpt, layer)
-    gpu = mq.cuda.load_moe_layer_unverified(ckpt, layer, device="cuda")
+    gpu = mq.cuda.load_moe_layer(ckpt, layer, device="cuda")
     x = (torch.randn(37, cpu.hidden_size) / 2).to(torch.bfloat16)
     # A NaN in token 5 makes its whole output NaN on both (the W8A8 scale carries it).
     x[5, 7] = float("nan")
@@ -701,7 +692,7 @@ def test_wna16_launcher_matches_dequantised_weights_on_a_gpu() -> None:
     x = (torch.randn(9, h) / 4).to(torch.bfloat16)
     logits = torch.randn(9, e)
     got = (
-        mq.cuda.wna16_moe_unverified(
+        mq.cuda.wna16_moe(
             x.cuda(),
             logits.cuda(),
             t(c13["w"]),
@@ -743,4 +734,98 @@ def test_cuda_layer_loader_refuses_a_routed_scaling_factor(fixture_path, tmp_pat
     (dst / "config.json").write_text(json.dumps(config))
     ckpt = mq.open(dst)
     with pytest.raises(mq.UnsupportedSchemeError, match="routed_scaling_factor 2.5"):
-        mq.cuda.load_moe_layer_unverified(ckpt, ckpt.moe_layers()[0]["layer"], device="cpu")
+        mq.cuda.load_moe_layer(ckpt, ckpt.moe_layers()[0]["layer"], device="cpu")
+
+
+def _small_int8_layer(e: int = 3, h: int = 64, i: int = 32):  # type: ignore[no-untyped-def]
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    w13 = torch.randint(-127, 128, (e, 2 * i, h), dtype=torch.int8, generator=g)
+    w2 = torch.randint(-127, 128, (e, h, i), dtype=torch.int8, generator=g)
+    s13 = torch.rand(e, 2 * i, 1, generator=g) * 1e-2 + 1e-4
+    s2 = torch.rand(e, h, 1, generator=g) * 1e-2 + 1e-4
+    return w13, w2, s13, s2
+
+
+def _parsed(*args, **kwargs):  # type: ignore[no-untyped-def]
+    """from_tensors' arguments as moe._parse_tensors reads them (what the CUDA build takes)."""
+    from moeq_rs import moe
+
+    names = ("scheme", "group_size", "w13_zero_point", "w2_zero_point", "a13_scale", "a2_scale")
+    defaults = {"group_size": -1, "renormalize": True}
+    kw = {**defaults, **kwargs}
+    rest = [kw.get(n) for n in names] + [kw["top_k"], kw["renormalize"]]
+    return moe._parse_tensors(*args, *rest)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_from_tensors_on_cuda_builds_the_w8a8_launch_arguments(
+    monkeypatch: pytest.MonkeyPatch, static: bool
+) -> None:
+    """MoELayer.from_tensors(..., device="cuda") without a GPU: its builder on a CPU device
+    gives a MoELayer whose buffers are the W8A8 launcher's ([E, N] fp32 scales, [E] static
+    scales), that runs the W8A8 launcher with them (every check passing), keeps its dtypes
+    under .half() and refuses a move off CUDA-or-here. The same layer on the CPU gives the
+    launcher's reference outputs (checked on a GPU by scripts/gpu_check.sh)."""
+    import torch
+
+    from moeq_rs.cuda_layer import CudaMoELayer, from_tensors_on_cuda
+
+    w13, w2, s13, s2 = _small_int8_layer()
+    extra = {"a13_scale": torch.tensor([0.02, 0.03, 0.05]), "a2_scale": 0.01} if static else {}
+    scheme = "w8a8_static" if static else "w8a8_dynamic"
+    p = _parsed(w13, w2, s13, s2, scheme=scheme, top_k=2, **extra)
+    moe = from_tensors_on_cuda(torch.device("cpu"), p)
+    assert isinstance(moe, CudaMoELayer) and isinstance(moe, mq.MoELayer)
+    assert (moe.num_experts, moe.top_k, moe.hidden_size, moe.method) == (3, 2, 64, "w8a8_int8")
+    b = dict(moe.named_buffers())
+    assert torch.equal(b["w13"], w13) and torch.equal(b["w2"], w2)
+    assert torch.equal(b["w13_scale"], s13[..., 0]) and b["w2_scale"].shape == (3, 64)
+    if static:
+        assert torch.equal(b["a13_scale"], extra["a13_scale"])
+        assert torch.equal(b["a2_scale"], torch.full((3,), 0.01))
+    else:
+        assert "a13_scale" not in b
+    x, logits = torch.randn(4, 64), torch.randn(4, 3)
+    with pytest.raises(mq.LayoutError, match="expected a CUDA tensor"):
+        moe(x, logits)
+    seen = {}
+
+    def launcher(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.update(kwargs, n=len(args))
+        return torch.zeros(4, 64)
+
+    monkeypatch.setattr(mq.cuda, "w8a8_moe", launcher)
+    moe(x, logits)
+    assert seen["n"] == 6 and seen["top_k"] == 2 and seen["renormalize"] is True
+    assert (seen["a13_scale"] is None) is not static
+    assert moe.half() is moe and moe.w13_scale.dtype == torch.float32
+    with pytest.raises(mq.LayoutError, match="cannot move to meta"):
+        moe.to("meta")
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        __import__("pickle").dumps(moe)
+
+
+def test_from_tensors_on_cuda_refuses_what_its_kernels_do_not_run() -> None:
+    import torch
+
+    from moeq_rs.cuda_layer import from_tensors_on_cuda
+
+    w13, w2, s13, s2 = _small_int8_layer()
+    cpu = torch.device("cpu")
+    with pytest.raises(mq.UnsupportedSchemeError, match="from_checkpoint"):
+        from_tensors_on_cuda(cpu, _parsed(w13, w2, s13, s2, scheme="w8a16", top_k=1))
+    grouped = (s13.expand(3, 64, 2).contiguous(), s2.expand(3, 64, 1).contiguous())
+    with pytest.raises(mq.UnsupportedSchemeError, match="per-channel"):
+        p = _parsed(w13, w2, *grouped, scheme="w8a8_dynamic", group_size=32, top_k=1)
+        from_tensors_on_cuda(cpu, p)
+    for bad, match in ((0.0, "must be positive"), (float("inf"), "must be finite")):
+        p = _parsed(w13, w2, s13, s2, scheme="w8a8_static", top_k=1, a13_scale=0.1, a2_scale=bad)
+        with pytest.raises(mq.LayoutError, match=f"a2_scale: expert 0 is .*{match}"):
+            from_tensors_on_cuda(cpu, p)
+    if _gpu():
+        return
+    # The public door without a GPU: CudaUnavailableError.
+    with pytest.raises(mq.CudaUnavailableError, match="torch sees 0 CUDA device"):
+        mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a8_dynamic", top_k=1, device="cuda")

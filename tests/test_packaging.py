@@ -87,7 +87,7 @@ def test_without_torch(tmp_path: Path) -> None:
             lambda: ck.dequantize({module!r}),
             lambda: ck.marlin_layer(1),
             lambda: ck.tensor(ck.tensor_names()[0], framework="torch"),
-            lambda: mq.cuda.load_moe_layer_unverified({str(TINY)!r}, 1),
+            lambda: mq.cuda.load_moe_layer({str(TINY)!r}, 1),
         ]
         for call in needs_torch:
             try:

@@ -465,7 +465,7 @@ def test_a_layout_is_refused_where_its_kernels_do_not_run(
     with pytest.raises(mq.UnsupportedSchemeError, match=r"layer 1: stored in vLLM's Marlin"):
         mq.MoELayer.from_checkpoint(tmp_path / "marlin", 1)
     with pytest.raises(mq.UnsupportedSchemeError, match=r"stored in the CPU layout"):
-        mq.cuda.load_moe_layer_unverified(tmp_path / "cpu", 1)
+        mq.cuda.load_moe_layer(tmp_path / "cpu", 1)
     # W8A8 has no Marlin layout (it runs on CUDA from its source form): only the source is
     # offered.
     w8a8 = tmp_path / "w8a8"
@@ -1436,7 +1436,7 @@ def test_int8_codes_stored_wider_are_read_by_value(
     x = torch.randn(4, 256)
     w, ids = torch.ones(4, 1), torch.tensor([[0], [1], [2], [3]])
     want = mq.MoELayer.from_checkpoint(src, 0).forward_topk(x, w, ids)
-    source_cuda_layer = mq.cuda.load_moe_layer_unverified(src, 0, device="cpu")
+    source_cuda_layer = mq.cuda.load_moe_layer(src, 0, device="cpu")
     assert source_cuda_layer.w13.dtype == torch.int8
 
     def stored(dtype: torch.dtype, name: str) -> Path:
@@ -1461,7 +1461,7 @@ def test_int8_codes_stored_wider_are_read_by_value(
         assert r.returncode == 0, r.stderr
         assert torch.equal(mq.MoELayer.from_checkpoint(out, 0).forward_topk(x, w, ids), want)
         # The CUDA path's loader stacks the same int8 codes (it kept the stored dtype).
-        cuda_layer = mq.cuda.load_moe_layer_unverified(dst, 0, device="cpu")
+        cuda_layer = mq.cuda.load_moe_layer(dst, 0, device="cpu")
         assert torch.equal(cuda_layer.w13, source_cuda_layer.w13)
         assert torch.equal(cuda_layer.w2, source_cuda_layer.w2)
     # int8 codes wrapped into U8 (a negative code becomes 129..255).
@@ -1470,7 +1470,7 @@ def test_int8_codes_stored_wider_are_read_by_value(
     with pytest.raises(mq.CheckpointError, match=bad_code):
         mq.MoELayer.from_checkpoint(dst, 0)
     with pytest.raises(mq.CheckpointError, match=bad_code):
-        mq.cuda.load_moe_layer_unverified(dst, 0, device="cpu")
+        mq.cuda.load_moe_layer(dst, 0, device="cpu")
     r = cli("repack", str(dst), str(tmp_path / "uint8.cpu"), "--target", "cpu")
     assert r.returncode == 1 and "-128..=127" in r.stderr and not (tmp_path / "uint8.cpu").exists()
 

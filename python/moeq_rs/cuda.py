@@ -1,10 +1,11 @@
 """The CUDA path: kernels in ``cuda/`` compiled by NVRTC to CUBIN, launched through cudarc.
 
-What works in this build: NVRTC is found (``MOEQ_NVRTC_PATH``, the nvidia pip wheel that torch's
-CUDA build installs, or whatever is already loaded) and every kernel variant compiles for a
-given architecture with no GPU (:func:`compile_kernels`). Launching the kernels from
-``MoELayer(device="cuda")`` is not built yet, so :func:`is_available` is False until it is,
-whatever the machine has.
+NVRTC is found (``MOEQ_NVRTC_PATH``, the nvidia pip wheel that torch's CUDA build installs, or
+whatever is already loaded) and every kernel variant compiles for a given architecture with no
+GPU (:func:`compile_kernels`). On a GPU, ``MoELayer.from_checkpoint(path, layer,
+device="cuda")`` (:func:`load_moe_layer`) and ``MoELayer.from_tensors(..., device="cuda")`` run
+the kernels on torch's current stream; :func:`w8a8_moe` and :func:`wna16_moe` are the
+functional forms. ``scripts/gpu_check.sh`` checks them on a GPU against torch and the CPU path.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable
 from typing import Any
 
 from . import _core
@@ -23,11 +23,11 @@ __all__ = [
     "compile_kernels",
     "driver_present",
     "is_available",
-    "load_moe_layer_unverified",
+    "load_moe_layer",
     "nvrtc_dirs",
     "nvrtc_version",
-    "w8a8_moe_unverified",
-    "wna16_moe_unverified",
+    "w8a8_moe",
+    "wna16_moe",
 ]
 
 
@@ -62,11 +62,17 @@ def driver_present() -> bool:
 
 
 def is_available() -> bool:
-    """Whether moeq_rs can run MoE layers on a CUDA GPU here. Never raises.
+    """Whether moeq_rs can run MoE layers on a CUDA GPU here: a driver with a device, NVRTC,
+    and torch seeing a CUDA device. Never raises."""
+    try:
+        if not driver_present():
+            return False
+        nvrtc_version()
+        import torch
 
-    False in this build: the kernels compile (see :func:`compile_kernels`) but the launch path
-    of ``MoELayer(device="cuda")`` is not built yet."""
-    return False
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 - the contract is "never raises"
+        return False
 
 
 def nvrtc_version() -> tuple[int, int, str | None]:
@@ -207,7 +213,8 @@ class _Routed:
         self.launch(
             "moe_routing",
             "moe_softmax_topk",
-            ((self.t + 127) // 128, 1, 1),
+            # One warp per token, four per block.
+            ((self.t + 3) // 4, 1, 1),
             (128, 1, 1),
             [
                 ("ptr", logits.data_ptr()),
@@ -230,8 +237,9 @@ class _Routed:
         self.launch(
             "moe_align",
             "moe_align",
-            (1, 1, 1),
-            (max(32, (e + 31) // 32 * 32), 1, 1),
+            # One block of 256 threads per expert.
+            (e, 1, 1),
+            (256, 1, 1),
             [
                 ("ptr", ids.data_ptr()),
                 ("i32", self.slots),
@@ -254,7 +262,8 @@ class _Routed:
     def silu_and_mul(self, gu: Any, inter: int, dt: str) -> Any:
         import torch
 
-        act = torch.empty(self.slots, inter, dtype=self.x.dtype, device=self.x.device)
+        dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dt]
+        act = torch.empty(self.slots, inter, dtype=dtype, device=self.x.device)
         self.launch(
             f"moe_act_{dt}",
             f"silu_and_mul_{dt}",
@@ -288,7 +297,7 @@ class _Routed:
         return out
 
 
-def w8a8_moe_unverified(
+def w8a8_moe(
     hidden_states: Any,
     router_logits: Any,
     w13: Any,
@@ -305,14 +314,13 @@ def w8a8_moe_unverified(
     """W8A8 MoE on CUDA tensors with this build's kernels (softmax top-k, alignment, int8
     activation quantisation, grouped int8 GEMMs, SiLU-and-mul, combine), on torch's current
     stream. ``router_logits`` may instead be ``(topk_weights, topk_ids)``: the routed experts
-    only, with the given routing. **Not yet run on a GPU**: ``scripts/gpu_check.sh`` is its
-    first check; it is not wired into :class:`moeq_rs.MoELayer` until that passes.
+    only, with the given routing. :class:`moeq_rs.MoELayer` on CUDA runs this for W8A8 layers.
 
     ``w13`` int8 ``[E, 2I, H]`` (gate rows, then up rows), ``w2`` int8 ``[E, H, I]``, scales f32
     ``[E, 2I]`` / ``[E, H]``; H and I multiples of 4; E <= 1024. Activations are quantised per
     token (dynamic), or with each expert's static ``a13_scale`` / ``a2_scale`` (f32 ``[E]``, both
     or neither). ``gemm``: ``"imma"`` (tensor cores, ``mma.sync`` s8) or ``"dp4a"``."""
-    torch = need_torch("moeq_rs.cuda.w8a8_moe_unverified")
+    torch = need_torch("moeq_rs.cuda.w8a8_moe")
 
     from .errors import LayoutError
 
@@ -376,13 +384,13 @@ def w8a8_moe_unverified(
         else None
     )
 
-    def quantize(a: Any, static_scale: Any = None) -> tuple[Any, Any]:
+    def quantize(a: Any, adt: str, static_scale: Any = None) -> tuple[Any, Any]:
         q = torch.empty(a.shape, dtype=torch.int8, device=x.device)
         if static_scale is not None:
             s = static_scale.index_select(0, row_expert).contiguous()
             r.launch(
-                f"quant_int8_{dt}",
-                f"quant_int8_static_{dt}",
+                f"quant_int8_{adt}",
+                f"quant_int8_static_{adt}",
                 ((a.numel() + 255) // 256, 1, 1),
                 (256, 1, 1),
                 [
@@ -396,8 +404,8 @@ def w8a8_moe_unverified(
             return q, s
         s = torch.empty(a.shape[0], dtype=torch.float32, device=x.device)
         r.launch(
-            f"quant_int8_{dt}",
-            f"quant_int8_per_token_{dt}",
+            f"quant_int8_{adt}",
+            f"quant_int8_per_token_{adt}",
             (a.shape[0], 1, 1),
             (256, 1, 1),
             [
@@ -410,12 +418,13 @@ def w8a8_moe_unverified(
         )
         return q, s
 
-    def grouped_gemm(q: Any, s: Any, w: Any, ws: Any, n: int, k: int) -> Any:
-        out = torch.empty(slots, n, dtype=x.dtype, device=x.device)
+    def grouped_gemm(q: Any, s: Any, w: Any, ws: Any, n: int, k: int, odt: str) -> Any:
+        dtype = torch.float32 if odt == "f32" else x.dtype
+        out = torch.empty(slots, n, dtype=dtype, device=x.device)
         if gemm == "imma":
             r.launch(
-                f"w8a8_imma_{dt}",
-                f"w8a8_imma_gemm_{dt}",
+                f"w8a8_imma_{odt}",
+                f"w8a8_imma_gemm_{odt}",
                 ((n + 63) // 64, (slots + 15) // 16 + e, 1),
                 (128, 1, 1),
                 [
@@ -432,8 +441,8 @@ def w8a8_moe_unverified(
             )
             return out
         r.launch(
-            f"w8a8_gemm_{dt}",
-            f"w8a8_grouped_gemm_{dt}",
+            f"w8a8_gemm_{odt}",
+            f"w8a8_grouped_gemm_{odt}",
             ((n + 15) // 16, (slots + 15) // 16, e),
             (16, 16, 1),
             [
@@ -449,13 +458,17 @@ def w8a8_moe_unverified(
         )
         return out
 
-    q1, s1 = quantize(rows, a13_scale)
-    gu = grouped_gemm(q1, s1, w13, w13_scale, two_i, h)
-    q2, s2 = quantize(r.silu_and_mul(gu, inter, dt), a2_scale)
-    return r.combine(grouped_gemm(q2, s2, w2, w2_scale, h, inter), h, dt)
+    # The intermediate stays fp32 up to its quantisation (DESIGN.md's numerics, as the CPU path
+    # computes it): rounded to bf16 first, a static down_proj scale turned the rounding into
+    # whole-code flips, 2.8e-2 relative L2 from the CPU layer on a compressed-tensors checkpoint
+    # (scripts/gpu_check.sh on the H200).
+    q1, s1 = quantize(rows, dt, a13_scale)
+    gu = grouped_gemm(q1, s1, w13, w13_scale, two_i, h, "f32")
+    q2, s2 = quantize(r.silu_and_mul(gu, inter, "f32"), "f32", a2_scale)
+    return r.combine(grouped_gemm(q2, s2, w2, w2_scale, h, inter, dt), h, dt)
 
 
-def wna16_moe_unverified(
+def wna16_moe(
     hidden_states: Any,
     router_logits: Any,
     w13: Any,
@@ -479,8 +492,8 @@ def wna16_moe_unverified(
     ``moeq repack --target marlin`` (the ``P.w13_weight_packed``, ``P.w13_weight_scale``, ...
     tensors, per expert stacked), with the tensor-core kernel ``cuda/wna16_gemm.cu``, on torch's
     current stream. ``router_logits`` may instead be ``(topk_weights, topk_ids)``: the routed
-    experts only, with the given routing. **Not yet run on a GPU**: ``scripts/gpu_check.sh`` is
-    its first check.
+    experts only, with the given routing. :class:`moeq_rs.MoELayer` on CUDA runs this for
+    weight-only layers.
 
     ``w13`` int32 ``[E, H/16, 2I*16/pf]``, ``w2`` int32 ``[E, I/16, H*16/pf]`` (pf = 32 /
     num_bits); scales ``[E, G, N]`` in Marlin order (converted to the activation dtype, as vLLM
@@ -488,7 +501,7 @@ def wna16_moe_unverified(
     g_idx and sort indices int32 ``[E, K]`` (their ranges are checked with a sync, except while
     a CUDA graph is captured). ``intermediate_size`` is the unpadded I: it picks the scale table
     of w13, as the repack did."""
-    torch = need_torch("moeq_rs.cuda.wna16_moe_unverified")
+    torch = need_torch("moeq_rs.cuda.wna16_moe")
 
     from .errors import LayoutError, UnsupportedSchemeError
 
@@ -736,17 +749,18 @@ def _int8_stack(ckpt: Any, info: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any = "cuda") -> Any:
-    """Decoder layer ``layer`` on ``device`` for the CUDA kernels: a ``torch.nn.Module`` whose
-    ``forward(hidden_states, router_logits)`` (and ``forward_topk(hidden_states, topk_weights,
-    topk_ids)``) runs :func:`wna16_moe_unverified` (weights from
-    :meth:`moeq_rs.Checkpoint.marlin_layer`) or :func:`w8a8_moe_unverified` (int8 weights
-    stacked from the checkpoint, static scales per expert). **Not yet run on a GPU**; it
-    becomes ``MoELayer.from_checkpoint(..., device="cuda")`` once ``scripts/gpu_check.sh``
-    passes. Softmax top-k routing only; layers with shared experts, sigmoid or grouped routing,
+def load_moe_layer(path_or_checkpoint: Any, layer: int, device: Any = "cuda") -> Any:
+    """Decoder layer ``layer`` on ``device`` for the CUDA kernels (what
+    ``MoELayer.from_checkpoint(path, layer, device="cuda")`` returns): a
+    :class:`moeq_rs.MoELayer` whose ``forward(hidden_states, router_logits)`` (and
+    ``forward_topk(hidden_states, topk_weights, topk_ids)``) runs :func:`wna16_moe` (weights
+    from :meth:`moeq_rs.Checkpoint.marlin_layer`) or :func:`w8a8_moe` (int8 weights stacked from
+    the checkpoint, static scales per expert). A CPU ``device`` builds the module and its
+    launch arguments without a GPU (its forward then refuses, naming the tensor). Softmax top-k
+    routing only; layers with shared experts, sigmoid or grouped routing,
     routed scaling, logit soft-capping or mixed schemes raise
     :class:`moeq_rs.UnsupportedSchemeError` with the reason."""
-    need_torch("moeq_rs.cuda.load_moe_layer_unverified")
+    need_torch("moeq_rs.cuda.load_moe_layer")
     import torch
 
     from .checkpoint import as_checkpoint
@@ -808,7 +822,6 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
             "(no driver, or no such GPU)"
         )
     hidden_size, num_experts, method = info["hidden_size"], info["num_experts"], info["method"]
-    run: Callable[..., Any]
     if method == "wna16":
         geo, tensors = ckpt.marlin_layer(layer)
         p = geo["prefix"]
@@ -837,72 +850,20 @@ def load_moe_layer_unverified(path_or_checkpoint: Any, layer: int, device: Any =
                 w13_sort_indices=get("w13_g_idx_sort_indices"),
                 w2_sort_indices=get("w2_g_idx_sort_indices"),
             )
-        run = wna16_moe_unverified
     else:
         stacked = {k: v.to(dev) for k, v in _int8_stack(ckpt, info).items()}
         args = {k: stacked[k] for k in ("w13", "w13_scale", "w2", "w2_scale")}
         options = {k: stacked.get(k) for k in ("a13_scale", "a2_scale")}
-        run = w8a8_moe_unverified
 
-    from .moe import _copy_layer, _deepcopy_layer, _register
+    from .cuda_layer import CudaMoELayer
 
-    class CudaMoELayerUnverified(torch.nn.Module):
-        """One MoE layer on the CUDA kernels (unverified; see load_moe_layer_unverified). Its
-        weights are buffers (``.to()`` and ``state_dict`` see them). Under ``torch.compile`` it
-        goes through ``torch.ops.moeq.moe_forward`` (with a fake implementation), like
-        :class:`moeq_rs.MoELayer`."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer, self.method, self.top_k = layer, method, top_k
-            self.hidden_size, self.num_experts = hidden_size, num_experts
-            self._tensor_names: list[str] = []
-            self._plain: dict[str, Any] = {}
-            for name, value in {**args, **options}.items():
-                if isinstance(value, torch.Tensor):
-                    self.register_buffer(name, value)
-                    self._tensor_names.append(name)
-                else:
-                    self._plain[name] = value
-            self._renormalize = bool(routing["renormalize"])
-            self._handle = _register(self)
-
-        def __copy__(self) -> Any:
-            return _copy_layer(self)
-
-        def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-            return _deepcopy_layer(self, memo)
-
-        def forward(self, hidden_states: Any, router_logits: Any) -> Any:
-            if torch.compiler.is_compiling() or torch.jit.is_tracing():
-                return torch.ops.moeq.moe_forward(hidden_states, router_logits, self._handle)
-            return self._forward_eager(hidden_states, router_logits)
-
-        def forward_topk(self, hidden_states: Any, topk_weights: Any, topk_ids: Any) -> Any:
-            """``sum_k topk_weights[t, k] * expert[topk_ids[t, k]](x_t)``: routed experts only."""
-            if torch.compiler.is_compiling() or torch.jit.is_tracing():
-                return torch.ops.moeq.moe_forward_topk(
-                    hidden_states, topk_weights, topk_ids, self._handle
-                )
-            return self._forward_topk_eager(hidden_states, topk_weights, topk_ids)
-
-        def _forward_topk_eager(self, hidden_states: Any, topk_weights: Any, topk_ids: Any) -> Any:
-            return self._forward_eager(hidden_states, (topk_weights, topk_ids))
-
-        def _forward_eager(self, hidden_states: Any, router_logits: Any) -> Any:
-            t = {name: getattr(self, name) for name in self._tensor_names}
-            weights = [t.pop(k) for k in ("w13", "w13_scale", "w2", "w2_scale")]
-            return run(
-                hidden_states,
-                router_logits,
-                *weights,
-                top_k=self.top_k,
-                renormalize=self._renormalize,
-                **t,
-                **self._plain,
-            )
-
-        def extra_repr(self) -> str:
-            return f"layer={self.layer}, method={self.method}, experts={self.num_experts}"
-
-    return CudaMoELayerUnverified()
+    return CudaMoELayer(
+        layer=layer,
+        method=method,
+        hidden_size=hidden_size,
+        num_experts=num_experts,
+        top_k=top_k,
+        renormalize=bool(routing["renormalize"]),
+        tensors=args,
+        options=options,
+    )

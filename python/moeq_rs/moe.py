@@ -33,16 +33,16 @@ __all__ = ["MoELayer", "fused_moe"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
-_NOT_ON_CUDA_YET = (
-    "device={device!r}: MoELayer runs on the CPU only until the CUDA kernels pass "
-    "scripts/gpu_check.sh on a GPU; mq.cuda.load_moe_layer_unverified(path, layer) runs the "
-    "unverified CUDA path"
+_MOVE_TO_CUDA = (
+    "MoELayer runs on the CPU only once built there ({device}: its weights are packed for the "
+    'CPU kernels): build it on the GPU with MoELayer.from_checkpoint(path, layer, device="cuda")'
 )
 
 
-def _require_cpu(device: str | torch.device) -> None:
-    """``device`` as torch reads it (``"cpu"``, ``"cpu:0"``, ``torch.device("cpu")``) must be the
-    CPU: CUDA is refused as not ready yet, anything else as a device no kernel runs on."""
+def _target_device(device: str | torch.device) -> torch.device:
+    """``device`` as torch reads it (``"cpu"``, ``"cpu:0"``, ``torch.device("cuda", 1)``): the
+    CPU, or a CUDA device torch sees (else ``CudaUnavailableError``); anything else is a device
+    no kernel runs on."""
     from .errors import CudaUnavailableError
 
     try:
@@ -50,9 +50,18 @@ def _require_cpu(device: str | torch.device) -> None:
     except (TypeError, RuntimeError, ValueError) as e:
         raise LayoutError(f"device={device!r}: not a device torch knows ({e})") from None
     if parsed.type == "cuda":
-        raise CudaUnavailableError(_NOT_ON_CUDA_YET.format(device=device))
+        if not torch.cuda.is_available() or (parsed.index or 0) >= torch.cuda.device_count():
+            raise CudaUnavailableError(
+                f"device={device!r}: torch sees {torch.cuda.device_count()} CUDA device(s) "
+                "(no driver, or no such GPU)"
+            )
+        return parsed
     if parsed.type != "cpu":
-        raise LayoutError(f'device={device!r}: MoELayer runs on the CPU (device="cpu")')
+        raise LayoutError(
+            f'device={device!r}: MoELayer runs on the CPU (device="cpu") or a CUDA GPU '
+            '(device="cuda")'
+        )
+    return parsed
 
 
 def _check(t: object, name: str, ndim: int, floating: bool, meta: bool = False) -> torch.Tensor:
@@ -266,9 +275,7 @@ class MoELayer(torch.nn.Module):
             raise LayoutError(f"MoELayer runs on the CPU only; moving it failed: {e}") from None
         device = moved.device if isinstance(moved, torch.Tensor) else torch.device("cpu")
         if device.type == "cuda":
-            from .errors import CudaUnavailableError
-
-            raise CudaUnavailableError(_NOT_ON_CUDA_YET.format(device=str(device)))
+            raise LayoutError(_MOVE_TO_CUDA.format(device=device))
         if device.type != "cpu":
             raise LayoutError(f"MoELayer runs on the CPU only; cannot move it to {device}")
         return super()._apply(fn, recurse)  # type: ignore[no-any-return]
@@ -306,15 +313,25 @@ class MoELayer(torch.nn.Module):
         whose plan names no backend, runs on the CPU's fp32 / bf16 path); another
         :class:`moeq_rs.MoeqError` for bad input (``ConfigError`` for routing settings such as a
         top-k above the expert count, ``CheckpointError`` for a layer with no MoE block or a
-        non-positive static scale, ``CudaUnavailableError`` for a CUDA device)."""
+        non-positive static scale, ``CudaUnavailableError`` for a CUDA device torch does not
+        see).
+
+        ``device="cuda"`` (or ``"cuda:N"``) loads the layer onto that GPU as a
+        :class:`moeq_rs.cuda_layer.CudaMoELayer` (:func:`moeq_rs.cuda.load_moe_layer`: softmax
+        top-k layers without shared experts; others raise ``UnsupportedSchemeError`` with the
+        reason)."""
         from .checkpoint import as_checkpoint
 
-        _require_cpu(device)
+        target = _target_device(device)
         from .errors import CheckpointError
 
         index = int_in(layer, 0, I64_MAX)
         if index is None:
             raise CheckpointError(f"layer: {layer!r} is not a decoder layer index (an int >= 0)")
+        if target.type == "cuda":
+            from .cuda import load_moe_layer
+
+            return load_moe_layer(path_or_checkpoint, index, target)  # type: ignore[no-any-return]
         # Opening and packing run on the forward's threads (MOEQ_NUM_THREADS of them, the main
         # thread among them), not on a pool of their own that would then idle.
         adopt_main_thread()
@@ -553,7 +570,7 @@ def _zero_points(t: object, name: str, e: int, n: int, groups: int):  # type: ig
     return None, z.reshape(-1).numpy().view("uint32")
 
 
-def _from_tensors(
+def _parse_tensors(
     w13,
     w2,
     w13_scale,
@@ -566,7 +583,9 @@ def _from_tensors(
     a2_scale,
     top_k,
     renormalize,
-):
+) -> dict[str, Any]:
+    """``from_tensors``' arguments checked (errors name the argument) and read as flat numpy
+    arrays, for the CPU layer or the CUDA one."""
     from .errors import UnsupportedSchemeError
 
     if scheme not in _SCHEMES:
@@ -627,28 +646,60 @@ def _from_tensors(
         raise LayoutError("a13_scale: w8a8_static needs a13_scale and a2_scale")
     if not static and (a13_scale is not None or a2_scale is not None):
         raise LayoutError(f"a13_scale: static activation scales make no sense with {scheme}")
-    w13_np = a.reshape(-1).numpy()
-    w2_np = b.reshape(-1).numpy()
+    return {
+        "scheme": scheme,
+        "experts": e,
+        "hidden": h,
+        "intermediate": i,
+        "group_size": group_size,
+        "groups": (g13, g2),
+        "w13": a.reshape(-1).numpy(),
+        "w2": b.reshape(-1).numpy(),
+        "w13_scale": s13,
+        "w2_scale": s2,
+        "w13_zero_point": zp13,
+        "w2_zero_point": zp2,
+        "a13_scale": _act_scales(a13_scale, "a13_scale", e),
+        "a2_scale": _act_scales(a2_scale, "a2_scale", e),
+        "top_k": top_k,
+        "renormalize": renormalize,
+    }
+
+
+def _from_tensors(*args):  # type: ignore[no-untyped-def]
+    p = _parse_tensors(*args)
+    int4 = p["scheme"] == "w4a16"
+    w13_np, w2_np = p["w13"], p["w2"]
+    zp13, zp2 = p["w13_zero_point"], p["w2_zero_point"]
     return _core.CpuMoeLayer.from_tensors(
-        scheme,
-        e,
-        h,
-        i,
-        group_size,
+        p["scheme"],
+        p["experts"],
+        p["hidden"],
+        p["intermediate"],
+        p["group_size"],
         None if int4 else w13_np,
         w13_np.view("uint32") if int4 else None,
-        s13,
+        p["w13_scale"],
         zp13[0],
         zp13[1],
-        _act_scales(a13_scale, "a13_scale", e),
+        p["a13_scale"],
         None if int4 else w2_np,
         w2_np.view("uint32") if int4 else None,
-        s2,
+        p["w2_scale"],
         zp2[0],
         zp2[1],
-        _act_scales(a2_scale, "a2_scale", e),
-        top_k,
-        renormalize,
+        p["a2_scale"],
+        p["top_k"],
+        p["renormalize"],
+    )
+
+
+def _on_cpu(*args: object) -> tuple[object, ...]:
+    """CUDA tensors among ``args`` copied to the CPU (for the checks and the layout work of a
+    layer built on CUDA); anything else as it is."""
+    return tuple(
+        a.detach().cpu() if isinstance(a, torch.Tensor) and a.device.type == "cuda" else a
+        for a in args
     )
 
 
@@ -679,8 +730,17 @@ def from_tensors(
     ``"w4a16"`` (int32 words as compressed-tensors packs them, ``[E, N, K/8]``); scales
     ``[E, N, groups]`` (``[E, N]`` for channelwise); zero points int8 ``[E, N, groups]`` or packed
     int32 ``[E, N/8, groups]``; static activation scales one per expert. ``forward`` routes with
-    softmax top-k (renormalised when ``renormalize``)."""
-    _require_cpu(device)
+    softmax top-k (renormalised when ``renormalize``).
+
+    ``device="cuda"`` builds the layer on that GPU (tensors on the CPU or on CUDA):
+    W8A8 with per-channel weight scales, or W4A16 / W8A16 converted to the Marlin layout."""
+    target = _target_device(device)
+    if target.type == "cuda":
+        from .cuda_layer import from_tensors_on_cuda
+
+        args = (w13, w2, w13_scale, w2_scale, scheme, group_size, w13_zero_point)
+        rest = (w2_zero_point, a13_scale, a2_scale, top_k, renormalize)
+        return from_tensors_on_cuda(target, _parse_tensors(*_on_cpu(*args, *rest)))
     return _layer_from_tensors(
         cls,
         w13,
