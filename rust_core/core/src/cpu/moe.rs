@@ -6,7 +6,7 @@ use std::borrow::Cow;
 use rayon::prelude::*;
 
 use super::kernels;
-use super::linear::{transpose, Compute, Linear, Prepared};
+use super::linear::{transpose, transpose_into, Compute, Linear, Prepared};
 use super::routing::{route, Routed};
 use crate::error::{LayoutError, Result};
 use crate::moe::Routing;
@@ -333,14 +333,12 @@ fn run_experts(jobs: &[Job<'_>], parallel: bool, out: &mut [f32]) {
     for d in down_in {
         d.recycle();
     }
-    for ((&Job { ex, m, .. }, yt), y) in jobs.iter().zip(ys).zip(outs) {
-        let n = ex.down.out_features();
-        for j in 0..n {
-            for r in 0..m {
-                y[r * n + j] = yt[j * m + r];
-            }
-        }
-    }
+    jobs.par_iter()
+        .zip(ys.par_iter())
+        .zip(outs.into_par_iter())
+        .for_each(|((&Job { ex, m, .. }, yt), y)| {
+            transpose_into(yt, ex.down.out_features(), m, y);
+        });
 }
 
 /// An MoE layer ready to run.
