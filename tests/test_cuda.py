@@ -814,8 +814,19 @@ def test_from_tensors_on_cuda_refuses_what_its_kernels_do_not_run() -> None:
 
     w13, w2, s13, s2 = _small_int8_layer()
     cpu = torch.device("cpu")
-    with pytest.raises(mq.UnsupportedSchemeError, match="from_checkpoint"):
-        from_tensors_on_cuda(cpu, _parsed(w13, w2, s13, s2, scheme="w8a16", top_k=1))
+    # Weight-only: Marlin's group sizes only, and 4-bit zero points in -8..7.
+    g16 = (s13.expand(3, 64, 4).contiguous(), s2.expand(3, 64, 2).contiguous())
+    with pytest.raises(mq.UnsupportedSchemeError, match="-1 .channelwise., 32, 64 or 128"):
+        p = _parsed(w13, w2, *g16, scheme="w8a16", group_size=16, top_k=1)
+        from_tensors_on_cuda(cpu, p)
+    packed13 = torch.zeros(3, 64, 8, dtype=torch.int32)  # int4 words: [E, 2I, H/8]
+    packed2 = torch.zeros(3, 64, 4, dtype=torch.int32)
+    zp13 = torch.zeros(3, 64, 1, dtype=torch.int8)
+    zp13[2, 5, 0] = 8
+    zp = {"w13_zero_point": zp13, "w2_zero_point": torch.zeros(3, 64, 1, dtype=torch.int8)}
+    with pytest.raises(mq.LayoutError, match="expert 2, row 5, group 0 is 8; Marlin's 4-bit"):
+        p = _parsed(packed13, packed2, s13, s2, scheme="w4a16", top_k=1, **zp)
+        from_tensors_on_cuda(cpu, p)
     grouped = (s13.expand(3, 64, 2).contiguous(), s2.expand(3, 64, 1).contiguous())
     with pytest.raises(mq.UnsupportedSchemeError, match="per-channel"):
         p = _parsed(w13, w2, *grouped, scheme="w8a8_dynamic", group_size=32, top_k=1)
@@ -829,3 +840,106 @@ def test_from_tensors_on_cuda_refuses_what_its_kernels_do_not_run() -> None:
     # The public door without a GPU: CudaUnavailableError.
     with pytest.raises(mq.CudaUnavailableError, match="torch sees 0 CUDA device"):
         mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a8_dynamic", top_k=1, device="cuda")
+
+
+def _weight_only_args(ckpt: mq.Checkpoint):  # type: ignore[no-untyped-def]
+    """A weight-only checkpoint layer's tensors as from_tensors takes them: w13 = gate rows then
+    up rows, int4 as compressed-tensors packs it (int32 [E, N, K/8]) or int8 codes, scales
+    [E, N, G], packed zero points [E, N/8, G]."""
+    import torch
+
+    info = ckpt.moe_layers()[0]
+    layer, p = info["layer"], info["prefix"]
+    names = (
+        ("w1", "w3", "w2")
+        if p.endswith("block_sparse_moe")
+        else ("gate_proj", "up_proj", "down_proj")
+    )
+    scheme = ckpt.scheme(f"{p}.experts.0.{names[0]}")
+    assert scheme is not None
+    bits = scheme["weight"]["num_bits"]
+
+    def t(name: str) -> torch.Tensor:
+        return ckpt.tensor(name, "torch")
+
+    def codes(name: str) -> torch.Tensor:
+        words = t(name)
+        if bits == 4:
+            return words
+        u = (words.view(torch.uint8).reshape(words.shape[0], -1)).to(torch.int16)
+        return (u - 128).to(torch.int8)
+
+    w13, w2, s13, s2, z13, z2 = [], [], [], [], [], []
+    for e in range(info["num_experts"]):
+        gate, up, down = (f"{p}.experts.{e}.{n}" for n in names)
+        w13.append(torch.cat([codes(f"{gate}.weight_packed"), codes(f"{up}.weight_packed")]))
+        w2.append(codes(f"{down}.weight_packed"))
+        s13.append(torch.cat([t(f"{gate}.weight_scale"), t(f"{up}.weight_scale")]))
+        s2.append(t(f"{down}.weight_scale"))
+        if f"{down}.weight_zero_point" in ckpt.tensor_names():
+            z13.append(torch.cat([t(f"{gate}.weight_zero_point"), t(f"{up}.weight_zero_point")]))
+            z2.append(t(f"{down}.weight_zero_point"))
+    gs = scheme["weight"]["group_size"]
+    kwargs = {
+        "scheme": "w4a16" if bits == 4 else "w8a16",
+        "group_size": gs,
+        "top_k": 1,
+        "w13_zero_point": torch.stack(z13) if z13 else None,
+        "w2_zero_point": torch.stack(z2) if z2 else None,
+    }
+    return layer, [torch.stack(x).contiguous() for x in (w13, w2, s13, s2)], kwargs
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen3_w4a16_g128_sym",
+        "qwen3_w4a16_g128_asym",
+        "qwen3_w8a16_channel",
+        "qwen3_w8a16_g128",
+        "mixtral_w8a16_channel",
+        "synthetic_w4a16_g32_padded",
+    ],
+)
+def test_weight_only_from_tensors_on_cuda_equals_the_checkpoint_marlin_layer(
+    fixture_path, tmp_path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """MoELayer.from_tensors(..., device="cuda") for W4A16 / W8A16 converts its tensors to the
+    Marlin layout itself: the same words, scales (as fp32 values) and zero points that
+    Checkpoint.marlin_layer builds from the checkpoint they came from (what
+    from_checkpoint(..., device="cuda") runs, checked on a GPU by scripts/gpu_check.sh), and
+    the same launch options. The synthetic checkpoint's I = 32 is zero-padded to the 64-wide
+    tile, as the repack pads it."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from moeq_rs.cuda_layer import from_tensors_on_cuda
+
+    if name.startswith("synthetic"):
+        sys.path.insert(0, str(Path(__file__).parent))
+        import synth
+
+        ckpt = mq.open(synth.write_checkpoint(tmp_path / "ckpt"))
+    else:
+        ckpt = mq.open(fixture_path(name))
+    layer, tensors, kwargs = _weight_only_args(ckpt)
+    ours = from_tensors_on_cuda(torch.device("cpu"), _parsed(*tensors, **kwargs))
+    ref = mq.cuda.load_moe_layer(ckpt, layer, device="cpu")
+    assert ours.method == ref.method == "wna16"
+    a, b = dict(ours.named_buffers()), dict(ref.named_buffers())
+    assert set(a) == set(b)
+    for key in a:
+        if "scale" in key:
+            assert a[key].dtype == torch.float32
+            assert torch.equal(a[key], b[key].float()), key
+        else:
+            assert torch.equal(a[key], b[key]), key
+    assert ours._plain == {k: v for k, v in ref._plain.items() if v is not None}
+    if name == "synthetic_w4a16_g32_padded":
+        assert ours._plain["intermediate_size"] == 32 and a["w2"].shape[1] == 64 // 16
+    # And the launcher takes them (every argument check passes).
+    _validate_only(monkeypatch)
+    with pytest.raises(_Validated):
+        ours(torch.randn(3, ours.hidden_size).to(torch.bfloat16), torch.randn(3, ours.num_experts))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import cuda
@@ -131,16 +132,25 @@ class CudaMoELayer(MoELayer):
 
 def from_tensors_on_cuda(device: torch.device, p: dict[str, Any]) -> CudaMoELayer:
     """``MoELayer.from_tensors(..., device="cuda")`` from its checked arguments (``p``, as
-    ``moe._parse_tensors`` reads them): the W8A8 launcher's tensors on ``device``."""
+    ``moe._parse_tensors`` reads them): the W8A8 launcher's tensors, or a weight-only layer's in
+    the Marlin layout (:func:`_marlin_tensors`), on ``device``."""
     from .errors import UnsupportedSchemeError
 
     scheme, e, h, i = p["scheme"], p["experts"], p["hidden"], p["intermediate"]
     if not scheme.startswith("w8a8"):
-        raise UnsupportedSchemeError(
-            f"scheme {scheme!r}: from_tensors builds W8A8 layers on CUDA; a weight-only layer "
-            "runs there from its checkpoint (MoELayer.from_checkpoint(path, layer, "
-            'device="cuda"), which converts it to the Marlin layout) or from Marlin tensors '
-            "(moeq repack --target marlin, then moeq_rs.cuda.wna16_moe)"
+        marlin, marlin_options = _marlin_tensors(p)
+        return CudaMoELayer(
+            layer=None,
+            method="wna16",
+            hidden_size=h,
+            num_experts=e,
+            top_k=p["top_k"],
+            renormalize=p["renormalize"],
+            tensors={k: torch.from_numpy(v).to(device) for k, v in marlin.items()},
+            options={
+                k: torch.from_numpy(v).to(device) if isinstance(v, np.ndarray) else v
+                for k, v in marlin_options.items()
+            },
         )
     if p["groups"] != (1, 1):
         raise UnsupportedSchemeError(
@@ -182,3 +192,102 @@ def from_tensors_on_cuda(device: torch.device, p: dict[str, Any]) -> CudaMoELaye
         tensors=tensors,
         options=options,
     )
+
+
+def _gptq_words(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Unsigned codes ``[E, N, K]`` to GPTQ's words ``[E, K / pf, N]`` (``pf = 32 / bits`` codes
+    along K per word, the first in the low bits), the input of the Marlin repack."""
+    e, n, k = codes.shape
+    pf = 32 // bits
+    by_k = codes.transpose(0, 2, 1).astype(np.uint32).reshape(e, k // pf, pf, n)
+    shifts = (np.arange(pf, dtype=np.uint32) * bits)[None, None, :, None]
+    return np.bitwise_or.reduce(by_k << shifts, axis=2)
+
+
+def _marlin_tensors(p: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """A weight-only layer's ``from_tensors`` arguments (checked, ``moe._parse_tensors``) in
+    the Marlin layout ``Checkpoint.marlin_layer`` builds from a checkpoint, byte for byte (the
+    repack's rules: w13 = gate then up along N, the intermediate size zero-padded to the tile,
+    w13 scales permuted with ``size_k = I``, 4-bit zero points packed). Scales stay fp32 (as
+    ``from_tensors`` reads them); codes are stored unsigned (+8 for int4, +128 for int8)."""
+    from . import repack
+    from .errors import UnsupportedSchemeError
+
+    e, h, i, gs = p["experts"], p["hidden"], p["intermediate"], p["group_size"]
+    bits = 4 if p["scheme"] == "w4a16" else 8
+    pf = 32 // bits
+    if gs not in (-1, 32, 64, 128):
+        raise UnsupportedSchemeError(
+            f"group_size {gs}: the Marlin layout takes -1 (channelwise), 32, 64 or 128"
+        )
+    tile = math.lcm(64, max(gs, 1))
+    ip = -(-i // tile) * tile
+    if h % 64:
+        raise LayoutError(
+            f"w13: the Marlin layout needs a hidden size that is a multiple of 64 (H = {h})"
+        )
+    gh, gi_src = p["groups"]
+    gi = ip // gs if gs > 0 else 1
+
+    def unsigned(flat: np.ndarray, n: int, k: int) -> np.ndarray:
+        if bits == 8:
+            return (flat.reshape(e, n, k).astype(np.int16) + 128).astype(np.uint8)
+        words = flat.view(np.uint32).reshape(e, n, k // 8, 1)
+        shifts = np.arange(8, dtype=np.uint32) * 4
+        return ((words >> shifts) & 15).astype(np.uint8).reshape(e, n, k)
+
+    c13 = np.zeros((e, 2 * ip, h), np.uint8)
+    src13 = unsigned(p["w13"], 2 * i, h)
+    c13[:, :i], c13[:, ip : ip + i] = src13[:, :i], src13[:, i:]
+    c2 = np.zeros((e, h, ip), np.uint8)
+    c2[:, :, :i] = unsigned(p["w2"], h, i)
+    no_perm = np.zeros((e, 0), np.uint32)
+    w13 = repack.gptq_marlin_moe_repack(
+        _gptq_words(c13, bits).view(np.int32), no_perm, h, 2 * ip, bits
+    )
+    w2 = repack.gptq_marlin_moe_repack(_gptq_words(c2, bits).view(np.int32), no_perm, ip, h, bits)
+
+    s13_src = p["w13_scale"].reshape(e, 2 * i, gh).transpose(0, 2, 1)
+    s13 = np.zeros((e, gh, 2 * ip), np.float32)
+    s13[:, :, :i], s13[:, :, ip : ip + i] = s13_src[:, :, :i], s13_src[:, :, i:]
+    s2 = np.zeros((e, gi, h), np.float32)
+    s2[:, :gi_src] = p["w2_scale"].reshape(e, h, gi_src).transpose(0, 2, 1)
+    size_k2 = gi * (gs if gs > 0 else pf)
+    tensors = {
+        "w13": w13,
+        "w13_scale": repack.marlin_moe_permute_scales(s13, i, 2 * ip, gs),
+        "w2": w2,
+        "w2_scale": repack.marlin_moe_permute_scales(s2, size_k2, h, gs),
+    }
+    options: dict[str, Any] = {"num_bits": bits, "group_size": gs, "intermediate_size": i}
+    zp13, zp2 = p["w13_zero_point"], p["w2_zero_point"]
+    if zp13[0] is not None or zp13[1] is not None:
+
+        def zp_codes(zp: tuple[Any, Any], n: int, groups: int, name: str) -> np.ndarray:
+            """``[E, groups, n]`` unsigned 4-bit codes (zero point + 8)."""
+            signed, packed = zp
+            if packed is not None:
+                words = packed.reshape(e, -(-n // 8), 1, groups)
+                shifts = (np.arange(8, dtype=np.uint32) * 4)[None, None, :, None]
+                codes = ((words >> shifts) & 15).reshape(e, -1, groups)[:, :n]
+            else:
+                codes = signed.reshape(e, n, groups).astype(np.int16) + 8
+                bad = np.argwhere((codes < 0) | (codes > 15))
+                if len(bad):
+                    ex, row, g = bad[0]
+                    raise LayoutError(
+                        f"{name}: expert {ex}, row {row}, group {g} is "
+                        f"{int(codes[ex, row, g]) - 8}; Marlin's 4-bit zero points lie in -8..7"
+                    )
+            return codes.astype(np.uint32).transpose(0, 2, 1)
+
+        z13_src = zp_codes(zp13, 2 * i, gh, "w13_zero_point")
+        z13 = np.zeros((e, gh, 2 * ip), np.uint32)
+        z13[:, :, :i], z13[:, :, ip : ip + i] = z13_src[:, :, :i], z13_src[:, :, i:]
+        z2 = np.zeros((e, gi, h), np.uint32)
+        z2[:, :gi_src] = zp_codes(zp2, h, gi_src, "w2_zero_point")
+        options["w13_zero_point"] = np.stack(
+            [repack.marlin_zero_points(z, gh, 2 * ip, bits) for z in z13]
+        )
+        options["w2_zero_point"] = np.stack([repack.marlin_zero_points(z, gi, h, bits) for z in z2])
+    return tensors, options
