@@ -31,6 +31,7 @@ import torch
 import moeq_rs as mq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from layer_tensors import weight_only_args  # noqa: E402
 from marlin_ref import marlin_moe_case  # noqa: E402
 
 FAILED: list[str] = []
@@ -348,6 +349,22 @@ def layer_checks(dev: torch.device) -> None:
             torch.cuda.synchronize()
             err = rel(got.float(), cpu.forward_topk(x.float(), w, ids))
             check(f"layer {name} forward_topk", err <= 1e-2, f"rel L2 {err:.2e} (<= 1e-2)")
+            act_order = any(n.endswith(".weight_g_idx") for n in ckpt.tensor_names())
+            if gpu.method == "wna16" and not act_order:
+                # The same layer from its raw tensors (from_tensors converts them to the Marlin
+                # layout itself; the tests check the bytes equal marlin_layer's on the CPU).
+                _, raw, kwargs = weight_only_args(ckpt)
+                kwargs["top_k"] = gpu.top_k
+                again = mq.MoELayer.from_tensors(*raw, device=dev, **kwargs)
+                got2 = again.forward_topk(x.to(dev), w.to(dev), ids.to(dev))
+                torch.cuda.synchronize()
+                err = rel(got2.float(), got.float())
+                same = torch.equal(got2, got)
+                check(
+                    f"layer {name} from_tensors device=cuda",
+                    err <= 1e-3,
+                    f"rel L2 {err:.1e} from the checkpoint layer, equal: {same}",
+                )
             compiled = torch.compile(gpu, fullgraph=True)(x.to(dev), logits.to(dev))
             torch.cuda.synchronize()
             err = rel(compiled.float(), want)

@@ -842,54 +842,6 @@ def test_from_tensors_on_cuda_refuses_what_its_kernels_do_not_run() -> None:
         mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a8_dynamic", top_k=1, device="cuda")
 
 
-def _weight_only_args(ckpt: mq.Checkpoint):  # type: ignore[no-untyped-def]
-    """A weight-only checkpoint layer's tensors as from_tensors takes them: w13 = gate rows then
-    up rows, int4 as compressed-tensors packs it (int32 [E, N, K/8]) or int8 codes, scales
-    [E, N, G], packed zero points [E, N/8, G]."""
-    import torch
-
-    info = ckpt.moe_layers()[0]
-    layer, p = info["layer"], info["prefix"]
-    names = (
-        ("w1", "w3", "w2")
-        if p.endswith("block_sparse_moe")
-        else ("gate_proj", "up_proj", "down_proj")
-    )
-    scheme = ckpt.scheme(f"{p}.experts.0.{names[0]}")
-    assert scheme is not None
-    bits = scheme["weight"]["num_bits"]
-
-    def t(name: str) -> torch.Tensor:
-        return ckpt.tensor(name, "torch")
-
-    def codes(name: str) -> torch.Tensor:
-        words = t(name)
-        if bits == 4:
-            return words
-        u = (words.view(torch.uint8).reshape(words.shape[0], -1)).to(torch.int16)
-        return (u - 128).to(torch.int8)
-
-    w13, w2, s13, s2, z13, z2 = [], [], [], [], [], []
-    for e in range(info["num_experts"]):
-        gate, up, down = (f"{p}.experts.{e}.{n}" for n in names)
-        w13.append(torch.cat([codes(f"{gate}.weight_packed"), codes(f"{up}.weight_packed")]))
-        w2.append(codes(f"{down}.weight_packed"))
-        s13.append(torch.cat([t(f"{gate}.weight_scale"), t(f"{up}.weight_scale")]))
-        s2.append(t(f"{down}.weight_scale"))
-        if f"{down}.weight_zero_point" in ckpt.tensor_names():
-            z13.append(torch.cat([t(f"{gate}.weight_zero_point"), t(f"{up}.weight_zero_point")]))
-            z2.append(t(f"{down}.weight_zero_point"))
-    gs = scheme["weight"]["group_size"]
-    kwargs = {
-        "scheme": "w4a16" if bits == 4 else "w8a16",
-        "group_size": gs,
-        "top_k": 1,
-        "w13_zero_point": torch.stack(z13) if z13 else None,
-        "w2_zero_point": torch.stack(z2) if z2 else None,
-    }
-    return layer, [torch.stack(x).contiguous() for x in (w13, w2, s13, s2)], kwargs
-
-
 @pytest.mark.parametrize(
     "name",
     [
@@ -917,14 +869,16 @@ def test_weight_only_from_tensors_on_cuda_equals_the_checkpoint_marlin_layer(
 
     from moeq_rs.cuda_layer import from_tensors_on_cuda
 
+    sys.path.insert(0, str(Path(__file__).parent))
     if name.startswith("synthetic"):
-        sys.path.insert(0, str(Path(__file__).parent))
         import synth
 
         ckpt = mq.open(synth.write_checkpoint(tmp_path / "ckpt"))
     else:
         ckpt = mq.open(fixture_path(name))
-    layer, tensors, kwargs = _weight_only_args(ckpt)
+    from layer_tensors import weight_only_args
+
+    layer, tensors, kwargs = weight_only_args(ckpt)
     ours = from_tensors_on_cuda(torch.device("cpu"), _parsed(*tensors, **kwargs))
     ref = mq.cuda.load_moe_layer(ckpt, layer, device="cpu")
     assert ours.method == ref.method == "wna16"
