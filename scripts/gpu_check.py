@@ -515,6 +515,17 @@ def main() -> int:
             check(name, e1 <= 2e-3 and e2 <= 2e-3, f"rel L2 {e1:.1e} / forward_topk {e2:.1e}")
         except Exception as ex:  # noqa: BLE001
             failed(name, ex)
+        name = f"fused_moe w8a8{' static' if static else ''} on CUDA tensors"
+        try:
+            args = (w13, w2, s13[..., None], s2[..., None], w, ids)
+            kw = {"scheme": "w8a8_static" if static else "w8a8_dynamic", **extra}
+            want_f = mq.fused_moe(x, *args, **kw)
+            got_f = mq.fused_moe(x.to(dev), *(a.to(dev) for a in args), **kw)
+            torch.cuda.synchronize()
+            err = rel(got_f.float(), want_f)
+            check(name, err <= 2e-3 and got_f.is_cuda, f"rel L2 {err:.1e}")
+        except Exception as ex:  # noqa: BLE001
+            failed(name, ex)
 
     w8a8_edge_checks(dev)
     wna16_checks(dev)

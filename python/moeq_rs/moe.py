@@ -778,7 +778,8 @@ def fused_moe(
     a2_scale=None,
 ) -> torch.Tensor:
     """Functional form: the weighted sum of the routed experts for raw tensors (the layer is built
-    for this call; build a :class:`MoELayer` once to reuse it). With torch tensors (and numbers
+    for this call, on the GPU of CUDA ``hidden_states``; build a :class:`MoELayer` once to reuse
+    it). With torch tensors (and numbers
     for the static input scales) it runs as ``torch.ops.moeq.fused_moe``, so ``torch.compile``
     traces it, also with ``fullgraph=True``."""
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
@@ -839,6 +840,8 @@ def _fused_moe_eager(
     # The layer's own top_k only routes `forward`; `forward_topk` takes any number of slots
     # (repeated experts included), as `MoELayer.forward_topk` does.
     experts = w13.shape[0] if isinstance(w13, torch.Tensor) and w13.dim() == 3 else 1
+    # CUDA activations run on their GPU's kernels (the layer built there for this call).
+    on_cuda = isinstance(hidden_states, torch.Tensor) and hidden_states.device.type == "cuda"
     layer = MoELayer.from_tensors(  # type: ignore[attr-defined]
         w13,
         w2,
@@ -851,6 +854,7 @@ def _fused_moe_eager(
         a13_scale=a13_scale,
         a2_scale=a2_scale,
         top_k=max(1, min(int(topk_ids.shape[1]), experts)),
+        device=hidden_states.device if on_cuda else "cpu",
     )
     return layer.forward_topk(hidden_states, topk_weights, topk_ids)
 
