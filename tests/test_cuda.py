@@ -801,6 +801,11 @@ def test_from_tensors_on_cuda_builds_the_w8a8_launch_arguments(
     assert seen["n"] == 6 and seen["top_k"] == 2 and seen["renormalize"] is True
     assert (seen["a13_scale"] is None) is not static
     assert moe.half() is moe and moe.w13_scale.dtype == torch.float32
+    # What a caller attaches is cast as in any module; the kernels' weights stay as they are.
+    moe.gain = torch.nn.Parameter(torch.ones(2))
+    moe.double()
+    assert moe.gain.dtype == torch.float64 and moe.w13.dtype == torch.int8
+    assert moe.w13_scale.dtype == torch.float32 and torch.equal(moe.w13, w13)
     with pytest.raises(mq.LayoutError, match="cannot move to meta"):
         moe.to("meta")
     with pytest.raises(TypeError, match="cannot be pickled"):

@@ -69,22 +69,26 @@ class CudaMoELayer(MoELayer):
         )
 
     def _apply(self, fn: Any, recurse: bool = True) -> CudaMoELayer:
-        """``.to()``, ``.cuda()``, ``.half()``: the weights follow a move to another CUDA
-        device; their dtypes are the kernels' and stay."""
-        here = next(iter(self.buffers())).device
+        """``.to()``, ``.cuda()``, ``.half()``: the kernels' weights follow a move to another
+        CUDA device and keep their dtypes; parameters and buffers a caller or subclass adds get
+        the cast as in any module."""
+        here: torch.device = self.w13.device  # type: ignore[assignment]
         try:
             moved = fn(torch.empty(0, device=here))
         except Exception as e:  # a device this torch cannot reach
             raise LayoutError(f"moving a CUDA MoELayer failed: {e}") from None
         target = moved.device if isinstance(moved, torch.Tensor) else here
-        if target == here:
-            return self
-        if target.type != "cuda":
+        if target != here and target.type != "cuda":
             raise LayoutError(
                 f"a CUDA MoELayer cannot move to {target}: build a CPU layer with "
                 "MoELayer.from_checkpoint(path, layer) instead"
             )
-        return torch.nn.Module._apply(self, lambda t: t.to(target), recurse)  # type: ignore[no-any-return]
+        kernel = {id(getattr(self, name)) for name in self._tensor_names}
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(target) if id(t) in kernel else fn(t)
+
+        return torch.nn.Module._apply(self, move, recurse)  # type: ignore[no-any-return]
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """Softmax top-k routing and the routed experts, on the GPU."""
@@ -123,7 +127,7 @@ class CudaMoELayer(MoELayer):
         return out
 
     def extra_repr(self) -> str:
-        where = next(iter(self.buffers())).device
+        where = self.w13.device  # a buffer: nn.Module types it loosely
         return (
             f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
             f"method={self.method}, device={where}"
