@@ -902,3 +902,107 @@ def test_weight_only_from_tensors_on_cuda_equals_the_checkpoint_marlin_layer(
     _validate_only(monkeypatch)
     with pytest.raises(_Validated):
         ours(torch.randn(3, ours.hidden_size).to(torch.bfloat16), torch.randn(3, ours.num_experts))
+
+
+_CUDA_FREEZING_SCRIPT = r"""
+import sys, torch, moeq_rs as mq
+import torch._inductor.config as ic
+from moeq_rs import moe
+from moeq_rs.cuda_layer import from_tensors_on_cuda
+ic.freezing = True
+def launcher(x, routing, w13, w13_scale, w2, w2_scale, **kw):
+    # Stands in for the GPU launch (no GPU here): depends on this layer's weights.
+    return x * w13_scale.sum()
+mq.cuda.w8a8_moe = launcher
+def layer(seed):
+    g = torch.Generator().manual_seed(seed)
+    p = moe._parse_tensors(
+        torch.randint(-127, 128, (4, 64, 64), dtype=torch.int8, generator=g),
+        torch.randint(-127, 128, (4, 64, 32), dtype=torch.int8, generator=g),
+        torch.rand(4, 64, generator=g), torch.rand(4, 64, generator=g),
+        "w8a8_dynamic", -1, None, None, None, None, 2, True)
+    return from_tensors_on_cuda(torch.device("cpu"), p)
+x, r = torch.randn(3, 64), torch.randn(3, 4)
+w, ids = torch.rand(3, 2), torch.randint(0, 4, (3, 2))
+with torch.no_grad():
+    for seed in map(int, sys.argv[1:]):
+        m = layer(seed)
+        assert torch.equal(torch.compile(m, fullgraph=True)(x, r), m(x, r)), seed
+        topk = torch.compile(m.forward_topk, fullgraph=True)(x, w, ids)
+        assert torch.equal(topk, m.forward_topk(x, w, ids)), seed
+print("ok")
+"""
+
+
+def test_cuda_layer_under_inductor_freezing_runs_its_own_weights(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """As for the CPU layer: under inductor's freezing the compiled CUDA layer passes its handle
+    as a literal, so a second layer of the same shapes is not served the first one's graph
+    (and weights) from the FX graph cache; also in a fresh process sharing the cache. (Found
+    by review: the CUDA layer passed the handle tensor, and the second layer ran the first
+    one's weights.)"""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    for seeds in (["1", "2"], ["2"]):
+        r = subprocess.run(
+            [sys.executable, "-c", _CUDA_FREEZING_SCRIPT, *seeds],
+            capture_output=True, text=True, env=env, timeout=600,
+        )  # fmt: skip
+        assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("side", ["w13", "w2"])
+def test_weight_only_from_tensors_on_cuda_with_one_sides_zero_points(side: str) -> None:
+    """A zero point given for one projection only: the CPU layer reads the other as symmetric,
+    and so does the CUDA build (zero points of 0 there; the kernel takes both or neither). It
+    dropped a lone w2 zero point and failed with an AttributeError on a lone w13 one."""
+    import torch
+
+    from moeq_rs.cuda_layer import from_tensors_on_cuda
+
+    g = torch.Generator().manual_seed(3)
+    e, h, i, gs = 2, 128, 64, 32
+    w13 = torch.randint(-(2**31), 2**31 - 1, (e, 2 * i, h // 8), dtype=torch.int32, generator=g)
+    w2 = torch.randint(-(2**31), 2**31 - 1, (e, h, i // 8), dtype=torch.int32, generator=g)
+    s13, s2 = torch.rand(e, 2 * i, h // gs) + 0.5, torch.rand(e, h, i // gs) + 0.5
+    zp = {
+        "w13": torch.randint(-8, 8, (e, 2 * i, h // gs), dtype=torch.int8, generator=g),
+        "w2": torch.randint(-8, 8, (e, h, i // gs), dtype=torch.int8, generator=g),
+    }
+    other = "w2" if side == "w13" else "w13"
+    lone = {f"{side}_zero_point": zp[side]}
+    explicit = {**lone, f"{other}_zero_point": torch.zeros_like(zp[other])}
+    args = (w13, w2, s13, s2)
+    built = [
+        from_tensors_on_cuda(
+            torch.device("cpu"), _parsed(*args, scheme="w4a16", group_size=gs, top_k=1, **kw)
+        )
+        for kw in (lone, explicit)
+    ]
+    a, b = (dict(m.named_buffers()) for m in built)
+    assert set(a) == set(b) and {"w13_zero_point", "w2_zero_point"} <= set(a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    # And the CPU layer agrees that the lone zero point counts and the other side is symmetric.
+    x, w, ids = torch.randn(3, h), torch.ones(3, 1), torch.zeros(3, 1, dtype=torch.int64)
+    cpu = [
+        mq.MoELayer.from_tensors(*args, scheme="w4a16", group_size=gs, top_k=1, **kw)
+        for kw in (lone, explicit, {})
+    ]
+    outs = [m.forward_topk(x, w, ids) for m in cpu]
+    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+
+
+def test_w8a8_from_tensors_on_cuda_checks_the_kernels_geometry_when_built() -> None:
+    import torch
+
+    from moeq_rs.cuda_layer import from_tensors_on_cuda
+
+    e, h, i = 3, 64, 30
+    w13 = torch.zeros(e, 2 * i, h, dtype=torch.int8)
+    w2 = torch.zeros(e, h, i, dtype=torch.int8)
+    s13, s2 = torch.ones(e, 2 * i, 1), torch.ones(e, h, 1)
+    p = _parsed(w13, w2, s13, s2, scheme="w8a8_dynamic", top_k=1)
+    with pytest.raises(mq.LayoutError, match=r"multiples of 4.*I=30"):
+        from_tensors_on_cuda(torch.device("cpu"), p)

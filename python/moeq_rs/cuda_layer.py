@@ -93,7 +93,10 @@ class CudaMoELayer(MoELayer):
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """Softmax top-k routing and the routed experts, on the GPU."""
         if torch.compiler.is_compiling() or torch.jit.is_tracing():
-            return torch.ops.moeq.moe_forward(hidden_states, router_logits, self._handle)
+            # _op_handle: a literal under inductor's freezing, whose FX graph cache otherwise
+            # served a second layer of the same shapes the first one's graph and weights.
+            handle = self._op_handle(hidden_states)
+            return torch.ops.moeq.moe_forward(hidden_states, router_logits, handle)
         return self._forward_eager(hidden_states, router_logits)
 
     def forward_topk(
@@ -102,7 +105,7 @@ class CudaMoELayer(MoELayer):
         """``sum_k topk_weights[t, k] * expert[topk_ids[t, k]](x_t)``: routed experts only."""
         if torch.compiler.is_compiling() or torch.jit.is_tracing():
             return torch.ops.moeq.moe_forward_topk(
-                hidden_states, topk_weights, topk_ids, self._handle
+                hidden_states, topk_weights, topk_ids, self._op_handle(hidden_states)
             )
         return self._forward_topk_eager(hidden_states, topk_weights, topk_ids)
 
@@ -155,6 +158,12 @@ def from_tensors_on_cuda(device: torch.device, p: dict[str, Any]) -> CudaMoELaye
                 k: torch.from_numpy(v).to(device) if isinstance(v, np.ndarray) else v
                 for k, v in marlin_options.items()
             },
+        )
+    k = p["top_k"]
+    if h % 4 or i % 4 or e > 1024 or k > 64:
+        raise LayoutError(
+            f"w13/w2: the CUDA W8A8 kernels take H and I multiples of 4, at most 1024 experts and "
+            f"top_k <= 64 (H={h}, I={i}, E={e}, top_k={k})"
         )
     if p["groups"] != (1, 1):
         raise UnsupportedSchemeError(
@@ -265,11 +274,15 @@ def _marlin_tensors(p: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str,
     }
     options: dict[str, Any] = {"num_bits": bits, "group_size": gs, "intermediate_size": i}
     zp13, zp2 = p["w13_zero_point"], p["w2_zero_point"]
-    if zp13[0] is not None or zp13[1] is not None:
+    if any(z is not None for z in (*zp13, *zp2)):
 
         def zp_codes(zp: tuple[Any, Any], n: int, groups: int, name: str) -> np.ndarray:
-            """``[E, groups, n]`` unsigned 4-bit codes (zero point + 8)."""
+            """``[E, groups, n]`` unsigned 4-bit codes (zero point + 8); zero points of 0 where
+            only the other projection has them (the CPU layer reads the missing side as
+            symmetric; the kernel takes zero points for both or neither)."""
             signed, packed = zp
+            if signed is None and packed is None:
+                return np.full((e, groups, n), 8, np.uint32)
             if packed is not None:
                 words = packed.reshape(e, -(-n // 8), 1, groups)
                 shifts = (np.arange(8, dtype=np.uint32) * 4)[None, None, :, None]
