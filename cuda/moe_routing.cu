@@ -1,8 +1,11 @@
 // Router: softmax over E logits per token, top-k, optional renormalisation of the k weights.
 // One warp per token (E <= 4096, k <= 64): lanes stride the experts, and each of the k rounds
 // is a warp-wide argmax over the experts ranked below the previous round's pick, so no lane
-// keeps a list of taken experts. The ranking is the CPU path's (and torch.topk's): NaN above
-// every number (an earlier NaN first), then larger values, ties to the lower expert index.
+// keeps a list of taken experts. Experts are ranked by their softmax scores, as the CPU path
+// (and vLLM) rank them, with the CPU path's order (torch.topk's): NaN above every number (an
+// earlier NaN first), then larger scores, ties to the lower expert index. (Ranked by the raw
+// logits, a row holding a NaN, whose scores are all NaN, picked its NaN expert first where the
+// CPU picks experts 0, 1, ...; scores that underflow to 0 tied differently too.)
 // (One thread per token, reading its own earlier picks back from global memory for every
 // expert, took 178 us for one token of Qwen3-30B-A3B's 128 experts on an H200.)
 
@@ -36,7 +39,7 @@ extern "C" __global__ void moe_softmax_topk(const float* __restrict__ logits, in
         float best_v = 0.f;
         int best_i = -1;
         for (int e = lane; e < experts; e += 32) {
-            float v = l[e];
+            float v = expf(l[e] - mx) / denom;
             bool below = prev_i < 0 || moeq_ranks_above(prev_v, prev_i, v, e);
             if (below && (best_i < 0 || moeq_ranks_above(v, e, best_v, best_i))) {
                 best_v = v;
@@ -51,8 +54,8 @@ extern "C" __global__ void moe_softmax_topk(const float* __restrict__ logits, in
                 best_i = oi;
             }
         }
-        // Every lane now holds the same pick (k <= experts, so there is one).
-        float w = expf(best_v - mx) / denom;
+        // Every lane now holds the same pick (k <= experts, so there is one), and its score.
+        float w = best_v;
         if (lane == 0) {
             topk_ids[t * k + j] = best_i;
             topk_weights[t * k + j] = w;
