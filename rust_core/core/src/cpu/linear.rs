@@ -427,13 +427,12 @@ pub fn transpose(yt: &[f32], n: usize, m: usize) -> Vec<f32> {
     y
 }
 
-/// Output rows per task of [`transpose_into`], and the columns of one block.
+/// Output rows per task of [`transpose_into`].
 const TRANSPOSE_ROWS: usize = 8;
-const TRANSPOSE_COLS: usize = 64;
 
-/// `yt` (`[n, m]`) transposed into `y` (`[m, n]`), in blocks of 8 output rows by 64 columns
-/// (each block's source lines and destination lines stay in L1), the row blocks spread over
-/// the pool. A plain element loop, run on the calling thread, was a third of Mixtral's T=1024
+/// `yt` (`[n, m]`) transposed into `y` (`[m, n]`) in tasks of 8 output rows spread over the
+/// pool: each source column gives 8 contiguous values, written to the 8 rows' lines, which stay
+/// in L1. A plain element loop, run on the calling thread, was a third of Mixtral's T=1024
 /// forward on 16 threads (66 of 221 ms for the output; the down projection's input another
 /// large part), where fewer experts than threads take the panel path.
 pub fn transpose_into(yt: &[f32], n: usize, m: usize, y: &mut [f32]) {
@@ -446,12 +445,10 @@ pub fn transpose_into(yt: &[f32], n: usize, m: usize, y: &mut [f32]) {
         .for_each(|(c, out)| {
             let r0 = c * TRANSPOSE_ROWS;
             let rows = out.len() / n;
-            for j0 in (0..n).step_by(TRANSPOSE_COLS) {
-                for j in j0..(j0 + TRANSPOSE_COLS).min(n) {
-                    let src = &yt[j * m + r0..j * m + r0 + rows];
-                    for (rr, &v) in src.iter().enumerate() {
-                        out[rr * n + j] = v;
-                    }
+            for j in 0..n {
+                let src = &yt[j * m + r0..j * m + r0 + rows];
+                for (rr, &v) in src.iter().enumerate() {
+                    out[rr * n + j] = v;
                 }
             }
         });
