@@ -141,25 +141,32 @@ def from_tensors_on_cuda(device: torch.device, p: dict[str, Any]) -> CudaMoELaye
     """``MoELayer.from_tensors(..., device="cuda")`` from its checked arguments (``p``, as
     ``moe._parse_tensors`` reads them): the W8A8 launcher's tensors, or a weight-only layer's in
     the Marlin layout (:func:`_marlin_tensors`), on ``device``."""
+    scheme, e, h = p["scheme"], p["experts"], p["hidden"]
+    if scheme.startswith("w8a8"):
+        method, (tensors, options) = "w8a8_int8", _w8a8_tensors(p)
+    else:
+        method, (tensors, options) = "wna16", _marlin_tensors(p)
+    return CudaMoELayer(
+        layer=None,
+        method=method,
+        hidden_size=h,
+        num_experts=e,
+        top_k=p["top_k"],
+        renormalize=p["renormalize"],
+        tensors={k: torch.from_numpy(v).to(device) for k, v in tensors.items()},
+        options={
+            k: torch.from_numpy(v).to(device) if isinstance(v, np.ndarray) else v
+            for k, v in options.items()
+        },
+    )
+
+
+def _w8a8_tensors(p: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """A W8A8 layer's ``from_tensors`` arguments as the W8A8 launcher takes them: int8 weights,
+    fp32 ``[E, N]`` per-channel scales, static scales ``[E]`` (finite and positive)."""
     from .errors import UnsupportedSchemeError
 
-    scheme, e, h, i = p["scheme"], p["experts"], p["hidden"], p["intermediate"]
-    if not scheme.startswith("w8a8"):
-        marlin, marlin_options = _marlin_tensors(p)
-        return CudaMoELayer(
-            layer=None,
-            method="wna16",
-            hidden_size=h,
-            num_experts=e,
-            top_k=p["top_k"],
-            renormalize=p["renormalize"],
-            tensors={k: torch.from_numpy(v).to(device) for k, v in marlin.items()},
-            options={
-                k: torch.from_numpy(v).to(device) if isinstance(v, np.ndarray) else v
-                for k, v in marlin_options.items()
-            },
-        )
-    k = p["top_k"]
+    e, h, i, k = p["experts"], p["hidden"], p["intermediate"], p["top_k"]
     if h % 4 or i % 4 or e > 1024 or k > 64:
         raise LayoutError(
             f"w13/w2: the CUDA W8A8 kernels take H and I multiples of 4, at most 1024 experts and "
@@ -170,17 +177,14 @@ def from_tensors_on_cuda(device: torch.device, p: dict[str, Any]) -> CudaMoELaye
             f"group_size {p['group_size']}: the CUDA W8A8 kernels take per-channel weight scales "
             "(group_size=-1)"
         )
-
-    def on(a: Any, *shape: int) -> torch.Tensor:
-        return torch.from_numpy(a).reshape(shape).to(device).contiguous()
-
     tensors = {
-        "w13": on(p["w13"], e, 2 * i, h),
-        "w13_scale": on(p["w13_scale"], e, 2 * i),
-        "w2": on(p["w2"], e, h, i),
-        "w2_scale": on(p["w2_scale"], e, h),
+        "w13": p["w13"].reshape(e, 2 * i, h),
+        "w13_scale": p["w13_scale"].reshape(e, 2 * i),
+        "w2": p["w2"].reshape(e, h, i),
+        "w2_scale": p["w2_scale"].reshape(e, h),
     }
     static = p["a13_scale"] is not None
+    options: dict[str, Any] = {"a13_scale": None, "a2_scale": None}
     for name in ("a13_scale", "a2_scale") if static else ():
         for j, v in enumerate(p[name].tolist()):
             # As the CPU layer refuses them: zero has no codes to give, a negative scale flips
@@ -191,20 +195,8 @@ def from_tensors_on_cuda(device: torch.device, p: dict[str, Any]) -> CudaMoELaye
                 raise LayoutError(
                     f"{name}: expert {j} is {v}; static activation scales must be positive"
                 )
-    options = {
-        "a13_scale": on(p["a13_scale"], e) if static else None,
-        "a2_scale": on(p["a2_scale"], e) if static else None,
-    }
-    return CudaMoELayer(
-        layer=None,
-        method="w8a8_int8",
-        hidden_size=h,
-        num_experts=e,
-        top_k=p["top_k"],
-        renormalize=p["renormalize"],
-        tensors=tensors,
-        options=options,
-    )
+        options[name] = np.ascontiguousarray(p[name])
+    return tensors, options
 
 
 def _gptq_words(codes: np.ndarray, bits: int) -> np.ndarray:
