@@ -105,6 +105,27 @@ def _launch(
 _DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
 
+def _torch_dtype(dt: str) -> Any:
+    """The torch dtype of a kernel variant's suffix (``"bf16"`` -> ``torch.bfloat16``)."""
+    import torch
+
+    return getattr(torch, next(name for name, suffix in _DTYPES.items() if suffix == dt))
+
+
+def _require_visible_cuda(dev: Any, shown: str) -> None:
+    """:class:`moeq_rs.CudaUnavailableError` unless torch sees CUDA device ``dev``; ``shown``
+    names it in the message."""
+    import torch
+
+    from .errors import CudaUnavailableError
+
+    if not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count():
+        raise CudaUnavailableError(
+            f"{shown}: torch sees {torch.cuda.device_count()} CUDA device(s) "
+            "(no driver, or no such GPU)"
+        )
+
+
 def _check_cuda_tensors(x: Any, tensors: dict[str, Any]) -> None:
     """CUDA, on hidden_states' device, contiguous."""
     import torch
@@ -262,8 +283,7 @@ class _Routed:
     def silu_and_mul(self, gu: Any, inter: int, dt: str) -> Any:
         import torch
 
-        dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dt]
-        act = torch.empty(self.slots, inter, dtype=dtype, device=self.x.device)
+        act = torch.empty(self.slots, inter, dtype=_torch_dtype(dt), device=self.x.device)
         self.launch(
             f"moe_act_{dt}",
             f"silu_and_mul_{dt}",
@@ -419,8 +439,7 @@ def w8a8_moe(
         return q, s
 
     def grouped_gemm(q: Any, s: Any, w: Any, ws: Any, n: int, k: int, odt: str) -> Any:
-        dtype = torch.float32 if odt == "f32" else x.dtype
-        out = torch.empty(slots, n, dtype=dtype, device=x.device)
+        out = torch.empty(slots, n, dtype=_torch_dtype(odt), device=x.device)
         if gemm == "imma":
             r.launch(
                 f"w8a8_imma_{odt}",
@@ -764,7 +783,7 @@ def load_moe_layer(path_or_checkpoint: Any, layer: int, device: Any = "cuda") ->
     import torch
 
     from .checkpoint import as_checkpoint
-    from .errors import CudaUnavailableError, LayoutError, UnsupportedSchemeError
+    from .errors import LayoutError, UnsupportedSchemeError
     from .moe import warn_unchecked_family
 
     ckpt = as_checkpoint(path_or_checkpoint)
@@ -814,13 +833,8 @@ def load_moe_layer(path_or_checkpoint: Any, layer: int, device: Any = "cuda") ->
         raise LayoutError(f"device: {device!r} is not a torch device ({e})") from None
     # Checked here: moving the weights would otherwise raise torch's own RuntimeError. (A CPU
     # device builds the module with its launch arguments, for tests; its forward needs a GPU.)
-    if dev.type == "cuda" and (
-        not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()
-    ):
-        raise CudaUnavailableError(
-            f"device {str(dev)!r}: torch sees {torch.cuda.device_count()} CUDA device(s) "
-            "(no driver, or no such GPU)"
-        )
+    if dev.type == "cuda":
+        _require_visible_cuda(dev, f"device {str(dev)!r}")
     hidden_size, num_experts, method = info["hidden_size"], info["num_experts"], info["method"]
     if method == "wna16":
         geo, tensors = ckpt.marlin_layer(layer)

@@ -43,18 +43,14 @@ def _target_device(device: str | torch.device) -> torch.device:
     """``device`` as torch reads it (``"cpu"``, ``"cpu:0"``, ``torch.device("cuda", 1)``): the
     CPU, or a CUDA device torch sees (else ``CudaUnavailableError``); anything else is a device
     no kernel runs on."""
-    from .errors import CudaUnavailableError
+    from .cuda import _require_visible_cuda
 
     try:
         parsed = device if isinstance(device, torch.device) else torch.device(device)
     except (TypeError, RuntimeError, ValueError) as e:
         raise LayoutError(f"device={device!r}: not a device torch knows ({e})") from None
     if parsed.type == "cuda":
-        if not torch.cuda.is_available() or (parsed.index or 0) >= torch.cuda.device_count():
-            raise CudaUnavailableError(
-                f"device={device!r}: torch sees {torch.cuda.device_count()} CUDA device(s) "
-                "(no driver, or no such GPU)"
-            )
+        _require_visible_cuda(parsed, f"device={device!r}")
         return parsed
     if parsed.type != "cpu":
         raise LayoutError(
@@ -738,9 +734,11 @@ def from_tensors(
     if target.type == "cuda":
         from .cuda_layer import from_tensors_on_cuda
 
-        args = (w13, w2, w13_scale, w2_scale, scheme, group_size, w13_zero_point)
-        rest = (w2_zero_point, a13_scale, a2_scale, top_k, renormalize)
-        return from_tensors_on_cuda(target, _parse_tensors(*_on_cpu(*args, *rest)))
+        given = _on_cpu(
+            w13, w2, w13_scale, w2_scale, scheme, group_size, w13_zero_point, w2_zero_point,
+            a13_scale, a2_scale, top_k, renormalize,
+        )  # fmt: skip
+        return from_tensors_on_cuda(target, _parse_tensors(*given))
     return _layer_from_tensors(
         cls,
         w13,
@@ -779,9 +777,8 @@ def fused_moe(
 ) -> torch.Tensor:
     """Functional form: the weighted sum of the routed experts for raw tensors (the layer is built
     for this call, on the GPU of CUDA ``hidden_states``; build a :class:`MoELayer` once to reuse
-    it). With torch tensors (and numbers
-    for the static input scales) it runs as ``torch.ops.moeq.fused_moe``, so ``torch.compile``
-    traces it, also with ``fullgraph=True``."""
+    it). With torch tensors (and numbers for the static input scales) it runs as
+    ``torch.ops.moeq.fused_moe``, so ``torch.compile`` traces it, also with ``fullgraph=True``."""
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
         raise LayoutError(
             "topk_ids: expected a [tokens, top_k] integer tensor, got "
