@@ -76,10 +76,32 @@ impl Bytes {
 enum Codes {
     /// `[blocks][k][16]` int8 (stored as their bytes), zero past `n`.
     I8(Bytes),
-    /// `[blocks][k/2][16]` bytes, columns `2c` (low nibble) and `2c + 1` (high nibble) as
-    /// `q + 8`: half the bytes to stream when every code fits 4 bits. Used when `k` and every
-    /// group start are even, so a byte never straddles a group.
+    /// `[blocks][ceil(k/8)][64]` bytes, the stored values `q + 8`: half the bytes to stream
+    /// when every code fits 4 bits. Column pairs (`2p`, `2p + 1`) go in lines of four; see
+    /// [`nibble_at`] for where a value sits in its line. Used when `k` and every group start
+    /// are even, so a pair never straddles a group.
     U4(Bytes),
+}
+
+/// Where 4-bit storage keeps column `c` of lane `l` in its block: `(byte, shift)`, the value
+/// being `(block[byte] >> shift) & 15`. Pair `p` (columns `2p`, `2p + 1`) lies in line
+/// `p / 4` (64 bytes); read as 32 little-endian u16 words, the line's word `2l + h` holds
+/// lane `l`'s column `2p + h` in bits `4s..4s + 4`, `s = p % 4`. So one load brings four
+/// pairs, and pair `s`'s values, shifted down `4s` bits, sit in the low bits of the word
+/// (or, as u32 lanes, of the low and high half of lane `l`) that a bf16 dot product (or a
+/// lookup by lane) wants them in: a shift and a table lookup per pair, no byte shuffle.
+#[inline]
+pub(crate) fn nibble_at(c: usize, l: usize) -> (usize, u32) {
+    let (p, h) = (c / 2, c % 2);
+    (
+        (p / 4) * 64 + 2 * (2 * l + h) + (p % 4) / 2,
+        4 * (p % 2) as u32,
+    )
+}
+
+/// Bytes of a 4-bit block of `pairs` column pairs: whole 64-byte lines.
+pub(crate) fn nibble_block_len(pairs: usize) -> usize {
+    pairs.div_ceil(4) * 64
 }
 
 impl Codes {
@@ -90,12 +112,8 @@ impl Codes {
         match self {
             Codes::I8(_) => block[c * BLOCK + l] as i8,
             Codes::U4(_) => {
-                let byte = block[(c / 2) * BLOCK + l];
-                (if c.is_multiple_of(2) {
-                    byte & 15
-                } else {
-                    byte >> 4
-                }) as i8
+                let (at, shift) = nibble_at(c, l);
+                ((block[at] >> shift) & 15) as i8
             }
         }
     }
@@ -113,7 +131,7 @@ impl Codes {
     fn block_len(&self, k: usize) -> usize {
         match self {
             Codes::I8(_) => k * BLOCK,
-            Codes::U4(_) => k.div_ceil(2) * BLOCK,
+            Codes::U4(_) => nibble_block_len(k.div_ceil(2)),
         }
     }
 }
@@ -135,7 +153,10 @@ impl BlockedWo {
             && group_starts.iter().all(|g| g.is_multiple_of(2))
             && q.iter().take(n * k).all(|v| (-8..=7).contains(v));
         let mut codes = if nibbles {
-            Codes::U4(Bytes::Owned(vec![0x88; blocks * k.div_ceil(2) * BLOCK]))
+            Codes::U4(Bytes::Owned(vec![
+                0x88;
+                blocks * nibble_block_len(k.div_ceil(2))
+            ]))
         } else {
             Codes::I8(Bytes::Owned(vec![0u8; blocks * k * BLOCK]))
         };
@@ -148,13 +169,9 @@ impl BlockedWo {
                 match &mut codes {
                     Codes::I8(Bytes::Owned(d)) => d[(b * k + c) * BLOCK + l] = v as u8,
                     Codes::U4(Bytes::Owned(d)) => {
-                        let at = (b * k.div_ceil(2) + c / 2) * BLOCK + l;
-                        let nib = (v + 8) as u8;
-                        d[at] = if c.is_multiple_of(2) {
-                            (d[at] & 0xf0) | nib
-                        } else {
-                            (d[at] & 0x0f) | (nib << 4)
-                        };
+                        let (at, shift) = nibble_at(c, l);
+                        let at = b * nibble_block_len(k.div_ceil(2)) + at;
+                        d[at] = (d[at] & !(15 << shift)) | (((v + 8) as u8) << shift);
                     }
                     // Built owned just above.
                     Codes::I8(Bytes::Shared { .. }) | Codes::U4(Bytes::Shared { .. }) => {}
@@ -437,7 +454,7 @@ mod x86 {
     ///
     /// # Safety
     /// The CPU supports AVX-512F; the blocks share storage, `k` and groups; each block's
-    /// `codes.len() >= k * 16` (int8 codes) or `>= k.div_ceil(2) * 16` (nibble bytes, which
+    /// `codes.len() >= k * 16` (int8 codes) or `>= ceil(k / 8) * 64` (nibble lines, which
     /// go to `kernel4`), its `scale` (and `zp`) hold `groups * 16` values; `x.len() >= mr * k`,
     /// `sums` (when zero points exist) holds `mr * groups` values, `1 <= mr <= 8`.
     #[target_feature(enable = "avx512f")]
@@ -634,18 +651,26 @@ mod x86 {
         let values = _mm512_setr_ps(
             0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
         );
-        // Columns c and c + 1 (byte row c / 2) of every block into partial sums `ul` and `uh`.
-        let pair = |parts: &mut [[[__m512; U]; MR]; NB], c: usize, ul: usize, uh: usize| {
+        // Each block's line holding pair p (columns 2p, 2p + 1).
+        let lines = |p: usize| {
+            // SAFETY: callers pass pairs inside the group (2p + 1 < e <= k): line p / 4 lies
+            // inside each block of ceil(k / 8) * 64 bytes (stored + 8; the 8 is in the zero
+            // point).
+            cps.map(|cp| unsafe { _mm512_loadu_si512(cp.add((p / 4) * 64).cast()) })
+        };
+        // Columns c and c + 1 of every block into partial sums `ul` and `uh`, from the lines'
+        // lanes shifted down 4 * ((c / 2) % 4) bits: column c in bits 0..4, c + 1 in bits
+        // 16..20 (`super::nibble_at`).
+        let pair_of = |parts: &mut [[[__m512; U]; MR]; NB],
+                       v: [__m512i; NB],
+                       c: usize,
+                       ul: usize,
+                       uh: usize| {
             let mut lo = [_mm512_setzero_ps(); NB];
             let mut hi = [_mm512_setzero_ps(); NB];
             for b in 0..NB {
-                // SAFETY: callers pass c + 1 < e <= k: byte row c / 2 lies inside each block
-                // of ceil(k / 2) * 16 bytes (stored + 8; the 8 is in the zero point).
-                let v = unsafe {
-                    _mm512_cvtepu8_epi32(_mm_loadu_si128(cps[b].add((c / 2) * BLOCK).cast()))
-                };
-                lo[b] = _mm512_permutexvar_ps(v, values);
-                hi[b] = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), values);
+                lo[b] = _mm512_permutexvar_ps(v[b], values);
+                hi[b] = _mm512_permutexvar_ps(_mm512_srli_epi32::<16>(v[b]), values);
             }
             for r in 0..MR {
                 // SAFETY: c + 1 < e <= k: x[r * k + c] and the next lie inside row r.
@@ -661,6 +686,17 @@ mod x86 {
                     p[r][uh] = _mm512_fmadd_ps(h, xv, p[r][uh]);
                 }
             }
+        };
+        let pair = |parts: &mut [[[__m512; U]; MR]; NB], c: usize, ul: usize, uh: usize| {
+            let p = c / 2;
+            let shift = _mm_cvtsi32_si128((4 * (p % 4)) as i32);
+            pair_of(
+                parts,
+                lines(p).map(|v| _mm512_srl_epi32(v, shift)),
+                c,
+                ul,
+                uh,
+            );
         };
         for g in 0..groups {
             let (a, e) = t.bounds(g);
@@ -686,8 +722,18 @@ mod x86 {
                         _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(at + NB * block_len).cast());
                     }
                 }
-                for o in (0..batch).step_by(2) {
-                    pair(&mut parts, c + o, o % U, (o + 1) % U);
+                if NB == 1 && batch == 8 && (c / 2).is_multiple_of(4) {
+                    // One whole line: loaded once, its four pairs by constant shifts.
+                    let v = lines(c / 2);
+                    pair_of(&mut parts, v, c, 0, 1 % U);
+                    let sh = |n: u32| v.map(|v| _mm512_srl_epi32(v, _mm_cvtsi32_si128(n as i32)));
+                    pair_of(&mut parts, sh(4), c + 2, 2 % U, 3 % U);
+                    pair_of(&mut parts, sh(8), c + 4, 4 % U, 5 % U);
+                    pair_of(&mut parts, sh(12), c + 6, 6 % U, 7 % U);
+                } else {
+                    for o in (0..batch).step_by(2) {
+                        pair(&mut parts, c + o, o % U, (o + 1) % U);
+                    }
                 }
                 c += batch;
             }
@@ -792,10 +838,7 @@ mod lanes {
     /// sums, at most [`TILE_ROWS`] rows.
     fn fits(t: &Tile<'_>, x: &[f32], sums: Option<&[f32]>, mr: usize) -> bool {
         let groups = t.group_starts.len().max(1);
-        let need = match t.storage {
-            Codes::I8(_) => t.k * BLOCK,
-            Codes::U4(_) => t.k.div_ceil(2) * BLOCK,
-        };
+        let need = t.storage.block_len(t.k);
         t.codes.len() >= need
             && x.len() >= mr * t.k
             && t.scale.len() >= groups * BLOCK
@@ -1034,23 +1077,26 @@ mod avx2 {
     #[derive(Clone, Copy)]
     struct Avx2([__m256; 2]);
 
-    /// The 16 bytes at `p` zero-extended to two registers of eight 32-bit lanes (the widening
-    /// loads straight from memory, so the upper half needs no shuffle).
+    /// Pair `p`'s lanes 0..8 and 8..16 of a 4-bit block at `codes`: its line's u32 lanes
+    /// shifted down `4 * (p % 4)` bits, so column `2p` sits in bits 0..4 and `2p + 1` in bits
+    /// 16..20 (`super::nibble_at`).
     ///
     /// # Safety
-    /// AVX2; 16 readable bytes at `p`.
+    /// AVX2; line `p / 4` (64 bytes at `(p / 4) * 64`) is readable at `codes`.
     #[inline(always)]
-    unsafe fn bytes_u32(p: *const u8) -> (__m256i, __m256i) {
+    unsafe fn pair_u32(codes: *const u8, p: usize) -> (__m256i, __m256i) {
         // SAFETY: the caller's contract.
         unsafe {
+            let shift = _mm_cvtsi32_si128((4 * (p % 4)) as i32);
+            let line = codes.add((p / 4) * 64);
             (
-                _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast())),
-                _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(8).cast())),
+                _mm256_srl_epi32(_mm256_loadu_si256(line.cast()), shift),
+                _mm256_srl_epi32(_mm256_loadu_si256(line.add(32).cast()), shift),
             )
         }
     }
 
-    /// The low nibble of each zero-extended byte, as floats.
+    /// Bits 0..4 of each lane, as floats.
     ///
     /// # Safety
     /// AVX2.
@@ -1060,15 +1106,14 @@ mod avx2 {
         unsafe { _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15))) }
     }
 
-    /// The high nibble of each zero-extended byte, as floats (the lanes hold 0..=255, so a
-    /// shift alone isolates it).
+    /// Bits 16..20 of each lane, as floats.
     ///
     /// # Safety
     /// AVX2.
     #[inline(always)]
     unsafe fn nibble_hi(v: __m256i) -> __m256 {
         // SAFETY: the caller's contract (AVX2).
-        unsafe { _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v)) }
+        unsafe { nibble_lo(_mm256_srli_epi32::<16>(v)) }
     }
 
     // SAFETY (for every intrinsic call below): these operations run only inside `pass`, which
@@ -1081,8 +1126,8 @@ mod avx2 {
         }
         #[inline(always)]
         unsafe fn column(t: &Tile<'_>, c: usize) -> Self {
-            // SAFETY: the caller's contract: the 16 bytes of column c (4-bit: byte row c / 2)
-            // lie inside the block; AVX2 as in the impl's note.
+            // SAFETY: the caller's contract: the 16 bytes of column c (4-bit: the line of pair
+            // c / 2) lie inside the block; AVX2 as in the impl's note.
             unsafe {
                 match t.storage {
                     Codes::I8(_) => {
@@ -1097,7 +1142,7 @@ mod avx2 {
                         ])
                     }
                     Codes::U4(_) => {
-                        let (lo, hi) = bytes_u32(t.codes.as_ptr().add((c / 2) * BLOCK));
+                        let (lo, hi) = pair_u32(t.codes.as_ptr(), c / 2);
                         Avx2(if c.is_multiple_of(2) {
                             [nibble_lo(lo), nibble_lo(hi)]
                         } else {
@@ -1109,10 +1154,10 @@ mod avx2 {
         }
         #[inline(always)]
         unsafe fn column_pair(t: &Tile<'_>, c: usize) -> (Self, Self) {
-            // SAFETY: the caller's contract: byte row c / 2 (16 bytes) lies inside the block;
+            // SAFETY: the caller's contract: the line of pair c / 2 lies inside the block;
             // AVX2 as in the impl's note.
             unsafe {
-                let (lo, hi) = bytes_u32(t.codes.as_ptr().add((c / 2) * BLOCK));
+                let (lo, hi) = pair_u32(t.codes.as_ptr(), c / 2);
                 (
                     Avx2([nibble_lo(lo), nibble_lo(hi)]),
                     Avx2([nibble_hi(lo), nibble_hi(hi)]),
@@ -1247,16 +1292,20 @@ mod neon {
                     }
                 }
                 Codes::U4(_) => {
-                    // SAFETY: the caller's contract: byte row c / 2 lies inside the block.
+                    // Lane l of the pair's line holds column c at bit 4 * (p % 4) + 16 * (c % 2)
+                    // (`super::nibble_at`); a negative count shifts right.
+                    let p = c / 2;
+                    let shift = -((4 * (p % 4) + 16 * (c % 2)) as i32);
+                    // SAFETY: the caller's contract: the line of pair p (64 bytes at
+                    // (p / 4) * 64) lies inside the block.
                     unsafe {
-                        let v = vld1q_u8(t.codes.as_ptr().add((c / 2) * BLOCK));
-                        let nib = if c.is_multiple_of(2) {
-                            vandq_u8(v, vdupq_n_u8(15))
-                        } else {
-                            vshrq_n_u8::<4>(v)
+                        let line = t.codes.as_ptr().add((p / 4) * 64);
+                        let (count, nib) = (vdupq_n_s32(shift), vdupq_n_u32(15));
+                        let lanes = |q: usize| {
+                            let v = vld1q_u32(line.add(16 * q).cast());
+                            vcvtq_f32_u32(vandq_u32(vshlq_u32(v, count), nib))
                         };
-                        let s = vreinterpretq_s8_u8(nib);
-                        widen16(vmovl_s8(vget_low_s8(s)), vmovl_s8(vget_high_s8(s)))
+                        Neon([lanes(0), lanes(1), lanes(2), lanes(3)])
                     }
                 }
             }
@@ -1358,6 +1407,33 @@ mod tests {
         let (w, q) = sample(37, 64, 4, true);
         for j in 0..37 {
             assert_eq!(w.row(j).0, q[j * 64..(j + 1) * 64].to_vec());
+        }
+    }
+
+    /// 4-bit storage is laid out as `nibble_at` documents, read back through the words of
+    /// each 64-byte line: pair `p`'s column `2p + h`, lane `l`, is bits `4 (p % 4)..` of the
+    /// line's little-endian word `2l + h`; a partial last line pads with code 0 (stored 8).
+    #[test]
+    fn nibble_lines_hold_four_pairs_per_word() {
+        for (n, k) in [(20, 64), (16, 44), (3, 6)] {
+            let q: Vec<i8> = (0..n * k)
+                .map(|i| ((i * 7 + i / 5) % 16) as i8 - 8)
+                .collect();
+            let w = BlockedWo::new(n, k, &q, &vec![1.0; n], None, vec![0]);
+            assert!(matches!(w.codes, Codes::U4(_)));
+            let len = k.div_ceil(8) * 64;
+            assert_eq!(w.codes.bytes().len(), n.div_ceil(BLOCK) * len);
+            for j in 0..n.div_ceil(BLOCK) * BLOCK {
+                let (b, l) = (j / BLOCK, j % BLOCK);
+                for c in 0..k.div_ceil(8) * 8 {
+                    let (p, h) = (c / 2, c % 2);
+                    let at = b * len + (p / 4) * 64 + 2 * (2 * l + h);
+                    let word = u16::from_le_bytes([w.codes.bytes()[at], w.codes.bytes()[at + 1]]);
+                    let stored = (word >> (4 * (p % 4))) & 15;
+                    let want = if j < n && c < k { q[j * k + c] + 8 } else { 8 };
+                    assert_eq!(stored as i8, want, "feature {j} column {c} of {n}x{k}");
+                }
+            }
         }
     }
 

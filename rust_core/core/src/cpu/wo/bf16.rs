@@ -245,12 +245,12 @@ impl BlockedWo {
     /// rows: within one row tile (more rows reuse widened codes, which is cheaper than looking
     /// them up again for every row tile).
     fn reads_nibbles(&self, m: usize) -> bool {
-        // A 4-bit byte row is a pair when no group pads (`block_len == pairs * 16`), which
-        // 4-bit storage guarantees (even `k`, even group starts).
+        // A 4-bit pair is a tile's pair when no group pads (`block_len` is that of
+        // `pairs`), which 4-bit storage guarantees (even `k`, even group starts).
         let pairs = self.pair_offs.last().copied().unwrap_or(0);
         self.nibbles_in_registers()
             && m <= TILE_ROWS
-            && self.codes.block_len(self.k) == pairs * BLOCK
+            && self.codes.block_len(self.k) == super::nibble_block_len(pairs)
     }
 
     /// Blocks per tile of [`BlockedWo::gemm_bf16`] for `m` rows. 4-bit tiles read straight
@@ -513,7 +513,7 @@ impl BlockedWo {
             while b < end {
                 let nb = (end - b).min(tile_blocks);
                 let w = if nibbles {
-                    // 4-bit byte rows are the pairs (`len == pairs * 16`, see `reads_nibbles`).
+                    // 4-bit blocks hold exactly the tile's pairs (see `reads_nibbles`).
                     match codes.get(b * len..(b + nb) * len) {
                         Some(c) => Weights::Nibbles(c),
                         // The codes hold every block below `self.blocks()`.
@@ -610,25 +610,29 @@ impl BlockedWo {
     }
 }
 
-/// A tile's weights: widened pairs, or 4-bit byte rows read as they are stored.
+/// A tile's weights: widened pairs, or 4-bit codes read as they are stored.
 #[derive(Clone, Copy)]
 pub enum Weights<'a> {
     /// `[nb][pairs][16]` bf16 pairs.
     Wide(&'a [u32]),
-    /// `[nb][pairs][16]` bytes: low nibble column `2p`, high nibble `2p + 1` (stored values
-    /// 0..15).
+    /// `nb` blocks of 4-bit storage (`nibble_block_len(pairs)` bytes each, stored values
+    /// 0..15 laid out as `super::nibble_at` says).
     Nibbles(&'a [u8]),
 }
 
 impl Weights<'_> {
     /// Block `i`'s pair `p` for lane `l` as widened bf16 bits (`0` when out of range).
     fn pair(&self, pairs: usize, i: usize, p: usize, l: usize) -> u32 {
-        let at = (i * pairs + p) * BLOCK + l;
         match self {
-            Weights::Wide(w) => w.get(at).copied().unwrap_or(0),
-            Weights::Nibbles(c) => c.get(at).map_or(0, |&byte| {
-                code_bf16((byte & 15) as i8) | (code_bf16((byte >> 4) as i8) << 16)
-            }),
+            Weights::Wide(w) => w.get((i * pairs + p) * BLOCK + l).copied().unwrap_or(0),
+            Weights::Nibbles(c) => {
+                let value = |col: usize| {
+                    let (at, shift) = super::nibble_at(col, l);
+                    c.get(i * super::nibble_block_len(pairs) + at)
+                        .map_or(0, |&byte| code_bf16(((byte >> shift) & 15) as i8))
+                };
+                value(2 * p) | (value(2 * p + 1) << 16)
+            }
         }
     }
 }
@@ -727,17 +731,60 @@ mod x86 {
     /// The kernel for `$mr` rows (1..=8) and `$nb` blocks (a literal).
     macro_rules! rows {
         ($mr:expr, $nb:literal, $t:expr, $x:expr, $sums:expr, $out:expr, $load:expr, $pf:expr) => {
+            rows!(
+                $mr,
+                $nb,
+                $t,
+                $x,
+                $sums,
+                $out,
+                $load,
+                |i, j| four(&$load, i, j),
+                $pf
+            )
+        };
+        ($mr:expr, $nb:literal, $t:expr, $x:expr, $sums:expr, $out:expr, $load:expr, $load4:expr, $pf:expr) => {
             match $mr {
-                1 => kernel::<1, $nb, { super::unroll(1, $nb) }>($t, $x, $sums, $out, $load, $pf),
-                2 => kernel::<2, $nb, { super::unroll(2, $nb) }>($t, $x, $sums, $out, $load, $pf),
-                3 => kernel::<3, $nb, { super::unroll(3, $nb) }>($t, $x, $sums, $out, $load, $pf),
-                4 => kernel::<4, $nb, { super::unroll(4, $nb) }>($t, $x, $sums, $out, $load, $pf),
-                5 => kernel::<5, $nb, { super::unroll(5, $nb) }>($t, $x, $sums, $out, $load, $pf),
-                6 => kernel::<6, $nb, { super::unroll(6, $nb) }>($t, $x, $sums, $out, $load, $pf),
-                7 => kernel::<7, $nb, { super::unroll(7, $nb) }>($t, $x, $sums, $out, $load, $pf),
-                _ => kernel::<8, $nb, { super::unroll(8, $nb) }>($t, $x, $sums, $out, $load, $pf),
+                1 => kernel::<1, $nb, { super::unroll(1, $nb) }>(
+                    $t, $x, $sums, $out, $load, $load4, $pf,
+                ),
+                2 => kernel::<2, $nb, { super::unroll(2, $nb) }>(
+                    $t, $x, $sums, $out, $load, $load4, $pf,
+                ),
+                3 => kernel::<3, $nb, { super::unroll(3, $nb) }>(
+                    $t, $x, $sums, $out, $load, $load4, $pf,
+                ),
+                4 => kernel::<4, $nb, { super::unroll(4, $nb) }>(
+                    $t, $x, $sums, $out, $load, $load4, $pf,
+                ),
+                5 => kernel::<5, $nb, { super::unroll(5, $nb) }>(
+                    $t, $x, $sums, $out, $load, $load4, $pf,
+                ),
+                6 => kernel::<6, $nb, { super::unroll(6, $nb) }>(
+                    $t, $x, $sums, $out, $load, $load4, $pf,
+                ),
+                7 => kernel::<7, $nb, { super::unroll(7, $nb) }>(
+                    $t, $x, $sums, $out, $load, $load4, $pf,
+                ),
+                _ => kernel::<8, $nb, { super::unroll(8, $nb) }>(
+                    $t, $x, $sums, $out, $load, $load4, $pf,
+                ),
             }
         };
+    }
+
+    /// Pair `p`'s u32 lanes in a 4-bit block at `codes`: its line shifted down
+    /// `4 * (p % 4)` bits, column `2p` in bits 0..4 and `2p + 1` in bits 16..20 of lane `l`
+    /// (`super::super::nibble_at`).
+    ///
+    /// # Safety
+    /// AVX-512F; line `p / 4` (64 bytes at `(p / 4) * 64`) is readable at `codes`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn pair_lanes(codes: *const u8, p: usize) -> __m512i {
+        // SAFETY: the caller's contract.
+        let line = unsafe { _mm512_loadu_si512(codes.add((p / 4) * 64).cast()) };
+        _mm512_srl_epi32(line, _mm_cvtsi32_si128((4 * (p % 4)) as i32))
     }
 
     /// Widens one block (see [`BlockedWo::widen_scalar`]).
@@ -780,12 +827,13 @@ mod x86 {
                             pair(lo, hi)
                         }
                         // 4-bit storage has even group starts and even k: c + 1 < e always,
-                        // and columns c, c + 1 share byte row c / 2.
+                        // and columns c, c + 1 are pair c / 2.
                         Codes::U4(_) => {
-                            let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                                bp.add((c / 2) * BLOCK).cast(),
-                            ));
-                            pair(_mm512_and_si512(v, nib), _mm512_srli_epi32::<4>(v))
+                            let v = pair_lanes(bp, c / 2);
+                            pair(
+                                _mm512_and_si512(v, nib),
+                                _mm512_and_si512(_mm512_srli_epi32::<16>(v), nib),
+                            )
                         }
                     };
                     _mm512_storeu_si512(op.add((first + j) * BLOCK).cast(), v);
@@ -863,12 +911,13 @@ mod x86 {
                             };
                             (dq(lo), hi)
                         }
-                        // Even group starts and k: columns c, c + 1 share byte row c / 2.
+                        // Even group starts and k: columns c, c + 1 are pair c / 2.
                         Codes::U4(_) => {
-                            let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                                bp.add((c / 2) * BLOCK).cast(),
-                            ));
-                            (dq(_mm512_and_si512(v, nib)), dq(_mm512_srli_epi32::<4>(v)))
+                            let v = pair_lanes(bp, c / 2);
+                            (
+                                dq(_mm512_and_si512(v, nib)),
+                                dq(_mm512_and_si512(_mm512_srli_epi32::<16>(v), nib)),
+                            )
                         }
                     };
                     // SAFETY: __m512bh and __m512i are both 64 bytes of plain bits.
@@ -918,38 +967,85 @@ mod x86 {
                 }
             }
             Weights::Nibbles(c) => {
-                let cp = c.as_ptr();
-                // SAFETY: the table is 32 u16, one 64-byte load.
-                let table = unsafe { _mm512_loadu_si512(super::NIBBLE_BF16.as_ptr().cast()) };
-                let load = |i: usize, j: usize| {
-                    let at = (i * p + j) * BLOCK;
-                    // Lane l: the byte (low nibble column 2j, high 2j + 1) zero-extended;
-                    // `| v << 12` also puts the high nibble at bit 16 for the second word.
-                    // (VBMI's `vpmultishiftqb` in place of the shift and or measured no faster
-                    // hot and 10-15% slower streaming cold weights.)
-                    // SAFETY: the kernel calls this with i < nb, j < pairs: the 16 bytes at
-                    // (i * pairs + j) * 16 lie inside the tile's codes.
-                    let v = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(cp.add(at).cast()) });
-                    _mm512_permutexvar_epi16(_mm512_or_si512(v, _mm512_slli_epi32::<12>(v)), table)
-                };
-                // The 64-byte line `PF_DIST` ahead of pair j in the code stream (blocks are
-                // contiguous, so it runs on into the next block); the address is formed with
-                // wrapping_add and a prefetch never faults.
-                let pf = |i: usize, j: usize| {
-                    _mm_prefetch::<_MM_HINT_T0>(
-                        cp.wrapping_add((i * p + j) * BLOCK + PF_DIST).cast(),
-                    );
-                };
-                // SAFETY: the caller's contract is each kernel's contract.
-                unsafe {
-                    if nb >= 2 {
-                        rows!(mr, 2, t, x, sums, out, load, pf)
-                    } else {
-                        rows!(mr, 1, t, x, sums, out, load, pf)
-                    }
-                }
+                // SAFETY: the caller's contract is `nibble_lines`'.
+                unsafe { nibble_lines(t, c, x, sums, mr, nb, out) }
             }
         }
+    }
+
+    /// [`tile`] for 4-bit codes, read as they are stored (`super::super::nibble_at`): pair
+    /// `j`'s bf16 words are its line, shifted down `4 * (j % 4)` bits, through the nibble
+    /// table (a shift and a word lookup per pair; four pairs share a line's load). Decoding
+    /// each pair from a byte row (a widening, a shift, an or and the lookup) made the tile
+    /// slower than memory at one or two rows on Zen 4.
+    ///
+    /// # Safety
+    /// As [`tile`], with `c` its 4-bit codes: `nb` blocks of `nibble_block_len(t.pairs)`
+    /// bytes.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    unsafe fn nibble_lines(
+        t: &Tile<'_>,
+        c: &[u8],
+        x: &[u16],
+        sums: &[f32],
+        mr: usize,
+        nb: usize,
+        out: &mut [[[f32; BLOCK]; TILE_BLOCKS]; TILE_ROWS],
+    ) {
+        let stride = super::super::nibble_block_len(t.pairs);
+        let cp = c.as_ptr();
+        // SAFETY: the table is 32 u16, one 64-byte load.
+        let table = unsafe { _mm512_loadu_si512(super::NIBBLE_BF16.as_ptr().cast()) };
+        // The line holding pair j of block i.
+        let line = |i: usize, j: usize| {
+            // SAFETY: the kernel calls this with i < nb, j < pairs: the line of pair j,
+            // (j / 4) * 64 bytes into block i, lies inside the tile's codes.
+            unsafe { _mm512_loadu_si512(cp.add(i * stride + (j / 4) * 64).cast()) }
+        };
+        // The word lookup reads 5 index bits and the table repeats every 16 words, so the
+        // next nibble's low bit above the value does not matter.
+        let look = |v: __m512i| _mm512_permutexvar_epi16(v, table);
+        let load = |i: usize, j: usize| {
+            look(_mm512_srl_epi16(
+                line(i, j),
+                _mm_cvtsi32_si128((4 * (j % 4)) as i32),
+            ))
+        };
+        let load4 = |i: usize, j: usize| {
+            if j.is_multiple_of(4) {
+                let v = line(i, j);
+                [
+                    look(v),
+                    look(_mm512_srli_epi16::<4>(v)),
+                    look(_mm512_srli_epi16::<8>(v)),
+                    look(_mm512_srli_epi16::<12>(v)),
+                ]
+            } else {
+                four(&load, i, j)
+            }
+        };
+        // The line `PF_DIST` bytes ahead of pair j's in the code stream (blocks are
+        // contiguous, so it runs on into the next block); the address is formed with
+        // wrapping_add and a prefetch never faults.
+        let pf = |i: usize, j: usize| {
+            _mm_prefetch::<_MM_HINT_T0>(
+                cp.wrapping_add(i * stride + (j / 4) * 64 + PF_DIST).cast(),
+            );
+        };
+        // SAFETY: the caller's contract is each kernel's contract.
+        unsafe {
+            if nb >= 2 {
+                rows!(mr, 2, t, x, sums, out, load, load4, pf)
+            } else {
+                rows!(mr, 1, t, x, sums, out, load, load4, pf)
+            }
+        }
+    }
+
+    /// Pairs `j..j + 4` of block `i`, one `load` each.
+    #[inline(always)]
+    fn four(load: &impl Fn(usize, usize) -> __m512i, i: usize, j: usize) -> [__m512i; 4] {
+        [load(i, j), load(i, j + 1), load(i, j + 2), load(i, j + 3)]
     }
 
     /// How far ahead (bytes) a 4-bit code stream is prefetched.
@@ -966,6 +1062,7 @@ mod x86 {
         sums: &[f32],
         out: &mut [[[f32; BLOCK]; TILE_BLOCKS]; TILE_ROWS],
         load: impl Fn(usize, usize) -> __m512i,
+        load4: impl Fn(usize, usize) -> [__m512i; 4],
         pf: impl Fn(usize, usize),
     ) {
         let groups = t.offs.len() - 1;
@@ -998,23 +1095,27 @@ mod x86 {
         // The running totals live in `out` (L1), not registers: with them the group
         // accumulators would not fit in the 32 vector registers. Each group adds to them once.
         // Pair j into partial sum u of every (row, block).
+        let step_with =
+            |parts: &mut [[[__m512; U]; NB]; MR], w: [__m512i; NB], j: usize, u: usize| {
+                for (r, a) in parts.iter_mut().enumerate() {
+                    // SAFETY: j < pairs and r < MR: the two bf16 at 2 * (j * MR + r) (this row's
+                    // pair j in the tile's `[pairs][MR]` layout) lie inside `x` (read unaligned).
+                    let pair = unsafe { xp.add(2 * (j * MR + r)).cast::<i32>().read_unaligned() };
+                    // SAFETY: __m512i and __m512bh are both 64-byte vectors of plain bits.
+                    let xv: __m512bh = unsafe { std::mem::transmute(_mm512_set1_epi32(pair)) };
+                    for (ai, wi) in a.iter_mut().zip(&w) {
+                        // SAFETY: as above.
+                        let wb = unsafe { std::mem::transmute::<__m512i, __m512bh>(*wi) };
+                        ai[u] = _mm512_dpbf16_ps(ai[u], wb, xv);
+                    }
+                }
+            };
         let step = |parts: &mut [[[__m512; U]; NB]; MR], j: usize, u: usize| {
             let mut w = [_mm512_setzero_si512(); NB];
             for (i, wi) in w.iter_mut().enumerate() {
                 *wi = load(i, j);
             }
-            for (r, a) in parts.iter_mut().enumerate() {
-                // SAFETY: j < pairs and r < MR: the two bf16 at 2 * (j * MR + r) (this row's
-                // pair j in the tile's `[pairs][MR]` layout) lie inside `x` (read unaligned).
-                let pair = unsafe { xp.add(2 * (j * MR + r)).cast::<i32>().read_unaligned() };
-                // SAFETY: __m512i and __m512bh are both 64-byte vectors of plain bits.
-                let xv: __m512bh = unsafe { std::mem::transmute(_mm512_set1_epi32(pair)) };
-                for (ai, wi) in a.iter_mut().zip(&w) {
-                    // SAFETY: as above.
-                    let wb = unsafe { std::mem::transmute::<__m512i, __m512bh>(*wi) };
-                    ai[u] = _mm512_dpbf16_ps(ai[u], wb, xv);
-                }
-            }
+            step_with(parts, w, j, u);
         };
         for g in t.groups.0..t.groups.1.min(groups) {
             let (first, end) = (t.offs[g], t.offs[g + 1]);
@@ -1033,8 +1134,19 @@ mod x86 {
                         pf(i, j + q);
                     }
                 }
-                for q in 0..batch {
-                    step(&mut parts, j + q, q % U);
+                // Four pairs (a 64-byte line of 4-bit codes) are loaded at once.
+                for q in (0..batch).step_by(4) {
+                    let mut w4 = [[_mm512_setzero_si512(); 4]; NB];
+                    for (i, wi) in w4.iter_mut().enumerate() {
+                        *wi = load4(i, j + q);
+                    }
+                    for s in 0..4 {
+                        let mut w = [_mm512_setzero_si512(); NB];
+                        for (wi, w4i) in w.iter_mut().zip(&w4) {
+                            *wi = w4i[s];
+                        }
+                        step_with(&mut parts, w, j + q + s, (q + s) % U);
+                    }
                 }
                 j += batch;
             }
@@ -1429,7 +1541,7 @@ mod tests {
             let offs = w.pair_offsets();
             let (g, pairs) = (w.groups(), offs[w.groups()]);
             let len = w.codes.block_len(k);
-            assert_eq!(len, pairs * BLOCK);
+            assert_eq!(len, super::super::nibble_block_len(pairs));
             let x: Vec<f32> = (0..m * k).map(|i| (i % 13) as f32 / 5.0 - 1.0).collect();
             let xb = w.bf16_rows(&x, m);
             for b in 0..w.blocks() {
