@@ -24,6 +24,9 @@ pub const TILE_ROWS: usize = 8;
 /// prefetch reads one block after another).
 const PAIR_ROWS: usize = 3;
 
+/// Blocks of zero points a symmetric 4-bit layer keeps (the most any tile reads at once).
+const UNIFORM_ZP_BLOCKS: usize = 2;
+
 #[derive(Clone, Debug)]
 pub struct BlockedWo {
     pub n: usize,
@@ -32,7 +35,10 @@ pub struct BlockedWo {
     /// `[blocks][groups][16]`
     scale: Vec<f32>,
     /// `[blocks][groups][16]`: the zero point, plus 8 for 4-bit storage (whose stored values
-    /// are code + 8); absent for symmetric int8 storage.
+    /// are code + 8); absent for symmetric int8 storage. Symmetric 4-bit storage, whose every
+    /// value is that 8, keeps only [`UNIFORM_ZP_BLOCKS`] blocks of it, which every block
+    /// reads ([`BlockedWo::zp_blocks`]): the tiles then stream no zero points (at one row and
+    /// groups of 128, 6% of a 4-bit layer's bytes).
     zp: Option<Vec<f32>>,
     /// The scheme has zero points of its own.
     asym: bool,
@@ -162,7 +168,12 @@ impl BlockedWo {
         };
         let mut sc = vec![0f32; blocks * groups * BLOCK];
         let bias = if nibbles { 8.0 } else { 0.0 };
-        let mut zs = (zp.is_some() || nibbles).then(|| vec![bias; blocks * groups * BLOCK]);
+        let zp_blocks = if zp.is_some() {
+            blocks
+        } else {
+            blocks.min(UNIFORM_ZP_BLOCKS)
+        };
+        let mut zs = (zp.is_some() || nibbles).then(|| vec![bias; zp_blocks * groups * BLOCK]);
         for j in 0..n {
             let (b, l) = (j / BLOCK, j % BLOCK);
             for (c, &v) in q.get(j * k..(j + 1) * k).unwrap_or(&[]).iter().enumerate() {
@@ -281,6 +292,19 @@ impl BlockedWo {
         out
     }
 
+    /// The zero points of blocks `b..b + nb` (`[nb][groups][16]`): `None` without zero points,
+    /// `Some(None)` past the layer's blocks. A symmetric 4-bit layer's are the same for every
+    /// block, and every block reads the one copy kept.
+    fn zp_blocks(&self, b: usize, nb: usize) -> Option<Option<&[f32]>> {
+        let per = self.groups() * BLOCK;
+        let first = if self.asym { b } else { 0 };
+        self.zp.as_ref().map(|z| {
+            (b + nb <= self.blocks())
+                .then(|| z.get(first * per..(first + nb) * per))
+                .flatten()
+        })
+    }
+
     /// Block `b`'s codes, scales and zero points (`b < self.blocks()`).
     fn tile(&self, b: usize) -> Tile<'_> {
         let (g, len) = (self.groups(), self.codes.block_len(self.k));
@@ -288,10 +312,7 @@ impl BlockedWo {
             storage: &self.codes,
             codes: &self.codes.bytes()[b * len..(b + 1) * len],
             scale: &self.scale[b * g * BLOCK..(b + 1) * g * BLOCK],
-            zp: self
-                .zp
-                .as_ref()
-                .map(|z| &z[b * g * BLOCK..(b + 1) * g * BLOCK]),
+            zp: self.zp_blocks(b, 1).map(|z| z.unwrap_or(&[])),
             k: self.k,
             group_starts: &self.group_starts,
         }
@@ -1407,6 +1428,55 @@ mod tests {
         let (w, q) = sample(37, 64, 4, true);
         for j in 0..37 {
             assert_eq!(w.row(j).0, q[j * 64..(j + 1) * 64].to_vec());
+        }
+    }
+
+    /// A symmetric 4-bit layer keeps one tile's zero points (the storage's 8) for all its
+    /// blocks, and computes what the same layer with zero points of 0 stored per block does,
+    /// bit for bit, on every path: fp32 and bf16 tiles, one and many rows, one and two blocks.
+    #[test]
+    fn symmetric_nibbles_share_their_zero_points() {
+        let (n, k, groups) = (80, 128, 2);
+        let q: Vec<i8> = (0..n * k)
+            .map(|i| ((i * 5 + i / 7) % 16) as i8 - 8)
+            .collect();
+        let scale: Vec<f32> = (0..n * groups)
+            .map(|i| 0.01 + (i % 9) as f32 * 1e-3)
+            .collect();
+        let starts = vec![0, k / 2];
+        let sym = BlockedWo::new(n, k, &q, &scale, None, starts.clone());
+        let zeros = vec![0i8; n * groups];
+        let asym = BlockedWo::new(n, k, &q, &scale, Some(&zeros), starts);
+        assert!(matches!(sym.codes, Codes::U4(_)) && matches!(asym.codes, Codes::U4(_)));
+        let per = groups * BLOCK;
+        assert_eq!(sym.zp.as_ref().map(Vec::len), Some(UNIFORM_ZP_BLOCKS * per));
+        assert_eq!(asym.zp.as_ref().map(Vec::len), Some(sym.blocks() * per));
+        for m in [1, 2, 5, 9, 40] {
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 37) % 101) as f32 / 17.0 - 2.9)
+                .collect();
+            let run = |w: &BlockedWo, bf16: bool| {
+                let mut y = vec![f32::NAN; m * n];
+                let mut emit = |r: usize, b: usize, lanes: &[f32; BLOCK]| {
+                    for (l, &v) in lanes.iter().enumerate() {
+                        if b * BLOCK + l < n {
+                            y[r * n + b * BLOCK + l] = v;
+                        }
+                    }
+                };
+                if bf16 {
+                    w.gemm_bf16(&w.bf16_rows(&x, m), m, 0, w.blocks(), &mut emit);
+                } else {
+                    w.gemm(&x, m, 0, w.blocks(), &mut emit);
+                }
+                y
+            };
+            for bf16 in [false, true] {
+                let (a, b) = (run(&sym, bf16), run(&asym, bf16));
+                assert!(a.iter().all(|v| v.is_finite()) && a.iter().any(|v| *v != 0.0));
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a), bits(&b), "{m} rows, bf16 {bf16}");
+            }
         }
     }
 

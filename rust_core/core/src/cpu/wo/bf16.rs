@@ -396,7 +396,7 @@ impl BlockedWo {
         let per = self.groups() * BLOCK;
         let (Some(scale), zp) = (
             self.scale.get(b * per..(b + 1) * per),
-            self.zp.as_ref().and_then(|z| z.get(b * per..(b + 1) * per)),
+            self.zp_blocks(b, 1).flatten(),
         ) else {
             return;
         };
@@ -421,7 +421,7 @@ impl BlockedWo {
             let (len, per) = (self.codes.block_len(self.k), self.groups() * BLOCK);
             let block = self.codes.bytes().get(b * len..(b + 1) * len);
             let scale = self.scale.get(b * per..(b + 1) * per);
-            let zp = self.zp.as_ref().map(|z| z.get(b * per..(b + 1) * per));
+            let zp = self.zp_blocks(b, 1);
             if let (Some(block), Some(scale), None | Some(Some(_))) = (block, scale, zp) {
                 if out.len() >= offs[offs.len() - 1] * BLOCK {
                     // SAFETY: AVX-512F/BW/BF16 detected (`bf16_dot`); `block` is one whole
@@ -537,7 +537,7 @@ impl BlockedWo {
                 } else {
                     (
                         &self.scale[b * per..(b + nb) * per],
-                        self.zp.as_ref().map(|z| &z[b * per..(b + nb) * per]),
+                        self.zp_blocks(b, nb).map(|z| z.unwrap_or(&[])),
                     )
                 };
                 let t = Tile {
@@ -1273,10 +1273,7 @@ mod tests {
                         pairs: offs[g],
                         offs,
                         scale: &w.scale[b * g * BLOCK..(b + nb) * g * BLOCK],
-                        zp: w
-                            .zp
-                            .as_ref()
-                            .map(|z| &z[b * g * BLOCK..(b + nb) * g * BLOCK]),
+                        zp: w.zp_blocks(b, nb).map(|z| z.expect("blocks in range")),
                         groups: (0, g),
                         ahead: &[],
                     };
@@ -1548,9 +1545,7 @@ mod tests {
                 let mut wide = vec![0u32; pairs * BLOCK];
                 w.widen_scalar(b, offs, &mut wide);
                 let scale = &w.scale[b * g * BLOCK..(b + 1) * g * BLOCK];
-                let zp =
-                    w.zp.as_ref()
-                        .map(|z| &z[b * g * BLOCK..(b + 1) * g * BLOCK]);
+                let zp = w.zp_blocks(b, 1).map(|z| z.expect("block in range"));
                 let run = |weights| {
                     let t = Tile {
                         w: weights,
