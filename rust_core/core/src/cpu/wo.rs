@@ -353,7 +353,7 @@ impl BlockedWo {
                 if simd {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: AVX-512F detected by `isa()`; each tile's slices hold one block
-                    // of this layer (k x 16 int8 codes or ceil(k/2) x 16 nibble bytes,
+                    // of this layer (k x 16 int8 codes or ceil(k/8) x 64 nibble bytes,
                     // groups x 16 scales; a pair shares storage, k and groups) and `xs`/`ss`
                     // hold `mr` rows.
                     unsafe {
@@ -644,13 +644,13 @@ mod x86 {
         }
     }
 
-    /// The 4-bit kernel over `NB` blocks: one 16-byte load holds two columns for 16 features.
+    /// The 4-bit kernel over `NB` blocks: one 64-byte line holds four column pairs for 16 features.
     /// Columns go to the same partial sums, in the same order, as in [`kernel`] (groups start
     /// at even columns and `U` is even or 1, so a byte never straddles a chunk), hence
     /// identical results.
     ///
     /// # Safety
-    /// As [`kernel`], with each block's codes holding `ceil(k / 2) * 16` bytes and `k` even.
+    /// As [`kernel`], with each block's codes holding `ceil(k / 8) * 64` bytes and `k` even.
     #[target_feature(enable = "avx512f")]
     #[inline]
     unsafe fn kernel4<const MR: usize, const U: usize, const NB: usize>(
@@ -727,9 +727,9 @@ mod x86 {
             let mut parts = [[[_mm512_setzero_ps(); U]; MR]; NB];
             let mut c = a;
             // One block: batches of whole runs of U columns and at least the 8 columns of a
-            // 64-byte line (4 byte rows), whose prefetches (ahead in this block, and in the
-            // next) are then issued once per batch. Two blocks: batches of one byte row (or a
-            // run of U), prefetching at each line's first; with four byte rows in the loop body
+            // 64-byte line (4 pairs), whose prefetches (ahead in this block, and in the
+            // next) are then issued once per batch. Two blocks: batches of one pair (or a
+            // run of U), prefetching at each line's first; with four pairs in the loop body
             // the compiler hoisted their loads and spilled the partial sums. Column c + o goes
             // to partial o % U, as in the runs below.
             let batch = if NB > 1 { U.max(2) } else { U.max(8) };
@@ -804,13 +804,13 @@ mod lanes {
         /// The CPU has the architecture's features (the methods are meant to inline into a
         /// function compiled for them).
         unsafe fn zero() -> Self;
-        /// Column `c`'s 16 stored values as floats (4-bit: the nibble of byte row `c / 2`).
+        /// Column `c`'s 16 stored values as floats (4-bit: its nibbles in the line of pair `c / 2`).
         ///
         /// # Safety
         /// The CPU has the architecture's features; `c < t.k` and `t.codes` holds the whole
-        /// block (`k * 16` bytes, `ceil(k / 2) * 16` for 4-bit storage).
+        /// block (`k * 16` bytes, `ceil(k / 8) * 64` for 4-bit storage).
         unsafe fn column(t: &Tile<'_>, c: usize) -> Self;
-        /// Columns `c` and `c + 1` of 4-bit storage: the two nibbles of byte row `c / 2`,
+        /// Columns `c` and `c + 1` of 4-bit storage: pair `c / 2` of its line,
         /// decoded together (the default decodes each).
         ///
         /// # Safety
@@ -934,7 +934,7 @@ mod lanes {
     const PF_DIST: usize = 4096;
 
     /// [`pass`] for one storage: `NIBBLES` for 4-bit codes, whose columns go in pairs (the two
-    /// nibbles of a byte row, decoded together; groups start at even columns, see
+    /// nibbles of a pair, decoded together; groups start at even columns, see
     /// [`Codes::U4`]). Whole 64-byte lines of a block go with their partial sums known at
     /// compile time, so they stay in registers; what is left of a group goes column by column.
     /// Column `c` goes to partial sum `(c - a) % U` below `full`, to partial 0 after it, in
@@ -988,7 +988,7 @@ mod lanes {
                 }
                 if NIBBLES {
                     for o in (0..8).step_by(2) {
-                        // SAFETY: c + o + 1 < full <= k, c + o even (a is even): byte row
+                        // SAFETY: c + o + 1 < full <= k, c + o even (a is even): the line of pair
                         // (c + o) / 2 lies inside the block.
                         let (w0, w1) = unsafe { L::column_pair(t, c + o) };
                         for (r, p) in parts.iter_mut().enumerate() {
@@ -1014,7 +1014,7 @@ mod lanes {
             let slot = |c: usize| if c < full { (c - a) % U } else { 0 };
             while c < e {
                 if NIBBLES && c.is_multiple_of(2) && c + 1 < e {
-                    // SAFETY: c + 1 < e <= k, c even: byte row c / 2 lies inside the block.
+                    // SAFETY: c + 1 < e <= k, c even: the line of pair c / 2 lies inside the block.
                     let (w0, w1) = unsafe { L::column_pair(t, c) };
                     let (s0, s1) = (slot(c), slot(c + 1));
                     for (r, p) in parts.iter_mut().enumerate() {

@@ -14,8 +14,8 @@
 //! row and one stream for the prefetchers instead of eight. int8 codes are widened per call
 //! into the same pair order, `[pairs][16]` u32, in a per-thread buffer: the widening costs
 //! about one 8-row tile of dot products, so int8 layers use this path from [`BF16_MIN_ROWS`]
-//! rows on. 4-bit codes within one row tile need no buffer: their byte row `p` already holds
-//! pair `p` of 16 features (even group starts, even `k`), and one table lookup (`vpermw`)
+//! rows on. 4-bit codes within one row tile need no buffer: their storage's pair `p` is the
+//! tile's pair `p` (even group starts from 0, even `k`), a shift of its line and one table lookup (`vpermw`)
 //! turns each nibble into its bf16 value in registers, so those layers use this path from
 //! [`NIBBLE_MIN_ROWS`] rows on (see [`BlockedWo::bf16_min_rows`]): 1-8 rows per expert run
 //! 1.4-2x the fp32 kernel's rate.
@@ -80,6 +80,9 @@ pub const NIBBLE_MIN_ROWS: usize = 1;
 /// without, interleaved), but the dequantising widening costs more than the plain one, which
 /// one row tile does not repay (int8, 8 rows: 20% slower); 16-32 rows measured even.
 pub const DEQUANT_MIN_ROWS: usize = 32;
+
+// A tile of symmetric 4-bit blocks reads the zero points kept once for all blocks.
+const _: () = assert!(super::UNIFORM_ZP_BLOCKS >= TILE_BLOCKS);
 
 // The 4-bit in-register path serves one row tile at most, so dequantised widening never
 // meets it.
@@ -245,11 +248,12 @@ impl BlockedWo {
     /// rows: within one row tile (more rows reuse widened codes, which is cheaper than looking
     /// them up again for every row tile).
     fn reads_nibbles(&self, m: usize) -> bool {
-        // A 4-bit pair is a tile's pair when no group pads (`block_len` is that of
-        // `pairs`), which 4-bit storage guarantees (even `k`, even group starts).
+        // A tile's pair j is the storage's pair j when the groups cover the columns from 0
+        // without padding (even `k`, even group starts, the first at 0: `pairs == k / 2`).
         let pairs = self.pair_offs.last().copied().unwrap_or(0);
         self.nibbles_in_registers()
             && m <= TILE_ROWS
+            && pairs == self.k.div_ceil(2)
             && self.codes.block_len(self.k) == super::nibble_block_len(pairs)
     }
 
@@ -575,7 +579,7 @@ impl BlockedWo {
                         #[cfg(target_arch = "x86_64")]
                         if simd {
                             // SAFETY: AVX512-BF16/BW detected; the tile holds `nb` blocks of
-                            // `pairs` pairs (widened, or byte rows) with their scales, its
+                            // `pairs` pairs (widened, or 4-bit lines) with their scales, its
                             // groups lie within the layer's; `xs`/`ss` hold `mr` rows.
                             unsafe { x86::tile(&t, xs, ss, mr, nb, out) };
                         } else {
@@ -932,7 +936,7 @@ mod x86 {
     /// # Safety
     /// AVX512-BF16, AVX-512F and AVX512-BW (all implied by `bf16_dot`); `t.offs` is the
     /// layer's `pair_offsets()` (non-decreasing, ending at `t.pairs`); `t.w` holds `nb` blocks
-    /// of `t.pairs` pairs (u32 pairs, or byte rows), `t.scale` (and `t.zp`)
+    /// of `t.pairs` pairs (u32 pairs, or 4-bit lines), `t.scale` (and `t.zp`)
     /// `nb * groups * 16` values; `x` is one row tile of `mr` rows (`[t.pairs][mr]` pairs), `sums`
     /// `mr * groups` values when `t.zp` is set; `1 <= mr <= 8`, `1 <= nb <= 2`. Adds the
     /// groups `t.groups` to the running totals in `out` (not zeroed here), as
@@ -1052,8 +1056,9 @@ mod x86 {
     const PF_DIST: usize = 4096;
 
     /// # Safety
-    /// As [`tile`] with `mr == MR`, `nb == NB`, `U == super::unroll(MR, NB)`; `load(i, j)` is block `i`'s pair `j` as bf16
-    /// pairs, valid for `i < NB`, `j < t.pairs`.
+    /// As [`tile`] with `mr == MR`, `nb == NB`, `U == super::unroll(MR, NB)`; `load(i, j)` is
+    /// block `i`'s pair `j` as bf16 pairs, valid for `i < NB`, `j < t.pairs`; `load4(i, j)` is
+    /// pairs `j..j + 4` of block `i`, valid for `i < NB`, `j + 3 < t.pairs`.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     #[inline]
     unsafe fn kernel<const MR: usize, const NB: usize, const U: usize>(
@@ -1529,7 +1534,36 @@ mod tests {
         assert!(zeros > 100 && rounded > 100, "{zeros} {rounded}");
     }
 
-    /// The scalar tile reads 4-bit byte rows as their widened pairs.
+    /// A 4-bit layer whose groups do not cover its columns from 0 (so the tile's pairs are
+    /// not the storage's) takes the widened path, and agrees with the fp32 GEMM on
+    /// activations exact in bf16 (a review found the in-register path taken, off by 0.29).
+    #[test]
+    fn groups_not_from_column_zero_widen_their_codes() {
+        let (n, k, m) = (16, 16, 1);
+        let q: Vec<i8> = (0..n * k)
+            .map(|i| ((i * 3 + i / 5) % 16) as i8 - 8)
+            .collect();
+        let scale: Vec<f32> = (0..n * 2).map(|i| 0.25 + (i % 3) as f32 * 0.125).collect();
+        let w = BlockedWo::new(n, k, &q, &scale, None, vec![2, 8]);
+        assert!(matches!(w.codes, Codes::U4(_)));
+        assert!(!w.reads_nibbles(m));
+        let x: Vec<f32> = (0..m * k).map(|i| (i % 5) as f32 * 0.5 - 1.0).collect();
+        let mut want = vec![f32::NAN; m * n];
+        w.gemm(&x, m, 0, w.blocks(), |r, b, lanes| {
+            want[r * n + b * BLOCK..(r * n + (b + 1) * BLOCK).min(m * n)]
+                .copy_from_slice(&lanes[..BLOCK.min(n - b * BLOCK)]);
+        });
+        let mut got = vec![f32::NAN; m * n];
+        w.gemm_bf16(&w.bf16_rows(&x, m), m, 0, w.blocks(), |r, b, lanes| {
+            got[r * n + b * BLOCK..(r * n + (b + 1) * BLOCK).min(m * n)]
+                .copy_from_slice(&lanes[..BLOCK.min(n - b * BLOCK)]);
+        });
+        for (g, v) in got.iter().zip(&want) {
+            assert!((g - v).abs() <= 1e-5 * v.abs().max(1.0), "{g} vs {v}");
+        }
+    }
+
+    /// The scalar tile reads 4-bit lines as their widened pairs.
     #[test]
     fn scalar_tile_reads_nibbles_as_widened_pairs() {
         for (n, k, groups, asym, m) in [(40, 64, 2, true, 3), (24, 44, 2, false, 1)] {
