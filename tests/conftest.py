@@ -69,3 +69,21 @@ def fixture_path(fixtures_dir: Path) -> Callable[[str], Path]:
         return fixture_checkpoint(fixtures_dir, name)
 
     return get
+
+
+@pytest.fixture
+def freezing_runs(tmp_path: Path) -> Callable[[str], None]:
+    """Runs an inductor-freezing script as a layer's tests need it: in a fresh process with
+    seeds 1 and 2, then in another sharing the same inductor cache with seed 2 alone; each run
+    must print ``ok``."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+
+    def run(script: str) -> None:
+        for seeds in (["1", "2"], ["2"]):
+            r = subprocess.run(
+                [sys.executable, "-c", script, *seeds],
+                capture_output=True, text=True, env=env, timeout=600,
+            )  # fmt: skip
+            assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+    return run

@@ -2963,18 +2963,12 @@ print("ok")
 """
 
 
-def test_inductor_freezing_runs_each_layer_with_its_own_weights(tmp_path: Path) -> None:
+def test_inductor_freezing_runs_each_layer_with_its_own_weights(freezing_runs) -> None:  # type: ignore[no-untyped-def]
     """Under inductor's freezing the layer handle became a constant that the FX graph cache did
     not tell apart by value: a second layer of the same shapes got the first one's compiled
     graph and silently ran the first layer's weights (and in another process sharing the
     cache, failed to find it). Each layer now runs its own weights."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    for seeds in (["1", "2"], ["2"]):
-        r = subprocess.run(
-            [sys.executable, "-c", _FREEZING_SCRIPT, *seeds],
-            capture_output=True, text=True, env=env, timeout=600,
-        )  # fmt: skip
-        assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+    freezing_runs(_FREEZING_SCRIPT)
 
 
 def _small_w8a16(e: int = 4, h: int = 64, i: int = 32) -> tuple[torch.Tensor, ...]:

@@ -934,22 +934,13 @@ print("ok")
 """
 
 
-def test_cuda_layer_under_inductor_freezing_runs_its_own_weights(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_cuda_layer_under_inductor_freezing_runs_its_own_weights(freezing_runs) -> None:  # type: ignore[no-untyped-def]
     """As for the CPU layer: under inductor's freezing the compiled CUDA layer passes its handle
     as a literal, so a second layer of the same shapes is not served the first one's graph
     (and weights) from the FX graph cache; also in a fresh process sharing the cache. (Found
     by review: the CUDA layer passed the handle tensor, and the second layer ran the first
     one's weights.)"""
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    for seeds in (["1", "2"], ["2"]):
-        r = subprocess.run(
-            [sys.executable, "-c", _CUDA_FREEZING_SCRIPT, *seeds],
-            capture_output=True, text=True, env=env, timeout=600,
-        )  # fmt: skip
-        assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+    freezing_runs(_CUDA_FREEZING_SCRIPT)
 
 
 @pytest.mark.parametrize("side", ["w13", "w2"])

@@ -199,6 +199,14 @@ def _w8a8_tensors(p: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, A
     return tensors, options
 
 
+def _nibbles(words: np.ndarray, axis: int) -> np.ndarray:
+    """32-bit words (int32 or uint32) to their eight 4-bit values along ``axis``, the first in
+    the low bits (compressed-tensors' int4 packing)."""
+    w = np.moveaxis(words.view(np.uint32), axis, -1)[..., None]
+    values = (w >> (np.arange(8, dtype=np.uint32) * 4)) & 15
+    return np.moveaxis(values.reshape(*w.shape[:-2], -1), -1, axis)
+
+
 def _gptq_words(codes: np.ndarray, bits: int) -> np.ndarray:
     """Unsigned codes ``[E, N, K]`` to GPTQ's words ``[E, K / pf, N]`` (``pf = 32 / bits`` codes
     along K per word, the first in the low bits), the input of the Marlin repack."""
@@ -237,9 +245,7 @@ def _marlin_tensors(p: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str,
     def unsigned(flat: np.ndarray, n: int, k: int) -> np.ndarray:
         if bits == 8:
             return (flat.reshape(e, n, k).astype(np.int16) + 128).astype(np.uint8)
-        words = flat.view(np.uint32).reshape(e, n, k // 8, 1)
-        shifts = np.arange(8, dtype=np.uint32) * 4
-        return ((words >> shifts) & 15).astype(np.uint8).reshape(e, n, k)
+        return _nibbles(flat.reshape(e, n, k // 8), axis=2).astype(np.uint8)
 
     c13 = np.zeros((e, 2 * ip, h), np.uint8)
     src13 = unsigned(p["w13"], 2 * i, h)
@@ -276,9 +282,7 @@ def _marlin_tensors(p: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str,
             if signed is None and packed is None:
                 return np.full((e, groups, n), 8, np.uint32)
             if packed is not None:
-                words = packed.reshape(e, -(-n // 8), 1, groups)
-                shifts = (np.arange(8, dtype=np.uint32) * 4)[None, None, :, None]
-                codes = ((words >> shifts) & 15).reshape(e, -1, groups)[:, :n]
+                codes = _nibbles(packed.reshape(e, -(-n // 8), groups), axis=1)[:, :n]
             else:
                 codes = signed.reshape(e, n, groups).astype(np.int16) + 8
                 bad = np.argwhere((codes < 0) | (codes > 15))

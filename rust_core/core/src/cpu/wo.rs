@@ -1397,6 +1397,24 @@ mod neon {
 mod tests {
     use super::*;
 
+    /// The `[m, n]` output that `gemm` (given the emitter) writes: each block's lanes below
+    /// `n`, NaN where nothing was emitted.
+    pub(super) fn dense(
+        n: usize,
+        m: usize,
+        gemm: impl FnOnce(&mut dyn FnMut(usize, usize, &[f32; BLOCK])),
+    ) -> Vec<f32> {
+        let mut y = vec![f32::NAN; m * n];
+        gemm(&mut |r, b, lanes| {
+            for (l, &v) in lanes.iter().enumerate() {
+                if b * BLOCK + l < n {
+                    y[r * n + b * BLOCK + l] = v;
+                }
+            }
+        });
+        y
+    }
+
     fn sample(n: usize, k: usize, groups: usize, asym: bool) -> (BlockedWo, Vec<i8>) {
         sample_bits(n, k, groups, asym, 8)
     }
@@ -1456,20 +1474,13 @@ mod tests {
                 .map(|i| ((i * 37) % 101) as f32 / 17.0 - 2.9)
                 .collect();
             let run = |w: &BlockedWo, bf16: bool| {
-                let mut y = vec![f32::NAN; m * n];
-                let mut emit = |r: usize, b: usize, lanes: &[f32; BLOCK]| {
-                    for (l, &v) in lanes.iter().enumerate() {
-                        if b * BLOCK + l < n {
-                            y[r * n + b * BLOCK + l] = v;
-                        }
+                dense(n, m, |emit| {
+                    if bf16 {
+                        w.gemm_bf16(&w.bf16_rows(&x, m), m, 0, w.blocks(), emit);
+                    } else {
+                        w.gemm(&x, m, 0, w.blocks(), emit);
                     }
-                };
-                if bf16 {
-                    w.gemm_bf16(&w.bf16_rows(&x, m), m, 0, w.blocks(), &mut emit);
-                } else {
-                    w.gemm(&x, m, 0, w.blocks(), &mut emit);
-                }
-                y
+                })
             };
             for bf16 in [false, true] {
                 let (a, b) = (run(&sym, bf16), run(&asym, bf16));

@@ -251,10 +251,7 @@ impl BlockedWo {
         // A tile's pair j is the storage's pair j when the groups cover the columns from 0
         // without padding (even `k`, even group starts, the first at 0: `pairs == k / 2`).
         let pairs = self.pair_offs.last().copied().unwrap_or(0);
-        self.nibbles_in_registers()
-            && m <= TILE_ROWS
-            && pairs == self.k.div_ceil(2)
-            && self.codes.block_len(self.k) == super::nibble_block_len(pairs)
+        self.nibbles_in_registers() && m <= TILE_ROWS && pairs == self.k.div_ceil(2)
     }
 
     /// Blocks per tile of [`BlockedWo::gemm_bf16`] for `m` rows. 4-bit tiles read straight
@@ -734,45 +731,17 @@ mod x86 {
 
     /// The kernel for `$mr` rows (1..=8) and `$nb` blocks (a literal).
     macro_rules! rows {
-        ($mr:expr, $nb:literal, $t:expr, $x:expr, $sums:expr, $out:expr, $load:expr, $pf:expr) => {
-            rows!(
-                $mr,
-                $nb,
-                $t,
-                $x,
-                $sums,
-                $out,
-                $load,
-                |i, j| four(&$load, i, j),
-                $pf
-            )
-        };
-        ($mr:expr, $nb:literal, $t:expr, $x:expr, $sums:expr, $out:expr, $load:expr, $load4:expr, $pf:expr) => {
+        // `$args`: the kernel's arguments (tile, rows, sums, totals, load, load4, prefetch).
+        ($mr:expr, $nb:literal, $($args:expr),+) => {
             match $mr {
-                1 => kernel::<1, $nb, { super::unroll(1, $nb) }>(
-                    $t, $x, $sums, $out, $load, $load4, $pf,
-                ),
-                2 => kernel::<2, $nb, { super::unroll(2, $nb) }>(
-                    $t, $x, $sums, $out, $load, $load4, $pf,
-                ),
-                3 => kernel::<3, $nb, { super::unroll(3, $nb) }>(
-                    $t, $x, $sums, $out, $load, $load4, $pf,
-                ),
-                4 => kernel::<4, $nb, { super::unroll(4, $nb) }>(
-                    $t, $x, $sums, $out, $load, $load4, $pf,
-                ),
-                5 => kernel::<5, $nb, { super::unroll(5, $nb) }>(
-                    $t, $x, $sums, $out, $load, $load4, $pf,
-                ),
-                6 => kernel::<6, $nb, { super::unroll(6, $nb) }>(
-                    $t, $x, $sums, $out, $load, $load4, $pf,
-                ),
-                7 => kernel::<7, $nb, { super::unroll(7, $nb) }>(
-                    $t, $x, $sums, $out, $load, $load4, $pf,
-                ),
-                _ => kernel::<8, $nb, { super::unroll(8, $nb) }>(
-                    $t, $x, $sums, $out, $load, $load4, $pf,
-                ),
+                1 => kernel::<1, $nb, { super::unroll(1, $nb) }>($($args),+),
+                2 => kernel::<2, $nb, { super::unroll(2, $nb) }>($($args),+),
+                3 => kernel::<3, $nb, { super::unroll(3, $nb) }>($($args),+),
+                4 => kernel::<4, $nb, { super::unroll(4, $nb) }>($($args),+),
+                5 => kernel::<5, $nb, { super::unroll(5, $nb) }>($($args),+),
+                6 => kernel::<6, $nb, { super::unroll(6, $nb) }>($($args),+),
+                7 => kernel::<7, $nb, { super::unroll(7, $nb) }>($($args),+),
+                _ => kernel::<8, $nb, { super::unroll(8, $nb) }>($($args),+),
             }
         };
     }
@@ -959,14 +928,15 @@ mod x86 {
                 let load = |i: usize, j: usize| unsafe {
                     _mm512_loadu_si512(wp.add((i * p + j) * BLOCK).cast())
                 };
+                let load4 = |i: usize, j: usize| four(&load, i, j);
                 // Widened codes are read from L2, where the tile before put them.
                 let pf = |_: usize, _: usize| {};
                 // SAFETY: the caller's contract is each kernel's contract.
                 unsafe {
                     if nb >= 2 {
-                        rows!(mr, 2, t, x, sums, out, load, pf)
+                        rows!(mr, 2, t, x, sums, out, load, load4, pf)
                     } else {
-                        rows!(mr, 1, t, x, sums, out, load, pf)
+                        rows!(mr, 1, t, x, sums, out, load, load4, pf)
                     }
                 }
             }
@@ -1211,7 +1181,7 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::sample_bits;
+    use super::super::tests::{dense, sample_bits};
     use super::*;
 
     /// `m` rows of sample activations `[m, k]`, their bf16 form, and `gemm_bf16`'s output as
@@ -1222,14 +1192,7 @@ mod tests {
             .map(|i| ((i * 31) % 97) as f32 / 13.0 - 3.0 + 1e-3 * (i % 7) as f32)
             .collect();
         let xb = w.bf16_rows(&x, m);
-        let mut got = vec![f32::NAN; m * n];
-        w.gemm_bf16(&xb, m, 0, w.blocks(), |r, b, lanes| {
-            for (l, &v) in lanes.iter().enumerate() {
-                if b * BLOCK + l < n {
-                    got[r * n + b * BLOCK + l] = v;
-                }
-            }
-        });
+        let got = dense(n, m, |emit| w.gemm_bf16(&xb, m, 0, w.blocks(), emit));
         (x, xb, got)
     }
 
@@ -1548,16 +1511,9 @@ mod tests {
         assert!(matches!(w.codes, Codes::U4(_)));
         assert!(!w.reads_nibbles(m));
         let x: Vec<f32> = (0..m * k).map(|i| (i % 5) as f32 * 0.5 - 1.0).collect();
-        let mut want = vec![f32::NAN; m * n];
-        w.gemm(&x, m, 0, w.blocks(), |r, b, lanes| {
-            want[r * n + b * BLOCK..(r * n + (b + 1) * BLOCK).min(m * n)]
-                .copy_from_slice(&lanes[..BLOCK.min(n - b * BLOCK)]);
-        });
-        let mut got = vec![f32::NAN; m * n];
-        w.gemm_bf16(&w.bf16_rows(&x, m), m, 0, w.blocks(), |r, b, lanes| {
-            got[r * n + b * BLOCK..(r * n + (b + 1) * BLOCK).min(m * n)]
-                .copy_from_slice(&lanes[..BLOCK.min(n - b * BLOCK)]);
-        });
+        let want = dense(n, m, |emit| w.gemm(&x, m, 0, w.blocks(), emit));
+        let xb = w.bf16_rows(&x, m);
+        let got = dense(n, m, |emit| w.gemm_bf16(&xb, m, 0, w.blocks(), emit));
         for (g, v) in got.iter().zip(&want) {
             assert!((g - v).abs() <= 1e-5 * v.abs().max(1.0), "{g} vs {v}");
         }
