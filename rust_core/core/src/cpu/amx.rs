@@ -57,6 +57,15 @@ pub struct Pass<'a> {
     pub rts: usize,
     pub nb: usize,
     pub steps: usize,
+    /// Where the next pass's B tiles lie, in bytes from this pass's (0 for none). With each
+    /// step the hardware block then prefetches (`prefetcht1`, into L2) the 2 KB of them that
+    /// the next pass's step will load, so that the weights stream in from memory while the
+    /// tiles compute. On a 16-core Sapphire Rapids-class host this took Qwen3-30B-A3B W8A8 on
+    /// 16 threads from ~7.1 to ~6.2 ms at T=128 and from ~17.0 to ~16.1 ms at T=1024 (medians
+    /// of alternated runs; on 2 threads no change stood out of the noise). A prefetch never
+    /// faults and changes nothing a program can observe, so the distance needs no bounds; the
+    /// model ignores it.
+    pub pf: usize,
 }
 
 impl Pass<'_> {
@@ -188,6 +197,13 @@ pub fn tiles<T: TileOps>(
         while r0 < m {
             let rts = (m - r0).div_ceil(TILE_ROWS).min(ROW_TILES);
             let second = if rts > 1 { r0 + TILE_ROWS } else { r0 };
+            // The first pass over a block pair prefetches the next pair; later row tiles find
+            // it in cache already.
+            let pf = if r0 == 0 && b + nb < end {
+                nb * block_len
+            } else {
+                0
+            };
             let pass = Pass {
                 a: [src(r0), src(second)],
                 sa: k_pad,
@@ -195,6 +211,7 @@ pub fn tiles<T: TileOps>(
                 rts,
                 nb,
                 steps: k_pad / KSTEP,
+                pf,
             };
             ops.pass(&pass, &mut acc);
             for i in 0..rts {
@@ -394,13 +411,31 @@ mod hw {
         }
     }
 
+    /// The prefetches of one step of a two-block pass with [`Pass::pf`]: the 16 lines of each
+    /// B tile that the next pass loads at this step, `pf` bytes on from this pass's.
+    macro_rules! prefetch_next_b {
+        ($($at:literal),*) => {
+            concat!(
+                $("prefetcht1 [{b0} + {pf} + ", $at, "]\n",)*
+                $("prefetcht1 [{b1} + {pf} + ", $at, "]\n",)*
+            )
+        };
+        // A pass's distance is a register operand: this form only names it.
+        (@ $pf:expr) => {
+            prefetch_next_b!(
+                0, 64, 128, 192, 256, 320, 384, 448, 512, 576, 640, 704, 768, 832, 896, 960
+            )
+        };
+    }
+
     /// One pass's `asm!` block: `ldtilecfg`, zeroed accumulators, a loop of `steps` steps
-    /// (the listed loads and products, then the four source addresses move on), the listed
-    /// stores, `tilerelease`. Stores: C `(i, j)` row `r` at `c + 64 (32 i + j) + r * cs`. The
-    /// tile registers are declared clobbered; flags are changed by the loop.
+    /// (the listed loads, products and prefetches, then the four source addresses move on),
+    /// the listed stores, `tilerelease`. Stores: C `(i, j)` row `r` at `c + 64 (32 i + j) + r *
+    /// cs`. The tile registers are declared clobbered; flags are changed by the loop.
     macro_rules! pass_asm {
         ($p:expr, $cfg:expr, $out:expr, $cs:expr,
-         [$($load:literal),*], [$($dot:literal),*], [$($store:literal),*]) => {
+         [$($load:literal),*], [$($dot:literal),*], [$($store:literal),*]
+         $(, prefetch $pf:expr)?) => {
             asm!(
                 "ldtilecfg [{cfg}]",
                 "tilezero tmm0",
@@ -410,6 +445,7 @@ mod hw {
                 "2:",
                 $($load,)*
                 $($dot,)*
+                $(prefetch_next_b!(@ $pf),)?
                 "add {a0}, 64",
                 "add {a1}, 64",
                 "add {b0}, 1024",
@@ -428,6 +464,7 @@ mod hw {
                 steps = inout(reg) $p.steps => _,
                 c = in(reg) $out,
                 cs = in(reg) $cs,
+                $(pf = in(reg) $pf,)?
                 out("tmm0") _, out("tmm1") _, out("tmm2") _, out("tmm3") _,
                 out("tmm4") _, out("tmm5") _, out("tmm6") _, out("tmm7") _,
                 options(nostack),
@@ -494,7 +531,53 @@ mod hw {
             // s < steps). The stores write C (i, j) row r at entry 32 i + j + r nb of `out`:
             // at most 32 + 1 + 15 * 2 = 63 < 64 entries. Registers a1/b1 equal a0/b0 when
             // unused and are never dereferenced then. `steps >= 1` (fits), so the loop ends.
+            // The prefetches (`p.pf != 0`) may name any address: a prefetch never faults and
+            // neither reads into nor writes anything the program sees.
             unsafe {
+                macro_rules! one_row_tile_two_blocks {
+                    ($($prefetch:tt)*) => {
+                        pass_asm!(p,
+                            cfg.bytes().as_ptr(),
+                            c,
+                            cs,
+                            [
+                                "tileloadd tmm4, [{a0} + {sa}*1]",
+                                "tileloadd tmm6, [{b0} + {sb}*1]",
+                                "tileloadd tmm7, [{b1} + {sb}*1]"
+                            ],
+                            ["tdpbusd tmm0, tmm4, tmm6", "tdpbusd tmm1, tmm4, tmm7"],
+                            [
+                                "tilestored [{c} + {cs}*1], tmm0",
+                                "tilestored [{c} + {cs}*1 + 64], tmm1"
+                            ] $($prefetch)*)
+                    };
+                }
+                macro_rules! two_row_tiles_two_blocks {
+                    ($($prefetch:tt)*) => {
+                        pass_asm!(p,
+                            cfg.bytes().as_ptr(),
+                            c,
+                            cs,
+                            [
+                                "tileloadd tmm4, [{a0} + {sa}*1]",
+                                "tileloadd tmm5, [{a1} + {sa}*1]",
+                                "tileloadd tmm6, [{b0} + {sb}*1]",
+                                "tileloadd tmm7, [{b1} + {sb}*1]"
+                            ],
+                            [
+                                "tdpbusd tmm0, tmm4, tmm6",
+                                "tdpbusd tmm1, tmm4, tmm7",
+                                "tdpbusd tmm2, tmm5, tmm6",
+                                "tdpbusd tmm3, tmm5, tmm7"
+                            ],
+                            [
+                                "tilestored [{c} + {cs}*1], tmm0",
+                                "tilestored [{c} + {cs}*1 + 64], tmm1",
+                                "tilestored [{c} + {cs}*1 + 2048], tmm2",
+                                "tilestored [{c} + {cs}*1 + 2112], tmm3"
+                            ] $($prefetch)*)
+                    };
+                }
                 match (p.rts, p.nb) {
                     (1, 1) => pass_asm!(
                         p,
@@ -508,22 +591,8 @@ mod hw {
                         ["tdpbusd tmm0, tmm4, tmm6"],
                         ["tilestored [{c} + {cs}*1], tmm0"]
                     ),
-                    (1, _) => pass_asm!(
-                        p,
-                        cfg.bytes().as_ptr(),
-                        c,
-                        cs,
-                        [
-                            "tileloadd tmm4, [{a0} + {sa}*1]",
-                            "tileloadd tmm6, [{b0} + {sb}*1]",
-                            "tileloadd tmm7, [{b1} + {sb}*1]"
-                        ],
-                        ["tdpbusd tmm0, tmm4, tmm6", "tdpbusd tmm1, tmm4, tmm7"],
-                        [
-                            "tilestored [{c} + {cs}*1], tmm0",
-                            "tilestored [{c} + {cs}*1 + 64], tmm1"
-                        ]
-                    ),
+                    (1, 2) if p.pf != 0 => one_row_tile_two_blocks!(, prefetch p.pf),
+                    (1, _) => one_row_tile_two_blocks!(),
                     (_, 1) => pass_asm!(
                         p,
                         cfg.bytes().as_ptr(),
@@ -540,30 +609,8 @@ mod hw {
                             "tilestored [{c} + {cs}*1 + 2048], tmm2"
                         ]
                     ),
-                    _ => pass_asm!(
-                        p,
-                        cfg.bytes().as_ptr(),
-                        c,
-                        cs,
-                        [
-                            "tileloadd tmm4, [{a0} + {sa}*1]",
-                            "tileloadd tmm5, [{a1} + {sa}*1]",
-                            "tileloadd tmm6, [{b0} + {sb}*1]",
-                            "tileloadd tmm7, [{b1} + {sb}*1]"
-                        ],
-                        [
-                            "tdpbusd tmm0, tmm4, tmm6",
-                            "tdpbusd tmm1, tmm4, tmm7",
-                            "tdpbusd tmm2, tmm5, tmm6",
-                            "tdpbusd tmm3, tmm5, tmm7"
-                        ],
-                        [
-                            "tilestored [{c} + {cs}*1], tmm0",
-                            "tilestored [{c} + {cs}*1 + 64], tmm1",
-                            "tilestored [{c} + {cs}*1 + 2048], tmm2",
-                            "tilestored [{c} + {cs}*1 + 2112], tmm3"
-                        ]
-                    ),
+                    (2, 2) if p.pf != 0 => two_row_tiles_two_blocks!(, prefetch p.pf),
+                    _ => two_row_tiles_two_blocks!(),
                 }
             }
         }
@@ -711,6 +758,59 @@ mod tests {
         for (r, b, lanes) in got {
             assert!(r < m && (1..4).contains(&b));
             assert_eq!(lanes, [255 * -128 * k as i32; BLOCK]);
+        }
+    }
+
+    /// Records each pass's first B tile, row tile and prefetch distance, running the model.
+    #[derive(Default)]
+    struct Recorder {
+        model: Model,
+        passes: Vec<(usize, *const u8, usize)>,
+    }
+
+    impl TileOps for Recorder {
+        fn pass(&mut self, p: &Pass<'_>, out: &mut PassOut) {
+            let a = p.a[0].0.as_ptr().wrapping_add(p.a[0].1);
+            self.passes.push((p.b[0].1, a, p.pf));
+            self.model.pass(p, out)
+        }
+    }
+
+    /// The first pass over each block pair prefetches exactly the B tiles of the next pair,
+    /// which the next passes load; no other pass prefetches, nor the last pair's.
+    #[test]
+    fn passes_prefetch_the_next_block_pair_once() {
+        let (m, blocks, k) = (40, 7, 2 * KSTEP);
+        let block_len = k * BLOCK;
+        let xu = vec![3u8; m * k];
+        let w = vec![-2i8; blocks * block_len];
+        let mut ops = Recorder::default();
+        assert!(tiles(
+            &mut ops,
+            &xu,
+            m,
+            k,
+            &w,
+            1,
+            blocks,
+            |_, _, _, _, _| {}
+        ));
+        // Blocks 1..7 in pairs (1,2), (3,4), (5,6); 40 rows in row passes of 32 and 8.
+        let starts: Vec<usize> = ops.passes.iter().map(|p| p.0 / block_len).collect();
+        assert_eq!(starts, [1, 1, 3, 3, 5, 5]);
+        for (i, &(b, a, pf)) in ops.passes.iter().enumerate() {
+            let first_row_pass = a == xu.as_ptr();
+            if first_row_pass && b / block_len + 2 < blocks {
+                assert_eq!(pf, 2 * block_len, "pass {i}");
+                assert_eq!(
+                    ops.passes[i + 2].0,
+                    b + pf,
+                    "pass {i} prefetches what pass {} loads",
+                    i + 2
+                );
+            } else {
+                assert_eq!(pf, 0, "pass {i}");
+            }
         }
     }
 
