@@ -334,6 +334,13 @@ impl BlockedWo {
         }
         let sums = self.zp.as_ref().map(|_| self.group_sums(x, m));
         let (simd, avx2, neon) = (isa().avx512(), isa().avx2_fma(), isa().neon());
+        // The AVX2 tile reads 4-bit codes scaled by powers of two, and the inputs scaled back
+        // (`avx2::prescale`), once per call for all blocks.
+        #[cfg(target_arch = "x86_64")]
+        let scaled = (avx2 && !simd && matches!(self.codes, Codes::U4(_)))
+            .then(|| avx2::prescale(&x[..m * self.k], self.k));
+        #[cfg(target_arch = "x86_64")]
+        let x = scaled.as_deref().unwrap_or(x);
         let g = self.groups();
         let mut b = first_block;
         while b < end {
@@ -366,7 +373,7 @@ impl BlockedWo {
                     }
                 } else if avx2 {
                     #[cfg(target_arch = "x86_64")]
-                    avx2::tile(&tiles[0], xs, ss, mr, &mut out[0]);
+                    avx2::tile_prescaled(&tiles[0], xs, ss, mr, &mut out[0]);
                 } else if neon {
                     #[cfg(target_arch = "aarch64")]
                     neon::tile(&tiles[0], xs, ss, mr, &mut out[0]);
@@ -381,6 +388,10 @@ impl BlockedWo {
                 r += mr;
             }
             b += nb;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if let Some(v) = scaled {
+            super::spare::give(v);
         }
     }
 }
@@ -820,6 +831,22 @@ mod lanes {
             // SAFETY: the caller's contract covers both columns.
             unsafe { (Self::column(t, c), Self::column(t, c + 1)) }
         }
+        /// The eight columns `c..c + 8` of 4-bit storage, `c` a multiple of 8: one whole line,
+        /// as [`Lanes::column_pair`] gives them (the default calls it four times).
+        ///
+        /// # Safety
+        /// As [`Lanes::column`] for all eight columns; `c` is a multiple of 8.
+        #[inline(always)]
+        unsafe fn line_columns(t: &Tile<'_>, c: usize) -> [Self; 8] {
+            // SAFETY: the caller's contract covers the four pairs.
+            // Written out rather than mapped: a closure is not compiled for the
+            // architecture's features, and the operations would not inline into it.
+            unsafe {
+                let (p0, p1) = (Self::column_pair(t, c), Self::column_pair(t, c + 2));
+                let (p2, p3) = (Self::column_pair(t, c + 4), Self::column_pair(t, c + 6));
+                [p0.0, p0.1, p1.0, p1.1, p2.0, p2.1, p3.0, p3.1]
+            }
+        }
         /// Asks for the cache line at `p` ahead of its use (nothing, by default).
         ///
         /// # Safety
@@ -986,7 +1013,17 @@ mod lanes {
                     L::prefetch(cp.wrapping_add(at + PF_DIST));
                     L::prefetch(cp.wrapping_add(at + block_len));
                 }
-                if NIBBLES {
+                if NIBBLES && c.is_multiple_of(8) {
+                    // SAFETY: c + 7 < full <= k and c is a multiple of 8: the line of pairs
+                    // c / 2..c / 2 + 4 lies inside the block.
+                    let w = unsafe { L::line_columns(t, c) };
+                    for (r, p) in parts.iter_mut().enumerate() {
+                        for (o, &w) in w.iter().enumerate() {
+                            // SAFETY: see the note above; r < R, c + o < k.
+                            unsafe { p[o % U] = L::fma(p[o % U], w, xv(r, c + o)) };
+                        }
+                    }
+                } else if NIBBLES {
                     for o in (0..8).step_by(2) {
                         // SAFETY: c + o + 1 < full <= k, c + o even (a is even): the line of pair
                         // (c + o) / 2 lies inside the block.
@@ -1071,8 +1108,62 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     /// The AVX2 + FMA weight-only tile ([`lanes`]), for AVX2 CPUs without AVX-512 (which
-    /// otherwise ran the scalar tile, ~40x slower).
+    /// otherwise ran the scalar tile, ~40x slower), on inputs as they are: 4-bit layers'
+    /// are scaled here first ([`prescale`]; the GEMM does that once per call and calls
+    /// [`tile_prescaled`]).
+    #[cfg(test)]
     pub fn tile(
+        t: &Tile<'_>,
+        x: &[f32],
+        sums: Option<&[f32]>,
+        mr: usize,
+        out: &mut [[f32; BLOCK]; TILE_ROWS],
+    ) {
+        match t.storage {
+            Codes::U4(_) => {
+                let xs = prescale(&x[..mr * t.k], t.k);
+                tile_prescaled(t, &xs, sums, mr, out);
+                super::super::spare::give(xs);
+            }
+            Codes::I8(_) => tile_prescaled(t, x, sums, mr, out),
+        }
+    }
+
+    /// Where the AVX2 tile finds a 4-bit column's value: column `c` is decoded as its code
+    /// times `2^shift(c)` (masked in place in its 32-bit lane rather than shifted down, which
+    /// saves a shift per column on ports that the conversions and FMAs also need), and
+    /// [`prescale`] multiplies the inputs by `2^-shift(c)`. The odd column of a line's last pair
+    /// sits in the lane's sign bits and is shifted down instead (`shift` 0).
+    pub fn shift(c: usize) -> u32 {
+        let (q, h) = ((c / 2) % 4, c % 2);
+        if h == 1 && q == 3 {
+            0
+        } else {
+            4 * q as u32 + 16 * h as u32
+        }
+    }
+
+    /// `x` (rows of `k`) with column `c` multiplied by `2^-shift(c)`, in a spare buffer (give
+    /// it back with `spare::give`). Powers of two: each product `(code * 2^s) * (x * 2^-s)`
+    /// equals `code * x` exactly, so the tile's results are the scalar tile's bit for bit,
+    /// unless `|x|` is below `2^-98` (then `x * 2^-28` is subnormal and may lose bits).
+    pub fn prescale(x: &[f32], k: usize) -> Vec<f32> {
+        // The factors repeat every line (8 columns).
+        let f: [f32; 8] = std::array::from_fn(|c| f32::from_bits((127 - shift(c)) << 23));
+        let mut out = super::super::spare::take_any(x.len(), 0f32);
+        for (o, row) in out.chunks_mut(k.max(1)).zip(x.chunks(k.max(1))) {
+            for (o, v) in o.chunks_mut(8).zip(row.chunks(8)) {
+                for ((o, &v), f) in o.iter_mut().zip(v).zip(f) {
+                    *o = v * f;
+                }
+            }
+        }
+        out
+    }
+
+    /// [`tile`] on inputs that [`prescale`] scaled where the layer has 4-bit codes (int8
+    /// layers' as they are).
+    pub fn tile_prescaled(
         t: &Tile<'_>,
         x: &[f32],
         sums: Option<&[f32]>,
@@ -1098,43 +1189,46 @@ mod avx2 {
     #[derive(Clone, Copy)]
     struct Avx2([__m256; 2]);
 
-    /// Pair `p`'s lanes 0..8 and 8..16 of a 4-bit block at `codes`: its line's u32 lanes
-    /// shifted down `4 * (p % 4)` bits, so column `2p` sits in bits 0..4 and `2p + 1` in bits
-    /// 16..20 (`super::nibble_at`).
+    /// One line's 16 u32 lanes (`a`: lanes 0..8, `b`: 8..16; lane `l` holds words `2l` and
+    /// `2l + 1`, see `super::nibble_at`): the line's column `o` (0..8) as floats scaled by
+    /// `2^shift(o)`, the lanes masked to its nibble, or for column 7 (the lanes' top bits)
+    /// shifted down to it.
     ///
     /// # Safety
-    /// AVX2; line `p / 4` (64 bytes at `(p / 4) * 64`) is readable at `codes`.
+    /// AVX2.
     #[inline(always)]
-    unsafe fn pair_u32(codes: *const u8, p: usize) -> (__m256i, __m256i) {
-        // SAFETY: the caller's contract.
+    unsafe fn column_of_line(a: __m256i, b: __m256i, o: usize) -> Avx2 {
+        // SAFETY: the caller's contract (AVX2).
         unsafe {
-            let shift = _mm_cvtsi32_si128((4 * (p % 4)) as i32);
-            let line = codes.add((p / 4) * 64);
-            (
-                _mm256_srl_epi32(_mm256_loadu_si256(line.cast()), shift),
-                _mm256_srl_epi32(_mm256_loadu_si256(line.add(32).cast()), shift),
-            )
+            if o == 7 {
+                Avx2([
+                    _mm256_cvtepi32_ps(_mm256_srli_epi32::<28>(a)),
+                    _mm256_cvtepi32_ps(_mm256_srli_epi32::<28>(b)),
+                ])
+            } else {
+                let mask = _mm256_set1_epi32((15u32 << shift(o)) as i32);
+                Avx2([
+                    _mm256_cvtepi32_ps(_mm256_and_si256(a, mask)),
+                    _mm256_cvtepi32_ps(_mm256_and_si256(b, mask)),
+                ])
+            }
         }
     }
 
-    /// Bits 0..4 of each lane, as floats.
+    /// The u32 lanes of line `c / 8` of a 4-bit block at `codes` (see [`column_of_line`]).
     ///
     /// # Safety
-    /// AVX2.
+    /// AVX2; the line (64 bytes at `(c / 8) * 64`) is readable at `codes`.
     #[inline(always)]
-    unsafe fn nibble_lo(v: __m256i) -> __m256 {
-        // SAFETY: the caller's contract (AVX2).
-        unsafe { _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15))) }
-    }
-
-    /// Bits 16..20 of each lane, as floats.
-    ///
-    /// # Safety
-    /// AVX2.
-    #[inline(always)]
-    unsafe fn nibble_hi(v: __m256i) -> __m256 {
-        // SAFETY: the caller's contract (AVX2).
-        unsafe { nibble_lo(_mm256_srli_epi32::<16>(v)) }
+    unsafe fn line_of(codes: *const u8, c: usize) -> (__m256i, __m256i) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let line = codes.add((c / 8) * 64);
+            (
+                _mm256_loadu_si256(line.cast()),
+                _mm256_loadu_si256(line.add(32).cast()),
+            )
+        }
     }
 
     // SAFETY (for every intrinsic call below): these operations run only inside `pass`, which
@@ -1163,12 +1257,8 @@ mod avx2 {
                         ])
                     }
                     Codes::U4(_) => {
-                        let (lo, hi) = pair_u32(t.codes.as_ptr(), c / 2);
-                        Avx2(if c.is_multiple_of(2) {
-                            [nibble_lo(lo), nibble_lo(hi)]
-                        } else {
-                            [nibble_hi(lo), nibble_hi(hi)]
-                        })
+                        let (a, b) = line_of(t.codes.as_ptr(), c);
+                        column_of_line(a, b, c % 8)
                     }
                 }
             }
@@ -1178,11 +1268,28 @@ mod avx2 {
             // SAFETY: the caller's contract: the line of pair c / 2 lies inside the block;
             // AVX2 as in the impl's note.
             unsafe {
-                let (lo, hi) = pair_u32(t.codes.as_ptr(), c / 2);
-                (
-                    Avx2([nibble_lo(lo), nibble_lo(hi)]),
-                    Avx2([nibble_hi(lo), nibble_hi(hi)]),
-                )
+                let (a, b) = line_of(t.codes.as_ptr(), c);
+                (column_of_line(a, b, c % 8), column_of_line(a, b, c % 8 + 1))
+            }
+        }
+        #[inline(always)]
+        unsafe fn line_columns(t: &Tile<'_>, c: usize) -> [Self; 8] {
+            // SAFETY: the caller's contract: line c / 8 lies inside the block; AVX2 as in the
+            // impl's note.
+            unsafe {
+                let (a, b) = line_of(t.codes.as_ptr(), c);
+                // Written out: a closure (`array::from_fn`) is not compiled for AVX2, so the
+                // intrinsics would not inline into it.
+                [
+                    column_of_line(a, b, 0),
+                    column_of_line(a, b, 1),
+                    column_of_line(a, b, 2),
+                    column_of_line(a, b, 3),
+                    column_of_line(a, b, 4),
+                    column_of_line(a, b, 5),
+                    column_of_line(a, b, 6),
+                    column_of_line(a, b, 7),
+                ]
             }
         }
         #[inline(always)]
@@ -1513,6 +1620,52 @@ mod tests {
                     let stored = (word >> (4 * (p % 4))) & 15;
                     let want = if j < n && c < k { q[j * k + c] + 8 } else { 8 };
                     assert_eq!(stored as i8, want, "feature {j} column {c} of {n}x{k}");
+                }
+            }
+        }
+    }
+
+    /// The AVX2 tile's 4-bit decoding: each column's value (`code << shift`, below the lane's
+    /// sign bit, or for a line's last column its top bits shifted down) times its prescaled
+    /// input is the code times the input, bit for bit, for inputs from `2^-98` to the largest
+    /// finite ones, zeros and infinities.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_prescaled_products_are_the_codes_times_the_inputs() {
+        let xs = [
+            1.0f32,
+            -3.7,
+            1.0e-20,
+            2f32.powi(-98),
+            -2f32.powi(-97) * 1.5,
+            1.0e30,
+            f32::MAX,
+            0.0,
+            -0.0,
+            f32::INFINITY,
+        ];
+        for c in 0..16 {
+            let s = avx2::shift(c);
+            assert!(
+                s + 4 <= 31,
+                "column {c}: the nibble must sit below the sign bit"
+            );
+            assert_eq!(
+                s == 0,
+                c % 2 == 0 && (c / 2) % 4 == 0 || c % 8 == 7,
+                "column {c}"
+            );
+            for &x in &xs {
+                let row: Vec<f32> = (0..16).map(|j| if j == c { x } else { 0.0 }).collect();
+                let scaled = avx2::prescale(&row, 16);
+                for code in 0..16u32 {
+                    let w = (code << s) as i32 as f32;
+                    let want = code as f32 * x;
+                    let got = w * scaled[c];
+                    assert!(
+                        got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                        "column {c} code {code} x {x:e}: {got:e} != {want:e}"
+                    );
                 }
             }
         }
