@@ -111,7 +111,7 @@ pub trait Instructions {
 /// A pass as the hardware's `asm!` block runs it (see `hw::pass`), instruction for
 /// instruction: zero, then per step the loads of every A, then of every B, then the products
 /// in `(i, j)` order, the addresses moving on 64 (A) and 1024 (B) bytes per step; then the
-/// stores.
+/// stores. (The hardware block also prefetches, [`Pass::pf`], which changes no result.)
 pub fn run_pass<I: Instructions>(ins: &mut I, p: &Pass<'_>, out: &mut PassOut) {
     ins.zero();
     for s in 0..p.steps {

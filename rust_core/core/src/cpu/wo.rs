@@ -799,7 +799,9 @@ mod x86 {
 /// The weight-only tile of the CPUs whose registers hold less than a block (AVX2: two
 /// registers of 8 lanes; NEON: four of 4), written once: [`tile_scalar`]'s operations in its
 /// order (fused multiply-adds per column into `unroll(mr)` partial sums, the same pairwise
-/// combination and group epilogue), so the results are identical. Each architecture supplies
+/// combination and group epilogue), so the results are identical. (AVX2 decodes a 4-bit
+/// column as its code times `2^avx2::shift(c)`, exactly, and its tile takes inputs that
+/// `avx2::prescale` scaled back: the same products.) Each architecture supplies
 /// the register operations ([`Lanes`]) and runs [`pass`] inside a function compiled for its
 /// features, where the operations inline. Rows go in passes of up to four (each row's
 /// operations do not depend on the others), which keeps the partial sums in registers.
@@ -815,7 +817,8 @@ mod lanes {
         /// The CPU has the architecture's features (the methods are meant to inline into a
         /// function compiled for them).
         unsafe fn zero() -> Self;
-        /// Column `c`'s 16 stored values as floats (4-bit: its nibbles in the line of pair `c / 2`).
+        /// Column `c`'s 16 stored values as floats (4-bit: its nibbles in the line of pair `c / 2`;
+        /// AVX2 gives them times `2^avx2::shift(c)`, for inputs `avx2::prescale` scaled).
         ///
         /// # Safety
         /// The CPU has the architecture's features; `c < t.k` and `t.codes` holds the whole
@@ -1152,13 +1155,42 @@ mod avx2 {
         let f: [f32; 8] = std::array::from_fn(|c| f32::from_bits((127 - shift(c)) << 23));
         let mut out = super::super::spare::take_any(x.len(), 0f32);
         for (o, row) in out.chunks_mut(k.max(1)).zip(x.chunks(k.max(1))) {
-            for (o, v) in o.chunks_mut(8).zip(row.chunks(8)) {
-                for ((o, &v), f) in o.iter_mut().zip(v).zip(f) {
-                    *o = v * f;
+            let whole = row.len() / 8 * 8;
+            if detected() {
+                // SAFETY: AVX2 detected just before; both slices hold `whole` floats.
+                unsafe { scale_lines(&mut o[..whole], &row[..whole], &f) };
+            } else {
+                for (o, v) in o[..whole].chunks_mut(8).zip(row[..whole].chunks(8)) {
+                    for ((o, &v), f) in o.iter_mut().zip(v).zip(f) {
+                        *o = v * f;
+                    }
                 }
+            }
+            for ((o, &v), f) in o[whole..].iter_mut().zip(&row[whole..]).zip(f) {
+                *o = v * f;
             }
         }
         out
+    }
+
+    /// `out[8 i + j] = x[8 i + j] * f[j]`, eight at a time: a GEMM call of many rows
+    /// prescales all of them, once per panel where the threads split a projection's features
+    /// (scalar, that was ~0.6 ms for 1024 x 2048 inputs).
+    ///
+    /// # Safety
+    /// AVX2; `out` and `x` hold the same multiple of 8 floats.
+    #[target_feature(enable = "avx2")]
+    unsafe fn scale_lines(out: &mut [f32], x: &[f32], f: &[f32; 8]) {
+        debug_assert!(out.len() == x.len() && x.len().is_multiple_of(8));
+        // SAFETY: the caller's contract: 8 readable floats at `f`, at every 8th of `x` and
+        // writable at every 8th of `out`, unaligned loads and stores.
+        unsafe {
+            let fv = _mm256_loadu_ps(f.as_ptr());
+            for i in (0..x.len().min(out.len())).step_by(8) {
+                let v = _mm256_mul_ps(_mm256_loadu_ps(x.as_ptr().add(i)), fv);
+                _mm256_storeu_ps(out.as_mut_ptr().add(i), v);
+            }
+        }
     }
 
     /// [`tile`] on inputs that [`prescale`] scaled where the layer has 4-bit codes (int8
