@@ -1155,18 +1155,17 @@ mod avx2 {
         let f: [f32; 8] = std::array::from_fn(|c| f32::from_bits((127 - shift(c)) << 23));
         let mut out = super::super::spare::take_any(x.len(), 0f32);
         for (o, row) in out.chunks_mut(k.max(1)).zip(x.chunks(k.max(1))) {
-            let whole = row.len() / 8 * 8;
-            if detected() {
+            // Whole lines eight at a time where AVX2 runs (it does wherever the tile does),
+            // what is left one by one; both from a line's start, so column j takes f[j % 8].
+            let done = if detected() {
+                let whole = row.len() / 8 * 8;
                 // SAFETY: AVX2 detected just before; both slices hold `whole` floats.
                 unsafe { scale_lines(&mut o[..whole], &row[..whole], &f) };
+                whole
             } else {
-                for (o, v) in o[..whole].chunks_mut(8).zip(row[..whole].chunks(8)) {
-                    for ((o, &v), f) in o.iter_mut().zip(v).zip(f) {
-                        *o = v * f;
-                    }
-                }
-            }
-            for ((o, &v), f) in o[whole..].iter_mut().zip(&row[whole..]).zip(f) {
+                0
+            };
+            for ((o, &v), f) in o[done..].iter_mut().zip(&row[done..]).zip(f.iter().cycle()) {
                 *o = v * f;
             }
         }
