@@ -67,6 +67,16 @@ fn main() {
                 let s = per_call(&|f| w.gemm_bf16(&xb, m, 0, w.blocks(), |_, _, l| f(l)));
                 report(bits, m, "bf16", s, n, k);
             }
+            // int8 codes with bf16 inputs in fewer rows than the bf16 path takes: the
+            // fixed-point int8 dot products (see `wo::fixed`), and the input's preparation.
+            if let Some(xf) = w.fixed_rows_from(m, |r| &x[r * k..(r + 1) * k], None) {
+                let s = per_call(&|f| w.gemm_fixed(&xf, 0, w.blocks(), |_, _, l| f(l)));
+                report(bits, m, "fixed", s, n, k);
+                let prep = best_per_call(200, || {
+                    std::hint::black_box(w.fixed_rows_from(m, |r| &x[r * k..(r + 1) * k], None));
+                });
+                println!("  fixed-point input of {m} rows: {:.1} us", prep * 1e6);
+            }
         }
     }
 }

@@ -13,6 +13,7 @@ use super::kernels;
 use super::packed::{PackedI8, BLOCK};
 use super::spare;
 use super::wo::bf16::Bf16Rows;
+use super::wo::fixed::{fixed_dot, FixedRows};
 use super::wo::BlockedWo;
 
 /// The arithmetic of weight-only layers. DESIGN.md: fp32 input means fp32 compute. For bf16
@@ -59,6 +60,7 @@ pub enum Prepared<'a> {
     F32(Cow<'a, [f32]>),
     U8 { xu: Vec<u8>, sx: Vec<f32> },
     Bf16(Bf16Rows),
+    Fixed(FixedRows),
 }
 
 impl Prepared<'_> {
@@ -75,6 +77,11 @@ impl Prepared<'_> {
                 spare::give(r.x);
                 spare::give(r.sums);
             }
+            Prepared::Fixed(r) => {
+                spare::give(r.planes);
+                spare::give(r.unit);
+                spare::give(r.sums);
+            }
         }
     }
 
@@ -84,6 +91,7 @@ impl Prepared<'_> {
             Prepared::F32(x) => Prepared::F32(Cow::Owned(x.into_owned())),
             Prepared::U8 { xu, sx } => Prepared::U8 { xu, sx },
             Prepared::Bf16(x) => Prepared::Bf16(x),
+            Prepared::Fixed(x) => Prepared::Fixed(x),
         }
     }
 
@@ -217,6 +225,16 @@ impl Linear {
             if compute == Compute::Bf16 && m >= w.bf16_min_rows() && kernels::bf16_dot() {
                 return Prepared::Bf16(w.bf16_rows_from(m, |r| Some(row(r)), perm.as_deref()));
             }
+            // Fewer rows: int8 codes on the int8 dot products, inputs in fixed point.
+            if compute == Compute::Bf16
+                && m < super::wo::bf16::BF16_MIN_ROWS
+                && w.fixed_ok()
+                && fixed_dot()
+            {
+                if let Some(rows) = w.fixed_rows_from(m, row, perm.as_deref()) {
+                    return Prepared::Fixed(rows);
+                }
+            }
         }
         let xs = match self {
             Linear::Dense { .. } | Linear::WeightOnly { perm: None, .. } => match rows {
@@ -326,6 +344,15 @@ impl Linear {
                     |r, b, lanes| emit_block(out, at, r, b, lanes, first, end, cs),
                 );
             }
+            (Linear::WeightOnly { w, .. }, Prepared::Fixed(xf)) => {
+                let end = first + count;
+                w.gemm_fixed(
+                    xf,
+                    first / super::wo::BLOCK,
+                    count.div_ceil(super::wo::BLOCK),
+                    |r, b, lanes| emit_block(out, at, r, b, lanes, first, end, cs),
+                );
+            }
             (Linear::Int8 { w, scale, .. }, Prepared::U8 { xu, sx }) => {
                 let end = first + count;
                 w.gemm_scaled(
@@ -380,6 +407,7 @@ impl Linear {
                     a == b
                         && wa.group_starts() == wb.group_starts()
                         && wa.bf16_min_rows() == wb.bf16_min_rows()
+                        && wa.fixed_ok() == wb.fixed_ok()
                 }
                 (Linear::Int8 { input_scale: a, .. }, Linear::Int8 { input_scale: b, .. }) => {
                     a.map(f32::to_bits) == b.map(f32::to_bits)

@@ -58,6 +58,7 @@ spare!(u8, SPARE_U8, 0xA5);
 // A bf16 NaN (u16 spares hold bf16 bits).
 spare!(u16, SPARE_U16, 0x7FC1);
 spare!(f32, SPARE_F32, f32::NAN);
+spare!(i32, SPARE_I32, i32::MIN);
 
 /// `len` copies of `fill`, in a buffer as [`take_empty`] finds one.
 pub fn take<T: Spare>(len: usize, fill: T) -> Vec<T> {

@@ -14,6 +14,7 @@ use super::arena::Arena;
 use super::kernels::isa;
 
 pub mod bf16;
+pub mod fixed;
 
 /// Features per block.
 pub const BLOCK: usize = 16;
@@ -51,6 +52,9 @@ pub struct BlockedWo {
     /// the dequantised weights `(q - z) * s` in bf16 are compressed-tensors' own: the bf16
     /// path may widen codes straight into them (see [`bf16`]).
     scales_bf16: bool,
+    /// The fixed-point kernel's column chunks (int8 codes with whole quads per group; empty
+    /// otherwise; see [`fixed`]).
+    chunks: Vec<fixed::Chunk>,
 }
 
 /// Bytes owned here or moved into the layer's huge-page [`Arena`].
@@ -200,6 +204,10 @@ impl BlockedWo {
         let scales_bf16 = sc
             .iter()
             .all(|v| v.is_finite() && v.to_bits() & 0xffff == 0);
+        let chunks = match codes {
+            Codes::I8(_) => fixed::chunks(k, &group_starts).unwrap_or_default(),
+            Codes::U4(_) => Vec::new(),
+        };
         BlockedWo {
             n,
             k,
@@ -210,6 +218,7 @@ impl BlockedWo {
             group_starts,
             pair_offs,
             scales_bf16,
+            chunks,
         }
     }
 
