@@ -222,18 +222,14 @@ impl Linear {
             &x[t * k..(t + 1) * k]
         };
         if let Linear::WeightOnly { w, perm, .. } = self {
-            if compute == Compute::Bf16 && m >= w.bf16_min_rows() && kernels::bf16_dot() {
-                return Prepared::Bf16(w.bf16_rows_from(m, |r| Some(row(r)), perm.as_deref()));
-            }
-            // Fewer rows: int8 codes on the int8 dot products, inputs in fixed point.
-            if compute == Compute::Bf16
-                && m < super::wo::bf16::BF16_MIN_ROWS
-                && w.fixed_ok()
-                && fixed_dot()
-            {
+            // Few rows (decode): the codes on int8 dot products, inputs in fixed point.
+            if compute == Compute::Bf16 && m <= w.fixed_max_rows() && fixed_dot() {
                 if let Some(rows) = w.fixed_rows_from(m, row, perm.as_deref()) {
                     return Prepared::Fixed(rows);
                 }
+            }
+            if compute == Compute::Bf16 && m >= w.bf16_min_rows() && kernels::bf16_dot() {
+                return Prepared::Bf16(w.bf16_rows_from(m, |r| Some(row(r)), perm.as_deref()));
             }
         }
         let xs = match self {
@@ -407,7 +403,7 @@ impl Linear {
                     a == b
                         && wa.group_starts() == wb.group_starts()
                         && wa.bf16_min_rows() == wb.bf16_min_rows()
-                        && wa.fixed_ok() == wb.fixed_ok()
+                        && wa.fixed_max_rows() == wb.fixed_max_rows()
                 }
                 (Linear::Int8 { input_scale: a, .. }, Linear::Int8 { input_scale: b, .. }) => {
                     a.map(f32::to_bits) == b.map(f32::to_bits)

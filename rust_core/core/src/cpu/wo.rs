@@ -205,8 +205,8 @@ impl BlockedWo {
             .iter()
             .all(|v| v.is_finite() && v.to_bits() & 0xffff == 0);
         let chunks = match codes {
-            Codes::I8(_) => fixed::chunks(k, &group_starts).unwrap_or_default(),
-            Codes::U4(_) => Vec::new(),
+            Codes::I8(_) => fixed::chunks(k, &group_starts, 4).unwrap_or_default(),
+            Codes::U4(_) => fixed::chunks(k, &group_starts, 8).unwrap_or_default(),
         };
         BlockedWo {
             n,

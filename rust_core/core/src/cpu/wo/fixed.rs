@@ -1,7 +1,11 @@
-//! int8 weight-only codes on the u8 x i8 dot-product instruction (`vpdpbusd`) for bf16
-//! activations in few rows (decode). There the fp32 tile is bound by converting every code to
+//! Weight-only codes on the u8 x i8 dot-product instruction (`vpdpbusd`) for bf16 activations
+//! in few rows (decode). int8 codes: the fp32 tile is bound there by converting every code to
 //! fp32 (three instructions per 16 codes, ~29 GMAC/s per Zen 4 core, slower than memory
-//! delivers the codes); here a 64-byte line of codes is one byte permute and three dot products.
+//! delivers the codes); here a 64-byte line of codes is one byte permute, an xor and three dot
+//! products (~59 GMAC/s). 4-bit codes at one row: the bf16 nibble tile takes a shift, a lookup
+//! and a dot product per column pair (~51 GMAC/s); here a line of 8 columns is two masks and
+//! six dot products (~60 GMAC/s). From two rows the bf16 tile's two dot products per 64 codes
+//! beat these three ([`BlockedWo::fixed_max_rows`]).
 //!
 //! Exactness: a bf16 value has an 8-bit significand, so within a chunk of up to [`CHUNK`]
 //! columns a row's values are integers times one power of two, `x = a * 2^-sh`, `|a| < 2^22`,
@@ -9,8 +13,10 @@
 //! binades of the largest; smaller ones round to the nearest multiple of 2^-22 of it, below
 //! fp32's own rounding of the chunk's sum. `a` is written in three signed base-256 digits,
 //! `a = d0 + 256 d1 + 65536 d2` (`-128 <= d < 128`), each digit broadcast as the s8 operand of
-//! `vpdpbusd` against the codes as u8 (`q + 128`, one xor), so with `D` a digit's sum over the
-//! chunk, `Σ a q = (r0 + 256 r1) + 65536 r2` where `r = Σ d (q + 128) - 128 D`: exact in int32
+//! `vpdpbusd` against the codes as u8 (int8: `q + 128`, one xor; 4-bit: the stored `q + 8`,
+//! whose 8 the zero-point term takes off as in the other tiles), so with `D` a digit's sum
+//! over the chunk, `Σ a q = (r0 + 256 r1) + 65536 r2` where `r = Σ d (q + 128) - 128 D`
+//! (int8; `r = Σ d (q + 8)` for 4-bit storage): exact in int32
 //! within a chunk (`|Σ (d0 + 256 d1) q| <= 32896 * 128 * CHUNK`), then in f64, times `2^-sh`.
 //! A group's chunks add in f64, rounded once to f32; then the fp32 path's epilogue:
 //! `acc -= z * Σx`, `y += acc * s` (fused). So a group's dot product carries one rounding where
@@ -19,13 +25,16 @@
 //! non-finite value or a nonzero chunk below 2^-100 take the fp32 tile instead
 //! ([`BlockedWo::fixed_rows_from`] gives `None`).
 //!
-//! Layout: the codes are the blocks' own (`[k][16]` bytes per block, so one 64-byte line is 4
-//! columns of 16 features); `vpermb` turns it into `vpdpbusd`'s order (4 columns per feature).
-//! Inputs: `[m][k / 4][3]` u32, per quad of columns the digit `j` of its four `a` in word `j`,
-//! each broadcast from memory as one `vpdpbusd` operand. [`block_scalar`] repeats the
-//! arithmetic exactly.
+//! Layout: the codes are the blocks' own. int8: `[k][16]` bytes per block, so one 64-byte line
+//! is 4 columns of 16 features; `vpermb` turns it into `vpdpbusd`'s order (4 columns per
+//! feature). 4-bit: a line's 32-bit lane `l` holds feature `l`'s 8 columns, in its bytes' low
+//! nibbles columns 0, 4, 1, 5 and in the high ones 2, 6, 3, 7 (`LINE_ORDER`): one mask, or a
+//! shift and a mask, gives each half as u8 in `vpdpbusd`'s order, and the inputs' digits are
+//! written in that column order. Inputs: `[m][k / 4][3]` u32, per quad of (so ordered)
+//! columns the digit `j` of its four `a` in word `j`, each broadcast from memory as one
+//! `vpdpbusd` operand. [`block_scalar`] repeats the arithmetic exactly.
 
-use super::bf16::to_bf16;
+use super::bf16::{to_bf16, BF16_MIN_ROWS};
 use super::{BlockedWo, Codes, BLOCK};
 
 /// Columns per fixed-point chunk: `32896 * 128 * CHUNK` (the low digits' int32 sum, see the
@@ -51,10 +60,11 @@ pub struct Chunk {
 }
 
 /// The chunks of `k` columns grouped at `group_starts` (each group cut every [`CHUNK`]
-/// columns), when every group start and `k` are multiples of 4 (a quad never straddles a
-/// chunk); `None` otherwise.
-pub fn chunks(k: usize, group_starts: &[usize]) -> Option<Vec<Chunk>> {
-    if !k.is_multiple_of(4) || k == 0 || group_starts.iter().any(|g| !g.is_multiple_of(4)) {
+/// columns), when every group start and `k` are multiples of `align` (4 for int8 codes: a
+/// quad never straddles a chunk; 8 for 4-bit codes: nor does a line's 8 columns); `None`
+/// otherwise.
+pub fn chunks(k: usize, group_starts: &[usize], align: usize) -> Option<Vec<Chunk>> {
+    if !k.is_multiple_of(align) || k == 0 || group_starts.iter().any(|g| !g.is_multiple_of(align)) {
         return None;
     }
     let groups = group_starts.len().max(1);
@@ -90,9 +100,37 @@ pub struct FixedRows {
     pub rows: usize,
 }
 
+/// The columns of a 4-bit line (8 columns) in the order its nibbles take as `vpdpbusd`
+/// operands: feature `l`'s 32-bit lane holds, in its bytes' low nibbles, columns 0, 4, 1, 5 and
+/// in their high nibbles 2, 6, 3, 7 (see `super::nibble_at`).
+const LINE_ORDER: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
+
+/// Where column `c` of a 4-bit layer sits in its digits' order (the inverse of
+/// [`LINE_ORDER`] within each line).
+fn lined_position(c: usize) -> usize {
+    const POS: [usize; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
+    (c / 8) * 8 + POS[c % 8]
+}
+
 /// Bytes of one row's planes.
 fn row_bytes(k: usize) -> usize {
     (k / 4) * 12
+}
+
+/// `Σ v` in eight interleaved partial sums added pairwise (a fixed order that vectorises: a
+/// sequential sum of a 2048-value row cost as much as the rest of its conversion).
+fn lane_sum(v: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let mut chunks = v.chunks_exact(8);
+    for c in &mut chunks {
+        for (l, &x) in lanes.iter_mut().zip(c) {
+            *l += x;
+        }
+    }
+    let tail: f32 = chunks.remainder().iter().sum();
+    ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+        + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
+        + tail
 }
 
 /// `a` (`|a| <= 2^22`) in signed base-256 digits, least significant first.
@@ -168,9 +206,29 @@ fn pow2(e: i32) -> f32 {
 }
 
 impl BlockedWo {
-    /// Whether this layer can take [`FixedRows`]: int8 codes with whole quads per group.
+    /// Whether this layer can take [`FixedRows`]: whole quads (int8) or lines (4-bit) per
+    /// group.
     pub fn fixed_ok(&self) -> bool {
-        matches!(self.codes, Codes::I8(_)) && !self.chunks.is_empty()
+        !self.chunks.is_empty()
+    }
+
+    /// Rows per expert below which bf16 input takes [`FixedRows`] (0: never). 4-bit codes
+    /// take them at one row only where the bf16 nibble tile runs (from two rows its two dot
+    /// products per 64 codes beat the fixed point's three: one Zen 4 core, codes in cache,
+    /// 2 rows 86 against 64 GMAC/s); int8 codes up to the bf16 path's [`BF16_MIN_ROWS`].
+    pub fn fixed_max_rows(&self) -> usize {
+        match (self.fixed_ok(), self.nibbles()) {
+            (false, _) => 0,
+            (true, true) if super::super::kernels::bf16_dot() => 1,
+            (true, _) => BF16_MIN_ROWS - 1,
+        }
+    }
+
+    /// 4-bit storage: stored values `q + 8` are the u8 operand as they are, the `+ 8` taken
+    /// off with the zero point as in the other tiles; int8 codes get `+ 128` (an xor), taken
+    /// off with the digits' sums.
+    fn nibbles(&self) -> bool {
+        matches!(self.codes, Codes::U4(_))
     }
 
     /// Rows `0..m` (`row(r)`, in the checkpoint's column order; `perm` gathers act-order
@@ -202,8 +260,10 @@ impl BlockedWo {
         let mut planes = spare::take_any(m * rb, 0u8);
         let mut comp = spare::take_any(m * nch * 2, 0i32);
         let mut unit = spare::take_any(m * nch, 0f32);
-        let mut sums = spare::take_any(if self.asym { m * groups } else { 0 }, 0f32);
+        let zp = self.zp.is_some();
+        let mut sums = spare::take_any(if zp { m * groups } else { 0 }, 0f32);
         let mut v = spare::take_any(k, 0f32);
+        let mut lined = spare::take_any(if self.nibbles() { k } else { 0 }, 0f32);
         let mut ok = true;
         for r in 0..m {
             let xr = row(r);
@@ -219,25 +279,41 @@ impl BlockedWo {
                     // caller's word); xr and v hold k values.
                     (true, None) => unsafe { x86::round_row(&xr[..k], &mut v) },
                     _ => round_row(xr, perm, &mut v),
+                };
+            // 4-bit lines hold their 8 columns' nibbles in the order LINE_ORDER (see
+            // `x86::block4`): the digits follow it.
+            let digits_of = if self.nibbles() && ok {
+                for (o, line) in lined.chunks_exact_mut(8).zip(v.chunks_exact(8)) {
+                    o.copy_from_slice(&LINE_ORDER.map(|i| line[i]));
                 }
+                &lined
+            } else {
+                &v
+            };
+            ok = ok
                 && match simd {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: as above; the chunks are whole quads inside 0..k, dst holds the
                     // row's k / 4 quads, cc and un its chunks.
-                    true => unsafe { x86::digits_row(&v, &self.chunks, dst, cc, un) },
-                    _ => digits_row(&v, &self.chunks, dst, cc, un),
+                    true => unsafe { x86::digits_row(digits_of, &self.chunks, dst, cc, un) },
+                    _ => digits_row(digits_of, &self.chunks, dst, cc, un),
                 };
             if !ok {
                 break;
             }
-            if self.asym {
+            if self.nibbles() {
+                // No `+ 128` to take off (see `nibbles`).
+                cc.fill(0);
+            }
+            if zp {
                 for g in 0..groups {
                     let (a, e) = self.bounds(g);
-                    sums[r * groups + g] = v[a..e.min(k)].iter().sum();
+                    sums[r * groups + g] = lane_sum(&v[a..e.min(k)]);
                 }
             }
         }
         spare::give(v);
+        spare::give(lined);
         if !ok {
             spare::give(planes);
             spare::give(comp);
@@ -271,7 +347,7 @@ impl BlockedWo {
             || x.planes.len() < m * rb
             || x.unit.len() < m * nch
             || x.comp.len() < m * nch * 2
-            || (self.asym && x.sums.len() < m * self.groups())
+            || (self.zp.is_some() && x.sums.len() < m * self.groups())
         {
             return;
         }
@@ -288,10 +364,11 @@ impl BlockedWo {
                     // checks above give `x` rows r..r + mr of planes, digit sums, units and
                     // group sums.
                     unsafe {
-                        if mr == 2 {
-                            x86::block::<2, 1>(self, b, x, r, &mut out);
-                        } else {
-                            x86::block::<1, 4>(self, b, x, r, &mut out);
+                        match (mr, self.nibbles()) {
+                            (2, false) => x86::block::<2, 2, false>(self, b, x, r, &mut out),
+                            (2, true) => x86::block::<2, 2, true>(self, b, x, r, &mut out),
+                            (_, false) => x86::block::<1, 4, false>(self, b, x, r, &mut out),
+                            (_, true) => x86::block::<1, 4, true>(self, b, x, r, &mut out),
                         }
                     }
                 } else {
@@ -360,9 +437,14 @@ pub fn block_scalar(
             for (ci, ch) in w.chunks.iter().enumerate() {
                 let mut sums = [0i64; 3];
                 for c in ch.start..ch.end {
-                    let u = i64::from(w.codes.get(t.codes, c, l) as u8 ^ 0x80);
+                    let (u, at) = if w.nibbles() {
+                        (w.codes.get(t.codes, c, l) as u8, lined_position(c))
+                    } else {
+                        (w.codes.get(t.codes, c, l) as u8 ^ 0x80, c)
+                    };
                     for (p, s) in sums.iter_mut().enumerate() {
-                        *s += i64::from(planes[(c / 4) * 12 + 4 * p + c % 4] as i8) * u;
+                        *s +=
+                            i64::from(planes[(at / 4) * 12 + 4 * p + at % 4] as i8) * i64::from(u);
                     }
                 }
                 let cc = &x.comp[(r * nch + ci) * 2..(r * nch + ci) * 2 + 2];
@@ -374,8 +456,12 @@ pub fn block_scalar(
                 let last = w.chunks.get(ci + 1).is_none_or(|n| n.group != ch.group);
                 if last {
                     let g = ch.group;
-                    let z = t.zp.filter(|_| w.asym).map(|z| z[g * BLOCK + l]);
-                    let sum = if w.asym { x.sums[r * groups + g] } else { 0.0 };
+                    let z = t.zp.map(|z| z[g * BLOCK + l]);
+                    let sum = if z.is_some() {
+                        x.sums[r * groups + g]
+                    } else {
+                        0.0
+                    };
                     total = finish(acc, z, sum, t.scale[g * BLOCK + l], total);
                     acc = 0.0;
                 }
@@ -524,14 +610,15 @@ mod x86 {
     }
     static TRANSPOSE: [u8; 64] = transpose_index();
 
-    /// Rows `r0..r0 + MR` of block `b` into `out` (`U` interleaved partial sums per plane).
+    /// Rows `r0..r0 + MR` of block `b` into `out` (`U` interleaved partial sums per digit);
+    /// `NIB`: the layer's codes are 4-bit lines (`w.nibbles()`), else int8.
     ///
     /// # Safety
     /// AVX-512F, BW, VNNI and VBMI; `b < w.blocks()`; `x` holds rows `r0..r0 + MR` of planes,
     /// digit sums, units and (with zero points) group sums; `w.chunks`
     /// are whole quads inside `0..k`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi")]
-    pub unsafe fn block<const MR: usize, const U: usize>(
+    pub unsafe fn block<const MR: usize, const U: usize, const NIB: bool>(
         w: &BlockedWo,
         b: usize,
         x: &FixedRows,
@@ -544,40 +631,62 @@ mod x86 {
         let rb = row_bytes(k);
         // SAFETY: 64 readable bytes.
         let idx = unsafe { _mm512_loadu_si512(TRANSPOSE.as_ptr().cast()) };
-        // Codes as u8: q + 128.
-        let flip = _mm512_set1_epi8(-128);
+        // int8 codes as u8: q + 128; 4-bit stored values are u8 once masked.
+        let (flip, low4) = (_mm512_set1_epi8(-128), _mm512_set1_epi8(15));
         let rows: [*const u8; MR] = std::array::from_fn(|rr| x.planes[(r0 + rr) * rb..].as_ptr());
         let mut total = [_mm512_setzero_ps(); MR];
         let mut acc = [[_mm512_setzero_pd(); 2]; MR];
         for (ci, ch) in w.chunks.iter().enumerate() {
             let mut parts = [[[_mm512_setzero_si512(); U]; 3]; MR];
-            let (q0, q1) = (ch.start / 4, ch.end / 4);
-            let mut step = |q: usize, u: usize| {
-                let at = q * 64;
-                // The addresses are formed with wrapping_add; a prefetch never faults.
-                _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(at + PF_DIST).cast());
-                // SAFETY: quad q < k / 4 lies inside the block's k * 16 bytes.
-                let wq = unsafe { _mm512_loadu_si512(cp.add(at).cast()) };
-                let wt = _mm512_xor_si512(_mm512_permutexvar_epi8(idx, wq), flip);
+            // One 64-byte operand of codes (as u8) times quad q's digits of every row.
+            let mut dots = |wt: __m512i, q: usize, u: usize| {
                 for (rr, row) in rows.iter().enumerate() {
                     for (p, part) in parts[rr].iter_mut().enumerate() {
-                        // SAFETY: quad q's plane p lies inside the row's k / 4 * 12 bytes
+                        // SAFETY: quad q's digit p lies inside the row's k / 4 * 12 bytes
                         // (the caller's contract on `x`).
                         let v = unsafe { row.add(q * 12 + 4 * p).cast::<i32>().read_unaligned() };
                         part[u] = _mm512_dpbusd_epi32(part[u], wt, _mm512_set1_epi32(v));
                     }
                 }
             };
-            let mut q = q0;
-            while q + U <= q1 {
-                for u in 0..U {
-                    step(q + u, u);
+            // Unit n: int8 quad n (4 columns), or 4-bit line n (8 columns, two operands).
+            let mut step = |n: usize, u: usize| {
+                let at = n * 64;
+                // The addresses are formed with wrapping_add; a prefetch never faults.
+                _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(at + PF_DIST).cast());
+                // SAFETY: unit n < k / 4 (int8: k * 16 bytes a block) or k / 8 (4-bit:
+                // ceil(k / 8) * 64 bytes) lies inside the block.
+                let wq = unsafe { _mm512_loadu_si512(cp.add(at).cast()) };
+                if NIB {
+                    dots(_mm512_and_si512(wq, low4), 2 * n, u);
+                    dots(
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(wq), low4),
+                        2 * n + 1,
+                        u,
+                    );
+                } else {
+                    dots(
+                        _mm512_xor_si512(_mm512_permutexvar_epi8(idx, wq), flip),
+                        n,
+                        u,
+                    );
                 }
-                q += U;
+            };
+            let (n0, n1) = if NIB {
+                (ch.start / 8, ch.end / 8)
+            } else {
+                (ch.start / 4, ch.end / 4)
+            };
+            let mut n = n0;
+            while n + U <= n1 {
+                for u in 0..U {
+                    step(n + u, u);
+                }
+                n += U;
             }
-            while q < q1 {
-                step(q, 0);
-                q += 1;
+            while n < n1 {
+                step(n, 0);
+                n += 1;
             }
             let last = w.chunks.get(ci + 1).is_none_or(|n| n.group != ch.group);
             for rr in 0..MR {
@@ -620,8 +729,8 @@ mod x86 {
                         _mm512_castpd256_pd512(_mm256_castps_pd(lo32)),
                         _mm256_castps_pd(hi32),
                     ));
-                    if let Some(z) = t.zp.filter(|_| w.asym) {
-                        // SAFETY: an asymmetric layer keeps groups x 16 zero points per block.
+                    if let Some(z) = t.zp {
+                        // SAFETY: a tile's zero points are groups x 16 values.
                         let zv = unsafe { _mm512_loadu_ps(z.as_ptr().add(g * BLOCK)) };
                         a = _mm512_fnmadd_ps(zv, _mm512_set1_ps(x.sums[r * groups + g]), a);
                     }
@@ -668,65 +777,104 @@ mod tests {
         }
     }
 
-    /// A layer of `n x k` int8 codes in groups of `group` (`k` for channelwise), with zero
-    /// points when `asym`.
-    fn layer(
-        rng: &mut Rng,
-        n: usize,
-        k: usize,
-        group: usize,
-        asym: bool,
-    ) -> (BlockedWo, Vec<i8>, Vec<f32>, Vec<i8>) {
+    /// A layer of `n x k` codes of `bits` (8, or 4: stored as 4-bit lines) in groups of
+    /// `group` (`k` for channelwise), with zero points when `asym`; with the values the
+    /// storage holds (codes and zero points plus 8 for 4-bit storage, whose symmetric layers
+    /// carry that 8 as their zero point) and the scales.
+    struct Layer {
+        w: BlockedWo,
+        stored: Vec<f32>,
+        zp: Option<Vec<f32>>,
+        scale: Vec<f32>,
+    }
+
+    fn layer(rng: &mut Rng, n: usize, k: usize, group: usize, asym: bool, bits: u32) -> Layer {
         let groups = k / group;
-        let q: Vec<i8> = (0..n * k).map(|_| rng.next() as i8).collect();
+        let code = |rng: &mut Rng| {
+            if bits == 4 {
+                rng.below(16) as i8 - 8
+            } else {
+                rng.next() as i8
+            }
+        };
+        let q: Vec<i8> = (0..n * k).map(|_| code(rng)).collect();
         let scale: Vec<f32> = (0..n * groups)
             .map(|_| f32::from_bits((0x3a00_0000 + rng.below(1 << 22) as u32) & 0xffff_0000))
             .collect();
-        let zp: Vec<i8> = (0..n * groups)
-            .map(|_| rng.below(256) as u8 as i8)
-            .collect();
+        let zp: Vec<i8> = (0..n * groups).map(|_| code(rng)).collect();
         let starts = (0..groups).map(|g| g * group).collect();
         let w = BlockedWo::new(n, k, &q, &scale, asym.then_some(&zp[..]), starts);
-        (w, q, scale, zp)
+        assert_eq!(w.nibbles(), bits == 4);
+        assert!(w.fixed_ok());
+        let bias = if bits == 4 { 8.0 } else { 0.0 };
+        let zp = (asym || bits == 4).then(|| {
+            zp.iter()
+                .map(|&z| if asym { f32::from(z) + bias } else { bias })
+                .collect()
+        });
+        Layer {
+            w,
+            stored: q.iter().map(|&v| f32::from(v) + bias).collect(),
+            zp,
+            scale,
+        }
+    }
+
+    /// All of a layer's outputs for `x` (`m` rows) by [`BlockedWo::gemm_fixed`].
+    fn outputs(w: &BlockedWo, x: &FixedRows) -> Vec<f32> {
+        let (m, n) = (x.rows, w.n);
+        let mut got = vec![f32::NAN; m * n];
+        w.gemm_fixed(x, 0, w.blocks(), |r, b, lanes| {
+            for (l, &v) in lanes.iter().enumerate() {
+                if 16 * b + l < n {
+                    got[r * n + 16 * b + l] = v;
+                }
+            }
+        });
+        got
     }
 
     #[test]
     fn digits_rebuild_every_value_in_range() {
-        for a in (-(1 << 22)..(1 << 22)).step_by(997).chain([
-            -(1 << 22),
-            (1 << 22) - 1,
-            -1,
-            0,
-            1,
-            127,
-            128,
-            -128,
-            -129,
-        ]) {
+        let ends = [-(1 << 22), (1 << 22) - 1, -1, 0, 1, 127, 128, -128, -129];
+        for a in (-(1 << 22)..(1 << 22)).step_by(997).chain(ends) {
             let d = digits(a);
             let back = i32::from(d[0]) + 256 * i32::from(d[1]) + 65536 * i32::from(d[2]);
             assert_eq!(back, a);
+        }
+        // LINE_ORDER and lined_position are inverses.
+        for c in 0..16 {
+            assert_eq!(LINE_ORDER[lined_position(c) % 8] + (c / 8) * 8, c);
         }
     }
 
     /// Where every input of a chunk is within 14 binades of its largest, a group's dot product
     /// is exact before its one rounding: the output equals an f64 reference bit for bit, by
-    /// the SIMD kernel (where the CPU has it) and the scalar one; the SIMD conversion of the
-    /// inputs equals the scalar one byte for byte.
+    /// the SIMD kernel (where the CPU has it) and the scalar one, for int8 and 4-bit codes;
+    /// the SIMD conversion of the inputs equals the scalar one byte for byte.
     #[test]
     fn fixed_point_equals_the_exact_sums_rounded_once() {
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-        for (n, k, group, asym, m) in [
-            (16, 128, 128, false, 1),
-            (40, 256, 128, false, 2),
-            (33, 512, 64, true, 3),
-            (20, 320, 32, false, 5),
-            (17, 384, 384, true, 1),
-            (48, 1024, 1024, false, 2),
-            (16, 68, 68, false, 1),
+        for (n, k, group, asym, m, bits) in [
+            (16, 128, 128, false, 1, 8),
+            (40, 256, 128, false, 2, 8),
+            (33, 512, 64, true, 3, 8),
+            (20, 320, 32, false, 5, 8),
+            (17, 384, 384, true, 1, 8),
+            (48, 1024, 1024, false, 2, 8),
+            (16, 68, 68, false, 1, 8),
+            (16, 128, 128, false, 1, 4),
+            (40, 256, 64, true, 1, 4),
+            (33, 512, 32, true, 3, 4),
+            (20, 1024, 1024, false, 2, 4),
+            (17, 136, 136, false, 1, 4),
         ] {
-            let (w, q, scale, zp) = layer(&mut rng, n, k, group, asym);
-            assert!(w.fixed_ok());
+            let Layer {
+                w,
+                stored,
+                zp,
+                scale,
+            } = layer(&mut rng, n, k, group, asym, bits);
             let groups = k / group;
             // Each chunk's inputs within 14 binades of one another (a chunk may be all zero).
             let x: Vec<f32> = (0..m * k)
@@ -747,19 +895,12 @@ mod tests {
                 let simd = w
                     .fixed_rows_with(m, row, None, true)
                     .expect("finite inputs");
-                assert_eq!(simd.planes, scalar.planes, "n={n} k={k}");
+                assert_eq!(simd.planes, scalar.planes, "n={n} k={k} bits={bits}");
                 assert_eq!(simd.comp, scalar.comp);
                 assert_eq!(simd.unit, scalar.unit);
                 assert_eq!(simd.sums, scalar.sums);
             }
-            let mut got = vec![f32::NAN; m * n];
-            w.gemm_fixed(&scalar, 0, w.blocks(), |r, b, lanes| {
-                for (l, &v) in lanes.iter().enumerate() {
-                    if 16 * b + l < n {
-                        got[r * n + 16 * b + l] = v;
-                    }
-                }
-            });
+            let got = outputs(&w, &scalar);
             for r in 0..m {
                 for j in 0..n {
                     let mut y = 0f32;
@@ -767,21 +908,17 @@ mod tests {
                         let cols = g * group..(g + 1) * group;
                         let exact: f64 = cols
                             .clone()
-                            .map(|c| f64::from(q[j * k + c]) * f64::from(x[r * k + c]))
+                            .map(|c| f64::from(stored[j * k + c]) * f64::from(x[r * k + c]))
                             .sum();
                         let mut a = exact as f32;
-                        if asym {
-                            let sum: f32 =
-                                x[r * k + g * group..r * k + (g + 1) * group].iter().sum();
-                            a = (-f32::from(zp[j * groups + g])).mul_add(sum, a);
+                        if let Some(z) = &zp {
+                            let sum = lane_sum(&x[r * k + cols.start..r * k + cols.end]);
+                            a = (-z[j * groups + g]).mul_add(sum, a);
                         }
                         y = a.mul_add(scale[j * groups + g], y);
                     }
-                    assert_eq!(
-                        got[r * n + j].to_bits(),
-                        y.to_bits(),
-                        "n={n} k={k} g={group} r={r} j={j}"
-                    );
+                    let at = format!("n={n} k={k} g={group} bits={bits} r={r} j={j}");
+                    assert_eq!(got[r * n + j].to_bits(), y.to_bits(), "{at}");
                 }
             }
             // The scalar reference of every block agrees with what gemm_fixed gave.
@@ -790,12 +927,9 @@ mod tests {
                     let mut out = [[0f32; BLOCK]; PASS_ROWS];
                     let mr = (m - r).min(PASS_ROWS);
                     block_scalar(&w, b, &scalar, r, mr, &mut out);
-                    for rr in 0..mr {
-                        for l in 0..BLOCK.min(n - 16 * b) {
-                            assert_eq!(
-                                out[rr][l].to_bits(),
-                                got[(r + rr) * n + 16 * b + l].to_bits()
-                            );
+                    for (rr, lanes) in out.iter().enumerate().take(mr) {
+                        for (l, v) in lanes.iter().enumerate().take(BLOCK.min(n - 16 * b)) {
+                            assert_eq!(v.to_bits(), got[(r + rr) * n + 16 * b + l].to_bits());
                         }
                     }
                 }
@@ -805,63 +939,83 @@ mod tests {
 
     /// Inputs spread over more binades than the fixed point holds lose only below 2^-22 of
     /// their chunk's largest: close to the f64 sums; SIMD and scalar still agree exactly.
+    /// Act-order layers gather their inputs in the sorted order first.
     #[test]
-    fn wide_inputs_stay_close_and_paths_agree() {
+    fn wide_inputs_stay_close_and_act_order_gathers() {
         let mut rng = Rng(12345);
         let (n, k, group, m) = (48, 512, 128, 2);
-        let (w, q, scale, _) = layer(&mut rng, n, k, group, false);
-        let x: Vec<f32> = (0..m * k).map(|_| rng.bf16(-60, 20)).collect();
-        let row = |r: usize| &x[r * k..(r + 1) * k];
-        let fx = w.fixed_rows_with(m, row, None, false).expect("finite");
-        if fixed_dot() {
-            let simd = w.fixed_rows_with(m, row, None, true).expect("finite");
-            assert_eq!(simd.planes, fx.planes);
-            assert_eq!(simd.comp, fx.comp);
-        }
-        let mut got = vec![f32::NAN; m * n];
-        w.gemm_fixed(&fx, 0, w.blocks(), |r, b, lanes| {
-            got[r * n + 16 * b..r * n + 16 * b + 16].copy_from_slice(lanes)
-        });
-        for r in 0..m {
-            for j in 0..n {
-                let (mut want, mut mag) = (0f64, 0f64);
-                for c in 0..k {
-                    let t = f64::from(q[j * k + c])
-                        * f64::from(x[r * k + c])
-                        * f64::from(scale[j * (k / group) + c / group]);
-                    want += t;
-                    mag += t.abs();
+        for bits in [8, 4] {
+            let Layer {
+                w, stored, scale, ..
+            } = layer(&mut rng, n, k, group, false, bits);
+            let x: Vec<f32> = (0..m * k).map(|_| rng.bf16(-60, 20)).collect();
+            let row = |r: usize| &x[r * k..(r + 1) * k];
+            let fx = w.fixed_rows_with(m, row, None, false).expect("finite");
+            if fixed_dot() {
+                let simd = w.fixed_rows_with(m, row, None, true).expect("finite");
+                assert_eq!(simd.planes, fx.planes);
+                assert_eq!(simd.comp, fx.comp);
+            }
+            let got = outputs(&w, &fx);
+            let bias = if bits == 4 { 8.0 } else { 0.0 };
+            for r in 0..m {
+                for j in 0..n {
+                    let (mut want, mut mag) = (0f64, 0f64);
+                    for c in 0..k {
+                        let s = f64::from(scale[j * (k / group) + c / group]);
+                        let t = f64::from(stored[j * k + c] - bias) * f64::from(x[r * k + c]) * s;
+                        want += t;
+                        mag += t.abs();
+                    }
+                    let err = (f64::from(got[r * n + j]) - want).abs();
+                    assert!(err <= 1e-6 * mag, "bits={bits} r={r} j={j}");
                 }
-                assert!(
-                    (f64::from(got[r * n + j]) - want).abs() <= 1e-6 * mag,
-                    "r={r} j={j}"
-                );
+            }
+            // A permutation: the same as handing over the gathered rows.
+            let perm: Vec<u32> = (0..k as u32).map(|c| (c * 7 + 3) % k as u32).collect();
+            let gathered: Vec<f32> = (0..m)
+                .flat_map(|r| perm.iter().map(move |&c| (r, c)))
+                .map(|(r, c)| x[r * k + c as usize])
+                .collect();
+            for simd in [false, fixed_dot()] {
+                let a = w
+                    .fixed_rows_with(m, row, Some(&perm), simd)
+                    .expect("finite");
+                let g = w
+                    .fixed_rows_with(m, |r| &gathered[r * k..(r + 1) * k], None, false)
+                    .expect("finite");
+                assert_eq!(a.planes, g.planes);
+                assert_eq!(a.comp, g.comp);
+                assert_eq!(a.unit, g.unit);
             }
         }
     }
 
     /// A row with a non-finite value, or a nonzero chunk below 2^-100, is refused (the layer
-    /// then takes the fp32 tile); groups off whole quads make no chunks.
+    /// then takes the fp32 tile); groups off whole quads (int8) or lines (4-bit) make no
+    /// chunks.
     #[test]
     fn rows_the_fixed_point_cannot_hold_are_refused() {
         let mut rng = Rng(7);
-        let (w, ..) = layer(&mut rng, 16, 256, 128, false);
-        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, f32::MAX, 1e-33] {
-            let mut x = vec![0.5f32; 256];
-            if bad == 1e-33 {
-                x[128..].iter_mut().for_each(|v| *v = bad);
-            } else {
-                x[77] = bad;
-            }
-            for simd in [false, fixed_dot()] {
-                assert!(
-                    w.fixed_rows_with(1, |_| &x[..], None, simd).is_none(),
-                    "{bad}"
-                );
+        for bits in [8, 4] {
+            let w = layer(&mut rng, 16, 256, 128, false, bits).w;
+            for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, f32::MAX, 1e-33] {
+                let mut x = vec![0.5f32; 256];
+                if bad == 1e-33 {
+                    x[128..].iter_mut().for_each(|v| *v = bad);
+                } else {
+                    x[77] = bad;
+                }
+                for simd in [false, fixed_dot()] {
+                    let fx = w.fixed_rows_with(1, |_| &x[..], None, simd);
+                    assert!(fx.is_none(), "{bad}");
+                }
             }
         }
-        assert!(chunks(256, &[0, 126]).is_none());
-        assert!(chunks(258, &[0]).is_none());
-        assert_eq!(chunks(300, &[0, 40]).map(|c| c.len()), Some(4));
+        assert!(chunks(256, &[0, 126], 4).is_none());
+        assert!(chunks(258, &[0], 4).is_none());
+        assert!(chunks(260, &[0], 8).is_none());
+        assert!(chunks(256, &[0, 124], 8).is_none());
+        assert_eq!(chunks(300, &[0, 40], 4).map(|c| c.len()), Some(4));
     }
 }
