@@ -340,7 +340,7 @@ impl Linear {
                     |r, b, lanes| emit_block(out, at, r, b, lanes, first, end, cs),
                 );
             }
-            (Linear::WeightOnly { w, .. }, Prepared::Fixed(xf)) => {
+            (Linear::WeightOnly { w, .. }, Prepared::Fixed(xf)) if w.fixed_reads(xf) => {
                 let end = first + count;
                 w.gemm_fixed(
                     xf,
@@ -404,6 +404,7 @@ impl Linear {
                         && wa.group_starts() == wb.group_starts()
                         && wa.bf16_min_rows() == wb.bf16_min_rows()
                         && wa.fixed_max_rows() == wb.fixed_max_rows()
+                        && wa.fixed_layout() == wb.fixed_layout()
                 }
                 (Linear::Int8 { input_scale: a, .. }, Linear::Int8 { input_scale: b, .. }) => {
                     a.map(f32::to_bits) == b.map(f32::to_bits)
@@ -498,6 +499,34 @@ mod tests {
             assert_eq!(got, want, "n={n} m={m}");
             if m > 1 {
                 assert_eq!(transpose(&yt, n, m), want);
+            }
+        }
+    }
+
+    /// Weight-only layers with int8 and with 4-bit storage never share a prepared input: their
+    /// fixed-point inputs differ in column order (and would be read wrongly); one handed to the
+    /// other gives NaN, not numbers.
+    #[test]
+    fn int8_and_4bit_layers_do_not_share_inputs() {
+        let (n, k) = (32, 256);
+        let wide: Vec<i8> = (0..n * k).map(|i| (i * 37 % 251) as i8).collect();
+        let narrow: Vec<i8> = (0..n * k).map(|i| (i * 5 % 16) as i8 - 8).collect();
+        let scale = vec![0.01f32; n * 2];
+        let make = |q: &[i8]| Linear::weight_only(n, k, q, None, &scale, vec![0, 128], None);
+        let (a, b) = (make(&wide), make(&narrow));
+        assert!(!a.same_input(&b) && !b.same_input(&a));
+        assert!(a.same_input(&make(&wide)));
+        let x: Vec<f32> = (0..k).map(|i| (i % 13) as f32 * 0.25 - 1.5).collect();
+        let p = a.prepare(&x, 1, Compute::Bf16);
+        if matches!(p, Prepared::Fixed(_)) {
+            let mut out = vec![0f32; n];
+            b.forward_cols(&p, 1, 0, n, &mut out, n, 1);
+            assert!(out.iter().all(|v| v.is_nan()));
+            let mut good = vec![f32::NAN; n];
+            a.forward_cols(&p, 1, 0, n, &mut good, n, 1);
+            let want = a.forward(&x, 1, false);
+            for (g, w) in good.iter().zip(&want) {
+                assert!((g - w).abs() <= 1e-2 * w.abs().max(1.0), "{g} {w}");
             }
         }
     }

@@ -98,6 +98,8 @@ pub struct FixedRows {
     /// `[m][groups]`: `Σx` of the bf16 inputs per group (layers with zero points only).
     pub sums: Vec<f32>,
     pub rows: usize,
+    /// The layout they were made for: [`BlockedWo::fixed_layout`] of the layer.
+    pub layout: (bool, usize),
 }
 
 /// The columns of a 4-bit line (8 columns) in the order its nibbles take as `vpdpbusd`
@@ -224,6 +226,17 @@ impl BlockedWo {
         }
     }
 
+    /// Whether [`BlockedWo::gemm_fixed`] reads `x` (made for this layout, with enough rows).
+    pub fn fixed_reads(&self, x: &FixedRows) -> bool {
+        self.fixed_ok() && x.layout == self.fixed_layout()
+    }
+
+    /// What a [`FixedRows`] depends on besides the groups: the digits' column order (4-bit
+    /// lines or not) and the chunks. Layers that share one prepared input compare it.
+    pub fn fixed_layout(&self) -> (bool, usize) {
+        (self.nibbles(), self.chunks.len())
+    }
+
     /// 4-bit storage: stored values `q + 8` are the u8 operand as they are, the `+ 8` taken
     /// off with the zero point as in the other tiles; int8 codes get `+ 128` (an xor), taken
     /// off with the digits' sums.
@@ -327,11 +340,13 @@ impl BlockedWo {
             unit,
             sums,
             rows: m,
+            layout: self.fixed_layout(),
         })
     }
 
     /// `y[r, 16 b + l]` for the rows of `x` and blocks `first_block..first_block + nblocks`:
-    /// calls `emit(row, block, &lanes)`.
+    /// calls `emit(row, block, &lanes)`. Inputs made for another layout emit nothing (see
+    /// [`BlockedWo::fixed_reads`]).
     pub fn gemm_fixed(
         &self,
         x: &FixedRows,
@@ -344,6 +359,7 @@ impl BlockedWo {
         let rb = row_bytes(self.k);
         let nch = self.chunks.len();
         if !self.fixed_ok()
+            || x.layout != self.fixed_layout()
             || x.planes.len() < m * rb
             || x.unit.len() < m * nch
             || x.comp.len() < m * nch * 2
