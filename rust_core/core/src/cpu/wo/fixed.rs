@@ -746,12 +746,14 @@ mod x86 {
                         _mm256_castps_pd(hi32),
                     ));
                     if let Some(z) = t.zp {
-                        // SAFETY: a tile's zero points are groups x 16 values.
-                        let zv = unsafe { _mm512_loadu_ps(z.as_ptr().add(g * BLOCK)) };
+                        let zs = &z[g * BLOCK..(g + 1) * BLOCK];
+                        // SAFETY: zs holds 16 values (the slice above is bounds-checked).
+                        let zv = unsafe { _mm512_loadu_ps(zs.as_ptr()) };
                         a = _mm512_fnmadd_ps(zv, _mm512_set1_ps(x.sums[r * groups + g]), a);
                     }
-                    // SAFETY: the tile holds groups x 16 scales.
-                    let s = unsafe { _mm512_loadu_ps(t.scale.as_ptr().add(g * BLOCK)) };
+                    let ss = &t.scale[g * BLOCK..(g + 1) * BLOCK];
+                    // SAFETY: ss holds 16 values (the slice above is bounds-checked).
+                    let s = unsafe { _mm512_loadu_ps(ss.as_ptr()) };
                     total[rr] = _mm512_fmadd_ps(a, s, total[rr]);
                     acc[rr] = [_mm512_setzero_pd(); 2];
                 }
