@@ -79,6 +79,7 @@ impl Prepared<'_> {
             }
             Prepared::Fixed(r) => {
                 spare::give(r.planes);
+                spare::give(r.comp);
                 spare::give(r.unit);
                 spare::give(r.sums);
             }
@@ -529,6 +530,30 @@ mod tests {
                 assert!((g - w).abs() <= 1e-2 * w.abs().max(1.0), "{g} {w}");
             }
         }
+    }
+
+    /// Gate and up share a prepared input when only their zero points differ: the input a
+    /// symmetric layer prepares serves one with zero points exactly as its own does.
+    #[test]
+    fn a_shared_input_serves_layers_with_and_without_zero_points() {
+        let (n, k) = (32, 256);
+        let q: Vec<i8> = (0..n * k).map(|i| (i * 37 % 251) as i8).collect();
+        let zp: Vec<i8> = (0..n * 2).map(|i| (i * 7 % 9) as i8 - 4).collect();
+        let scale = vec![0.01f32; n * 2];
+        let sym = Linear::weight_only(n, k, &q, None, &scale, vec![0, 128], None);
+        let asym = Linear::weight_only(n, k, &q, Some(&zp), &scale, vec![0, 128], None);
+        assert!(sym.same_input(&asym));
+        let x: Vec<f32> = (0..2 * k).map(|i| (i % 13) as f32 * 0.25 - 1.5).collect();
+        let (shared, own) = (
+            sym.prepare(&x, 2, Compute::Bf16),
+            asym.prepare(&x, 2, Compute::Bf16),
+        );
+        let mut a = vec![12345f32; 2 * n];
+        let mut b = vec![-1f32; 2 * n];
+        asym.forward_cols(&shared, 2, 0, n, &mut a, n, 1);
+        asym.forward_cols(&own, 2, 0, n, &mut b, n, 1);
+        assert_eq!(a, b);
+        assert!(a.iter().all(|v| v.is_finite() && *v != 12345.0));
     }
 
     /// A row's scale carries NaN where DESIGN.md's arithmetic gives the row NaN products: a

@@ -18,9 +18,11 @@
 //! over the chunk, `Σ a q = (r0 + 256 r1) + 65536 r2` where `r = Σ d (q + 128) - 128 D`
 //! (int8; `r = Σ d (q + 8)` for 4-bit storage): exact in int32
 //! within a chunk (`|Σ (d0 + 256 d1) q| <= 32896 * 128 * CHUNK`), then in f64, times `2^-sh`.
-//! A group's chunks add in f64, rounded once to f32; then the fp32 path's epilogue:
-//! `acc -= z * Σx`, `y += acc * s` (fused). So a group's dot product carries one rounding where
-//! the fp32 tile carries one per column. Inputs are rounded to bf16 first (the bf16 path's
+//! A group of one chunk (up to 128 columns, as groups of 32-128 are) is thus exact before its one
+//! rounding to f32; a longer group (channelwise) adds its chunks' exact sums in f64, which
+//! rounds where their magnitudes differ by more than ~2^16, then to f32 (within one f32 ulp of
+//! the exact sum rounded once). Then the fp32 path's epilogue: `acc -= z * Σx`, `y += acc * s`
+//! (fused). The fp32 tile rounds once per column. Inputs are rounded to bf16 first (the bf16 path's
 //! [`to_bf16`]), as that path does for the intermediate `silu(gate) * up`; rows holding a
 //! non-finite value or a nonzero chunk below 2^-100 take the fp32 tile instead
 //! ([`BlockedWo::fixed_rows_from`] gives `None`).
@@ -164,7 +166,8 @@ fn shift(mx: f32) -> Option<i32> {
     }
     // mx < 2^e: its binary exponent + 1.
     let e = ((mx.to_bits() >> 23) & 0xff) as i32 - 126;
-    (e >= -100).then_some(22 - e)
+    // mx >= 2^-100 exactly when e >= -99.
+    (e >= -99).then_some(22 - e)
 }
 
 /// One row of bf16 values `v` into its digits (`dst`), compensation terms (`comp`) and units
@@ -228,7 +231,13 @@ impl BlockedWo {
 
     /// Whether [`BlockedWo::gemm_fixed`] reads `x` (made for this layout, with enough rows).
     pub fn fixed_reads(&self, x: &FixedRows) -> bool {
-        self.fixed_ok() && x.layout == self.fixed_layout()
+        let (m, nch) = (x.rows, self.chunks.len());
+        self.fixed_ok()
+            && x.layout == self.fixed_layout()
+            && x.planes.len() >= m * row_bytes(self.k)
+            && x.unit.len() >= m * nch
+            && x.comp.len() >= m * nch * 2
+            && x.sums.len() >= m * self.groups()
     }
 
     /// What a [`FixedRows`] depends on besides the groups: the digits' column order (4-bit
@@ -273,8 +282,7 @@ impl BlockedWo {
         let mut planes = spare::take_any(m * rb, 0u8);
         let mut comp = spare::take_any(m * nch * 2, 0i32);
         let mut unit = spare::take_any(m * nch, 0f32);
-        let zp = self.zp.is_some();
-        let mut sums = spare::take_any(if zp { m * groups } else { 0 }, 0f32);
+        let mut sums = spare::take_any(m * groups, 0f32);
         let mut v = spare::take_any(k, 0f32);
         let mut lined = spare::take_any(if self.nibbles() { k } else { 0 }, 0f32);
         let mut ok = true;
@@ -318,11 +326,11 @@ impl BlockedWo {
                 // No `+ 128` to take off (see `nibbles`).
                 cc.fill(0);
             }
-            if zp {
-                for g in 0..groups {
-                    let (a, e) = self.bounds(g);
-                    sums[r * groups + g] = lane_sum(&v[a..e.min(k)]);
-                }
+            // Every layer's (not only those with zero points): layers that share one
+            // prepared input may differ in zero points.
+            for g in 0..groups {
+                let (a, e) = self.bounds(g);
+                sums[r * groups + g] = lane_sum(v.get(a..e.min(k)).unwrap_or(&[]));
             }
         }
         spare::give(v);
@@ -346,7 +354,7 @@ impl BlockedWo {
 
     /// `y[r, 16 b + l]` for the rows of `x` and blocks `first_block..first_block + nblocks`:
     /// calls `emit(row, block, &lanes)`. Inputs made for another layout emit nothing (see
-    /// [`BlockedWo::fixed_reads`]).
+    /// [`BlockedWo::fixed_reads`]; `forward_cols` fills NaN for them).
     pub fn gemm_fixed(
         &self,
         x: &FixedRows,
@@ -356,15 +364,7 @@ impl BlockedWo {
     ) {
         let end = (first_block + nblocks).min(self.blocks());
         let m = x.rows;
-        let rb = row_bytes(self.k);
-        let nch = self.chunks.len();
-        if !self.fixed_ok()
-            || x.layout != self.fixed_layout()
-            || x.planes.len() < m * rb
-            || x.unit.len() < m * nch
-            || x.comp.len() < m * nch * 2
-            || (self.zp.is_some() && x.sums.len() < m * self.groups())
-        {
+        if !self.fixed_reads(x) {
             return;
         }
         #[cfg(target_arch = "x86_64")]
@@ -519,6 +519,9 @@ mod x86 {
             let mk = mask16(x.len() - c);
             // SAFETY: lanes c..c + 16 masked to the slices' length.
             let b = unsafe { _mm512_maskz_loadu_epi32(mk, x.as_ptr().add(c).cast()) };
+            // Non-finite inputs first: adding the rounding bias carries some NaNs' mantissas
+            // out through the sign bit, to zero.
+            bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(b, exp), exp);
             let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(b), one);
             let r = _mm512_and_si512(_mm512_add_epi32(b, _mm512_add_epi32(half, odd)), top);
             let e = _mm512_and_si512(r, exp);
@@ -867,7 +870,8 @@ mod tests {
     }
 
     /// Where every input of a chunk is within 14 binades of its largest, a group's dot product
-    /// is exact before its one rounding: the output equals an f64 reference bit for bit, by
+    /// is exact before its one rounding (for these inputs also in groups of several chunks,
+    /// whose f64 sums do not round here): the output equals an f64 reference bit for bit, by
     /// the SIMD kernel (where the CPU has it) and the scalar one, for int8 and 4-bit codes;
     /// the SIMD conversion of the inputs equals the scalar one byte for byte.
     #[test]
@@ -1017,7 +1021,17 @@ mod tests {
         let mut rng = Rng(7);
         for bits in [8, 4] {
             let w = layer(&mut rng, 16, 256, 128, false, bits).w;
-            for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, f32::MAX, 1e-33] {
+            // NaNs whose rounding bias would carry out through the sign bit among them.
+            let nans = [
+                0x7fff_ffffu32,
+                0xffff_ffff,
+                0x7fff_8000,
+                0xffff_8000,
+                0x7f80_0001,
+            ];
+            let payloads = nans.map(f32::from_bits);
+            let special = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, f32::MAX, 1e-33];
+            for bad in special.into_iter().chain(payloads) {
                 let mut x = vec![0.5f32; 256];
                 if bad == 1e-33 {
                     x[128..].iter_mut().for_each(|v| *v = bad);
@@ -1026,7 +1040,7 @@ mod tests {
                 }
                 for simd in [false, fixed_dot()] {
                     let fx = w.fixed_rows_with(1, |_| &x[..], None, simd);
-                    assert!(fx.is_none(), "{bad}");
+                    assert!(fx.is_none(), "{:#x}", bad.to_bits());
                 }
             }
         }
