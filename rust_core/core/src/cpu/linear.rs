@@ -404,7 +404,7 @@ impl Linear {
                     a == b
                         && wa.group_starts() == wb.group_starts()
                         && wa.bf16_min_rows() == wb.bf16_min_rows()
-                        && wa.fixed_max_rows() == wb.fixed_max_rows()
+                        // Same groups and layout give the same fixed-point row limit too.
                         && wa.fixed_layout() == wb.fixed_layout()
                 }
                 (Linear::Int8 { input_scale: a, .. }, Linear::Int8 { input_scale: b, .. }) => {
