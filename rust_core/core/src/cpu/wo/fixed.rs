@@ -265,7 +265,8 @@ impl BlockedWo {
         self.fixed_rows_with(m, row, perm, fixed_dot())
     }
 
-    /// [`BlockedWo::fixed_rows_from`], by the SIMD conversion or the scalar one (equal).
+    /// [`BlockedWo::fixed_rows_from`], by the scalar conversion or (with `simd`, where
+    /// [`fixed_dot`] finds the CPU's support) the SIMD one; both give equal bytes.
     pub fn fixed_rows_with<'a>(
         &self,
         m: usize,
@@ -277,6 +278,7 @@ impl BlockedWo {
         if !self.fixed_ok() {
             return None;
         }
+        let simd = simd && fixed_dot();
         let (k, nch, groups) = (self.k, self.chunks.len(), self.groups());
         let rb = row_bytes(k);
         let mut planes = spare::take_any(m * rb, 0u8);
@@ -296,13 +298,13 @@ impl BlockedWo {
             ok = xr.len() >= k
                 && match (simd, perm) {
                     #[cfg(target_arch = "x86_64")]
-                    // SAFETY: `simd` only where `fixed_dot()` detected the features (the
-                    // caller's word); xr and v hold k values.
+                    // SAFETY: `simd` holds only where `fixed_dot()` detected AVX-512F/BW/VBMI;
+                    // xr (sliced to k) and v hold k values.
                     (true, None) => unsafe { x86::round_row(&xr[..k], &mut v) },
                     _ => round_row(xr, perm, &mut v),
                 };
             // 4-bit lines hold their 8 columns' nibbles in the order LINE_ORDER (see
-            // `x86::block4`): the digits follow it.
+            // `x86::block`): the digits follow it.
             let digits_of = if self.nibbles() && ok {
                 for (o, line) in lined.chunks_exact_mut(8).zip(v.chunks_exact(8)) {
                     o.copy_from_slice(&LINE_ORDER.map(|i| line[i]));
