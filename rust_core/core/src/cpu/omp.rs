@@ -6,14 +6,11 @@
 //! those threads on the CPUs its own workers need. Since Linux 6.6 a woken thread waits out
 //! the running one's time slice (~1.5 ms on two CPUs) rather than preempting it, so the
 //! forward ran on fewer threads than it was split for. [`parked`] runs the forward inside a
-//! parallel region of the calling thread's own OpenMP team whose other threads give way until
-//! it is done, as any OpenMP code of the caller's could: as many of them as the forward has
-//! workers beside the caller yield their CPUs (`sched_yield`) for the first 2 ms
-//! (`MOEQ_PARK_YIELD_US`, see `yield_window`), then they, and the rest at once, sleep on a
-//! futex. The cost: the region's start (microseconds while the team spins, a futex wake per
-//! thread once it sleeps) and its end, where the caller wakes any sleepers and waits for the
-//! team at its barrier (tens of microseconds, more when their CPUs have gone idle; a yielding
-//! thread sees the end at its next yield).
+//! parallel region of the calling thread's own OpenMP team whose other threads sleep on a
+//! futex until it is done, as any OpenMP code of the caller's could. The cost: the region's
+//! start (microseconds while the team spins, a futex wake per thread once it sleeps) and its
+//! end, where the caller wakes the sleepers and waits for them at the team's barrier (tens of
+//! microseconds, more when their CPUs have gone idle).
 //!
 //! A team that has gone to sleep (no parallel region in the last few milliseconds) takes no
 //! CPU, and waking it only to park it cost ~50 us at decode, so a team whose threads are known
@@ -46,29 +43,6 @@ fn parking() -> &'static AtomicBool {
 fn always_park() -> bool {
     static ALWAYS: OnceLock<bool> = OnceLock::new();
     *ALWAYS.get_or_init(|| std::env::var("MOEQ_PARK_OPENMP").is_ok_and(|v| v.trim() == "always"))
-}
-
-/// How long parked threads yield their CPUs before they sleep on the region's futex:
-/// `MOEQ_PARK_YIELD_US` microseconds (read once; default 2000, 0 sleeps at once, a value that
-/// is not a count of microseconds gives the default). Only as many threads as the forward has
-/// workers beside the calling thread yield. A sleeping thread leaves its CPU idle, and an idle
-/// CPU (on a VM, an idle virtual CPU) is slow to start again twice: when the forward's sleeping
-/// worker is woken onto it (50-160 us here) and when the region ends and the sleeper must wake
-/// to reach the team's barrier. A yielding thread keeps its CPU running: the worker takes it
-/// at the thread's next yield, and the end needs no wake. Decode from Python after a torch
-/// operator, two threads, calls alternated: faster at the median in 14 of 16 comparisons
-/// (by 1-6%), 1-2% slower in two (run AH in `bench/RESULTS.md`). Past the window the threads
-/// sleep: yielding through a whole 155 ms prefill made it 8% slower (the yielding thread still
-/// takes a share of the worker's CPU); with the window, prefill measured even.
-fn yield_window() -> std::time::Duration {
-    static WINDOW: OnceLock<std::time::Duration> = OnceLock::new();
-    *WINDOW.get_or_init(|| {
-        let us = std::env::var("MOEQ_PARK_YIELD_US")
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .unwrap_or(2000);
-        std::time::Duration::from_micros(us)
-    })
 }
 
 /// Bumped by [`set_parking`]: a thread's [`Backoff`] from before counts for nothing.
@@ -535,9 +509,6 @@ mod imp {
         tids: [AtomicI32; WATCHED],
         /// How long the work took (written by thread 0 only).
         worked: UnsafeCell<std::time::Duration>,
-        /// Threads `1..yielders` yield their CPUs for `yield_for` before they sleep.
-        yielders: c_int,
-        yield_for: std::time::Duration,
     }
 
     /// The region's body: thread 0 runs the work, the others sleep on `done`.
@@ -569,20 +540,7 @@ mod imp {
                 // SAFETY: gettid has no arguments and cannot fail.
                 slot.store(unsafe { libc::gettid() }, Ordering::Relaxed);
             }
-            // The threads standing in for the forward's own (see `super::yield_window`)
-            // yield their CPUs at first; the rest, and those once the window has passed, sleep.
-            let window = if me < region.yielders {
-                region.yield_for
-            } else {
-                std::time::Duration::ZERO
-            };
-            let start = std::time::Instant::now();
             while region.done.load(Ordering::Acquire) == 0 {
-                if start.elapsed() < window {
-                    // SAFETY: sched_yield takes no arguments; it only offers the CPU to others.
-                    unsafe { libc::sched_yield() };
-                    continue;
-                }
                 // Sleeps only while `done` is still 0, so a wake that came first is not missed.
                 futex(&region.done, libc::FUTEX_WAIT, 0);
             }
@@ -643,8 +601,6 @@ mod imp {
             runtime: rt,
             tids: Default::default(),
             worked: UnsafeCell::new(std::time::Duration::ZERO),
-            yielders: c_int::try_from(crate::cpu::threads()).unwrap_or(c_int::MAX),
-            yield_for: super::yield_window(),
         };
         let start = std::time::Instant::now();
         // SAFETY: `body::<F, R>` reads `data` as the `Region<F, R>` it is, and GOMP_parallel
