@@ -464,6 +464,7 @@ def test_dot_peak_probes_the_instruction_the_dispatch_uses(cap: str) -> None:
         "avx_vnni": "vpdpbusd ymm (AVX-VNNI)",
         "avx2": "vpmaddwd + vpaddd ymm",
         "avx512": "vpmaddwd + vpaddd ymm",
+        "amx_int8": "tdpbusd (AMX tiles)",
     }.get(kernel)
     assert (int8 and int8[0]) == want_int8, (kernel, int8)
     assert (bf16_peak is not None) == bf16
@@ -476,6 +477,11 @@ def test_dot_peak_probes_the_instruction_the_dispatch_uses(cap: str) -> None:
         "vdpbf16ps zmm": 32,
         "vfmadd zmm": 16,
         "vfmadd ymm": 8,
+        # 16 x 16 x 64 multiply-adds per tdpbusd, at most one every 16 cycles: 1024 a cycle,
+        # the bound below's 4 issues of 256.
+        "tdpbusd (AMX tiles)": 256,
+        # 16 x 16 x 32 per tdpbf16ps, one every 16 cycles: 512 a cycle.
+        "tdpbf16ps (AMX tiles)": 128,
     }
     for name_rate in (int8, bf16_peak, f32):
         if name_rate is not None:

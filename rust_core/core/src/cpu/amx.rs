@@ -338,6 +338,13 @@ impl TileOps for Model {
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 pub use hw::{peak_loop, usable, Hw, PEAK_MACS_PER_ISSUE};
 
+/// The 64-byte `ldtilecfg` operand every pass loads (palette 1, eight tiles of 16 rows x 64
+/// bytes), shared with the AMX-BF16 tiles of [`super::amx_bf16`].
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+pub(crate) fn tile_config() -> *const u8 {
+    hw::ALL_FULL.bytes().as_ptr()
+}
+
 /// AMX tiles are used on x86-64 Linux only (the permission request is Linux's).
 #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
 pub fn usable() -> bool {

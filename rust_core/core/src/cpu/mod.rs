@@ -1,6 +1,7 @@
 //! The CPU MoE path: routing, quantized linear layers and the fused forward.
 
 pub mod amx;
+pub mod amx_bf16;
 pub mod arena;
 pub mod build;
 pub mod kernels;

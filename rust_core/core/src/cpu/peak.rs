@@ -41,6 +41,12 @@ pub fn instruction(dot: Dot) -> Option<(&'static str, usize)> {
             Dot::Int8 if isa.vnni() => Some(("vpdpbusd zmm", 64)),
             Dot::Int8 if isa.avx_vnni() => Some(("vpdpbusd ymm (AVX-VNNI)", 32)),
             Dot::Int8 if isa.avx2_int8() => Some(("vpmaddwd + vpaddd ymm", 16)),
+            // Weight-only prefill's instruction where the AMX-BF16 tiles run it.
+            #[cfg(target_os = "linux")]
+            Dot::Bf16 if super::amx_bf16::enabled() => Some((
+                "tdpbf16ps (AMX tiles)",
+                super::amx_bf16::PEAK_MACS_PER_ISSUE,
+            )),
             Dot::Bf16 if bf16_dot() => Some(("vdpbf16ps zmm", 32)),
             Dot::F32 if isa.avx512() => Some(("vfmadd zmm", 16)),
             Dot::F32 if isa.avx2_fma() => Some(("vfmadd ymm", 8)),
@@ -105,7 +111,8 @@ fn run(dot: Dot, rounds: usize) -> f64 {
         let isa = isa();
         // SAFETY: each arm runs only where the dispatch found its instruction's features on
         // this CPU (the tests the kernels themselves dispatch on); `isa()` reports AMX only
-        // once `amx::usable()` found the tiles granted and self-tested.
+        // once `amx::usable()` found the tiles granted and self-tested, and
+        // `amx_bf16::enabled()` holds only on top of that with AMX-BF16 self-tested.
         unsafe {
             match dot {
                 // CHAINS issues per round, four per pass of the tile loop.
@@ -117,6 +124,11 @@ fn run(dot: Dot, rounds: usize) -> f64 {
                 Dot::Int8 if isa.vnni() => return x86::vnni512(rounds),
                 Dot::Int8 if isa.avx_vnni() => return x86::vnni256(rounds),
                 Dot::Int8 if isa.avx2_int8() => return x86::madd256(rounds),
+                #[cfg(target_os = "linux")]
+                Dot::Bf16 if super::amx_bf16::enabled() => {
+                    super::amx_bf16::peak_loop(rounds * CHAINS / 4);
+                    return 0.0;
+                }
                 Dot::Bf16 if bf16_dot() => return x86::bf16_512(rounds),
                 Dot::F32 if isa.avx512() => return x86::fma512(rounds),
                 Dot::F32 if isa.avx2_fma() => return x86::fma256(rounds),

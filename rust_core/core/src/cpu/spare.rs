@@ -59,6 +59,8 @@ spare!(u8, SPARE_U8, 0xA5);
 spare!(u16, SPARE_U16, 0x7FC1);
 spare!(f32, SPARE_F32, f32::NAN);
 spare!(i32, SPARE_I32, i32::MIN);
+// Two bf16 NaNs (u32 spares hold bf16 pairs).
+spare!(u32, SPARE_U32, 0x7FC1_7FC1);
 
 /// `len` copies of `fill`, in a buffer as [`take_empty`] finds one.
 pub fn take<T: Spare>(len: usize, fill: T) -> Vec<T> {

@@ -64,6 +64,22 @@ pub(super) fn pair_offsets(k: usize, group_starts: &[usize]) -> Vec<usize> {
     offs
 }
 
+/// How `gemm_bf16` takes its AMX-BF16 route: on the hardware where enabled (always, outside
+/// tests), on the tiles' software model (so that tests cover the route on any CPU), or not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(not(test), allow(dead_code))]
+pub enum AmxRoute {
+    Auto,
+    Model,
+    Off,
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The route `gemm_bf16` takes on this thread (tests set it).
+    pub static AMX_BF16_ROUTE: std::cell::Cell<AmxRoute> = const { std::cell::Cell::new(AmxRoute::Auto) };
+}
+
 /// Rows from which weight-only layers with bf16 inputs use this path.
 pub const BF16_MIN_ROWS: usize = 8;
 
@@ -444,6 +460,95 @@ impl BlockedWo {
         self.scales_bf16 && m >= DEQUANT_MIN_ROWS && crate::cpu::kernels::bf16_dequantised_weights()
     }
 
+    /// The dequantised-weight GEMM of [`BlockedWo::gemm_bf16`] on AMX-BF16 tiles (see
+    /// [`crate::cpu::amx_bf16`], whose numerics it has): the rows laid out row-major as bf16
+    /// pairs, each block pair widened as for the other tiles and run against all rows. `false`,
+    /// having done nothing, where the tiles are not enabled.
+    fn gemm_amx(
+        &self,
+        xb: &Bf16Rows,
+        m: usize,
+        first_block: usize,
+        end: usize,
+        emit: &mut impl FnMut(usize, usize, &[f32; BLOCK]),
+    ) -> bool {
+        use crate::cpu::amx_bf16;
+        #[cfg(test)]
+        let route = AMX_BF16_ROUTE.with(std::cell::Cell::get);
+        #[cfg(not(test))]
+        let route = AmxRoute::Auto;
+        let model = route == AmxRoute::Model;
+        if route == AmxRoute::Off || (!model && !amx_bf16::enabled()) {
+            return false;
+        }
+        let (pairs, offs) = (xb.pairs, self.pair_offsets());
+        let kp = pairs.next_multiple_of(amx_bf16::TILE);
+        // Row-major pairs, rows padded to a whole pass and each row to whole steps (zeros).
+        // Rows lie a step more than that apart: at a multiple of 4 KB (Qwen3's 2048 columns)
+        // a tile's 16 rows share one L1 set, and the passes took ~85% of a prefill call.
+        let stride = kp + amx_bf16::TILE;
+        let mut a = crate::cpu::spare::take(m.next_multiple_of(amx_bf16::PASS_ROWS) * stride, 0u32);
+        for r in 0..m {
+            let r0 = r - r % TILE_ROWS;
+            let mt = (m - r0).min(TILE_ROWS);
+            let tile = &xb.x[2 * r0 * pairs..2 * (r0 + mt) * pairs];
+            for (p, v) in a[r * stride..r * stride + pairs].iter_mut().enumerate() {
+                let at = tile_pair(mt, r - r0, p);
+                *v = u32::from(tile[at]) | (u32::from(tile[at + 1]) << 16);
+            }
+        }
+        let mut wide = crate::cpu::spare::take(2 * kp * BLOCK, 0u32);
+        let mut b = first_block;
+        while b < end {
+            let nb = (end - b).min(2);
+            for i in 0..nb {
+                let dst = &mut wide[i * kp * BLOCK..(i + 1) * kp * BLOCK];
+                // Zero first: the padding pairs meet zero activations, and a stale NaN or
+                // infinity there would make their products NaN.
+                dst.fill(0);
+                self.widen_dequant(b + i, offs, &mut dst[..pairs * BLOCK]);
+            }
+            let w = &wide[..nb * kp * BLOCK];
+            let mut out = |r: usize, j: usize, lanes: &[f32; BLOCK]| emit(r, b + j, lanes);
+            // The arguments fit by construction (whole steps, rows padded, `nb` blocks
+            // widened), so `gemm` runs every pair.
+            let ran = if model {
+                amx_bf16::gemm(&mut amx_bf16::Model, (&a, stride), m, kp, w, nb, &mut out)
+            } else {
+                Self::amx_hw_gemm((&a, stride), m, kp, w, nb, &mut out)
+            };
+            debug_assert!(ran, "AMX-BF16 GEMM refused its own layout");
+            b += nb;
+        }
+        crate::cpu::spare::give(a);
+        crate::cpu::spare::give(wide);
+        true
+    }
+
+    /// [`crate::cpu::amx_bf16::gemm`] on the hardware tiles.
+    fn amx_hw_gemm(
+        a: (&[u32], usize),
+        m: usize,
+        kp: usize,
+        w: &[u32],
+        nb: usize,
+        out: &mut impl FnMut(usize, usize, &[f32; BLOCK]),
+    ) -> bool {
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        {
+            // SAFETY: called only when `amx_bf16::enabled()` holds: the CPU has AMX-BF16 with
+            // the tile palette the passes use, the OS granted tile state, and the hardware
+            // passed the self-test against the model.
+            let mut hw = unsafe { crate::cpu::amx_bf16::Hw::new() };
+            crate::cpu::amx_bf16::gemm(&mut hw, a, m, kp, w, nb, out)
+        }
+        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+        {
+            let _ = (a, m, kp, w, nb, out);
+            false
+        }
+    }
+
     /// As [`BlockedWo::gemm`] for activations prepared by [`BlockedWo::bf16_rows`] for the
     /// same `m` (rows prepared for another count emit nothing: their tile layout differs).
     pub fn gemm_bf16(
@@ -470,6 +575,12 @@ impl BlockedWo {
         let nibbles = self.reads_nibbles(m);
         // (A layer without columns has no pairs to cut into runs; it keeps the plain path.)
         let dequant = self.widens_dequantised(m) && pairs > 0;
+        // (Only where the weights are dequantised anyway, from DEQUANT_MIN_ROWS: the tiles
+        // cannot apply a group's scale inside a step, and below that row count the layer's
+        // weights stay exact, whatever the CPU.)
+        if dequant && self.gemm_amx(xb, m, first_block, end, &mut emit) {
+            return;
+        }
         let codes = self.codes.bytes();
         let len = self.codes.block_len(self.k);
         let tile_blocks = self.tile_blocks(m);
@@ -1382,7 +1493,61 @@ mod tests {
                     }
                 }
             }
+            // The AMX-BF16 route on the model (any CPU) equals the instruction's order on
+            // these weights; where the hardware route is enabled it equals the model.
+            let amx_reference = |xb: &Bf16Rows, m: usize| {
+                let kp = pairs.next_multiple_of(crate::cpu::amx_bf16::TILE);
+                let mut out = vec![0f32; m * n];
+                for r in 0..m {
+                    let r0 = r - r % TILE_ROWS;
+                    let mt = (m - r0).min(TILE_ROWS);
+                    let row_pair = |p: usize| {
+                        let at = 2 * r0 * pairs + tile_pair(mt, r - r0, p);
+                        u32::from(xb.x[at]) | (u32::from(xb.x[at + 1]) << 16)
+                    };
+                    for j in 0..n {
+                        let (b, l) = (j / BLOCK, j % BLOCK);
+                        let w_pair = |p: usize| deq[(b * pairs + p) * BLOCK + l];
+                        let mut c = 0f32;
+                        for s0 in (0..kp).step_by(crate::cpu::amx_bf16::TILE) {
+                            let ps = s0..s0 + crate::cpu::amx_bf16::TILE;
+                            let get = |f: &dyn Fn(usize) -> u32, p: usize| {
+                                if p < pairs {
+                                    f(p)
+                                } else {
+                                    0
+                                }
+                            };
+                            let a: Vec<u32> = ps.clone().map(|p| get(&row_pair, p)).collect();
+                            let wv: Vec<u32> = ps.map(|p| get(&w_pair, p)).collect();
+                            c = crate::cpu::amx_bf16::dot_step(c, a.into_iter(), wv.into_iter());
+                        }
+                        out[r * n + j] = c;
+                    }
+                }
+                out
+            };
+            // (And at the threshold itself, a single pass of 32 rows.)
+            for rows in [m, DEQUANT_MIN_ROWS] {
+                for route in [AmxRoute::Model, AmxRoute::Auto] {
+                    AMX_BF16_ROUTE.with(|c| c.set(route));
+                    let (_, xb, got) = dense_gemm_bf16(&w, rows);
+                    AMX_BF16_ROUTE.with(|c| c.set(AmxRoute::Auto));
+                    if route == AmxRoute::Auto && !crate::cpu::amx_bf16::enabled() {
+                        continue;
+                    }
+                    let want = amx_reference(&xb, rows);
+                    let same = got
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{route:?} route, {n}x{k} {bits} bits, {rows} rows");
+                }
+            }
+            // The AVX512-BF16 tiles (the route off): the scalar tile's order, bit for bit.
+            AMX_BF16_ROUTE.with(|c| c.set(AmxRoute::Off));
             let (x, xb, got) = dense_gemm_bf16(&w, m);
+            AMX_BF16_ROUTE.with(|c| c.set(AmxRoute::Auto));
             let runs = dequant_runs(pairs);
             let ones = vec![1f32; TILE_BLOCKS * (runs.len() - 1) * BLOCK];
             let tb = w.tile_blocks(m);
