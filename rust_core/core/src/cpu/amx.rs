@@ -337,6 +337,8 @@ impl TileOps for Model {
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 pub use hw::{peak_loop, usable, Hw, PEAK_MACS_PER_ISSUE};
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+pub(crate) use hw::{tile_pass_asm, tile_peak_asm};
 
 /// The 64-byte `ldtilecfg` operand every pass loads (palette 1, eight tiles of 16 rows x 64
 /// bytes), shared with the AMX-BF16 tiles of [`super::amx_bf16`].
@@ -368,8 +370,6 @@ static HARDWARE_CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 mod hw {
-    use std::arch::asm;
-
     use super::{self_test, Pass, PassOut, TileOps, KSTEP, TILE_ROWS};
 
     /// `arch_prctl` requests (Linux `asm/prctl.h`) and the tile-data state component.
@@ -439,11 +439,12 @@ mod hw {
     /// (the listed loads, products and prefetches, then the four source addresses move on),
     /// the listed stores, `tilerelease`. Stores: C `(i, j)` row `r` at `c + 64 (32 i + j) + r *
     /// cs`. The tile registers are declared clobbered; flags are changed by the loop.
-    macro_rules! pass_asm {
-        ($p:expr, $cfg:expr, $out:expr, $cs:expr,
+    macro_rules! tile_pass_asm {
+        ($cfg:expr, ($a0:expr, $a1:expr, $sa:expr), ($b0:expr, $b1:expr), $steps:expr,
+         ($out:expr, $cs:expr),
          [$($load:literal),*], [$($dot:literal),*], [$($store:literal),*]
          $(, prefetch $pf:expr)?) => {
-            asm!(
+            ::core::arch::asm!(
                 "ldtilecfg [{cfg}]",
                 "tilezero tmm0",
                 "tilezero tmm1",
@@ -462,13 +463,13 @@ mod hw {
                 $($store,)*
                 "tilerelease",
                 cfg = in(reg) $cfg,
-                a0 = inout(reg) $p.a[0].0.as_ptr().wrapping_add($p.a[0].1) => _,
-                a1 = inout(reg) $p.a[1].0.as_ptr().wrapping_add($p.a[1].1) => _,
-                sa = in(reg) $p.sa,
-                b0 = inout(reg) $p.b[0].0.as_ptr().wrapping_add($p.b[0].1) => _,
-                b1 = inout(reg) $p.b[1].0.as_ptr().wrapping_add($p.b[1].1) => _,
-                sb = in(reg) KSTEP,
-                steps = inout(reg) $p.steps => _,
+                a0 = inout(reg) $a0 => _,
+                a1 = inout(reg) $a1 => _,
+                sa = in(reg) $sa,
+                b0 = inout(reg) $b0 => _,
+                b1 = inout(reg) $b1 => _,
+                sb = in(reg) $crate::cpu::amx::KSTEP,
+                steps = inout(reg) $steps => _,
                 c = in(reg) $out,
                 cs = in(reg) $cs,
                 $(pf = in(reg) $pf,)?
@@ -478,6 +479,61 @@ mod hw {
             )
         };
     }
+    pub(crate) use tile_pass_asm;
+
+    /// [`tile_pass_asm`] for an int8 [`Pass`]: its tiles' addresses, row stride and steps.
+    macro_rules! pass_asm {
+        ($p:expr, $cfg:expr, $out:expr, $cs:expr, $($rest:tt)*) => {
+            tile_pass_asm!(
+                $cfg,
+                (
+                    $p.a[0].0.as_ptr().wrapping_add($p.a[0].1),
+                    $p.a[1].0.as_ptr().wrapping_add($p.a[1].1),
+                    $p.sa
+                ),
+                (
+                    $p.b[0].0.as_ptr().wrapping_add($p.b[0].1),
+                    $p.b[1].0.as_ptr().wrapping_add($p.b[1].1)
+                ),
+                $p.steps,
+                ($out, $cs),
+                $($rest)*
+            )
+        };
+    }
+
+    /// A peak loop's block for the tile product `$op` (`tdpbusd`, `tdpbf16ps`): `4 * rounds`
+    /// back-to-back products into four independent accumulator tiles from zeroed operand
+    /// tiles, configured and released inside the block.
+    macro_rules! tile_peak_asm {
+        ($op:literal, $cfg:expr, $rounds:expr) => {
+            ::core::arch::asm!(
+                "ldtilecfg [{cfg}]",
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                "tilezero tmm4",
+                "tilezero tmm5",
+                "tilezero tmm6",
+                "tilezero tmm7",
+                "2:",
+                concat!($op, " tmm0, tmm4, tmm6"),
+                concat!($op, " tmm1, tmm4, tmm7"),
+                concat!($op, " tmm2, tmm5, tmm6"),
+                concat!($op, " tmm3, tmm5, tmm7"),
+                "dec {n}",
+                "jnz 2b",
+                "tilerelease",
+                cfg = in(reg) $cfg,
+                n = inout(reg) $rounds => _,
+                out("tmm0") _, out("tmm1") _, out("tmm2") _, out("tmm3") _,
+                out("tmm4") _, out("tmm5") _, out("tmm6") _, out("tmm7") _,
+                options(nostack),
+            )
+        };
+    }
+    pub(crate) use tile_peak_asm;
 
     /// Multiply-adds of one `tdpbusd` on full tiles: 16 rows x 16 features x 64 inputs.
     pub const PEAK_MACS_PER_ISSUE: usize = TILE_ROWS * 16 * KSTEP;
@@ -497,30 +553,7 @@ mod hw {
         // and the OS granted tile state. Nothing is read but the configuration and nothing
         // written; tile state is configured and released inside this one block.
         unsafe {
-            asm!(
-                "ldtilecfg [{cfg}]",
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tilezero tmm2",
-                "tilezero tmm3",
-                "tilezero tmm4",
-                "tilezero tmm5",
-                "tilezero tmm6",
-                "tilezero tmm7",
-                "2:",
-                "tdpbusd tmm0, tmm4, tmm6",
-                "tdpbusd tmm1, tmm4, tmm7",
-                "tdpbusd tmm2, tmm5, tmm6",
-                "tdpbusd tmm3, tmm5, tmm7",
-                "dec {n}",
-                "jnz 2b",
-                "tilerelease",
-                cfg = in(reg) cfg,
-                n = inout(reg) rounds => _,
-                out("tmm0") _, out("tmm1") _, out("tmm2") _, out("tmm3") _,
-                out("tmm4") _, out("tmm5") _, out("tmm6") _, out("tmm7") _,
-                options(nostack),
-            );
+            tile_peak_asm!("tdpbusd", cfg, rounds);
         }
     }
 

@@ -76,18 +76,11 @@ pub trait TileOps {
     fn pass(&mut self, p: &Pass<'_>, out: &mut PassOut);
 }
 
-/// A bf16 value's f32, subnormals read as zero (the instruction's DAZ).
-fn input(h: u32) -> f32 {
-    flush(f32::from_bits((h & 0xffff) << 16))
-}
+use super::wo::bf16::{from_bf16, ftz as flush};
 
-/// A subnormal value as a zero of its sign (the instruction's DAZ and FTZ).
-fn flush(v: f32) -> f32 {
-    if v.is_subnormal() {
-        0.0f32.copysign(v)
-    } else {
-        v
-    }
+/// A bf16 value's f32 (the low half of `h`), subnormals read as zero (the instruction's DAZ).
+fn input(h: u32) -> f32 {
+    flush(from_bf16(h))
 }
 
 /// One `tdpbf16ps` step for one output: `c + ((Σ even products) + (Σ odd products))`, each
@@ -147,7 +140,6 @@ pub fn gemm<T: TileOps>(
     mut emit: impl FnMut(usize, usize, &[f32; BLOCK]),
 ) -> bool {
     let rows = m.next_multiple_of(PASS_ROWS);
-    let fits = |len: usize, n: usize| kp.checked_mul(n).is_some_and(|need| need <= len);
     if m == 0
         || nb == 0
         || kp == 0
@@ -157,7 +149,10 @@ pub fn gemm<T: TileOps>(
             .checked_mul(rows - 1)
             .and_then(|s| s.checked_add(kp))
             .is_none_or(|end| end > a.len())
-        || !fits(w.len(), nb.saturating_mul(BLOCK))
+        || kp
+            .checked_mul(nb)
+            .and_then(|n| n.checked_mul(BLOCK))
+            .is_none_or(|need| need > w.len())
     {
         return false;
     }
@@ -213,26 +208,26 @@ pub fn self_test<T: TileOps>(ops: &mut T) -> bool {
     let w: Vec<u32> = (0..nb * kp * BLOCK)
         .map(|_| half() | (half() << 16))
         .collect();
-    let run = |ops: &mut dyn FnMut(&Pass<'_>, &mut PassOut)| {
-        let mut seen = Vec::new();
-        let mut shim = Shim(ops);
-        let ran = gemm(&mut shim, (&a, kp), m, kp, &w, nb, |r, b, l| {
-            seen.push((r, b, l.map(f32::to_bits)));
-        });
-        ran.then_some(seen)
-    };
-    let got = run(&mut |p, o| ops.pass(p, o));
-    let want = run(&mut |p, o| Model.pass(p, o));
+    let (got, want) = (
+        emitted(ops, (&a, m, kp), &w, nb),
+        emitted(&mut Model, (&a, m, kp), &w, nb),
+    );
     want.is_some() && got == want
 }
 
-/// [`TileOps`] from a closure (lets [`self_test`] run two implementations through one path).
-struct Shim<'f>(&'f mut dyn FnMut(&Pass<'_>, &mut PassOut));
-
-impl TileOps for Shim<'_> {
-    fn pass(&mut self, p: &Pass<'_>, out: &mut PassOut) {
-        (self.0)(p, out);
-    }
+/// Every `(row, block, lanes' bits)` [`gemm`] emits on `ops`, in order; `None` if it refused.
+type Emitted = Vec<(usize, usize, [u32; BLOCK])>;
+fn emitted<T: TileOps>(
+    ops: &mut T,
+    (a, m, kp): (&[u32], usize, usize),
+    w: &[u32],
+    nb: usize,
+) -> Option<Emitted> {
+    let mut seen = Vec::new();
+    let ran = gemm(ops, (a, kp), m, kp, w, nb, |r, b, l| {
+        seen.push((r, b, l.map(f32::to_bits)));
+    });
+    ran.then_some(seen)
 }
 
 /// Whether weight-only layers use these tiles: the int8 tiles are in use ([`super::kernels`]'s
@@ -273,8 +268,6 @@ pub const PEAK_MACS_PER_ISSUE: usize = TILE * BLOCK * 2 * TILE;
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 mod hw {
-    use std::arch::asm;
-
     use super::{Pass, PassOut, TileOps, TILE};
     use crate::cpu::wo::BLOCK;
 
@@ -313,30 +306,7 @@ mod hw {
         // and the OS granted tile state. Nothing is read but the configuration and nothing
         // written; tile state is configured and released inside this one block.
         unsafe {
-            asm!(
-                "ldtilecfg [{cfg}]",
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tilezero tmm2",
-                "tilezero tmm3",
-                "tilezero tmm4",
-                "tilezero tmm5",
-                "tilezero tmm6",
-                "tilezero tmm7",
-                "2:",
-                "tdpbf16ps tmm0, tmm4, tmm6",
-                "tdpbf16ps tmm1, tmm4, tmm7",
-                "tdpbf16ps tmm2, tmm5, tmm6",
-                "tdpbf16ps tmm3, tmm5, tmm7",
-                "dec {n}",
-                "jnz 2b",
-                "tilerelease",
-                cfg = in(reg) cfg,
-                n = inout(reg) rounds => _,
-                out("tmm0") _, out("tmm1") _, out("tmm2") _, out("tmm3") _,
-                out("tmm4") _, out("tmm5") _, out("tmm6") _, out("tmm7") _,
-                options(nostack),
-            );
+            crate::cpu::amx::tile_peak_asm!("tdpbf16ps", cfg, rounds);
         }
     }
 
@@ -361,45 +331,30 @@ mod hw {
             // `steps >= 1` (fits), so the loop ends. Tile state is configured and released
             // inside this block.
             unsafe {
-                asm!(
-                    "ldtilecfg [{cfg}]",
-                    "tilezero tmm0",
-                    "tilezero tmm1",
-                    "tilezero tmm2",
-                    "tilezero tmm3",
-                    "2:",
-                    "tileloadd tmm4, [{a0} + {sa}*1]",
-                    "tileloadd tmm5, [{a1} + {sa}*1]",
-                    "tileloadd tmm6, [{b0} + {sb}*1]",
-                    "tileloadd tmm7, [{b1} + {sb}*1]",
-                    "tdpbf16ps tmm0, tmm4, tmm6",
-                    "tdpbf16ps tmm1, tmm4, tmm7",
-                    "tdpbf16ps tmm2, tmm5, tmm6",
-                    "tdpbf16ps tmm3, tmm5, tmm7",
-                    "add {a0}, 64",
-                    "add {a1}, 64",
-                    "add {b0}, 1024",
-                    "add {b1}, 1024",
-                    "dec {steps}",
-                    "jnz 2b",
-                    "tilestored [{c} + {cs}*1], tmm0",
-                    "tilestored [{c} + {cs}*1 + 64], tmm1",
-                    "tilestored [{c} + {cs}*1 + 2048], tmm2",
-                    "tilestored [{c} + {cs}*1 + 2112], tmm3",
-                    "tilerelease",
-                    cfg = in(reg) cfg,
-                    a0 = inout(reg) a0 => _,
-                    a1 = inout(reg) a1 => _,
-                    sa = in(reg) row_bytes,
-                    b0 = inout(reg) b0 => _,
-                    b1 = inout(reg) b1 => _,
-                    sb = in(reg) 64usize,
-                    steps = inout(reg) p.kp / TILE => _,
-                    c = in(reg) c,
-                    cs = in(reg) 128usize,
-                    out("tmm0") _, out("tmm1") _, out("tmm2") _, out("tmm3") _,
-                    out("tmm4") _, out("tmm5") _, out("tmm6") _, out("tmm7") _,
-                    options(nostack),
+                crate::cpu::amx::tile_pass_asm!(
+                    cfg,
+                    (a0, a1, row_bytes),
+                    (b0, b1),
+                    p.kp / TILE,
+                    (c, 2 * std::mem::size_of::<[f32; BLOCK]>()),
+                    [
+                        "tileloadd tmm4, [{a0} + {sa}*1]",
+                        "tileloadd tmm5, [{a1} + {sa}*1]",
+                        "tileloadd tmm6, [{b0} + {sb}*1]",
+                        "tileloadd tmm7, [{b1} + {sb}*1]"
+                    ],
+                    [
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "tdpbf16ps tmm2, tmm5, tmm6",
+                        "tdpbf16ps tmm3, tmm5, tmm7"
+                    ],
+                    [
+                        "tilestored [{c} + {cs}*1], tmm0",
+                        "tilestored [{c} + {cs}*1 + 64], tmm1",
+                        "tilestored [{c} + {cs}*1 + 2048], tmm2",
+                        "tilestored [{c} + {cs}*1 + 2112], tmm3"
+                    ]
                 );
             }
         }

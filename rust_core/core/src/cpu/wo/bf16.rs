@@ -64,10 +64,11 @@ pub(super) fn pair_offsets(k: usize, group_starts: &[usize]) -> Vec<usize> {
     offs
 }
 
-/// How `gemm_bf16` takes its AMX-BF16 route: on the hardware where enabled (always, outside
-/// tests), on the tiles' software model (so that tests cover the route on any CPU), or not.
+/// How `gemm_bf16` takes its AMX-BF16 route in tests: on the hardware where enabled (as
+/// outside tests), on the tiles' software model (so that tests cover the route on any CPU), or
+/// not at all.
+#[cfg(test)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[cfg_attr(not(test), allow(dead_code))]
 pub enum AmxRoute {
     Auto,
     Model,
@@ -208,12 +209,12 @@ fn code_bf16(v: i8) -> u32 {
     f32::from(v).to_bits() >> 16
 }
 
-fn from_bf16(h: u32) -> f32 {
+pub(crate) fn from_bf16(h: u32) -> f32 {
     f32::from_bits(h << 16)
 }
 
 /// Flush-to-zero of a subnormal result.
-fn ftz(v: f32) -> f32 {
+pub(crate) fn ftz(v: f32) -> f32 {
     if v != 0.0 && v.abs() < f32::MIN_POSITIVE {
         0.0f32.copysign(v)
     } else {
@@ -474,11 +475,13 @@ impl BlockedWo {
     ) -> bool {
         use crate::cpu::amx_bf16;
         #[cfg(test)]
-        let route = AMX_BF16_ROUTE.with(std::cell::Cell::get);
+        let (model, off) = {
+            let route = AMX_BF16_ROUTE.with(std::cell::Cell::get);
+            (route == AmxRoute::Model, route == AmxRoute::Off)
+        };
         #[cfg(not(test))]
-        let route = AmxRoute::Auto;
-        let model = route == AmxRoute::Model;
-        if route == AmxRoute::Off || (!model && !amx_bf16::enabled()) {
+        let (model, off) = (false, false);
+        if off || (!model && !amx_bf16::enabled()) {
             return false;
         }
         let (pairs, offs) = (xb.pairs, self.pair_offsets());
@@ -497,16 +500,15 @@ impl BlockedWo {
                 *v = u32::from(tile[at]) | (u32::from(tile[at + 1]) << 16);
             }
         }
+        // The widening writes every pair below `pairs` of a block (the groups' padding
+        // halves as zeros); the pairs from there to `kp` stay the zeros taken here.
         let mut wide = crate::cpu::spare::take(2 * kp * BLOCK, 0u32);
         let mut b = first_block;
         while b < end {
             let nb = (end - b).min(2);
             for i in 0..nb {
-                let dst = &mut wide[i * kp * BLOCK..(i + 1) * kp * BLOCK];
-                // Zero first: the padding pairs meet zero activations, and a stale NaN or
-                // infinity there would make their products NaN.
-                dst.fill(0);
-                self.widen_dequant(b + i, offs, &mut dst[..pairs * BLOCK]);
+                let dst = &mut wide[i * kp * BLOCK..][..pairs * BLOCK];
+                self.widen_dequant(b + i, offs, dst);
             }
             let w = &wide[..nb * kp * BLOCK];
             let mut out = |r: usize, j: usize, lanes: &[f32; BLOCK]| emit(r, b + j, lanes);
