@@ -336,9 +336,9 @@ impl TileOps for Model {
 }
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-pub use hw::{peak_loop, usable, Hw, PEAK_MACS_PER_ISSUE};
+pub(crate) use hw::tile_peak_asm;
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-pub(crate) use hw::{tile_pass_asm, tile_peak_asm};
+pub use hw::{peak_loop, usable, Hw, PEAK_MACS_PER_ISSUE};
 
 /// The 64-byte `ldtilecfg` operand every pass loads (palette 1, eight tiles of 16 rows x 64
 /// bytes), shared with the AMX-BF16 tiles of [`super::amx_bf16`].
@@ -479,7 +479,6 @@ mod hw {
             )
         };
     }
-    pub(crate) use tile_pass_asm;
 
     /// [`tile_pass_asm`] for an int8 [`Pass`]: its tiles' addresses, row stride and steps.
     macro_rules! pass_asm {

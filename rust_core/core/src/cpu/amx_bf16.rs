@@ -5,10 +5,13 @@
 //! (oneDNN, on these tiles) ran Qwen3-30B-A3B's experts at ~235, so weight-only prefill there
 //! was 2-4x behind torch until this path (bench/RESULTS.md, run AK).
 //!
-//! It serves the dequantised-weight case of [`super::wo::BlockedWo::gemm_bf16`] (bf16 scales,
-//! [`super::wo::bf16::DEQUANT_MIN_ROWS`] rows or more): the weights are widened per block into
-//! `bf16((q - z) * s)` pairs, `[pairs][16]` u32, which is exactly AMX's B operand (16 pairs x
-//! 16 features per tile); the activations are laid out row-major as bf16 pairs, the A operand.
+//! It serves [`super::wo::BlockedWo::gemm_bf16`] beyond one row tile: the dequantised-weight
+//! case (bf16 scales, [`super::wo::bf16::DEQUANT_MIN_ROWS`] rows or more) through [`gemm`],
+//! whose weights are widened into `bf16((q - z) * s)` pairs, and the exact-weight case through
+//! [`gemm_grouped`], whose weights are the codes themselves (small integers, exact in bf16)
+//! with each group's product folded into the totals by the group's zero point and scale.
+//! Widened weights are `[pairs][16]` u32, which is exactly AMX's B operand (16 pairs x 16
+//! features per tile); the activations are laid out row-major as bf16 pairs, the A operand.
 //!
 //! Numerics are the instruction's own, as the Intel SDM's pseudocode for `TDPBF16PS` gives
 //! them (and Bochs implements them): for each output, the 16 even-column products and the 16
@@ -23,10 +26,16 @@
 //! this model in 51,200 of 51,200 outputs of random normal operands, where the Intrinsics
 //! Guide's sequential form matched 18,268).
 //!
-//! Work goes in passes of 2 row tiles x 2 blocks (32 rows x 32 features) over the whole
-//! reduction, each one self-contained `asm!` block (configure, zero, loop, store, release), as
-//! the int8 tiles of [`super::amx`] do. Rows are padded to 32 and the reduction to 16 pairs
-//! with zeros; a single last block is run as a pair with itself.
+//! Work goes in passes of 2 row tiles x 2 blocks (32 rows x 32 features; one row tile where
+//! 16 rows or fewer are left) over a chunk of the reduction ([`CHUNK_STEPS`]), each one
+//! self-contained `asm!` block (configure, zero or load the accumulators, loop, store,
+//! release), as the int8 tiles of [`super::amx`] do. The blocks are widened chunk by chunk
+//! into a buffer that stays in L1 while every pass of rows reads it, and block pairs go in
+//! panels so that a chunk of the rows is read once per panel; the accumulators go through
+//! memory between chunks, which rounds nothing. Rows are padded to 32 and the reduction to
+//! 16 pairs with zeros; a single last block is run as a pair with itself. Before the chunks,
+//! every pass ran the whole reduction: at Mixtral's 14,336-column down projection a block
+//! pair's widened weights (917 KB) and a pass's rows (918 KB) no longer fit L2 together.
 
 use super::wo::BLOCK;
 
@@ -42,29 +51,53 @@ pub const OUT_ENTRIES: usize = 2 * PASS_ROWS;
 pub type PassOut = [[f32; BLOCK]; OUT_ENTRIES];
 
 /// One pass: rows `r0..r0 + 32` of `a` (row-major, row `r` from pair `r * stride`, `kp`
-/// pairs each) against blocks `b0` and `b1` of `w` (`[blocks][kp][16]` pairs), over `kp / 16`
-/// steps.
+/// pairs each) against blocks `b0` and `b1` of `w` (block `j` from pair `j * wkp`), over
+/// `groups` consecutive runs of `steps` steps (a step is 16 pairs): run `g` reads A from step
+/// `s0 + g * steps` of the rows and B from step `g * steps` of the blocks, and its C tiles go
+/// to `out[g]`, starting from zero, or with `carry` (one run) from what `out[0]` holds.
 #[derive(Clone, Copy, Debug)]
 pub struct Pass<'a> {
     pub a: &'a [u32],
-    pub w: &'a [u32],
-    pub kp: usize,
     pub stride: usize,
+    pub kp: usize,
     pub r0: usize,
+    pub s0: usize,
+    pub w: &'a [u32],
+    pub wkp: usize,
     pub b0: usize,
     pub b1: usize,
+    pub steps: usize,
+    pub groups: usize,
+    pub carry: bool,
+    /// Row tiles (1 or 2): with one, rows `r0 + 16..` are neither read nor written.
+    pub tiles: usize,
 }
 
 impl Pass<'_> {
-    /// Every tile the pass loads lies inside its slice, and the reduction is whole steps.
+    /// Every tile the pass loads lies inside its slice, and its runs inside the rows' and
+    /// the blocks' pairs.
     pub fn fits(&self) -> bool {
-        let last_row = (self.r0 + PASS_ROWS - 1).checked_mul(self.stride);
+        let last_row = (self.r0 + self.tiles * TILE)
+            .checked_sub(1)
+            .and_then(|r| r.checked_mul(self.stride));
         let rows_end = last_row.and_then(|r| r.checked_add(self.kp));
-        let block = self.kp.checked_mul(BLOCK);
-        let blocks_end = block.and_then(|b| b.checked_mul(self.b0.max(self.b1) + 1));
+        let blocks_end = (self.b0.max(self.b1) + 1)
+            .checked_mul(self.wkp)
+            .and_then(|p| p.checked_mul(BLOCK));
+        let run_pairs = self
+            .steps
+            .checked_mul(self.groups)
+            .and_then(|s| s.checked_mul(TILE));
+        let a_end = run_pairs.and_then(|p| p.checked_add(self.s0 * TILE));
         self.kp > 0
             && self.kp.is_multiple_of(TILE)
             && self.stride >= self.kp
+            && self.steps > 0
+            && self.groups > 0
+            && (!self.carry || self.groups == 1)
+            && (1..=2).contains(&self.tiles)
+            && a_end.is_some_and(|e| e <= self.kp)
+            && run_pairs.is_some_and(|p| p <= self.wkp)
             && rows_end.is_some_and(|e| e <= self.a.len())
             && blocks_end.is_some_and(|e| e <= self.w.len())
     }
@@ -72,8 +105,9 @@ impl Pass<'_> {
 
 /// What runs a [`Pass`]: the hardware or the [`Model`].
 pub trait TileOps {
-    /// Runs `p` (which [`Pass::fits`]) and writes its 4 C tiles into `out`.
-    fn pass(&mut self, p: &Pass<'_>, out: &mut PassOut);
+    /// Runs `p` (which [`Pass::fits`]; `out` holds at least `p.groups` entries) and writes
+    /// each run's 4 C tiles into its entry of `out`.
+    fn pass(&mut self, p: &Pass<'_>, out: &mut [PassOut]);
 }
 
 use super::wo::bf16::{from_bf16, ftz as flush};
@@ -100,91 +134,327 @@ pub fn dot_step(c: f32, a: impl Iterator<Item = u32>, b: impl Iterator<Item = u3
 pub struct Model;
 
 impl TileOps for Model {
-    fn pass(&mut self, p: &Pass<'_>, out: &mut PassOut) {
-        assert!(p.fits(), "AMX-BF16 pass out of bounds");
-        let steps = p.kp / TILE;
-        for i in 0..2 {
-            for (j, blk) in [p.b0, p.b1].into_iter().enumerate() {
-                for r in 0..TILE {
-                    let row = p.r0 + i * TILE + r;
-                    let mut c = [0f32; BLOCK];
-                    for s in 0..steps {
-                        let a = &p.a[row * p.stride + s * TILE..][..TILE];
-                        let w = &p.w[(blk * p.kp + s * TILE) * BLOCK..][..TILE * BLOCK];
-                        for (n, cn) in c.iter_mut().enumerate() {
-                            let col = w.iter().skip(n).step_by(BLOCK).copied();
-                            *cn = dot_step(*cn, a.iter().copied(), col);
+    fn pass(&mut self, p: &Pass<'_>, out: &mut [PassOut]) {
+        assert!(
+            p.fits() && out.len() >= p.groups,
+            "AMX-BF16 pass out of bounds"
+        );
+        for (g, c_out) in out.iter_mut().enumerate().take(p.groups) {
+            for i in 0..p.tiles {
+                for (j, blk) in [p.b0, p.b1].into_iter().enumerate() {
+                    for r in 0..TILE {
+                        let row = p.r0 + i * TILE + r;
+                        let e = i * PASS_ROWS + 2 * r + j;
+                        let mut c = if p.carry { c_out[e] } else { [0f32; BLOCK] };
+                        for s in g * p.steps..(g + 1) * p.steps {
+                            let a = &p.a[row * p.stride + (p.s0 + s) * TILE..][..TILE];
+                            let w = &p.w[(blk * p.wkp + s * TILE) * BLOCK..][..TILE * BLOCK];
+                            for (n, cn) in c.iter_mut().enumerate() {
+                                let col = w.iter().skip(n).step_by(BLOCK).copied();
+                                *cn = dot_step(*cn, a.iter().copied(), col);
+                            }
                         }
+                        c_out[e] = c;
                     }
-                    out[i * PASS_ROWS + 2 * r + j] = c;
                 }
             }
         }
     }
 }
 
+/// Steps of the reduction per chunk (at most, but for one group that has more): the
+/// chunk's two widened blocks (2 x 256 pairs x 64 bytes, 32 KiB) are written and then read
+/// by every pass of rows while they are in L1, instead of whole blocks from L2.
+pub const CHUNK_STEPS: usize = 16;
+
+/// Groups of steps per [`Pass`] of [`gemm_grouped`] (at most): their C tiles, 16 KB, stay in
+/// L1 for the fold.
+pub const GROUPS_PER_PASS: usize = 4;
+
+/// One group's C tiles handed to [`gemm_grouped`]'s fold, for the pass of rows
+/// `r0..r0 + 32` and blocks `b, b + 1` (entry `32 i + 2 r + j` is row `r0 + 16 i + r`, block
+/// `b + j`; the second block repeats the first where only one is left).
+pub struct Fold<'a> {
+    pub r0: usize,
+    pub b: usize,
+    pub group: usize,
+    pub c: &'a PassOut,
+    pub totals: &'a mut PassOut,
+}
+
+/// Widens pairs `first..first + dst.len() / 16` of block `b` (in the step layout of the
+/// GEMM's rows) into `dst` (`[pairs][16]`), zeros where no group has a pair.
+pub trait Widen: FnMut(usize, usize, &mut [u32]) {}
+impl<F: FnMut(usize, usize, &mut [u32])> Widen for F {}
+
 /// `Σ a w` for rows `0..m` of `a` (row-major bf16 pairs, `kp` per row, row `r` from pair
 /// `r * stride`, at least `m.next_multiple_of(32)` rows with the padding rows zero; a stride
-/// that is not a multiple of 4 KB keeps a tile's 16 rows out of one L1 set) and blocks `0..nb`
-/// of `w`
-/// (`[nb][kp][16]` pairs): `emit(row, block, lanes)` for every row below `m` and block, in
-/// block-pair then row order. Returns `false`, having done nothing, when the arguments do not
-/// fit.
+/// that is not a multiple of 4 KB keeps a tile's 16 rows out of one L1 set) and blocks
+/// `0..nb`, whose `kp` pairs `widen` writes chunk by chunk ([`CHUNK_STEPS`]; the
+/// accumulators are carried across chunks through memory, exactly): `emit(row, block,
+/// lanes)` for every row below `m` and block, in block-pair then row order. Returns `false`,
+/// having done nothing, when the arguments do not fit.
 pub fn gemm<T: TileOps>(
+    ops: &mut T,
+    a: (&[u32], usize),
+    m: usize,
+    kp: usize,
+    nb: usize,
+    widen: impl Widen,
+    emit: impl FnMut(usize, usize, &[f32; BLOCK]),
+) -> bool {
+    let chunks = (0..kp / TILE)
+        .step_by(CHUNK_STEPS)
+        .map(|s0| Chunk {
+            s0,
+            steps: CHUNK_STEPS.min(kp / TILE - s0),
+            groups: 1,
+            group: 0,
+            carry: s0 > 0,
+            fold: false,
+        })
+        .collect::<Vec<_>>();
+    let no_fold = |_: Fold<'_>| {};
+    drive(ops, a, m, kp, nb, (&chunks, false), widen, no_fold, emit)
+}
+
+/// As [`gemm`], with the reduction cut into groups of whole steps (group `g` is steps
+/// `starts[g]..starts[g + 1]`, `starts` non-decreasing from 0 to `kp / 16`): each group's
+/// product starts from zero and `fold` adds it into the pass's totals (zero at the start of
+/// each pass of 32 rows and two blocks), groups in order; an empty group folds zeros. The
+/// totals are what `emit` gets. Runs of equal groups share a pass ([`GROUPS_PER_PASS`] and
+/// [`CHUNK_STEPS`] at most); a group longer than a chunk is carried across its chunks.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_grouped<T: TileOps>(
+    ops: &mut T,
+    a: (&[u32], usize),
+    m: usize,
+    kp: usize,
+    nb: usize,
+    starts: &[usize],
+    widen: impl Widen,
+    fold: impl FnMut(Fold<'_>),
+    emit: impl FnMut(usize, usize, &[f32; BLOCK]),
+) -> bool {
+    if starts.len() < 2
+        || starts[0] != 0
+        || starts.last() != Some(&(kp / TILE))
+        || starts.windows(2).any(|s| s[1] < s[0])
+    {
+        return false;
+    }
+    let groups = starts.len() - 1;
+    let mut chunks = Vec::new();
+    let mut g = 0;
+    while g < groups {
+        let (s0, steps) = (starts[g], starts[g + 1] - starts[g]);
+        if steps > CHUNK_STEPS {
+            // One long group (channelwise scales): its chunks carry the accumulators.
+            for c0 in (0..steps).step_by(CHUNK_STEPS) {
+                let n = CHUNK_STEPS.min(steps - c0);
+                let (carry, fold) = (c0 > 0, c0 + n == steps);
+                let (groups, group) = (1, g);
+                chunks.push(Chunk {
+                    s0: s0 + c0,
+                    steps: n,
+                    groups,
+                    group,
+                    carry,
+                    fold,
+                });
+            }
+            g += 1;
+            continue;
+        }
+        let mut run = 1;
+        while steps > 0
+            && run < GROUPS_PER_PASS
+            && (run + 1) * steps <= CHUNK_STEPS
+            && g + run < groups
+            && starts[g + run + 1] - starts[g + run] == steps
+        {
+            run += 1;
+        }
+        let (carry, fold) = (false, true);
+        chunks.push(Chunk {
+            s0,
+            steps,
+            groups: run,
+            group: g,
+            carry,
+            fold,
+        });
+        g += run;
+    }
+    drive(ops, a, m, kp, nb, (&chunks, true), widen, fold, emit)
+}
+
+/// A piece of the reduction for [`drive`]: `groups` runs of `steps` steps from step `s0`
+/// (groups `group..`; no steps is one empty group, which folds zeros), from zero or carried,
+/// folded after the pass or not.
+#[derive(Clone, Copy, Debug)]
+struct Chunk {
+    s0: usize,
+    steps: usize,
+    groups: usize,
+    group: usize,
+    carry: bool,
+    fold: bool,
+}
+
+/// Accumulator tiles (4 KiB each) a panel of [`drive`] keeps across its chunks: 64, 256
+/// KiB, which stay in L2 with the chunk's rows.
+const PANEL_TILES: usize = 64;
+
+/// The loop of [`gemm`] and [`gemm_grouped`], blocked as a GEMM is: the block pairs go in
+/// panels (as many as keep [`PANEL_TILES`] accumulators for all passes of rows); per panel,
+/// chunk by chunk, each pair's two blocks are widened into a buffer that stays in L1 and
+/// every pass of rows runs against it, so a chunk of the rows (all passes) is read from
+/// memory once per panel instead of once per block pair. Emits the folded totals
+/// (`grouped`) or the carried accumulators.
+#[allow(clippy::too_many_arguments)]
+fn drive<T: TileOps>(
     ops: &mut T,
     (a, stride): (&[u32], usize),
     m: usize,
     kp: usize,
-    w: &[u32],
     nb: usize,
+    (chunks, grouped): (&[Chunk], bool),
+    mut widen: impl Widen,
+    mut fold: impl FnMut(Fold<'_>),
     mut emit: impl FnMut(usize, usize, &[f32; BLOCK]),
 ) -> bool {
-    let rows = m.next_multiple_of(PASS_ROWS);
+    let passes = m.div_ceil(PASS_ROWS);
     if m == 0
         || nb == 0
         || kp == 0
         || !kp.is_multiple_of(TILE)
         || stride < kp
         || stride
-            .checked_mul(rows - 1)
+            .checked_mul(passes * PASS_ROWS - 1)
             .and_then(|s| s.checked_add(kp))
             .is_none_or(|end| end > a.len())
-        || kp
-            .checked_mul(nb)
-            .and_then(|n| n.checked_mul(BLOCK))
-            .is_none_or(|need| need > w.len())
     {
         return false;
     }
-    let mut out: PassOut = [[0.0; BLOCK]; OUT_ENTRIES];
-    for b in (0..nb).step_by(2) {
-        let pair = (nb - b).min(2);
-        for r0 in (0..m).step_by(PASS_ROWS) {
-            let p = Pass {
-                a,
-                w,
-                kp,
-                stride,
-                r0,
-                b0: b,
-                b1: b + pair - 1,
-            };
-            ops.pass(&p, &mut out);
-            for r in 0..(m - r0).min(PASS_ROWS) {
-                let (i, rr) = (r / TILE, r % TILE);
+    let wkp = chunks
+        .iter()
+        .map(|c| c.steps * c.groups * TILE)
+        .max()
+        .unwrap_or(0);
+    let mut buf = super::spare::take(2 * wkp * BLOCK, 0u32);
+    let zero: PassOut = [[0.0; BLOCK]; OUT_ENTRIES];
+    let panel = (PANEL_TILES / passes).clamp(1, nb.div_ceil(2));
+    // Per pair of the panel and pass of rows: the accumulators a chunk carries to the next
+    // (`acc`), and the folded totals (`grouped`); a grouped pass's runs go to `runs`.
+    let mut acc = vec![[zero; 1]; panel * passes];
+    let mut totals = vec![zero; if grouped { panel * passes } else { 0 }];
+    let mut runs = [zero; GROUPS_PER_PASS];
+    for p0 in (0..nb).step_by(2 * panel) {
+        let pairs_here = (nb - p0).div_ceil(2).min(panel);
+        totals.fill(zero);
+        for ch in chunks {
+            let pairs = ch.steps * ch.groups * TILE;
+            if pairs == 0 {
+                for (at, totals) in totals.iter_mut().enumerate().take(pairs_here * passes) {
+                    let (b, r0) = (p0 + 2 * (at / passes), (at % passes) * PASS_ROWS);
+                    fold(Fold {
+                        r0,
+                        b,
+                        group: ch.group,
+                        c: &zero,
+                        totals,
+                    });
+                }
+                continue;
+            }
+            // A chunk of a chain (the plain GEMM's, or one long group's) works in `acc`.
+            let chained = !grouped || ch.carry || !ch.fold;
+            for q in 0..pairs_here {
+                let b = p0 + 2 * q;
+                let pair = (nb - b).min(2);
                 for j in 0..pair {
-                    emit(r0 + r, b + j, &out[i * PASS_ROWS + 2 * rr + j]);
+                    widen(
+                        b + j,
+                        ch.s0 * TILE,
+                        &mut buf[j * wkp * BLOCK..][..pairs * BLOCK],
+                    );
+                }
+                for pi in 0..passes {
+                    let r0 = pi * PASS_ROWS;
+                    let p = Pass {
+                        a,
+                        stride,
+                        kp,
+                        r0,
+                        s0: ch.s0,
+                        w: &buf,
+                        wkp,
+                        b0: 0,
+                        b1: pair - 1,
+                        steps: ch.steps,
+                        groups: ch.groups,
+                        carry: ch.carry,
+                        // (A last pass of 16 rows or fewer skips the second row tile.)
+                        tiles: if m - r0 > TILE { 2 } else { 1 },
+                    };
+                    let out = if chained {
+                        &mut acc[q * passes + pi][..]
+                    } else {
+                        &mut runs[..]
+                    };
+                    ops.pass(&p, out);
+                    if grouped && ch.fold {
+                        for (i, c) in out.iter().enumerate().take(ch.groups) {
+                            let totals = &mut totals[q * passes + pi];
+                            fold(Fold {
+                                r0,
+                                b,
+                                group: ch.group + i,
+                                c,
+                                totals,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        for q in 0..pairs_here {
+            let b = p0 + 2 * q;
+            let pair = (nb - b).min(2);
+            for pi in 0..passes {
+                let at = q * passes + pi;
+                let (r0, got) = (
+                    pi * PASS_ROWS,
+                    if grouped { &totals[at] } else { &acc[at][0] },
+                );
+                for r in 0..(m - r0).min(PASS_ROWS) {
+                    let (i, rr) = (r / TILE, r % TILE);
+                    for j in 0..pair {
+                        emit(r0 + r, b + j, &got[i * PASS_ROWS + 2 * rr + j]);
+                    }
                 }
             }
         }
     }
+    super::spare::give(buf);
     true
 }
 
-/// Whether [`gemm`] on `ops` equals it on the [`Model`] for a problem of 37 rows (a padded
-/// second pass), 3 blocks (a pair and a single), 3 steps, random normal and zero operands.
+/// `widen` for a GEMM over whole blocks already in memory: `w` as `[blocks][kp][16]` pairs.
+pub fn from_blocks(w: &[u32], kp: usize) -> impl Widen + '_ {
+    move |b: usize, first: usize, dst: &mut [u32]| {
+        let at = (b * kp + first) * BLOCK;
+        dst.copy_from_slice(&w[at..at + dst.len()]);
+    }
+}
+
+/// Whether [`gemm`] and [`gemm_grouped`] on `ops` equal them on the [`Model`] for a problem
+/// of 37 rows (a padded second pass), 3 blocks (a pair and a single), random normal and zero
+/// operands, over 35 steps: the plain GEMM in three chunks, and groups of 2, 2, 0, 20
+/// (carried across two chunks), 1 and 10 steps.
 pub fn self_test<T: TileOps>(ops: &mut T) -> bool {
-    let (m, nb, kp): (usize, usize, usize) = (37, 3, 3 * TILE);
+    let (m, nb, kp): (usize, usize, usize) = (37, 3, 35 * TILE);
     let mut seed = 0x2545_f491u32;
     let mut next = || {
         seed ^= seed << 13;
@@ -208,25 +478,45 @@ pub fn self_test<T: TileOps>(ops: &mut T) -> bool {
     let w: Vec<u32> = (0..nb * kp * BLOCK)
         .map(|_| half() | (half() << 16))
         .collect();
+    let starts = [0, 2, 4, 4, 24, 25, 35];
+    let problem = (&a[..], m, kp, &w[..], nb);
     let (got, want) = (
-        emitted(ops, (&a, m, kp), &w, nb),
-        emitted(&mut Model, (&a, m, kp), &w, nb),
+        emitted(ops, problem, None),
+        emitted(&mut Model, problem, None),
     );
-    want.is_some() && got == want
+    let (got_g, want_g) = (
+        emitted(ops, problem, Some(&starts)),
+        emitted(&mut Model, problem, Some(&starts)),
+    );
+    want.is_some() && got == want && want_g.is_some() && got_g == want_g
 }
 
-/// Every `(row, block, lanes' bits)` [`gemm`] emits on `ops`, in order; `None` if it refused.
+/// Every `(row, block, lanes' bits)` [`gemm`] (or with `starts`, [`gemm_grouped`] with a
+/// fold that adds each group's C, scaled by 1 + group / 8) emits on `ops`, in order; `None`
+/// if it refused.
 type Emitted = Vec<(usize, usize, [u32; BLOCK])>;
 fn emitted<T: TileOps>(
     ops: &mut T,
-    (a, m, kp): (&[u32], usize, usize),
-    w: &[u32],
-    nb: usize,
+    (a, m, kp, w, nb): (&[u32], usize, usize, &[u32], usize),
+    starts: Option<&[usize]>,
 ) -> Option<Emitted> {
     let mut seen = Vec::new();
-    let ran = gemm(ops, (a, kp), m, kp, w, nb, |r, b, l| {
-        seen.push((r, b, l.map(f32::to_bits)));
-    });
+    let emit = |r: usize, b: usize, l: &[f32; BLOCK]| seen.push((r, b, l.map(f32::to_bits)));
+    let ran = match starts {
+        None => gemm(ops, (a, kp), m, kp, nb, from_blocks(w, kp), emit),
+        Some(starts) => {
+            let fold = |f: Fold<'_>| {
+                let s = 1.0 + f.group as f32 / 8.0;
+                for (t, c) in f.totals.iter_mut().zip(f.c) {
+                    for (t, c) in t.iter_mut().zip(c) {
+                        *t = c.mul_add(s, *t);
+                    }
+                }
+            };
+            let widen = from_blocks(w, kp);
+            gemm_grouped(ops, (a, kp), m, kp, nb, starts, widen, fold, emit)
+        }
+    };
     ran.then_some(seen)
 }
 
@@ -310,52 +600,163 @@ mod hw {
         }
     }
 
+    /// One pass's `asm!` block: `ldtilecfg`; per run, the accumulators' `$init` (zeroed, or
+    /// loaded from C), `steps` steps of the listed loads and products, the listed stores to
+    /// C, C on by 4096 bytes; `tilerelease`. C `(i, j)` row `r` lies at `c + 64 (32 i + j) +
+    /// 128 r`. (Both A addresses move on, used or not.)
+    macro_rules! bf16_pass_asm {
+        (($cfg:expr, $a0:expr, $a1:expr, $sa:expr, $b0:expr, $b1:expr, $steps:expr,
+          $groups:expr, $c:expr), [$($init:literal),*], [$($load:literal),*],
+         [$($dot:literal),*], [$($store:literal),*]) => {
+            ::core::arch::asm!(
+                "ldtilecfg [{cfg}]",
+                "3:",
+                $($init,)*
+                "mov {n}, {steps}",
+                "2:",
+                $($load,)*
+                $($dot,)*
+                "add {a0}, 64",
+                "add {a1}, 64",
+                "add {b0}, 1024",
+                "add {b1}, 1024",
+                "dec {n}",
+                "jnz 2b",
+                $($store,)*
+                "add {c}, 4096",
+                "dec {groups}",
+                "jnz 3b",
+                "tilerelease",
+                cfg = in(reg) $cfg,
+                a0 = inout(reg) $a0 => _,
+                a1 = inout(reg) $a1 => _,
+                sa = in(reg) $sa,
+                b0 = inout(reg) $b0 => _,
+                b1 = inout(reg) $b1 => _,
+                // A B tile row (16 pairs) is 64 bytes; a C tile row is every other 64 bytes.
+                sb = in(reg) BLOCK * 4,
+                steps = in(reg) $steps,
+                n = out(reg) _,
+                groups = inout(reg) $groups => _,
+                c = inout(reg) $c => _,
+                out("tmm0") _, out("tmm1") _, out("tmm2") _, out("tmm3") _,
+                out("tmm4") _, out("tmm5") _, out("tmm6") _, out("tmm7") _,
+                options(nostack),
+            )
+        };
+    }
+
+    /// [`bf16_pass_asm`] for `$p`'s operands, one or two row tiles (`$tiles`), from zero or
+    /// carried.
+    macro_rules! bf16_pass {
+        ($ops:tt, 1, $init:tt) => {
+            bf16_pass_asm!(
+                $ops,
+                $init,
+                [
+                    "tileloadd tmm4, [{a0} + {sa}*1]",
+                    "tileloadd tmm6, [{b0} + {sb}*1]",
+                    "tileloadd tmm7, [{b1} + {sb}*1]"
+                ],
+                ["tdpbf16ps tmm0, tmm4, tmm6", "tdpbf16ps tmm1, tmm4, tmm7"],
+                [
+                    "tilestored [{c} + {sb}*2], tmm0",
+                    "tilestored [{c} + {sb}*2 + 64], tmm1"
+                ]
+            )
+        };
+        ($ops:tt, 2, $init:tt) => {
+            bf16_pass_asm!(
+                $ops,
+                $init,
+                [
+                    "tileloadd tmm4, [{a0} + {sa}*1]",
+                    "tileloadd tmm5, [{a1} + {sa}*1]",
+                    "tileloadd tmm6, [{b0} + {sb}*1]",
+                    "tileloadd tmm7, [{b1} + {sb}*1]"
+                ],
+                [
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7"
+                ],
+                [
+                    "tilestored [{c} + {sb}*2], tmm0",
+                    "tilestored [{c} + {sb}*2 + 64], tmm1",
+                    "tilestored [{c} + {sb}*2 + 2048], tmm2",
+                    "tilestored [{c} + {sb}*2 + 2112], tmm3"
+                ]
+            )
+        };
+    }
+
     impl TileOps for Hw {
-        fn pass(&mut self, p: &Pass<'_>, out: &mut PassOut) {
-            // Checked here, not assumed: the loads below read exactly what `fits` checks.
-            assert!(p.fits(), "AMX-BF16 pass out of bounds");
+        fn pass(&mut self, p: &Pass<'_>, out: &mut [PassOut]) {
+            // Checked here, not assumed: the loads and stores below stay inside what `fits`
+            // and the length check cover.
+            assert!(
+                p.fits() && out.len() >= p.groups,
+                "AMX-BF16 pass out of bounds"
+            );
             let cfg = crate::cpu::amx::tile_config();
             let row_bytes = p.stride * 4;
-            let block_pairs = p.kp * BLOCK;
-            let a0 = p.a[p.r0 * p.stride..].as_ptr();
-            let a1 = p.a[(p.r0 + TILE) * p.stride..].as_ptr();
-            let b0 = p.w[p.b0 * block_pairs..].as_ptr();
-            let b1 = p.w[p.b1 * block_pairs..].as_ptr();
+            let first = p.s0 * TILE;
+            let a0 = p.a[p.r0 * p.stride + first..].as_ptr();
+            // (With one row tile the second row tile's address is never loaded from.)
+            let a1 = p.a[p.r0 * p.stride + first..]
+                .as_ptr()
+                .wrapping_add(TILE * p.stride);
+            let b0 = p.w[p.b0 * p.wkp * BLOCK..].as_ptr();
+            let b1 = p.w[p.b1 * p.wkp * BLOCK..].as_ptr();
             let c = out.as_mut_ptr();
+            let (steps, groups) = (p.steps, p.groups);
             // SAFETY: an `Hw` exists only where AMX-BF16 is usable (`Hw::new`'s contract).
-            // `fits` found rows r0..r0 + 32 (kp pairs each, `stride` apart) inside `a` and
-            // blocks b0, b1 (kp x 16 pairs each) inside `w`; step s loads A rows at a + 64 s
-            // (16 rows of 64 bytes, stride * 4 bytes apart) and B at b + 1024 s (16 x 64 contiguous bytes), s <
-            // kp / 16, so every load stays inside. The stores write C (i, j) row r at byte
-            // 64 (32 i + 2 r + j) of `out`, at most 64 * 63 + 64 = 4096 bytes, its size.
-            // `steps >= 1` (fits), so the loop ends. Tile state is configured and released
-            // inside this block.
+            // `fits` found rows r0..r0 + 16 tiles (kp pairs each, `stride` apart) inside `a`
+            // with pairs 16 s0 + 16 groups steps <= kp, and blocks b0, b1 (wkp pairs each,
+            // 16 groups steps <= wkp of them read) inside `w`; step s loads A rows at a +
+            // 64 s (16 rows of 64 bytes, stride * 4 bytes apart; the second row tile only
+            // with two) and B at b + 1024 s (16 x 64 contiguous bytes), so every load stays
+            // inside. Run g loads (with `carry`, one run) and stores C (i, j) row r (i <
+            // tiles) at byte 4096 g + 64 (32 i + 2 r + j) of `out`, inside its first
+            // `groups` entries of 4096 bytes. `steps` and `groups` are at least 1 (fits), so
+            // both loops end. Tile state is configured and released inside this block.
             unsafe {
-                crate::cpu::amx::tile_pass_asm!(
-                    cfg,
-                    (a0, a1, row_bytes),
-                    (b0, b1),
-                    p.kp / TILE,
-                    (c, 2 * std::mem::size_of::<[f32; BLOCK]>()),
-                    [
-                        "tileloadd tmm4, [{a0} + {sa}*1]",
-                        "tileloadd tmm5, [{a1} + {sa}*1]",
-                        "tileloadd tmm6, [{b0} + {sb}*1]",
-                        "tileloadd tmm7, [{b1} + {sb}*1]"
-                    ],
-                    [
-                        "tdpbf16ps tmm0, tmm4, tmm6",
-                        "tdpbf16ps tmm1, tmm4, tmm7",
-                        "tdpbf16ps tmm2, tmm5, tmm6",
-                        "tdpbf16ps tmm3, tmm5, tmm7"
-                    ],
-                    [
-                        "tilestored [{c} + {cs}*1], tmm0",
-                        "tilestored [{c} + {cs}*1 + 64], tmm1",
-                        "tilestored [{c} + {cs}*1 + 2048], tmm2",
-                        "tilestored [{c} + {cs}*1 + 2112], tmm3"
-                    ]
-                );
+                match (p.tiles, p.carry) {
+                    (1, false) => bf16_pass!(
+                        (cfg, a0, a1, row_bytes, b0, b1, steps, groups, c),
+                        1,
+                        ["tilezero tmm0", "tilezero tmm1"]
+                    ),
+                    (1, true) => bf16_pass!(
+                        (cfg, a0, a1, row_bytes, b0, b1, steps, groups, c),
+                        1,
+                        [
+                            "tileloadd tmm0, [{c} + {sb}*2]",
+                            "tileloadd tmm1, [{c} + {sb}*2 + 64]"
+                        ]
+                    ),
+                    (_, false) => bf16_pass!(
+                        (cfg, a0, a1, row_bytes, b0, b1, steps, groups, c),
+                        2,
+                        [
+                            "tilezero tmm0",
+                            "tilezero tmm1",
+                            "tilezero tmm2",
+                            "tilezero tmm3"
+                        ]
+                    ),
+                    (_, true) => bf16_pass!(
+                        (cfg, a0, a1, row_bytes, b0, b1, steps, groups, c),
+                        2,
+                        [
+                            "tileloadd tmm0, [{c} + {sb}*2]",
+                            "tileloadd tmm1, [{c} + {sb}*2 + 64]",
+                            "tileloadd tmm2, [{c} + {sb}*2 + 2048]",
+                            "tileloadd tmm3, [{c} + {sb}*2 + 2112]"
+                        ]
+                    ),
+                }
             }
         }
     }
@@ -386,6 +787,17 @@ mod tests {
     /// The instruction's definition per output, written from the SDM independently of the
     /// model's tile walk: for each 32-column step, two fused chains and two adds.
     fn reference(a: &[u32], m: usize, kp: usize, w: &[u32], nb: usize) -> Vec<[f32; BLOCK]> {
+        reference_steps(a, (m, kp), w, nb, 0..kp / TILE)
+    }
+
+    /// [`reference`] over steps `steps` only, from zero.
+    fn reference_steps(
+        a: &[u32],
+        (m, kp): (usize, usize),
+        w: &[u32],
+        nb: usize,
+        steps: std::ops::Range<usize>,
+    ) -> Vec<[f32; BLOCK]> {
         let bf = |h: u32| {
             let v = f32::from_bits((h & 0xffff) << 16);
             if v.is_subnormal() {
@@ -407,7 +819,7 @@ mod tests {
                 let mut lanes = [0f32; BLOCK];
                 for (n, lane) in lanes.iter_mut().enumerate() {
                     let mut c = 0f32;
-                    for s in 0..kp / TILE {
+                    for s in steps.clone() {
                         let (mut e, mut o) = (0f32, 0f32);
                         for k in s * TILE..(s + 1) * TILE {
                             let x = a[r * kp + k];
@@ -453,10 +865,18 @@ mod tests {
         for r in 0..m {
             padded[r * stride..r * stride + kp].copy_from_slice(&a[r * kp..(r + 1) * kp]);
         }
-        assert!(gemm(ops, (&padded, stride), m, kp, w, nb, |r, b, l| {
-            got[r * nb + b] = *l;
-            seen[r * nb + b] += 1;
-        }));
+        assert!(gemm(
+            ops,
+            (&padded, stride),
+            m,
+            kp,
+            nb,
+            from_blocks(w, kp),
+            |r, b, l| {
+                got[r * nb + b] = *l;
+                seen[r * nb + b] += 1;
+            }
+        ));
         assert!(
             seen.iter().all(|&c| c == 1),
             "every (row, block) emitted once"
@@ -470,11 +890,15 @@ mod tests {
 
     #[test]
     fn model_equals_the_instruction_reference() {
+        // (One carries its accumulators across three chunks; the last needs two panels.)
+        let panel_blocks = 2 * PANEL_TILES / 2;
         for (m, nb, kp, seed) in [
             (1, 1, 16, 1),
             (32, 2, 32, 2),
             (37, 3, 48, 3),
             (70, 5, 16, 4),
+            (33, 3, (2 * CHUNK_STEPS + 3) * TILE, 5),
+            (40, panel_blocks + 3, 32, 6),
         ] {
             let (a, w) = problem(m, nb, kp, seed);
             assert_eq!(
@@ -482,6 +906,43 @@ mod tests {
                 bits(&reference(&a, m, kp, &w, nb)),
                 "m {m} nb {nb} kp {kp}"
             );
+        }
+    }
+
+    /// Grouped: each group's product from zero, folded in group order (here `t = fma(c, 1 +
+    /// g / 8, t)`), equals the reference per group folded the same way, for runs of equal
+    /// groups, an empty group, and a group carried across chunks.
+    #[test]
+    fn grouped_model_equals_the_reference_per_group() {
+        let long = CHUNK_STEPS + 4;
+        for (m, nb, starts, seed) in [
+            (9, 2, vec![0, 4, 8, 12, 16, 20], 21),
+            (40, 3, vec![0, 1, 1, 3, 3 + long, 4 + long], 22),
+            (32, 1, vec![0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20], 23),
+            // Two panels (of 32 pairs for two passes of rows), a long group carried.
+            (40, PANEL_TILES + 3, vec![0, 1, 2, 2 + long], 24),
+        ] {
+            let kp = starts[starts.len() - 1] * TILE;
+            let (a, w) = problem(m, nb, kp, seed);
+            let mut want = vec![[0f32; BLOCK]; m * nb];
+            for (g, s) in starts.windows(2).enumerate() {
+                let c = reference_steps(&a, (m, kp), &w, nb, s[0]..s[1]);
+                let scale = 1.0 + g as f32 / 8.0;
+                for (t, c) in want.iter_mut().zip(&c) {
+                    for (t, c) in t.iter_mut().zip(c) {
+                        *t = c.mul_add(scale, *t);
+                    }
+                }
+            }
+            let got = emitted(&mut Model, (&a, m, kp, &w, nb), Some(&starts)).expect("runs");
+            let got: Vec<u32> = {
+                let mut v = vec![0u32; m * nb * BLOCK];
+                for (r, b, l) in &got {
+                    v[(r * nb + b) * BLOCK..][..BLOCK].copy_from_slice(l);
+                }
+                v
+            };
+            assert_eq!(got, bits(&want), "m {m} nb {nb} starts {starts:?}");
         }
     }
 
@@ -513,12 +974,87 @@ mod tests {
     fn gemm_refuses_what_does_not_fit() {
         let (a, w) = problem(32, 2, 16, 5);
         let none = |_: usize, _: usize, _: &[f32; BLOCK]| panic!("emitted");
-        assert!(!gemm(&mut Model, (&a, 24), 32, 24, &w, 2, none));
-        assert!(!gemm(&mut Model, (&a, 16), 33, 16, &w, 2, none));
-        assert!(!gemm(&mut Model, (&a, 16), 32, 16, &w, 3, none));
-        assert!(!gemm(&mut Model, (&a, 16), 0, 16, &w, 2, none));
-        assert!(!gemm(&mut Model, (&a, 8), 32, 16, &w, 2, none));
-        assert!(!gemm(&mut Model, (&a, 17), 32, 16, &w, 2, none));
+        assert!(!gemm(
+            &mut Model,
+            (&a, 24),
+            32,
+            24,
+            2,
+            from_blocks(&w, 16),
+            none
+        ));
+        assert!(!gemm(
+            &mut Model,
+            (&a, 16),
+            33,
+            16,
+            2,
+            from_blocks(&w, 16),
+            none
+        ));
+        assert!(!gemm(
+            &mut Model,
+            (&a, 16),
+            0,
+            16,
+            2,
+            from_blocks(&w, 16),
+            none
+        ));
+        assert!(!gemm(
+            &mut Model,
+            (&a, 8),
+            32,
+            16,
+            2,
+            from_blocks(&w, 16),
+            none
+        ));
+        assert!(!gemm(
+            &mut Model,
+            (&a, 17),
+            32,
+            16,
+            2,
+            from_blocks(&w, 16),
+            none
+        ));
+        let fold = |_: Fold<'_>| panic!("folded");
+        for starts in [&[0usize][..], &[0, 2], &[1, 1], &[0, 1, 0, 1], &[0, 0]] {
+            let widen = from_blocks(&w, 16);
+            let ran = gemm_grouped(&mut Model, (&a, 16), 32, 16, 2, starts, widen, fold, none);
+            assert!(!ran, "{starts:?}");
+        }
+        // A carried run is one run; runs stay inside the rows' and the blocks' pairs.
+        let p = Pass {
+            a: &a,
+            stride: 16,
+            kp: 16,
+            r0: 0,
+            s0: 0,
+            w: &w,
+            wkp: 16,
+            b0: 0,
+            b1: 1,
+            steps: 1,
+            groups: 1,
+            carry: true,
+            tiles: 2,
+        };
+        assert!(p.fits());
+        assert!(Pass { tiles: 1, ..p }.fits());
+        assert!(!Pass { tiles: 0, ..p }.fits());
+        assert!(!Pass { tiles: 3, ..p }.fits());
+        assert!(!Pass { groups: 2, ..p }.fits());
+        assert!(!Pass {
+            carry: false,
+            groups: 2,
+            ..p
+        }
+        .fits());
+        assert!(!Pass { s0: 1, ..p }.fits());
+        assert!(!Pass { b1: 2, ..p }.fits());
+        assert!(!Pass { steps: 0, ..p }.fits());
     }
 
     /// A faulty implementation (one output lane off by one ulp) fails the self-test.
@@ -526,9 +1062,9 @@ mod tests {
     fn self_test_passes_the_model_and_catches_a_fault() {
         struct Off;
         impl TileOps for Off {
-            fn pass(&mut self, p: &Pass<'_>, out: &mut PassOut) {
+            fn pass(&mut self, p: &Pass<'_>, out: &mut [PassOut]) {
                 Model.pass(p, out);
-                out[5][7] = f32::from_bits(out[5][7].to_bits() ^ 1);
+                out[0][5][7] = f32::from_bits(out[0][5][7].to_bits() ^ 1);
             }
         }
         assert!(self_test(&mut Model));
@@ -545,7 +1081,8 @@ mod tests {
             return;
         }
         #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-        for (m, nb, kp, seed) in [(32, 2, 16, 11), (45, 3, 64, 12), (100, 4, 128, 13)] {
+        let kp_long = (2 * CHUNK_STEPS + 3) * TILE;
+        for (m, nb, kp, seed) in [(32, 2, 16, 11), (45, 3, 64, 12), (100, 4, kp_long, 13)] {
             let (a, w) = problem(m, nb, kp, seed);
             // SAFETY: `enabled()` holds.
             let mut hw = unsafe { Hw::new() };
@@ -553,6 +1090,19 @@ mod tests {
                 bits(&run(&mut hw, &a, m, kp, &w, nb)),
                 bits(&run(&mut Model, &a, m, kp, &w, nb)),
                 "m {m} nb {nb} kp {kp}"
+            );
+            // Grouped, with runs of equal groups, an empty one and one carried over chunks.
+            let steps = kp / TILE;
+            let mut starts: Vec<usize> = (0..=steps.min(4)).collect();
+            starts.push(steps.min(4));
+            starts.push(steps);
+            let problem = (&a[..], m, kp, &w[..], nb);
+            // SAFETY: `enabled()` holds.
+            let mut hw = unsafe { Hw::new() };
+            assert_eq!(
+                emitted(&mut hw, problem, Some(&starts)),
+                emitted(&mut Model, problem, Some(&starts)),
+                "grouped: m {m} nb {nb} starts {starts:?}"
             );
         }
     }

@@ -114,6 +114,62 @@ fn dequant_runs(pairs: usize) -> Vec<usize> {
         .collect()
 }
 
+/// The hardware tiles' type where they exist (elsewhere a stand-in that is never run).
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+type AmxHw = crate::cpu::amx_bf16::Hw;
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+type AmxHw = crate::cpu::amx_bf16::Model;
+
+/// Group pair offsets `offs` (`groups + 1` entries) moved to whole AMX-BF16 steps: group `g`
+/// from pair `to[g]`, a multiple of 16, its pairs then zeros up to the next group's step.
+pub fn step_offsets(offs: &[usize]) -> Vec<usize> {
+    let step = crate::cpu::amx_bf16::TILE;
+    let mut to = Vec::with_capacity(offs.len());
+    to.push(0);
+    for w in offs.windows(2) {
+        let last = to[to.len() - 1];
+        to.push(last + (w[1] - w[0]).next_multiple_of(step));
+    }
+    to
+}
+
+/// One group's fold of the AMX-BF16 grouped route: for each entry of a pass (row tile `i`,
+/// row `r`, block `j` at `32 i + 2 r + j`, row `16 i + r` of the pass) and lane `l`:
+/// `acc = fma(-z[j][l], sx[row], c)` (with zero points), then `totals = fma(acc, s[j][l],
+/// totals)`: the scalar tile's group epilogue, as fused multiply-adds in either form.
+pub fn fold_group(
+    c: &crate::cpu::amx_bf16::PassOut,
+    totals: &mut crate::cpu::amx_bf16::PassOut,
+    s: &[[f32; BLOCK]; 2],
+    z: Option<&[[f32; BLOCK]; 2]>,
+    sx: &[f32; crate::cpu::amx_bf16::PASS_ROWS],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F detected; every argument is a whole array.
+        unsafe { x86::fold_group(c, totals, s, z, sx) };
+        return;
+    }
+    fold_group_scalar(c, totals, s, z, sx);
+}
+
+/// [`fold_group`]'s scalar form (the same fused operations).
+pub fn fold_group_scalar(
+    c: &crate::cpu::amx_bf16::PassOut,
+    totals: &mut crate::cpu::amx_bf16::PassOut,
+    s: &[[f32; BLOCK]; 2],
+    z: Option<&[[f32; BLOCK]; 2]>,
+    sx: &[f32; crate::cpu::amx_bf16::PASS_ROWS],
+) {
+    for (e, (ce, te)) in c.iter().zip(totals.iter_mut()).enumerate() {
+        let (j, row) = (e % 2, (e / 32) * 16 + (e % 32) / 2);
+        for l in 0..BLOCK {
+            let acc = z.map_or(ce[l], |z| (-z[j][l]).mul_add(sx[row], ce[l]));
+            te[l] = acc.mul_add(s[j][l], te[l]);
+        }
+    }
+}
+
 /// Blocks per register tile (two 16-feature blocks share each activation broadcast).
 const TILE_BLOCKS: usize = 2;
 
@@ -353,51 +409,101 @@ impl BlockedWo {
         }
     }
 
-    /// Block `b`'s stored values as bf16 pairs into `out` (`[pairs][16]`), the scalar form.
-    pub fn widen_scalar(&self, b: usize, offs: &[usize], out: &mut [u32]) {
+    /// Block `b`'s stored values as bf16 pairs into `out` (`[pairs][16]`), the scalar form:
+    /// group `g`'s pair `j` is pair `offs[g] + j` (`offs` non-decreasing, each group's pairs
+    /// before the next's), and `out` holds pairs `first..first + out.len() / 16` of them;
+    /// pairs of no group are left as they are.
+    pub fn widen_scalar(&self, b: usize, offs: &[usize], first: usize, out: &mut [u32]) {
         let len = self.codes.block_len(self.k);
         let Some(block) = self.codes.bytes().get(b * len..(b + 1) * len) else {
             return;
         };
-        self.fill_pairs(offs, out, |_, c, l| code_bf16(self.codes.get(block, c, l)));
+        self.fill_pairs((offs, first), out, |_, c, l| {
+            code_bf16(self.codes.get(block, c, l))
+        });
     }
 
-    /// Writes every group's columns as bf16 pairs `[pairs][16]` into `out`: pair `j` of group
-    /// `g` at `offs[g] + j`, `value(g, c, l)` of column `c` low and of `c + 1` high (zero past
-    /// the group's end).
+    /// The pairs `j` (column `a + 2 j`) of a group of columns `a..e` that fall in pairs
+    /// `first..first + n` when the group starts at pair `at`.
+    fn pairs_in(
+        a: usize,
+        e: usize,
+        at: usize,
+        (first, n): (usize, usize),
+    ) -> std::ops::Range<usize> {
+        let len = e.saturating_sub(a).div_ceil(2);
+        let lo = first.saturating_sub(at).min(len);
+        let hi = (first + n).saturating_sub(at).min(len);
+        lo..hi.max(lo)
+    }
+
+    /// Writes every group's columns as bf16 pairs `[pairs][16]`: pair `j` of group `g` is
+    /// pair `offs[g] + j`, `value(g, c, l)` of column `c` low and of `c + 1` high (zero past
+    /// the group's end), and `out` holds pairs `first..first + out.len() / 16`.
     fn fill_pairs(
         &self,
-        offs: &[usize],
+        (offs, first): (&[usize], usize),
         out: &mut [u32],
         value: impl Fn(usize, usize, usize) -> u32,
     ) {
+        let n = out.len() / BLOCK;
         for g in 0..self.groups() {
             let (a, e) = self.bounds(g);
             let e = e.min(self.k);
-            for (j, c) in (a..e).step_by(2).enumerate() {
+            for j in Self::pairs_in(a, e, offs[g], (first, n)) {
+                let c = a + 2 * j;
                 for l in 0..BLOCK {
                     let hi = if c + 1 < e { value(g, c + 1, l) } else { 0 };
-                    out[(offs[g] + j) * BLOCK + l] = value(g, c, l) | (hi << 16);
+                    out[(offs[g] + j - first) * BLOCK + l] = value(g, c, l) | (hi << 16);
                 }
             }
+        }
+    }
+
+    /// The pair ranges no group has when group `g` starts at pair `offs[g]`: the gaps after
+    /// each group (where there are any) and everything after the last, in order.
+    fn gaps(&self, offs: &[usize]) -> Vec<(usize, usize)> {
+        let groups = self.groups();
+        let mut gaps = Vec::new();
+        for g in 0..groups {
+            let (a, e) = self.bounds(g);
+            let end = offs[g] + e.min(self.k).saturating_sub(a).div_ceil(2);
+            let next = if g + 1 < groups {
+                offs[g + 1]
+            } else {
+                usize::MAX
+            };
+            if end < next {
+                gaps.push((end, next));
+            }
+        }
+        gaps
+    }
+
+    /// Zeros the pairs of `first..first + out.len() / 16` that lie in `gaps` (see
+    /// [`BlockedWo::gaps`]).
+    fn zero_gaps(gaps: &[(usize, usize)], first: usize, out: &mut [u32]) {
+        let end = first + out.len() / BLOCK;
+        let from = gaps.partition_point(|&(_, hi)| hi <= first);
+        for &(lo, hi) in gaps[from..].iter().take_while(|&&(lo, _)| lo < end) {
+            let (lo, hi) = (lo.max(first), hi.min(end));
+            out[(lo - first) * BLOCK..(hi - first) * BLOCK].fill(0);
         }
     }
 
     /// As [`BlockedWo::widen_scalar`], vectorised where the CPU allows (equal output).
-    fn widen(&self, b: usize, offs: &[usize], out: &mut [u32]) {
+    fn widen(&self, b: usize, offs: &[usize], first: usize, out: &mut [u32]) {
         #[cfg(target_arch = "x86_64")]
-        if bf16_dot() {
+        if bf16_dot() && offs.len() >= self.groups() {
             let len = self.codes.block_len(self.k);
             if let Some(block) = self.codes.bytes().get(b * len..(b + 1) * len) {
-                if out.len() >= offs[offs.len() - 1] * BLOCK {
-                    // SAFETY: AVX-512F detected (`bf16_dot` implies it); `block` is one whole
-                    // block and `out` holds every pair of it.
-                    unsafe { x86::widen(self, block, offs, out) };
-                    return;
-                }
+                // SAFETY: AVX-512F detected (`bf16_dot` implies it); `block` is one whole
+                // block, `offs` has an entry per group.
+                unsafe { x86::widen(self, block, (offs, first), out) };
+                return;
             }
         }
-        self.widen_scalar(b, offs, out);
+        self.widen_scalar(b, offs, first, out);
     }
 
     /// Block `b`'s dequantised weights `(q - z) * s`, rounded to bf16 (a subnormal product
@@ -406,7 +512,7 @@ impl BlockedWo {
     /// scales (every scale a bf16 value) these are compressed-tensors' dequantised weights
     /// bit for bit: `q - z` is a small integer, its product with a bf16 scale is exact in
     /// f32, and bf16 arithmetic rounds that product to nearest, ties to even.
-    pub fn widen_dequant_scalar(&self, b: usize, offs: &[usize], out: &mut [u32]) {
+    pub fn widen_dequant_scalar(&self, b: usize, offs: &[usize], first: usize, out: &mut [u32]) {
         let len = self.codes.block_len(self.k);
         let Some(block) = self.codes.bytes().get(b * len..(b + 1) * len) else {
             return;
@@ -418,7 +524,7 @@ impl BlockedWo {
         ) else {
             return;
         };
-        self.fill_pairs(offs, out, |g, c, l| {
+        self.fill_pairs((offs, first), out, |g, c, l| {
             let z = zp.map_or(0.0, |z| z[g * BLOCK + l]);
             let q = f32::from(self.codes.get(block, c, l));
             let p = (q - z) * scale[g * BLOCK + l];
@@ -433,24 +539,22 @@ impl BlockedWo {
     }
 
     /// As [`BlockedWo::widen_dequant_scalar`], vectorised where the CPU allows (equal output).
-    fn widen_dequant(&self, b: usize, offs: &[usize], out: &mut [u32]) {
+    fn widen_dequant(&self, b: usize, offs: &[usize], first: usize, out: &mut [u32]) {
         #[cfg(target_arch = "x86_64")]
-        if bf16_dot() {
+        if bf16_dot() && offs.len() >= self.groups() {
             let (len, per) = (self.codes.block_len(self.k), self.groups() * BLOCK);
             let block = self.codes.bytes().get(b * len..(b + 1) * len);
             let scale = self.scale.get(b * per..(b + 1) * per);
             let zp = self.zp_blocks(b, 1);
             if let (Some(block), Some(scale), None | Some(Some(_))) = (block, scale, zp) {
-                if out.len() >= offs[offs.len() - 1] * BLOCK {
-                    // SAFETY: AVX-512F/BW/BF16 detected (`bf16_dot`); `block` is one whole
-                    // block, `scale` and `zp` its `groups * 16` values, and `out` holds every
-                    // pair of it.
-                    unsafe { x86::widen_dequant(self, block, scale, zp.flatten(), offs, out) };
-                    return;
-                }
+                let (sz, range) = ((scale, zp.flatten()), (offs, first));
+                // SAFETY: AVX-512F/BW/BF16 detected (`bf16_dot`); `block` is one whole block,
+                // `scale` and `zp` its `groups * 16` values, `offs` has an entry per group.
+                unsafe { x86::widen_dequant(self, block, sz, range, out) };
+                return;
             }
         }
-        self.widen_dequant_scalar(b, offs, out);
+        self.widen_dequant_scalar(b, offs, first, out);
     }
 
     /// Whether [`BlockedWo::gemm_bf16`] widens this layer's codes into dequantised bf16
@@ -461,10 +565,48 @@ impl BlockedWo {
         self.scales_bf16 && m >= DEQUANT_MIN_ROWS && crate::cpu::kernels::bf16_dequantised_weights()
     }
 
+    /// Which AMX-BF16 route [`BlockedWo::gemm_bf16`] may take: `None` when none, else
+    /// whether on the tiles' model (tests only) rather than the hardware.
+    fn amx_route() -> Option<bool> {
+        #[cfg(test)]
+        let (model, off) = {
+            let route = AMX_BF16_ROUTE.with(std::cell::Cell::get);
+            (route == AmxRoute::Model, route == AmxRoute::Off)
+        };
+        #[cfg(not(test))]
+        let (model, off) = (false, false);
+        (!off && (model || crate::cpu::amx_bf16::enabled())).then_some(model)
+    }
+
+    /// Rows `0..m` of `xb` laid out for the AMX-BF16 tiles, and their stride in pairs: row-major
+    /// pairs, group `g`'s pairs (from `offs[g]` in `xb`) from pair `to[g]` of its row, zeros
+    /// elsewhere (the gaps, each row to `kp` pairs, and the rows past `m` to a whole pass).
+    /// Rows lie a step more than `kp` apart: at a multiple of 4 KB (Qwen3's 2048 columns) a
+    /// tile's 16 rows share one L1 set, and the passes took ~85% of a prefill call.
+    fn amx_rows(&self, xb: &Bf16Rows, m: usize, to: &[usize], kp: usize) -> (Vec<u32>, usize) {
+        use crate::cpu::amx_bf16::{PASS_ROWS, TILE};
+        let (pairs, offs) = (xb.pairs, self.pair_offsets());
+        let stride = kp + TILE;
+        let mut a = crate::cpu::spare::take(m.next_multiple_of(PASS_ROWS) * stride, 0u32);
+        for r in 0..m {
+            let r0 = r - r % TILE_ROWS;
+            let mt = (m - r0).min(TILE_ROWS);
+            let tile = &xb.x[2 * r0 * pairs..2 * (r0 + mt) * pairs];
+            let row = &mut a[r * stride..(r + 1) * stride];
+            for (g, &dst) in to.iter().enumerate().take(self.groups()) {
+                for p in offs[g]..offs[g + 1] {
+                    let at = tile_pair(mt, r - r0, p);
+                    row[dst + p - offs[g]] = u32::from(tile[at]) | (u32::from(tile[at + 1]) << 16);
+                }
+            }
+        }
+        (a, stride)
+    }
+
     /// The dequantised-weight GEMM of [`BlockedWo::gemm_bf16`] on AMX-BF16 tiles (see
     /// [`crate::cpu::amx_bf16`], whose numerics it has): the rows laid out row-major as bf16
-    /// pairs, each block pair widened as for the other tiles and run against all rows. `false`,
-    /// having done nothing, where the tiles are not enabled.
+    /// pairs, the blocks widened pair by pair, chunk by chunk, and run against all rows.
+    /// `false`, having done nothing, where the route is not taken.
     fn gemm_amx(
         &self,
         xb: &Bf16Rows,
@@ -474,79 +616,113 @@ impl BlockedWo {
         emit: &mut impl FnMut(usize, usize, &[f32; BLOCK]),
     ) -> bool {
         use crate::cpu::amx_bf16;
-        #[cfg(test)]
-        let (model, off) = {
-            let route = AMX_BF16_ROUTE.with(std::cell::Cell::get);
-            (route == AmxRoute::Model, route == AmxRoute::Off)
-        };
-        #[cfg(not(test))]
-        let (model, off) = (false, false);
-        if off || (!model && !amx_bf16::enabled()) {
+        let Some(model) = Self::amx_route() else {
             return false;
-        }
+        };
         let (pairs, offs) = (xb.pairs, self.pair_offsets());
         let kp = pairs.next_multiple_of(amx_bf16::TILE);
-        // Row-major pairs, rows padded to a whole pass and each row to whole steps (zeros).
-        // Rows lie a step more than that apart: at a multiple of 4 KB (Qwen3's 2048 columns)
-        // a tile's 16 rows share one L1 set, and the passes took ~85% of a prefill call.
-        let stride = kp + amx_bf16::TILE;
-        let mut a = crate::cpu::spare::take(m.next_multiple_of(amx_bf16::PASS_ROWS) * stride, 0u32);
-        for r in 0..m {
-            let r0 = r - r % TILE_ROWS;
-            let mt = (m - r0).min(TILE_ROWS);
-            let tile = &xb.x[2 * r0 * pairs..2 * (r0 + mt) * pairs];
-            for (p, v) in a[r * stride..r * stride + pairs].iter_mut().enumerate() {
-                let at = tile_pair(mt, r - r0, p);
-                *v = u32::from(tile[at]) | (u32::from(tile[at + 1]) << 16);
-            }
-        }
-        // The widening writes every pair below `pairs` of a block (the groups' padding
-        // halves as zeros); the pairs from there to `kp` stay the zeros taken here.
-        let mut wide = crate::cpu::spare::take(2 * kp * BLOCK, 0u32);
-        let mut b = first_block;
-        while b < end {
-            let nb = (end - b).min(2);
-            for i in 0..nb {
-                let dst = &mut wide[i * kp * BLOCK..][..pairs * BLOCK];
-                self.widen_dequant(b + i, offs, dst);
-            }
-            let w = &wide[..nb * kp * BLOCK];
-            let mut out = |r: usize, j: usize, lanes: &[f32; BLOCK]| emit(r, b + j, lanes);
-            // The arguments fit by construction (whole steps, rows padded, `nb` blocks
-            // widened), so `gemm` runs every pair.
-            let ran = if model {
-                amx_bf16::gemm(&mut amx_bf16::Model, (&a, stride), m, kp, w, nb, &mut out)
-            } else {
-                Self::amx_hw_gemm((&a, stride), m, kp, w, nb, &mut out)
-            };
-            debug_assert!(ran, "AMX-BF16 GEMM refused its own layout");
-            b += nb;
-        }
+        // (The groups' pairs are contiguous here: the dequantised weights need no cut.)
+        let (a, stride) = self.amx_rows(xb, m, offs, kp);
+        let gaps = self.gaps(offs);
+        let widen = |b: usize, first: usize, dst: &mut [u32]| {
+            self.widen_dequant(first_block + b, offs, first, dst);
+            Self::zero_gaps(&gaps, first, dst);
+        };
+        let out = |r: usize, j: usize, lanes: &[f32; BLOCK]| emit(r, first_block + j, lanes);
+        let nb = end - first_block;
+        // The arguments fit by construction (whole steps, rows padded), so `gemm` runs.
+        let ran = if model {
+            amx_bf16::gemm(&mut amx_bf16::Model, (&a, stride), m, kp, nb, widen, out)
+        } else {
+            Self::amx_hw(|hw| amx_bf16::gemm(hw, (&a, stride), m, kp, nb, widen, out))
+        };
+        debug_assert!(ran, "AMX-BF16 GEMM refused its own layout");
         crate::cpu::spare::give(a);
-        crate::cpu::spare::give(wide);
         true
     }
 
-    /// [`crate::cpu::amx_bf16::gemm`] on the hardware tiles.
-    fn amx_hw_gemm(
-        a: (&[u32], usize),
+    /// The exact-weight GEMM of [`BlockedWo::gemm_bf16`] on AMX-BF16 tiles, for layers that
+    /// keep their codes (fewer than [`DEQUANT_MIN_ROWS`] rows, or scales that are not bf16
+    /// values): the codes widen as for the other tiles, each group moved to whole steps of 16
+    /// pairs (zeros between, [`step_offsets`]), and
+    /// [`crate::cpu::amx_bf16::gemm_grouped`] runs the groups, each from zero. Per group,
+    /// lane and row, the fold is the other tiles' epilogue: `acc = c - z Σx`, `total += acc
+    /// s`, each one fused multiply-add ([`fold_group`]). The products are the same exact
+    /// ones; only the fp32 sums run in the instruction's order. `false`, having done
+    /// nothing, where the route is not taken.
+    fn gemm_amx_grouped(
+        &self,
+        xb: &Bf16Rows,
         m: usize,
-        kp: usize,
-        w: &[u32],
-        nb: usize,
-        out: &mut impl FnMut(usize, usize, &[f32; BLOCK]),
+        first_block: usize,
+        end: usize,
+        emit: &mut impl FnMut(usize, usize, &[f32; BLOCK]),
     ) -> bool {
+        use crate::cpu::amx_bf16::{self, Fold, PASS_ROWS, TILE};
+        let Some(model) = Self::amx_route() else {
+            return false;
+        };
+        let (offs, groups) = (self.pair_offsets(), self.groups());
+        let to = step_offsets(&offs[..=groups]);
+        let kp = to[groups];
+        let starts: Vec<usize> = to.iter().map(|p| p / TILE).collect();
+        let (a, stride) = self.amx_rows(xb, m, &to, kp);
+        let gaps = self.gaps(&to);
+        let widen = |b: usize, first: usize, dst: &mut [u32]| {
+            self.widen(first_block + b, &to, first, dst);
+            Self::zero_gaps(&gaps, first, dst);
+        };
+        let per = groups * BLOCK;
+        let nb = end - first_block;
+        let fold = |f: Fold<'_>| {
+            let (g, blk, pair) = (f.group, first_block + f.b, (nb - f.b).min(2));
+            let scale = &self.scale[blk * per..(blk + pair) * per];
+            // `None` without zero points (symmetric 4-bit blocks share theirs, so they are
+            // asked for per pair); the blocks are in range, so never `Some(None)`.
+            let zp = self.zp_blocks(blk, pair).flatten();
+            // (A single last block fills the pass's second block with itself.)
+            let lanes = |v: &[f32], j: usize| -> [f32; BLOCK] {
+                let at = (j.min(pair - 1) * groups + g) * BLOCK;
+                v.get(at..at + BLOCK)
+                    .and_then(|l| l.try_into().ok())
+                    .unwrap_or([0.0; BLOCK])
+            };
+            let s = [lanes(scale, 0), lanes(scale, 1)];
+            let z = zp.map(|z| [lanes(z, 0), lanes(z, 1)]);
+            let mut sx = [0f32; PASS_ROWS];
+            for (i, v) in sx.iter_mut().enumerate().take(m.saturating_sub(f.r0)) {
+                *v = xb.sums.get((f.r0 + i) * groups + g).copied().unwrap_or(0.0);
+            }
+            fold_group(f.c, f.totals, &s, z.as_ref(), &sx);
+        };
+        let out = |r: usize, j: usize, lanes: &[f32; BLOCK]| emit(r, first_block + j, lanes);
+        let rows = (&a[..], stride);
+        // The arguments fit by construction (whole steps, rows padded), so the GEMM runs.
+        let ran = if model {
+            let ops = &mut amx_bf16::Model;
+            amx_bf16::gemm_grouped(ops, rows, m, kp, nb, &starts, widen, fold, out)
+        } else {
+            Self::amx_hw(|hw| {
+                amx_bf16::gemm_grouped(hw, rows, m, kp, nb, &starts, widen, fold, out)
+            })
+        };
+        debug_assert!(ran, "AMX-BF16 grouped GEMM refused its own layout");
+        crate::cpu::spare::give(a);
+        true
+    }
+
+    /// `f` on the hardware tiles (only where `amx_route()` chose them); `false` elsewhere.
+    fn amx_hw(f: impl FnOnce(&mut AmxHw) -> bool) -> bool {
         #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
         {
             // SAFETY: called only when `amx_bf16::enabled()` holds: the CPU has AMX-BF16 with
             // the tile palette the passes use, the OS granted tile state, and the hardware
             // passed the self-test against the model.
-            let mut hw = unsafe { crate::cpu::amx_bf16::Hw::new() };
-            crate::cpu::amx_bf16::gemm(&mut hw, a, m, kp, w, nb, out)
+            f(&mut unsafe { crate::cpu::amx_bf16::Hw::new() })
         }
         #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
         {
-            let _ = (a, m, kp, w, nb, out);
+            let _ = f;
             false
         }
     }
@@ -577,10 +753,18 @@ impl BlockedWo {
         let nibbles = self.reads_nibbles(m);
         // (A layer without columns has no pairs to cut into runs; it keeps the plain path.)
         let dequant = self.widens_dequantised(m) && pairs > 0;
-        // (Only where the weights are dequantised anyway, from DEQUANT_MIN_ROWS: the tiles
-        // cannot apply a group's scale inside a step, and below that row count the layer's
-        // weights stay exact, whatever the CPU.)
+        // On AMX-BF16 tiles: dequantised weights (as on any CPU from DEQUANT_MIN_ROWS with bf16
+        // scales) as one sum, exact weights group by group beyond one row tile (where the
+        // codes are widened anyway). From 9 rows the grouped tiles ran 1.7-2.8x `vdpbf16ps`'s
+        // rate (`ROWS=9..24 N=512 K=2048 wo_time`, one core); at 8 int8 rows they were even.
         if dequant && self.gemm_amx(xb, m, first_block, end, &mut emit) {
+            return;
+        }
+        if !dequant
+            && m > TILE_ROWS
+            && pairs > 0
+            && self.gemm_amx_grouped(xb, m, first_block, end, &mut emit)
+        {
             return;
         }
         let codes = self.codes.bytes();
@@ -637,9 +821,9 @@ impl BlockedWo {
                     for i in 0..nb {
                         let dst = &mut wide[i * pairs * BLOCK..(i + 1) * pairs * BLOCK];
                         if dequant {
-                            self.widen_dequant(b + i, offs, dst);
+                            self.widen_dequant(b + i, offs, 0, dst);
                         } else {
-                            self.widen(b + i, offs, dst);
+                            self.widen(b + i, offs, 0, dst);
                         }
                     }
                     Weights::Wide(&wide[..nb * pairs * BLOCK])
@@ -873,14 +1057,56 @@ mod x86 {
         _mm512_srl_epi32(line, _mm_cvtsi32_si128((4 * (p % 4)) as i32))
     }
 
+    /// [`super::fold_group`] with AVX-512 fused multiply-adds (equal to the scalar form).
+    ///
+    /// # Safety
+    /// AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn fold_group(
+        c: &crate::cpu::amx_bf16::PassOut,
+        totals: &mut crate::cpu::amx_bf16::PassOut,
+        s: &[[f32; BLOCK]; 2],
+        z: Option<&[[f32; BLOCK]; 2]>,
+        sx: &[f32; crate::cpu::amx_bf16::PASS_ROWS],
+    ) {
+        // SAFETY: each load and store is one whole `[f32; 16]` of the arguments.
+        unsafe {
+            let s = [
+                _mm512_loadu_ps(s[0].as_ptr()),
+                _mm512_loadu_ps(s[1].as_ptr()),
+            ];
+            let z = z.map(|z| {
+                [
+                    _mm512_loadu_ps(z[0].as_ptr()),
+                    _mm512_loadu_ps(z[1].as_ptr()),
+                ]
+            });
+            for (e, (ce, te)) in c.iter().zip(totals.iter_mut()).enumerate() {
+                let (j, row) = (e % 2, (e / 32) * 16 + (e % 32) / 2);
+                let mut acc = _mm512_loadu_ps(ce.as_ptr());
+                if let Some(z) = z {
+                    acc = _mm512_fnmadd_ps(z[j], _mm512_set1_ps(sx[row]), acc);
+                }
+                let t = _mm512_fmadd_ps(acc, s[j], _mm512_loadu_ps(te.as_ptr()));
+                _mm512_storeu_ps(te.as_mut_ptr(), t);
+            }
+        }
+    }
+
     /// Widens one block (see [`BlockedWo::widen_scalar`]).
     ///
     /// # Safety
-    /// AVX-512F; `offs` is `w.pair_offsets()` (non-decreasing, `offs[groups]` pairs); `block`
-    /// is one whole block of `w` (`block_len(k)` bytes) and `out` holds `offs[groups] * 16`
-    /// values.
+    /// AVX-512F; `offs` has an entry per group; `block` is one whole block of `w`
+    /// (`block_len(k)` bytes). (`out` holds the pairs it holds: `pairs_in` keeps every store
+    /// inside it.)
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn widen(w: &BlockedWo, block: &[u8], offs: &[usize], out: &mut [u32]) {
+    pub unsafe fn widen(
+        w: &BlockedWo,
+        block: &[u8],
+        (offs, first_pair): (&[usize], usize),
+        out: &mut [u32],
+    ) {
+        let n = out.len() / BLOCK;
         let hi_mask = _mm512_set1_epi32(0xffff_0000u32 as i32);
         let nib = _mm512_set1_epi32(15);
         let bp = block.as_ptr();
@@ -894,9 +1120,10 @@ mod x86 {
         for (g, &first) in offs.iter().enumerate().take(w.groups()) {
             let (a, e) = w.bounds(g);
             let e = e.min(w.k);
-            for (j, c) in (a..e).step_by(2).enumerate() {
+            for j in BlockedWo::pairs_in(a, e, first, (first_pair, n)) {
+                let c = a + 2 * j;
                 // SAFETY: c < e <= k, so column c (and c + 1 when < e) lies inside the block;
-                // pair first + j < offs[groups] lies inside `out`.
+                // `pairs_in` keeps pair first + j - first_pair below n, inside `out`.
                 unsafe {
                     let v = match &w.codes {
                         Codes::I8(_) => {
@@ -922,7 +1149,7 @@ mod x86 {
                             )
                         }
                     };
-                    _mm512_storeu_si512(op.add((first + j) * BLOCK).cast(), v);
+                    _mm512_storeu_si512(op.add((first + j - first_pair) * BLOCK).cast(), v);
                 }
             }
         }
@@ -934,19 +1161,18 @@ mod x86 {
     /// scalar form repeats.
     ///
     /// # Safety
-    /// AVX-512F, AVX512-BW and AVX512-BF16 (`bf16_dot`); `offs` is `w.pair_offsets()`
-    /// (non-decreasing, `offs[groups]` pairs); `block` is one whole block of `w`
-    /// (`block_len(k)` bytes), `scale` and `zp` (when given) hold its `groups * 16` values,
-    /// and `out` holds `offs[groups] * 16` values.
+    /// AVX-512F, AVX512-BW and AVX512-BF16 (`bf16_dot`); `offs` has an entry per group;
+    /// `block` is one whole block of `w` (`block_len(k)` bytes), `scale` and `zp` (when given)
+    /// hold its `groups * 16` values. (`out` holds the pairs it holds, as in `widen`.)
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub unsafe fn widen_dequant(
         w: &BlockedWo,
         block: &[u8],
-        scale: &[f32],
-        zp: Option<&[f32]>,
-        offs: &[usize],
+        (scale, zp): (&[f32], Option<&[f32]>),
+        (offs, first_pair): (&[usize], usize),
         out: &mut [u32],
     ) {
+        let n = out.len() / BLOCK;
         let nib = _mm512_set1_epi32(15);
         // Words 0..16 of `vcvtne2ps2bf16(hi, lo)` are lo's, 16..32 hi's: interleave them
         // into (lo, hi) pairs.
@@ -979,9 +1205,10 @@ mod x86 {
                 let q = _mm512_cvtepi32_ps(q);
                 _mm512_mul_ps(if has_zp { _mm512_sub_ps(q, z) } else { q }, s)
             };
-            for (j, c) in (a..e).step_by(2).enumerate() {
+            for j in BlockedWo::pairs_in(a, e, first, (first_pair, n)) {
+                let c = a + 2 * j;
                 // SAFETY: as in `widen`: column c (and c + 1 when < e) lies inside the block,
-                // pair first + j inside `out`.
+                // pair first + j - first_pair inside `out`.
                 unsafe {
                     let (lo, hi) = match &w.codes {
                         Codes::I8(_) => {
@@ -1009,7 +1236,7 @@ mod x86 {
                     // SAFETY: __m512bh and __m512i are both 64 bytes of plain bits.
                     let h: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
                     let v = _mm512_permutexvar_epi16(idx, h);
-                    _mm512_storeu_si512(op.add((first + j) * BLOCK).cast(), v);
+                    _mm512_storeu_si512(op.add((first + j - first_pair) * BLOCK).cast(), v);
                 }
             }
         }
@@ -1309,8 +1536,52 @@ mod tests {
         (x, xb, got)
     }
 
+    /// The AMX-BF16 grouped route's result for `m` rows, per output, written from its
+    /// definition: per group, `tdpbf16ps` steps over the group's pairs (zeros to the step's
+    /// end) from zero, then `acc = fma(-z, Σx, c)`, `total = fma(acc, s, total)`.
+    fn amx_grouped_reference(w: &BlockedWo, xb: &Bf16Rows, m: usize) -> Vec<f32> {
+        use crate::cpu::amx_bf16::{dot_step, TILE};
+        let (n, offs, groups, pairs) = (w.n, w.pair_offsets(), w.groups(), xb.pairs);
+        let mut wide = vec![0u32; offs[groups] * BLOCK];
+        let mut out = vec![0f32; m * n];
+        for b in 0..w.blocks() {
+            w.widen_scalar(b, offs, 0, &mut wide);
+            let zp = w.zp_blocks(b, 1).flatten();
+            for r in 0..m {
+                let r0 = r - r % TILE_ROWS;
+                let mt = (m - r0).min(TILE_ROWS);
+                let x_pair = |p: usize| {
+                    let at = 2 * r0 * pairs + tile_pair(mt, r - r0, p);
+                    u32::from(xb.x[at]) | (u32::from(xb.x[at + 1]) << 16)
+                };
+                for l in 0..BLOCK.min(n - b * BLOCK) {
+                    let mut total = 0f32;
+                    for g in 0..groups {
+                        let mut c = 0f32;
+                        for s0 in (offs[g]..offs[g + 1]).step_by(TILE) {
+                            let ps = s0..s0 + TILE;
+                            let inside = |p: &usize| *p < offs[g + 1];
+                            let xs = ps.clone().map(|p| if inside(&p) { x_pair(p) } else { 0 });
+                            let ws = ps.map(|p| if inside(&p) { wide[p * BLOCK + l] } else { 0 });
+                            c = dot_step(c, xs, ws);
+                        }
+                        let at = g * BLOCK + l;
+                        if let Some(z) = zp {
+                            c = (-z[at]).mul_add(xb.sums[r * groups + g], c);
+                        }
+                        total = c.mul_add(w.scale[b * groups * BLOCK + at], total);
+                    }
+                    out[r * n + b * BLOCK + l] = total;
+                }
+            }
+        }
+        out
+    }
+
     /// Widening: SIMD equals scalar; the bf16 tile: SIMD equals the scalar reference bit for
-    /// bit, and both are close to an f64 reference on the bf16-rounded activations.
+    /// bit, and both are close to an f64 reference on the bf16-rounded activations. Beyond one
+    /// row tile, the AMX-BF16 grouped route (on the model anywhere, on the hardware where
+    /// enabled) equals its own reference bit for bit and is as close to the f64 one.
     #[test]
     fn bf16_simd_equals_scalar_and_reference() {
         for (n, k, groups, asym, m) in [
@@ -1336,18 +1607,38 @@ mod tests {
                 for b in 0..w.blocks() {
                     let mut a = vec![7u32; offs[groups] * BLOCK];
                     let mut s = vec![9u32; offs[groups] * BLOCK];
-                    w.widen(b, offs, &mut a);
-                    w.widen_scalar(b, offs, &mut s);
+                    w.widen(b, offs, 0, &mut a);
+                    w.widen_scalar(b, offs, 0, &mut s);
                     assert_eq!(a, s, "widen block {b} of {n}x{k}, {bits} bits");
                 }
+                AMX_BF16_ROUTE.with(|c| c.set(AmxRoute::Off));
                 let (x, xb, got) = dense_gemm_bf16(&w, m);
+                AMX_BF16_ROUTE.with(|c| c.set(AmxRoute::Auto));
+                let mut outputs = vec![got.clone()];
+                if m > TILE_ROWS {
+                    let want = amx_grouped_reference(&w, &xb, m);
+                    for route in [AmxRoute::Model, AmxRoute::Auto] {
+                        AMX_BF16_ROUTE.with(|c| c.set(route));
+                        let (_, _, amx) = dense_gemm_bf16(&w, m);
+                        AMX_BF16_ROUTE.with(|c| c.set(AmxRoute::Auto));
+                        if route == AmxRoute::Auto && !crate::cpu::amx_bf16::enabled() {
+                            continue;
+                        }
+                        let same = amx
+                            .iter()
+                            .zip(&want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "{route:?} route, {n}x{k} {bits} bits, {m} rows");
+                        outputs.push(amx);
+                    }
+                }
                 let g = w.groups();
                 let mut wide = vec![0u32; 2 * offs[g] * BLOCK];
                 let tb = w.tile_blocks(m);
                 for b in (0..w.blocks()).step_by(tb) {
                     let nb = (w.blocks() - b).min(tb);
                     for i in 0..nb {
-                        w.widen_scalar(b + i, offs, &mut wide[i * offs[g] * BLOCK..]);
+                        w.widen_scalar(b + i, offs, 0, &mut wide[i * offs[g] * BLOCK..]);
                     }
                     let t = Tile {
                         w: Weights::Wide(&wide),
@@ -1397,11 +1688,13 @@ mod tests {
                             exact +=
                                 (f64::from(codes[c]) - z) * f64::from(scale[gi]) * f64::from(xv);
                         }
-                        let v = f64::from(got[r * n + j]);
-                        assert!(
-                            (v - exact).abs() <= 1e-4 * exact.abs().max(1.0),
-                            "{v} vs {exact}"
-                        );
+                        for got in &outputs {
+                            let v = f64::from(got[r * n + j]);
+                            assert!(
+                                (v - exact).abs() <= 1e-4 * exact.abs().max(1.0),
+                                "{v} vs {exact}"
+                            );
+                        }
                     }
                 }
             }
@@ -1465,8 +1758,8 @@ mod tests {
             for b in 0..w.blocks() {
                 let mut a = vec![7u32; pairs * BLOCK];
                 let s = &mut deq[b * pairs * BLOCK..(b + 1) * pairs * BLOCK];
-                w.widen_dequant(b, offs, &mut a);
-                w.widen_dequant_scalar(b, offs, s);
+                w.widen_dequant(b, offs, 0, &mut a);
+                w.widen_dequant_scalar(b, offs, 0, s);
                 assert_eq!(a, s, "widen block {b} of {n}x{k}, {bits} bits");
             }
             // bf16((q - z) * s) of feature j, column c in group gi: compressed-tensors'
@@ -1599,6 +1892,46 @@ mod tests {
         }
     }
 
+    /// Widening a range of pairs in the AMX step layout (groups moved to whole steps, gaps
+    /// between) writes exactly that range of the whole-block widening, SIMD or scalar, plain
+    /// or dequantised, and `zero_gaps` clears what no group has (the buffer starts as junk).
+    #[test]
+    fn pair_ranges_widen_as_whole_blocks_with_gaps_zeroed() {
+        for (n, k, groups, asym, bits) in [
+            (20, 75, 5, true, 8),
+            (33, 66, 3, false, 4),
+            (16, 256, 2, true, 4),
+        ] {
+            let (w, _) = sample_bits(n, k, groups, asym, bits);
+            let offs = w.pair_offsets();
+            let to = step_offsets(offs);
+            let (kp, gaps) = (to[w.groups()], w.gaps(&to));
+            for b in 0..w.blocks() {
+                let mut whole = vec![0u32; kp * BLOCK];
+                let mut whole_dq = vec![0u32; kp * BLOCK];
+                w.widen_scalar(b, &to, 0, &mut whole);
+                w.widen_dequant_scalar(b, &to, 0, &mut whole_dq);
+                for first in (0..kp).step_by(TILE_ROWS + 3) {
+                    let len = (2 * TILE_ROWS + 1).min(kp - first);
+                    let want = &whole[first * BLOCK..(first + len) * BLOCK];
+                    let want_dq = &whole_dq[first * BLOCK..(first + len) * BLOCK];
+                    let mut got = vec![0xdead_beef_u32; len * BLOCK];
+                    w.widen(b, &to, first, &mut got);
+                    BlockedWo::zero_gaps(&gaps, first, &mut got);
+                    assert_eq!(got, want, "block {b} pairs {first}+{len}");
+                    got.fill(0xdead_beef);
+                    w.widen_scalar(b, &to, first, &mut got);
+                    BlockedWo::zero_gaps(&gaps, first, &mut got);
+                    assert_eq!(got, want, "scalar, block {b} pairs {first}+{len}");
+                    got.fill(0xdead_beef);
+                    w.widen_dequant(b, &to, first, &mut got);
+                    BlockedWo::zero_gaps(&gaps, first, &mut got);
+                    assert_eq!(got, want_dq, "dequantised, block {b} pairs {first}+{len}");
+                }
+            }
+        }
+    }
+
     /// A layer without input columns (k = 0) emits zero rows on either path, bf16 scales and
     /// enough rows for the dequantised one included (it has no pairs to cut into runs).
     #[test]
@@ -1639,8 +1972,8 @@ mod tests {
         assert!(w.scales_bf16);
         let pairs = w.pair_offsets()[1];
         let (mut a, mut b) = (vec![7u32; pairs * BLOCK], vec![9u32; pairs * BLOCK]);
-        w.widen_dequant(0, w.pair_offsets(), &mut a);
-        w.widen_dequant_scalar(0, w.pair_offsets(), &mut b);
+        w.widen_dequant(0, w.pair_offsets(), 0, &mut a);
+        w.widen_dequant_scalar(0, w.pair_offsets(), 0, &mut b);
         assert_eq!(a, b);
         let (mut zeros, mut rounded) = (0, 0);
         for j in 0..n {
@@ -1700,7 +2033,7 @@ mod tests {
             let xb = w.bf16_rows(&x, m);
             for b in 0..w.blocks() {
                 let mut wide = vec![0u32; pairs * BLOCK];
-                w.widen_scalar(b, offs, &mut wide);
+                w.widen_scalar(b, offs, 0, &mut wide);
                 let scale = &w.scale[b * g * BLOCK..(b + 1) * g * BLOCK];
                 let zp = w.zp_blocks(b, 1).map(|z| z.expect("block in range"));
                 let run = |weights| {
