@@ -50,8 +50,9 @@ pub const OUT_ENTRIES: usize = 2 * PASS_ROWS;
 /// The outputs of one pass, as f32 bits' carrier.
 pub type PassOut = [[f32; BLOCK]; OUT_ENTRIES];
 
-/// One pass: rows `r0..r0 + 32` of `a` (row-major, row `r` from pair `r * stride`, `kp`
-/// pairs each) against blocks `b0` and `b1` of `w` (block `j` from pair `j * wkp`), over
+/// One pass: rows `r0..r0 + 16 tiles` (one or two row tiles) of `a` (row-major, row `r` from
+/// pair `r * stride`, `kp` pairs each) against blocks `b0` and `b1` of `w` (block `j` from
+/// pair `j * wkp`), over
 /// `groups` consecutive runs of `steps` steps (a step is 16 pairs): run `g` reads A from step
 /// `s0 + g * steps` of the rows and B from step `g * steps` of the blocks, and its C tiles go
 /// to `out[g]`, starting from zero, or with `carry` (one run) from what `out[0]` holds.
@@ -77,18 +78,27 @@ impl Pass<'_> {
     /// Every tile the pass loads lies inside its slice, and its runs inside the rows' and
     /// the blocks' pairs.
     pub fn fits(&self) -> bool {
-        let last_row = (self.r0 + self.tiles * TILE)
-            .checked_sub(1)
+        // (Checked arithmetic throughout: a wrapped sum would pass for a small one.)
+        let last_row = self
+            .tiles
+            .checked_mul(TILE)
+            .and_then(|r| r.checked_add(self.r0))
+            .and_then(|r| r.checked_sub(1))
             .and_then(|r| r.checked_mul(self.stride));
         let rows_end = last_row.and_then(|r| r.checked_add(self.kp));
-        let blocks_end = (self.b0.max(self.b1) + 1)
-            .checked_mul(self.wkp)
+        let blocks_end = self
+            .b0
+            .max(self.b1)
+            .checked_add(1)
+            .and_then(|b| b.checked_mul(self.wkp))
             .and_then(|p| p.checked_mul(BLOCK));
         let run_pairs = self
             .steps
             .checked_mul(self.groups)
             .and_then(|s| s.checked_mul(TILE));
-        let a_end = run_pairs.and_then(|p| p.checked_add(self.s0 * TILE));
+        let a_end = run_pairs
+            .zip(self.s0.checked_mul(TILE))
+            .and_then(|(p, s)| p.checked_add(s));
         self.kp > 0
             && self.kp.is_multiple_of(TILE)
             && self.stride >= self.kp
@@ -106,7 +116,7 @@ impl Pass<'_> {
 /// What runs a [`Pass`]: the hardware or the [`Model`].
 pub trait TileOps {
     /// Runs `p` (which [`Pass::fits`]; `out` holds at least `p.groups` entries) and writes
-    /// each run's 4 C tiles into its entry of `out`.
+    /// each run's C tiles (2 per row tile) into its entry of `out`, leaving the other rows'.
     fn pass(&mut self, p: &Pass<'_>, out: &mut [PassOut]);
 }
 
@@ -162,7 +172,7 @@ impl TileOps for Model {
     }
 }
 
-/// Steps of the reduction per chunk (at most, but for one group that has more): the
+/// Steps of the reduction per chunk, at most (a longer group is cut into chunks): the
 /// chunk's two widened blocks (2 x 256 pairs x 64 bytes, 32 KiB) are written and then read
 /// by every pass of rows while they are in L1, instead of whole blocks from L2.
 pub const CHUNK_STEPS: usize = 16;
@@ -302,8 +312,10 @@ struct Chunk {
     fold: bool,
 }
 
-/// Accumulator tiles (4 KiB each) a panel of [`drive`] keeps across its chunks: 64, 256
-/// KiB, which stay in L2 with the chunk's rows.
+/// Pass outputs (4 KiB each: a pass's four C tiles) a panel of [`drive`] keeps across its
+/// chunks, per kind (carried accumulators, and for grouped GEMMs the folded totals): 64, so
+/// 256 KiB each, which stay in L2 with the chunk's rows. (Past 64 passes of rows a panel is
+/// one block pair and holds one output per pass.)
 const PANEL_TILES: usize = 64;
 
 /// The loop of [`gemm`] and [`gemm_grouped`], blocked as a GEMM is: the block pairs go in
@@ -491,10 +503,12 @@ pub fn self_test<T: TileOps>(ops: &mut T) -> bool {
     want.is_some() && got == want && want_g.is_some() && got_g == want_g
 }
 
+/// `(row, block, lanes' bits)`, as a GEMM emits them.
+type Emitted = Vec<(usize, usize, [u32; BLOCK])>;
+
 /// Every `(row, block, lanes' bits)` [`gemm`] (or with `starts`, [`gemm_grouped`] with a
 /// fold that adds each group's C, scaled by 1 + group / 8) emits on `ops`, in order; `None`
 /// if it refused.
-type Emitted = Vec<(usize, usize, [u32; BLOCK])>;
 fn emitted<T: TileOps>(
     ops: &mut T,
     (a, m, kp, w, nb): (&[u32], usize, usize, &[u32], usize),
@@ -1055,6 +1069,29 @@ mod tests {
         assert!(!Pass { s0: 1, ..p }.fits());
         assert!(!Pass { b1: 2, ..p }.fits());
         assert!(!Pass { steps: 0, ..p }.fits());
+        // Sums that would wrap around are refused, not taken for small ones.
+        assert!(!Pass {
+            b0: usize::MAX,
+            b1: usize::MAX,
+            wkp: 1 << 60,
+            ..p
+        }
+        .fits());
+        assert!(!Pass {
+            r0: usize::MAX - 8,
+            ..p
+        }
+        .fits());
+        assert!(!Pass {
+            s0: usize::MAX / 8,
+            ..p
+        }
+        .fits());
+        assert!(!Pass {
+            tiles: usize::MAX,
+            ..p
+        }
+        .fits());
     }
 
     /// A faulty implementation (one output lane off by one ulp) fails the self-test.
@@ -1075,14 +1112,19 @@ mod tests {
     /// random operands with zeros and subnormals; elsewhere `enabled` is a clean `false`.
     #[test]
     fn hardware_equals_the_model_where_enabled() {
+        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+        assert!(!enabled());
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
         if !enabled() {
-            #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
             assert!(!super::super::kernels::isa().amx() || !hw::cpu_has_bf16_tiles());
             return;
         }
         #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-        let kp_long = (2 * CHUNK_STEPS + 3) * TILE;
-        for (m, nb, kp, seed) in [(32, 2, 16, 11), (45, 3, 64, 12), (100, 4, kp_long, 13)] {
+        for (m, nb, kp, seed) in [
+            (32, 2, 16, 11),
+            (45, 3, 64, 12),
+            (100, 4, (2 * CHUNK_STEPS + 3) * TILE, 13),
+        ] {
             let (a, w) = problem(m, nb, kp, seed);
             // SAFETY: `enabled()` holds.
             let mut hw = unsafe { Hw::new() };

@@ -128,7 +128,7 @@ pub fn step_offsets(offs: &[usize]) -> Vec<usize> {
     to.push(0);
     for w in offs.windows(2) {
         let last = to[to.len() - 1];
-        to.push(last + (w[1] - w[0]).next_multiple_of(step));
+        to.push(last + w[1].saturating_sub(w[0]).next_multiple_of(step));
     }
     to
 }
@@ -638,7 +638,8 @@ impl BlockedWo {
         };
         debug_assert!(ran, "AMX-BF16 GEMM refused its own layout");
         crate::cpu::spare::give(a);
-        true
+        // (A refusal emitted nothing: the caller's other tiles run instead.)
+        ran
     }
 
     /// The exact-weight GEMM of [`BlockedWo::gemm_bf16`] on AMX-BF16 tiles, for layers that
@@ -708,7 +709,8 @@ impl BlockedWo {
         };
         debug_assert!(ran, "AMX-BF16 grouped GEMM refused its own layout");
         crate::cpu::spare::give(a);
-        true
+        // (A refusal emitted nothing: the caller's other tiles run instead.)
+        ran
     }
 
     /// `f` on the hardware tiles (only where `amx_route()` chose them); `false` elsewhere.
