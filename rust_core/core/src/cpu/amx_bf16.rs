@@ -204,7 +204,7 @@ impl<F: FnMut(usize, usize, &mut [u32])> Widen for F {}
 /// accumulators are carried across chunks through memory, exactly): `emit(row, block,
 /// lanes)` for every row below `m` and block, in block-pair then row order. Returns `false`,
 /// having done nothing, when the arguments do not fit.
-pub fn gemm<T: TileOps>(
+pub fn gemm<T: TileOps + ?Sized>(
     ops: &mut T,
     a: (&[u32], usize),
     m: usize,
@@ -235,7 +235,7 @@ pub fn gemm<T: TileOps>(
 /// totals are what `emit` gets. Runs of equal groups share a pass ([`GROUPS_PER_PASS`] and
 /// [`CHUNK_STEPS`] at most); a group longer than a chunk is carried across its chunks.
 #[allow(clippy::too_many_arguments)]
-pub fn gemm_grouped<T: TileOps>(
+pub fn gemm_grouped<T: TileOps + ?Sized>(
     ops: &mut T,
     a: (&[u32], usize),
     m: usize,
@@ -325,7 +325,7 @@ const PANEL_TILES: usize = 64;
 /// memory once per panel instead of once per block pair. Emits the folded totals
 /// (`grouped`) or the carried accumulators.
 #[allow(clippy::too_many_arguments)]
-fn drive<T: TileOps>(
+fn drive<T: TileOps + ?Sized>(
     ops: &mut T,
     (a, stride): (&[u32], usize),
     m: usize,
@@ -988,51 +988,19 @@ mod tests {
     fn gemm_refuses_what_does_not_fit() {
         let (a, w) = problem(32, 2, 16, 5);
         let none = |_: usize, _: usize, _: &[f32; BLOCK]| panic!("emitted");
-        assert!(!gemm(
-            &mut Model,
-            (&a, 24),
-            32,
-            24,
-            2,
-            from_blocks(&w, 16),
-            none
-        ));
-        assert!(!gemm(
-            &mut Model,
-            (&a, 16),
-            33,
-            16,
-            2,
-            from_blocks(&w, 16),
-            none
-        ));
-        assert!(!gemm(
-            &mut Model,
-            (&a, 16),
-            0,
-            16,
-            2,
-            from_blocks(&w, 16),
-            none
-        ));
-        assert!(!gemm(
-            &mut Model,
-            (&a, 8),
-            32,
-            16,
-            2,
-            from_blocks(&w, 16),
-            none
-        ));
-        assert!(!gemm(
-            &mut Model,
-            (&a, 17),
-            32,
-            16,
-            2,
-            from_blocks(&w, 16),
-            none
-        ));
+        // A reduction off whole steps, too few rows, none, a stride below the reduction, and
+        // rows that do not fit `a`.
+        for (stride, m, kp) in [
+            (24, 32, 24),
+            (16, 33, 16),
+            (16, 0, 16),
+            (8, 32, 16),
+            (17, 32, 16),
+        ] {
+            let widen = from_blocks(&w, 16);
+            let ran = gemm(&mut Model, (&a, stride), m, kp, 2, widen, none);
+            assert!(!ran, "stride {stride} m {m} kp {kp}");
+        }
         let fold = |_: Fold<'_>| panic!("folded");
         for starts in [&[0usize][..], &[0, 2], &[1, 1], &[0, 1, 0, 1], &[0, 0]] {
             let widen = from_blocks(&w, 16);

@@ -114,12 +114,6 @@ fn dequant_runs(pairs: usize) -> Vec<usize> {
         .collect()
 }
 
-/// The hardware tiles' type where they exist (elsewhere a stand-in that is never run).
-#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-type AmxHw = crate::cpu::amx_bf16::Hw;
-#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
-type AmxHw = crate::cpu::amx_bf16::Model;
-
 /// Group pair offsets `offs` (`groups + 1` entries) moved to whole AMX-BF16 steps: group `g`
 /// from pair `to[g]`, a multiple of 16, its pairs then zeros up to the next group's step.
 pub fn step_offsets(offs: &[usize]) -> Vec<usize> {
@@ -631,11 +625,9 @@ impl BlockedWo {
         let out = |r: usize, j: usize, lanes: &[f32; BLOCK]| emit(r, first_block + j, lanes);
         let nb = end - first_block;
         // The arguments fit by construction (whole steps, rows padded), so `gemm` runs.
-        let ran = if model {
-            amx_bf16::gemm(&mut amx_bf16::Model, (&a, stride), m, kp, nb, widen, out)
-        } else {
-            Self::amx_hw(|hw| amx_bf16::gemm(hw, (&a, stride), m, kp, nb, widen, out))
-        };
+        let ran = Self::on_tiles(model, |ops| {
+            amx_bf16::gemm(ops, (&a, stride), m, kp, nb, widen, out)
+        });
         debug_assert!(ran, "AMX-BF16 GEMM refused its own layout");
         crate::cpu::spare::give(a);
         // (A refusal emitted nothing: the caller's other tiles run instead.)
@@ -699,27 +691,29 @@ impl BlockedWo {
         let out = |r: usize, j: usize, lanes: &[f32; BLOCK]| emit(r, first_block + j, lanes);
         let rows = (&a[..], stride);
         // The arguments fit by construction (whole steps, rows padded), so the GEMM runs.
-        let ran = if model {
-            let ops = &mut amx_bf16::Model;
+        let ran = Self::on_tiles(model, |ops| {
             amx_bf16::gemm_grouped(ops, rows, m, kp, nb, &starts, widen, fold, out)
-        } else {
-            Self::amx_hw(|hw| {
-                amx_bf16::gemm_grouped(hw, rows, m, kp, nb, &starts, widen, fold, out)
-            })
-        };
+        });
         debug_assert!(ran, "AMX-BF16 grouped GEMM refused its own layout");
         crate::cpu::spare::give(a);
         // (A refusal emitted nothing: the caller's other tiles run instead.)
         ran
     }
 
-    /// `f` on the hardware tiles (only where `amx_route()` chose them); `false` elsewhere.
-    fn amx_hw(f: impl FnOnce(&mut AmxHw) -> bool) -> bool {
+    /// `f` on the tiles `amx_route()` chose: their model, or the hardware (where it exists;
+    /// `false` elsewhere).
+    fn on_tiles(
+        model: bool,
+        f: impl FnOnce(&mut dyn crate::cpu::amx_bf16::TileOps) -> bool,
+    ) -> bool {
+        if model {
+            return f(&mut crate::cpu::amx_bf16::Model);
+        }
         #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
         {
-            // SAFETY: called only when `amx_bf16::enabled()` holds: the CPU has AMX-BF16 with
-            // the tile palette the passes use, the OS granted tile state, and the hardware
-            // passed the self-test against the model.
+            // SAFETY: the hardware is chosen only where `amx_bf16::enabled()` holds: the CPU
+            // has AMX-BF16 with the tile palette the passes use, the OS granted tile state,
+            // and the hardware passed the self-test against the model.
             f(&mut unsafe { crate::cpu::amx_bf16::Hw::new() })
         }
         #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
