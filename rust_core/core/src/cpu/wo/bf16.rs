@@ -1180,6 +1180,10 @@ mod x86 {
         let idx = unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) };
         let bp = block.as_ptr();
         let op = out.as_mut_ptr();
+        // 2^23 as f32 bits: its unit in the last place is 1, so a small integer OR-ed into
+        // its mantissa gives the float 2^23 + q exactly, with no conversion.
+        let magic = _mm512_set1_epi32(0x4b00_0000);
+        let two_23 = _mm512_set1_ps(8_388_608.0);
         for (g, &first) in offs.iter().enumerate().take(w.groups()) {
             let (a, e) = w.bounds(g);
             let e = e.min(w.k);
@@ -1201,13 +1205,30 @@ mod x86 {
                 let q = _mm512_cvtepi32_ps(q);
                 _mm512_mul_ps(if has_zp { _mm512_sub_ps(q, z) } else { q }, s)
             };
-            for j in BlockedWo::pairs_in(a, e, first, (first_pair, n)) {
-                let c = a + 2 * j;
-                // SAFETY: as in `widen`: column c (and c + 1 when < e) lies inside the block,
-                // pair first + j - first_pair inside `out`.
-                unsafe {
-                    let (lo, hi) = match &w.codes {
-                        Codes::I8(_) => {
+            // The same for the 4-bit code in bits 0..4 of each lane (other bits ignored):
+            // (2^23 + q) - (2^23 + z) is q - z exactly, +0 where q == z as above (zero
+            // points are small integers, so 2^23 + z is exact too).
+            let zm = _mm512_add_ps(z, two_23);
+            let dq4 = |v: __m512i| {
+                // (v & 15) | 2^23's bits in one ternary-logic op (0xEA: (A & B) | C).
+                let q = _mm512_ternarylogic_epi32::<0xEA>(v, nib, magic);
+                _mm512_mul_ps(_mm512_sub_ps(_mm512_castsi512_ps(q), zm), s)
+            };
+            // Lanes of (lo, hi) f32 pairs as bf16 pairs, stored as pair `j` of the range.
+            let put = |lo: __m512, hi: __m512, j: usize| {
+                // SAFETY: __m512bh and __m512i are both 64 bytes of plain bits.
+                let h: __m512i = unsafe { std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo)) };
+                let v = _mm512_permutexvar_epi16(idx, h);
+                // SAFETY: `pairs_in` keeps pair first + j - first_pair below n, inside `out`.
+                unsafe { _mm512_storeu_si512(op.add((first + j - first_pair) * BLOCK).cast(), v) };
+            };
+            let range = BlockedWo::pairs_in(a, e, first, (first_pair, n));
+            match &w.codes {
+                Codes::I8(_) => {
+                    for j in range {
+                        let c = a + 2 * j;
+                        // SAFETY: column c (and c + 1 when < e) lies inside the block.
+                        unsafe {
                             let lo =
                                 _mm512_cvtepi8_epi32(_mm_loadu_si128(bp.add(c * BLOCK).cast()));
                             let hi = if c + 1 < e {
@@ -1218,21 +1239,35 @@ mod x86 {
                                 // Past the group's end: an empty high half.
                                 _mm512_setzero_ps()
                             };
-                            (dq(lo), hi)
+                            put(dq(lo), hi, j);
                         }
-                        // Even group starts and k: columns c, c + 1 are pair c / 2.
-                        Codes::U4(_) => {
-                            let v = pair_lanes(bp, c / 2);
-                            (
-                                dq(_mm512_and_si512(v, nib)),
-                                dq(_mm512_and_si512(_mm512_srli_epi32::<16>(v), nib)),
-                            )
-                        }
+                    }
+                }
+                // Even group starts and k: columns c, c + 1 are pair c / 2 = a / 2 + j, in
+                // line p / 4 at bits 4 (p % 4) (low column) and 16 + 4 (p % 4) (high).
+                Codes::U4(_) => {
+                    let one = |v: __m512i, j: usize| {
+                        put(dq4(v), dq4(_mm512_srli_epi32::<16>(v)), j);
                     };
-                    // SAFETY: __m512bh and __m512i are both 64 bytes of plain bits.
-                    let h: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
-                    let v = _mm512_permutexvar_epi16(idx, h);
-                    _mm512_storeu_si512(op.add((first + j - first_pair) * BLOCK).cast(), v);
+                    let mut j = range.start;
+                    while j < range.end {
+                        let p = a / 2 + j;
+                        if p.is_multiple_of(4) && j + 4 <= range.end {
+                            // A whole line: one load for its four pairs.
+                            // SAFETY: pairs p..p + 4 lie inside the group, so their line
+                            // (64 bytes at (p / 4) * 64) inside the block.
+                            let line = unsafe { _mm512_loadu_si512(bp.add((p / 4) * 64).cast()) };
+                            one(line, j);
+                            one(_mm512_srli_epi32::<4>(line), j + 1);
+                            one(_mm512_srli_epi32::<8>(line), j + 2);
+                            one(_mm512_srli_epi32::<12>(line), j + 3);
+                            j += 4;
+                        } else {
+                            // SAFETY: pair p lies inside the group, its line inside the block.
+                            one(unsafe { pair_lanes(bp, p) }, j);
+                            j += 1;
+                        }
+                    }
                 }
             }
         }
@@ -1951,7 +1986,16 @@ mod tests {
     #[test]
     fn dequantised_widening_zeroes_subnormal_products() {
         let (n, k) = (16, 256);
-        let q: Vec<i8> = (0..n * k).map(|i| (i % 256) as i8).collect();
+        // Every int8 code, and every 4-bit code (stored as nibbles, widened line by line).
+        for span in [256usize, 16] {
+            let q: Vec<i8> = (0..n * k)
+                .map(|i| ((i % span) as i64 - (span / 2) as i64) as i8)
+                .collect();
+            subnormal_products_zeroed(n, k, &q, span == 16);
+        }
+    }
+
+    fn subnormal_products_zeroed(n: usize, k: usize, q: &[i8], nibbles: bool) {
         // 2^-133 (a subnormal bf16 value) and FLT_MIN: codes times them span both sides of
         // the normal range, one feature in two negative.
         let scale: Vec<f32> = (0..n)
@@ -1964,8 +2008,9 @@ mod tests {
                 }
             })
             .collect();
-        let w = BlockedWo::new(n, k, &q, &scale, None, vec![0]);
+        let w = BlockedWo::new(n, k, q, &scale, None, vec![0]);
         assert!(w.scales_bf16);
+        assert_eq!(matches!(w.codes, Codes::U4(_)), nibbles);
         let pairs = w.pair_offsets()[1];
         let (mut a, mut b) = (vec![7u32; pairs * BLOCK], vec![9u32; pairs * BLOCK]);
         w.widen_dequant(0, w.pair_offsets(), 0, &mut a);
