@@ -1116,13 +1116,19 @@ mod x86 {
         for (g, &first) in offs.iter().enumerate().take(w.groups()) {
             let (a, e) = w.bounds(g);
             let e = e.min(w.k);
-            for j in BlockedWo::pairs_in(a, e, first, (first_pair, n)) {
-                let c = a + 2 * j;
-                // SAFETY: c < e <= k, so column c (and c + 1 when < e) lies inside the block;
-                // `pairs_in` keeps pair first + j - first_pair below n, inside `out`.
-                unsafe {
-                    let v = match &w.codes {
-                        Codes::I8(_) => {
+            // Stores pair `j` of the range.
+            let put = |v: __m512i, j: usize| {
+                // SAFETY: `pairs_in` keeps pair first + j - first_pair below n, inside `out`.
+                unsafe { _mm512_storeu_si512(op.add((first + j - first_pair) * BLOCK).cast(), v) };
+            };
+            let range = BlockedWo::pairs_in(a, e, first, (first_pair, n));
+            match &w.codes {
+                Codes::I8(_) => {
+                    for j in range {
+                        let c = a + 2 * j;
+                        // SAFETY: c < e <= k, so column c (and c + 1 when < e) lies inside
+                        // the block.
+                        unsafe {
                             let lo =
                                 _mm512_cvtepi8_epi32(_mm_loadu_si128(bp.add(c * BLOCK).cast()));
                             let hi = if c + 1 < e {
@@ -1133,19 +1139,36 @@ mod x86 {
                                 _mm512_setzero_si512()
                             };
                             // Past the group's end, zeros widen to 0.0: an empty high half.
-                            pair(lo, hi)
+                            put(pair(lo, hi), j);
                         }
-                        // 4-bit storage has even group starts and even k: c + 1 < e always,
-                        // and columns c, c + 1 are pair c / 2.
-                        Codes::U4(_) => {
-                            let v = pair_lanes(bp, c / 2);
-                            pair(
-                                _mm512_and_si512(v, nib),
-                                _mm512_and_si512(_mm512_srli_epi32::<16>(v), nib),
-                            )
-                        }
+                    }
+                }
+                // 4-bit storage has even group starts and even k: c + 1 < e always, and
+                // columns c, c + 1 are pair p = c / 2 = a / 2 + j, in line p / 4.
+                Codes::U4(_) => {
+                    let one = |v: __m512i, j: usize| {
+                        let hi = _mm512_srli_epi32::<16>(v);
+                        put(pair(_mm512_and_si512(v, nib), _mm512_and_si512(hi, nib)), j);
                     };
-                    _mm512_storeu_si512(op.add((first + j - first_pair) * BLOCK).cast(), v);
+                    let mut j = range.start;
+                    while j < range.end {
+                        let p = a / 2 + j;
+                        if p.is_multiple_of(4) && j + 4 <= range.end {
+                            // A whole line: one load for its four pairs.
+                            // SAFETY: pairs p..p + 4 lie inside the group, so their line
+                            // (64 bytes at (p / 4) * 64) inside the block.
+                            let line = unsafe { _mm512_loadu_si512(bp.add((p / 4) * 64).cast()) };
+                            one(line, j);
+                            one(_mm512_srli_epi32::<4>(line), j + 1);
+                            one(_mm512_srli_epi32::<8>(line), j + 2);
+                            one(_mm512_srli_epi32::<12>(line), j + 3);
+                            j += 4;
+                        } else {
+                            // SAFETY: pair p lies inside the group, its line inside the block.
+                            one(unsafe { pair_lanes(bp, p) }, j);
+                            j += 1;
+                        }
+                    }
                 }
             }
         }
