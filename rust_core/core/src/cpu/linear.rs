@@ -352,6 +352,20 @@ impl Linear {
             }
             (Linear::Int8 { w, scale, .. }, Prepared::U8 { xu, sx }) => {
                 let end = first + count;
+                // Whole blocks into rows: the epilogue writes `out` itself.
+                if cs == 1
+                    && first.is_multiple_of(BLOCK)
+                    && count.is_multiple_of(BLOCK)
+                    && w.gemm_scaled_rows(
+                        (xu, m, sx),
+                        scale,
+                        first / BLOCK,
+                        count / BLOCK,
+                        (out, rs, first),
+                    )
+                {
+                    return;
+                }
                 w.gemm_scaled(
                     xu,
                     m,
