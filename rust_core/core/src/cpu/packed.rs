@@ -287,10 +287,12 @@ impl PackedI8 {
 
     /// [`PackedI8::gemm_scaled`] written straight into rows of `out`: feature `j` of row `r`
     /// at `out[r * rs + j - col0]`, for blocks `first_block..first_block + nblocks`, all whole
-    /// (their features `col0..`, every one with a scale) and inside `out`. Returns `false`,
-    /// having written nothing, where that does not hold or the CPU lacks AVX-512 (the
-    /// caller then emits through [`PackedI8::gemm_scaled`]). Saves the copy of every output
-    /// block through a tile-sized buffer, ~10% of a W8A8 prefill layer's time.
+    /// (their features `col0..`, every one with a scale), inside `out` and, beyond one row,
+    /// in rows that do not overlap; `xu` holds `m` rows and `sx` their scales. Returns
+    /// `false`, having written nothing, where that does not hold or the CPU lacks AVX-512
+    /// (the caller then emits through [`PackedI8::gemm_scaled`]); `true` once every value is
+    /// written. Saves the copy of every output block through a tile-sized buffer, ~10% of a
+    /// W8A8 prefill layer's time.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_scaled_rows(
         &self,
@@ -300,14 +302,18 @@ impl PackedI8 {
         nblocks: usize,
         (out, rs, col0): (&mut [f32], usize, usize),
     ) -> bool {
-        let end = first_block + nblocks;
+        let Some(end) = first_block.checked_add(nblocks) else {
+            return false;
+        };
         let fits = m > 0
             && sx.len() >= m
+            && m.checked_mul(self.k_pad).is_some_and(|need| xu.len() >= need)
             && nblocks > 0
             && end <= self.blocks()
             && first_block * BLOCK >= col0
             && end * BLOCK <= scale.len()
-            && rs >= end * BLOCK - col0
+            // (One row has no other row to overlap, whatever its stride.)
+            && (m == 1 || rs >= end * BLOCK - col0)
             && (m - 1)
                 .checked_mul(rs)
                 .and_then(|v| v.checked_add(end * BLOCK - col0))
@@ -969,7 +975,8 @@ mod x86 {
     ///
     /// # Safety
     /// The CPU supports AVX-512F; with `mr = sx.len()` rows and `nb = acc.len() / mr`
-    /// blocks: `out.len() >= acc.len()` and `wsum.len() >= 16 * (b + nb)`.
+    /// blocks: `acc` holds `mr * nb` tiles and `wsum.len() >= 16 * (b + nb)`. (An `out`
+    /// shorter than `acc` is safe: the entries past its end are not written.)
     #[target_feature(enable = "avx512f")]
     pub unsafe fn finish(
         acc: &[[i32; BLOCK]],
@@ -998,8 +1005,9 @@ mod x86 {
     /// `bb` of the tile is `out[at + rr * rs + 16 bb..][..16]` (a whole block each).
     ///
     /// # Safety
-    /// As [`finish`], with `out` holding every row's blocks: `at + (mr - 1) * rs + 16 nb <=
-    /// out.len()` (checked: a row past the end is not written).
+    /// As [`finish`]. Every store is checked: a block that would end past `out`'s end is
+    /// not written (so a caller that needs every value written makes room for `at + (mr - 1)
+    /// * rs + 16 nb` values).
     #[target_feature(enable = "avx512f")]
     pub unsafe fn finish_into(
         acc: &[[i32; BLOCK]],
@@ -1647,28 +1655,36 @@ mod tests {
     }
 
     /// Written straight into rows (a stride wider than the blocks, an offset column range),
-    /// on the register tiles and on the AMX model, the epilogue equals `gemm_scaled`'s emitted
+    /// on the register tiles (3 rows), the AMX tiles where this CPU has them (21 rows), the
+    /// AMX model and one row of any stride, the epilogue equals `gemm_scaled`'s emitted
     /// blocks bit for bit and touches nothing else; it refuses (writing nothing) partial
-    /// blocks, short outputs and overlapping rows, and runs only where AVX-512 does.
+    /// blocks, short outputs, overlapping rows and arguments out of range, and runs only
+    /// where AVX-512 does.
     #[test]
     fn gemm_scaled_rows_equal_the_emitted_blocks() {
         let (n, k) = (80, 192);
         let w: Vec<i8> = (0..n * k).map(|i| ((i * 37 + i / 7) % 255) as i8).collect();
         let p = PackedI8::pack(&w, n, k);
         let scale: Vec<f32> = (0..n).map(|j| 1e-3 + j as f32 * 3e-5).collect();
-        for (m, first, nblocks, model) in [(3, 1, 3, false), (21, 0, 5, false), (21, 2, 2, true)] {
+        for (m, first, nblocks, model, rs) in [
+            (3, 1, 3, false, 3 * BLOCK + 7),
+            (21, 0, 5, false, 5 * BLOCK + 7),
+            (21, 2, 2, true, 2 * BLOCK + 7),
+            (1, 1, 4, false, 1),
+        ] {
             let xu: Vec<u8> = (0..m * p.k_pad)
                 .map(|i| ((i * 11 + 3) % 256) as u8)
                 .collect();
             let sx: Vec<f32> = (0..m).map(|r| 0.01 + r as f32 * 1e-3).collect();
-            let (col0, rs) = (first * BLOCK, nblocks * BLOCK + 7);
-            let mut want = vec![f32::NAN; m * rs];
+            let col0 = first * BLOCK;
+            let len = (m - 1) * rs + nblocks * BLOCK;
+            let mut want = vec![f32::NAN; len];
             p.gemm_scaled(&xu, m, &sx, &scale, first, nblocks, |r, b, lanes| {
                 let at = r * rs + b * BLOCK - col0;
                 want[at..at + BLOCK].copy_from_slice(lanes);
             });
             AMX_MODEL.with(|c| c.set(u32::from(model)));
-            let mut got = vec![f32::NAN; m * rs];
+            let mut got = vec![f32::NAN; len];
             let ran =
                 p.gemm_scaled_rows((&xu, m, &sx), &scale, first, nblocks, (&mut got, rs, col0));
             let took = AMX_MODEL.with(|c| c.replace(0));
@@ -1681,27 +1697,46 @@ mod tests {
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&got), bits(&want), "m={m} first={first}");
         }
-        // Refusals: a last block past the scales (n = 80 is 5 whole blocks; 72 scales), an
-        // output one value short, rows that overlap, blocks before `col0`.
+        // Refusals, each from arguments that run with one thing changed: a last block past
+        // the scales (n = 80 is 5 whole blocks; 72 scales), an output one value short, rows
+        // that overlap, blocks before `col0`, no rows, no blocks, blocks past the layer's, a
+        // row without its scale, rows short of `m`, a block range that wraps.
         let m = 4;
         let xu = vec![1u8; m * p.k_pad];
         let sx = vec![1.0f32; m];
         let mut out = vec![f32::NAN; m * n];
-        for (scale_len, len, rs, col0) in [
-            (72, m * n, n, 0),
-            (n, m * n - 1, n, 0),
-            (n, m * n, n - 1, 0),
-            (n, m * n, n, BLOCK),
-        ] {
+        let ok = (n, m * n, n, 0, m, 5, 0, m, m);
+        for (i, case) in [
+            ok,
+            (72, m * n, n, 0, m, 5, 0, m, m),
+            (n, m * n - 1, n, 0, m, 5, 0, m, m),
+            (n, m * n, n - 1, 0, m, 5, 0, m, m),
+            (n, m * n, n, BLOCK, m, 5, 0, m, m),
+            (n, m * n, n, 0, 0, 5, 0, m, m),
+            (n, m * n, n, 0, m, 0, 0, m, m),
+            (n, m * n, n, 0, m, 5, 1, m, m),
+            (n, m * n, n, 0, m, 5, 0, m - 1, m),
+            (n, m * n, n, 0, m, 5, 0, m, m - 1),
+            (n, m * n, n, 0, m, usize::MAX, 1, m, m),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let (scale_len, len, rs, col0, rows, nblocks, first, sx_len, xu_rows) = case;
+            out.fill(f32::NAN);
             let got = p.gemm_scaled_rows(
-                (&xu, m, &sx),
+                (&xu[..xu_rows * p.k_pad], rows, &sx[..sx_len]),
                 &scale[..scale_len],
-                0,
-                5,
+                first,
+                nblocks,
                 (&mut out[..len], rs, col0),
             );
-            assert!(!got, "scale {scale_len} len {len} rs {rs} col0 {col0}");
-            assert!(out.iter().all(|v| v.is_nan()));
+            if i == 0 {
+                assert_eq!(got, isa().avx512(), "the unchanged arguments run");
+                continue;
+            }
+            assert!(!got, "case {i}: {case:?}");
+            assert!(out.iter().all(|v| v.is_nan()), "case {i}");
         }
     }
 
