@@ -736,22 +736,26 @@ mod hw {
             // `groups` entries of 4096 bytes. `steps` and `groups` are at least 1 (fits), so
             // both loops end. Tile state is configured and released inside this block.
             unsafe {
+                // This pass's operands, with `$tiles` row tiles and the accumulators' `$init`.
+                macro_rules! run {
+                    ($tiles:tt, $init:tt) => {
+                        bf16_pass!(
+                            (cfg, a0, a1, row_bytes, b0, b1, steps, groups, c),
+                            $tiles,
+                            $init
+                        )
+                    };
+                }
                 match (p.tiles, p.carry) {
-                    (1, false) => bf16_pass!(
-                        (cfg, a0, a1, row_bytes, b0, b1, steps, groups, c),
-                        1,
-                        ["tilezero tmm0", "tilezero tmm1"]
-                    ),
-                    (1, true) => bf16_pass!(
-                        (cfg, a0, a1, row_bytes, b0, b1, steps, groups, c),
+                    (1, false) => run!(1, ["tilezero tmm0", "tilezero tmm1"]),
+                    (1, true) => run!(
                         1,
                         [
                             "tileloadd tmm0, [{c} + {sb}*2]",
                             "tileloadd tmm1, [{c} + {sb}*2 + 64]"
                         ]
                     ),
-                    (_, false) => bf16_pass!(
-                        (cfg, a0, a1, row_bytes, b0, b1, steps, groups, c),
+                    (_, false) => run!(
                         2,
                         [
                             "tilezero tmm0",
@@ -760,8 +764,7 @@ mod hw {
                             "tilezero tmm3"
                         ]
                     ),
-                    (_, true) => bf16_pass!(
-                        (cfg, a0, a1, row_bytes, b0, b1, steps, groups, c),
+                    (_, true) => run!(
                         2,
                         [
                             "tileloadd tmm0, [{c} + {sb}*2]",

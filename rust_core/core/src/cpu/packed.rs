@@ -293,7 +293,6 @@ impl PackedI8 {
     /// (the caller then emits through [`PackedI8::gemm_scaled`]); `true` once every value is
     /// written. Saves the copy of every output block through a tile-sized buffer, ~10% of a
     /// W8A8 prefill layer's time.
-    #[allow(clippy::too_many_arguments)]
     pub fn gemm_scaled_rows(
         &self,
         (xu, m, sx): (&[u8], usize, &[f32]),
