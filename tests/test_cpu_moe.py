@@ -2072,6 +2072,64 @@ def test_long_calls_split_into_chunks_give_the_same_outputs(
             assert rel < (1e-5 if kind == "float32" else 4e-3), (name, layer, key, rel)
 
 
+_SUMMED_SCRIPT = r"""
+import sys, numpy as np, torch, moeq_rs as mq
+g = torch.Generator().manual_seed(5)
+e, h, i, k, t = 8, 512, 128, 2, 1024
+w13 = torch.randint(-128, 128, (e, 2 * i, h), dtype=torch.int8, generator=g)
+w2 = torch.randint(-128, 128, (e, h, i), dtype=torch.int8, generator=g)
+s13 = torch.rand(e, 2 * i, 1, generator=g) * 1e-2 + 1e-3
+s2 = torch.rand(e, h, 1, generator=g) * 1e-2 + 1e-3
+x = torch.randn(t, h, generator=g)
+ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+weights = torch.rand(t, k, generator=g)
+out = {}
+for scheme in ("w8a8_dynamic", "w8a16"):
+    layer = mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme=scheme, top_k=k)
+    for dtype in (torch.float32, torch.bfloat16):
+        y = layer.forward_topk(x.to(dtype), weights, ids)
+        out[f"{scheme}/{str(dtype).removeprefix('torch.')}"] = y.float().numpy()
+# The weight-only reference: fp64 on the exact weights, the inputs as each call saw them.
+d13, d2 = w13.double() * s13.double(), w2.double() * s2.double()
+for dtype in (torch.float32, torch.bfloat16):
+    xd, want = x.to(dtype).double(), torch.zeros(t, h, dtype=torch.float64)
+    for ex in range(e):
+        tok, slot = (ids == ex).nonzero(as_tuple=True)
+        gate, up = (xd[tok] @ d13[ex].T).split(i, dim=1)
+        y = (torch.nn.functional.silu(gate) * up) @ d2[ex].T
+        want.index_add_(0, tok, weights[tok, slot].double()[:, None] * y)
+    out[f"want/{str(dtype).removeprefix('torch.')}"] = want.numpy()
+np.savez(sys.argv[1], **out)
+"""
+
+
+def test_long_calls_summed_in_panels_equal_the_buffered_sum(tmp_path: Path) -> None:
+    """A call whose routed rows' outputs would not stay in cache (1024 tokens x top-2 x 512
+    hidden floats, 4 MiB, on 2 threads) runs its down projections in column panels, adding
+    each token's weighted terms as its experts come, instead of through one buffer of every
+    row's output. The same call in chunks of 100 tokens (0.4 MiB each) takes the buffer: the
+    W8A8 outputs are equal bit for bit (each token's terms are added in the same order), and
+    the weight-only ones match an fp64 MoE on the exact weights. Under MOEQ_POISON_SCRATCH=1,
+    so a value the panels left unwritten would show as NaN."""
+    runs = {}
+    for chunk in ("0", "100"):
+        dst = tmp_path / f"summed{chunk}.npz"
+        env = dict(os.environ, MOEQ_CHUNK_TOKENS=chunk, MOEQ_POISON_SCRATCH="1")
+        env["MOEQ_NUM_THREADS"] = "2"
+        subprocess.run([sys.executable, "-c", _SUMMED_SCRIPT, str(dst)], env=env, check=True)
+        runs[chunk] = np.load(dst)
+    whole, split = runs["0"], runs["100"]
+    for kind in ("float32", "bfloat16"):
+        a, b = whole[f"w8a8_dynamic/{kind}"], split[f"w8a8_dynamic/{kind}"]
+        assert np.isfinite(a).all() and np.abs(a).max() > 0, kind
+        assert np.array_equal(a, b), kind
+        want = torch.from_numpy(whole[f"want/{kind}"])
+        for run in (whole, split):
+            got = torch.from_numpy(run[f"w8a16/{kind}"])
+            assert torch.isfinite(got).all(), kind
+            assert rel_l2(got, want) <= (1e-5 if kind == "float32" else 1e-2), kind
+
+
 _CHUNK_MEMORY_SCRIPT = r"""
 import torch
 import moeq_rs as mq
@@ -2117,9 +2175,11 @@ print(growth(lambda: layer(x, logits)), growth(lambda: layer.forward_topk(x, wei
     not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak-RSS reset"
 )
 def test_chunks_bound_a_long_calls_memory() -> None:
-    """A 16384-token call of a top-8 layer (hidden 512) holds 256 MiB of routed output rows
-    (and 128 MiB of gate/up rows) whole; in chunks of 1024 tokens its peak grows by a small
-    part of that: forward and forward_topk alike."""
+    """A 16384-token call of a top-8 layer (hidden 512) grows the process by well over 150 MiB
+    whole (its 131072 routed rows' gate/up outputs, down inputs and, summed in column panels,
+    the panels' sums; the buffered path held 256 MiB of routed output rows besides); in
+    chunks of 1024 tokens its peak grows by little more than half of that (the weights'
+    working set and the spares stay): forward and forward_topk alike."""
     import os
     import subprocess
     import sys
@@ -2135,8 +2195,8 @@ def test_chunks_bound_a_long_calls_memory() -> None:
         )
         growth[chunk] = [float(v) for v in ran.stdout.split()[-2:]]
     for whole, split in zip(growth["0"], growth["1024"], strict=True):
-        assert whole > 300, growth
-        assert split < whole - 200, growth
+        assert whole > 150, growth
+        assert split < 0.6 * whole, growth
 
 
 def test_every_cpu_kernel_gives_identical_int8_results(
@@ -2282,13 +2342,13 @@ def test_forward_from_other_threads_equals_the_owner_thread() -> None:
         assert ran.stdout.split() == ["ok", "15"]
 
 
-def _random_int8_layer(seed: int, top_k: int) -> str:
-    """Script lines that build ``layer``, a random dynamic-W8A8 layer (E 8, H 256, I 128), with
-    ``torch``, ``mq`` (moeq_rs), the generator ``g`` and the sizes ``e, h, i`` in scope."""
+def _random_int8_layer(seed: int, top_k: int, inter: int = 128) -> str:
+    """Script lines that build ``layer``, a random dynamic-W8A8 layer (E 8, H 256, I ``inter``),
+    with ``torch``, ``mq`` (moeq_rs), the generator ``g`` and the sizes ``e, h, i`` in scope."""
     return rf"""
 import torch, moeq_rs as mq
 g = torch.Generator().manual_seed({seed})
-e, h, i = 8, 256, 128
+e, h, i = 8, 256, {inter}
 layer = mq.MoELayer.from_tensors(
     torch.randint(-127, 128, (e, 2 * i, h), dtype=torch.int8, generator=g),
     torch.randint(-127, 128, (e, h, i), dtype=torch.int8, generator=g),
@@ -3314,7 +3374,8 @@ def test_module_moves_are_refused_and_dtype_casts_change_nothing() -> None:
 
 
 _SCRATCH_SCRIPT = (
-    _random_int8_layer(seed=5, top_k=4)
+    # I 1024: down inputs wide enough beside H 256 that long calls keep the buffered sum.
+    _random_int8_layer(seed=5, top_k=4, inter=1024)
     + r"""
 import threading
 x, lg = torch.randn(4096, h, generator=g).bfloat16(), torch.randn(4096, e, generator=g)
@@ -3339,7 +3400,8 @@ def test_spare_scratch_can_be_released() -> None:
     no way to free it; mq.oracle.cpu_release_scratch() frees it on every forward thread.
     That includes the routed experts' output rows (tokens x top_k x hidden floats), which each
     layer kept for itself, out of its reach and beyond the size limit (2.5 GB per layer after
-    a 32k-token prompt of Qwen3's shape)."""
+    a 32k-token prompt of Qwen3's shape). (Calls that sum in column panels instead hold no
+    such buffer; this layer's keep it.)"""
     first, second, same = _two_thread_script(_SCRATCH_SCRIPT)
     # The routed rows of both calls (main thread, other threads' pool): 17.5 MB freed before.
     assert int(first) >= 2 * 4096 * 4 * 256 * 4
