@@ -408,12 +408,16 @@ fn summed_panel(jobs: &[Job<'_>], rows: usize, hidden: usize, threads: usize) ->
 /// less. The summed path reads every expert's down input once per task, so its tasks are few
 /// (two per thread), and it is taken only where the buffer it saves outweighs those reads by
 /// 3x: each routed row's output is written (after a read for ownership) and read again by the
-/// weighted sum, `3 * 4 * hidden` bytes, against `tasks * inter * value_bytes`. Measured on
-/// the 2-core AMX VM (cold weights, calls alternated in one process): Qwen3-30B-A3B W8A8
-/// T=1024 51-57 ms against 60-62 (bests), DeepSeek-V2-Lite 63-66 against 94-97, Qwen3 W4A16
-/// (bf16 inputs) 154-161 against 178-185; DeepSeek-V2-Lite W4A16 (bf16) and Qwen3 W8A16 (fp32
-/// inputs), which the rule leaves buffered, gained nothing when forced. Below
+/// weighted sum, `3 * 4 * hidden` bytes, against `tasks * inter * value_bytes`. Below
 /// [`SUMMED_MIN_BYTES`] of routed outputs the buffer stays in cache.
+///
+/// Measured on the 2-core AMX VM, cold weights, random routing, the two paths alternated call
+/// by call in one process (medians of 20 calls each): Qwen3-30B-A3B W8A8 T=1024 73-89 ms
+/// against 76-98, DeepSeek-V2-Lite 78-96 against 105-123; from Python (bf16 inputs, torch's
+/// flush) 89 against 100 and 102 against 121; Qwen3 W4A16 with bf16 inputs 249-253 against
+/// 282-283. At T=128 (6-8 MB of routed outputs) the two were within the noise of each other;
+/// DeepSeek-V2-Lite W4A16 (bf16 inputs) and Qwen3 W8A16 (fp32 inputs), which the rule leaves
+/// buffered, gained nothing when forced onto the panels.
 fn summed_width(
     (hidden, inter, value_bytes, panel): (usize, usize, usize, usize),
     rows: usize,
