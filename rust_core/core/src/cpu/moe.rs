@@ -412,7 +412,7 @@ fn summed_panel(jobs: &[Job<'_>], rows: usize, hidden: usize, threads: usize) ->
 /// [`SUMMED_MIN_BYTES`] of routed outputs the buffer stays in cache.
 ///
 /// Measured on the 2-core AMX VM, cold weights, random routing, the two paths alternated call
-/// by call in one process (medians of 20 calls each): Qwen3-30B-A3B W8A8 T=1024 73-89 ms
+/// by call in one process (medians of 10-20 calls each): Qwen3-30B-A3B W8A8 T=1024 73-89 ms
 /// against 76-98, DeepSeek-V2-Lite 78-96 against 105-123; from Python (bf16 inputs, torch's
 /// flush) 89 against 100 and 102 against 121; Qwen3 W4A16 with bf16 inputs 249-253 against
 /// 282-283. At T=128 (6-8 MB of routed outputs) the two were within the noise of each other;
