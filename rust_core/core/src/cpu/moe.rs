@@ -123,14 +123,16 @@ impl Job<'_> {
     /// [`run_experts_summed`] keeps of each expert until its down pass.
     fn owned_down_input(&self, offer: bool) -> Prepared<'static> {
         with_gate_up(|u, g| {
-            let ph = self.down_input(u, g, offer);
-            if matches!(ph, Prepared::F32(Cow::Borrowed(_))) {
-                // fp32 input as it is: take the buffer rather than copy it.
-                drop(ph);
-                u.truncate(self.m * self.ex.up.out_features());
-                return Prepared::F32(Cow::Owned(std::mem::take(u)));
+            match self.down_input(u, g, offer) {
+                // fp32 input as it is: copied into a spare buffer, so that the thread keeps
+                // its gate/up buffer and the copy goes back to the spares once used.
+                Prepared::F32(Cow::Borrowed(h)) => {
+                    let mut owned = super::spare::take_any(h.len(), 0f32);
+                    owned.copy_from_slice(h);
+                    Prepared::F32(Cow::Owned(owned))
+                }
+                ph => ph.into_owned(),
             }
-            ph.into_owned()
         })
     }
 
@@ -393,7 +395,8 @@ fn summed_panel(jobs: &[Job<'_>], rows: usize, hidden: usize, threads: usize) ->
     // Bytes per value of the down projection's prepared input.
     let value_bytes = match down {
         Linear::Int8 { .. } => 1,
-        Linear::WeightOnly { .. } if first.compute == Compute::Bf16 => 2,
+        // bf16 rows where the CPU has bf16 dot products (else fp32 ones).
+        Linear::WeightOnly { .. } if first.compute == Compute::Bf16 && kernels::bf16_dot() => 2,
         _ => 4,
     };
     let shape = (hidden, inter, value_bytes, down.panel());
@@ -415,7 +418,7 @@ fn summed_panel(jobs: &[Job<'_>], rows: usize, hidden: usize, threads: usize) ->
 /// by call in one process (medians of 10-20 calls each): Qwen3-30B-A3B W8A8 T=1024 73-89 ms
 /// against 76-98, DeepSeek-V2-Lite 78-96 against 105-123; from Python (bf16 inputs, torch's
 /// flush) 89 against 100 and 102 against 121; Qwen3 W4A16 with bf16 inputs 249-253 against
-/// 282-283. At T=128 (6-8 MB of routed outputs) the two were within the noise of each other;
+/// 282-283, W8A16 185 and 305 against 198 and 350. At T=128 (6-8 MB of routed outputs) the two were within the noise of each other;
 /// DeepSeek-V2-Lite W4A16 (bf16 inputs) and Qwen3 W8A16 (fp32 inputs), which the rule leaves
 /// buffered, gained nothing when forced onto the panels.
 fn summed_width(
@@ -465,6 +468,12 @@ fn run_experts_summed(
     (hidden, width): (usize, usize),
     out: &mut [f32],
 ) {
+    // (`forward_cols` starts its column ranges at multiples of the projection's panel.)
+    let panel = jobs.first().map_or(1, |j| j.ex.down.panel().max(1));
+    debug_assert!(
+        width > 0 && width.is_multiple_of(panel),
+        "panel width {width} for a projection of panel {panel}"
+    );
     let downs: Vec<Prepared<'static>> = jobs
         .par_iter()
         .with_max_len(1)
@@ -473,13 +482,19 @@ fn run_experts_summed(
     let tokens = out.len() / hidden.max(1);
     let most = jobs.iter().map(|j| j.m).max().unwrap_or(0);
     let starts: Vec<usize> = (0..hidden).step_by(width.max(1)).collect();
-    let panels: Vec<Vec<f32>> = starts
-        .par_iter()
+    // `[tokens, count]` per panel: every token with a term gets its first one as an
+    // overwrite. Taken (and given back) here, so that the calling thread's spares serve the
+    // next call.
+    let mut panels: Vec<Vec<f32>> = starts
+        .iter()
+        .map(|&first| super::spare::take_any(tokens * width.min(hidden - first), 0f32))
+        .collect();
+    panels
+        .par_iter_mut()
+        .zip(&starts)
         .with_max_len(1)
-        .map(|&first| {
+        .for_each(|(sums, &first)| {
             let count = width.min(hidden - first);
-            // `[tokens, count]`: every token with a term gets its first one as an overwrite.
-            let mut sums = super::spare::take_any(tokens * count, 0f32);
             let mut y = super::spare::take_any(most * count, 0f32);
             for ((job, down), sink) in jobs.iter().zip(&downs).zip(sinks) {
                 let m = job.m;
@@ -492,12 +507,12 @@ fn run_experts_summed(
                 }
             }
             super::spare::give(y);
-            sums
-        })
-        .collect();
-    for d in downs {
-        d.recycle();
-    }
+        });
+    // Spread over the threads, as they were made (each thread's spares serve its next call).
+    downs
+        .into_par_iter()
+        .with_max_len(1)
+        .for_each(Prepared::recycle);
     let has_terms = {
         let mut any = vec![false; tokens];
         for sink in sinks {
@@ -976,12 +991,33 @@ mod tests {
         group: i64,
         k: usize,
     ) -> CpuMoe {
+        sample_layer_with(scheme, (e, h, i), group, k, false)
+    }
+
+    /// [`sample_layer`], its scales rounded to bf16 values where `bf16_scales` (as a
+    /// checkpoint's are: weight-only layers then widen into dequantised bf16 weights).
+    fn sample_layer_with(
+        scheme: RawScheme,
+        (e, h, i): (usize, usize, usize),
+        group: i64,
+        k: usize,
+        bf16_scales: bool,
+    ) -> CpuMoe {
         let g13 = if group > 0 { h / 64 } else { 1 };
         let g2 = if group > 0 { i / 64 } else { 1 };
+        let round = |v: f32| {
+            if bf16_scales {
+                f32::from_bits(v.to_bits() & 0xffff_0000)
+            } else {
+                v
+            }
+        };
         let s13: Vec<f32> = (0..e * 2 * i * g13)
-            .map(|v| 1e-3 * (1 + v % 5) as f32)
+            .map(|v| round(1e-3 * (1 + v % 5) as f32))
             .collect();
-        let s2: Vec<f32> = (0..e * h * g2).map(|v| 1e-3 * (1 + v % 7) as f32).collect();
+        let s2: Vec<f32> = (0..e * h * g2)
+            .map(|v| round(1e-3 * (1 + v % 7) as f32))
+            .collect();
         let codes = SampleCodes::new(scheme == RawScheme::W4a16, e, h, i);
         let (a, b) = codes.raw();
         let proj = |w, s| RawProj {
@@ -1101,36 +1137,52 @@ mod tests {
     }
 
     /// The summed path (down projections in column panels, each token's terms added as its
-    /// experts come) equals the buffered path bit for bit: dynamic W8A8, W8A16 and W4A16 with
-    /// fp32 and bf16 inputs, panels that divide the outputs and ones that do not, a token
-    /// routed twice to one expert, and an expert no token reaches. Every output is written:
-    /// the buffers come poisoned with NaN before each call.
+    /// experts come) equals the buffered path bit for bit: dynamic W8A8, W8A16 and W4A16
+    /// (channelwise with 336 outputs, 21 blocks, so a last panel of one block; grouped with
+    /// 320), fp32 and bf16 inputs, bf16-valued scales, panels that divide the outputs and
+    /// ones that do not. The routing is uneven: one expert takes 60 rows (the AMX tiles and,
+    /// for bf16 inputs, the dequantised bf16 weights, from 32), one a single row, one six
+    /// (the fixed-point rows), one none; a token goes to one expert twice, and every other
+    /// token names its experts in falling order. Stale NaN values wait in the calling
+    /// thread's spares before each call (the full poisoning, `MOEQ_POISON_SCRATCH=1`, is
+    /// the Python tests').
     #[test]
     fn summed_path_equals_the_buffered_path() {
-        let (e, h, i, k, tokens) = (7usize, 320usize, 128usize, 3usize, 29usize);
-        // bf16 values, so that both input kinds read the same numbers.
-        let x: Vec<f32> = (0..tokens * h)
-            .map(|v| ((v * 37) % 41) as f32 / 8.0 - 2.5)
-            .collect();
-        // Experts 0..6 (6 unused); token 0 goes to expert 2 twice.
-        let mut ids: Vec<u32> = (0..tokens * k)
-            .map(|j| ((j * 5 + j / 4) % (e - 1)) as u32)
-            .collect();
-        ids[..2].copy_from_slice(&[2, 2]);
+        let (e, k, tokens) = (8usize, 3usize, 90usize);
+        let mut ids: Vec<u32> = Vec::with_capacity(tokens * k);
+        for t in 0..tokens {
+            let a = if t < 60 { 0 } else { 3 + (t % 2) as u32 };
+            let b = match t {
+                0 => 1,
+                1..=5 => 2,
+                _ => 5,
+            };
+            let c = if t == 1 { 2 } else { 6 };
+            if t % 2 == 0 {
+                ids.extend([c, b, a]);
+            } else {
+                ids.extend([a, b, c]);
+            }
+        }
         let weights: Vec<f32> = (0..tokens * k)
             .map(|j| 0.1 + (j % 9) as f32 / 10.0)
             .collect();
         let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-        for (scheme, group) in [
-            (RawScheme::W8a8Dynamic, -1),
-            (RawScheme::W8a16, 64),
-            (RawScheme::W4a16, 64),
+        for (scheme, group, h) in [
+            (RawScheme::W8a8Dynamic, -1, 336usize),
+            (RawScheme::W8a16, -1, 336),
+            (RawScheme::W4a16, -1, 336),
+            (RawScheme::W8a16, 64, 320),
+            (RawScheme::W4a16, 64, 320),
         ] {
-            let moe = sample_layer(scheme, e, h, i, group, k);
+            let moe = sample_layer_with(scheme, (e, h, 128), group, k, true);
+            // bf16 values, so that both input kinds read the same numbers.
+            let x: Vec<f32> = (0..tokens * h)
+                .map(|v| ((v * 37) % 41) as f32 / 8.0 - 2.5)
+                .collect();
             for compute in [Compute::F32, Compute::Bf16] {
                 let run = |path: SumPath| {
                     crate::cpu::in_pool(|| {
-                        // Stale values where a row might be left unwritten.
                         crate::cpu::spare::give(vec![f32::NAN; tokens * h]);
                         moe.routed_sum_by(&x, tokens, (&ids, &weights, k), compute, path)
                     })
@@ -1138,9 +1190,10 @@ mod tests {
                 let want = run(SumPath::Buffered);
                 assert_eq!(want.len(), tokens * h);
                 assert!(want.iter().all(|v| v.is_finite()) && want.iter().any(|v| *v != 0.0));
-                for width in [64, 128, 192, 256] {
+                for width in [64, 128, 192, 320] {
                     let got = run(SumPath::Summed(width));
-                    assert_eq!(bits(&got), bits(&want), "{scheme:?} {compute:?} {width}");
+                    let case = format!("{scheme:?} group {group} {compute:?} width {width}");
+                    assert_eq!(bits(&got), bits(&want), "{case}");
                 }
             }
         }
