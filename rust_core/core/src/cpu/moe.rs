@@ -418,9 +418,10 @@ fn summed_panel(jobs: &[Job<'_>], rows: usize, hidden: usize, threads: usize) ->
 /// by call in one process (medians of 10-20 calls each): Qwen3-30B-A3B W8A8 T=1024 73-89 ms
 /// against 76-98, DeepSeek-V2-Lite 78-96 against 105-123; from Python (bf16 inputs, torch's
 /// flush) 89 against 100 and 102 against 121; Qwen3 W4A16 with bf16 inputs 249-253 against
-/// 282-283, W8A16 185 and 305 against 198 and 350. At T=128 (6-8 MB of routed outputs) the two were within the noise of each other;
-/// DeepSeek-V2-Lite W4A16 (bf16 inputs) and Qwen3 W8A16 (fp32 inputs), which the rule leaves
-/// buffered, gained nothing when forced onto the panels.
+/// 282-283, W8A16 185 and 305 against 198 and 350. At T=128 (6-8 MB of routed outputs) the
+/// two were within the noise of each other; DeepSeek-V2-Lite W4A16 (bf16 inputs) and Qwen3
+/// W8A16 (fp32 inputs), which the rule leaves buffered, gained nothing when forced onto the
+/// panels.
 fn summed_width(
     (hidden, inter, value_bytes, panel): (usize, usize, usize, usize),
     rows: usize,
@@ -461,10 +462,11 @@ const SUMMED_MIN_BYTES: usize = 4 << 20;
 /// every expert in order and adding its weighted rows into the panel's tokens at once. Each
 /// token's terms are added in the same order as the buffered path adds them (expert, then
 /// row), so the bits are the same, and the panel's sums stay in cache instead of a buffer of
-/// `rows x hidden` floats going to memory and back. `out` is `[tokens, hidden]`.
+/// `rows x hidden` floats going to memory and back. `out` is `[tokens, hidden]`;
+/// `has_terms[t]` says whether token `t` has any row (the others come out zero).
 fn run_experts_summed(
     jobs: &[Job<'_>],
-    sinks: &[Sink<'_>],
+    (sinks, has_terms): (&[Sink<'_>], &[bool]),
     (hidden, width): (usize, usize),
     out: &mut [f32],
 ) {
@@ -513,19 +515,10 @@ fn run_experts_summed(
         .into_par_iter()
         .with_max_len(1)
         .for_each(Prepared::recycle);
-    let has_terms = {
-        let mut any = vec![false; tokens];
-        for sink in sinks {
-            for &t in sink.tokens {
-                any[t] = true;
-            }
-        }
-        any
-    };
     out.par_chunks_mut(hidden.max(1))
         .enumerate()
         .for_each(|(t, row)| {
-            if !has_terms[t] {
+            if !has_terms.get(t).copied().unwrap_or(false) {
                 row.fill(0.0);
                 return;
             }
@@ -742,13 +735,6 @@ impl CpuMoe {
                 pre: pre.as_ref(),
             })
             .collect();
-        // All experts' outputs in one reused buffer, expert after expert.
-        let mut starts = Vec::with_capacity(jobs.len());
-        let mut total = 0;
-        for j in &jobs {
-            starts.push(total);
-            total += j.m * h;
-        }
         let rows = tokens * k;
         let threads = rayon::current_num_threads();
         let width = match path {
@@ -772,12 +758,20 @@ impl CpuMoe {
                 })
                 .collect();
             let mut out = super::spare::take_any(tokens * h, 0f32);
-            run_experts_summed(&jobs, &sinks, (h, width), &mut out);
+            // (`seen` now marks every token with a term.)
+            run_experts_summed(&jobs, (&sinks, &seen), (h, width), &mut out);
             drop(jobs);
             if let Some(p) = pre {
                 p.recycle();
             }
             return out;
+        }
+        // All experts' outputs in one reused buffer, expert after expert.
+        let mut starts = Vec::with_capacity(jobs.len());
+        let mut total = 0;
+        for j in &jobs {
+            starts.push(total);
+            total += j.m * h;
         }
         // In this thread's spares, not the layer's: a layer kept its largest call's buffer
         // (tokens x top_k x hidden floats, 2.5 GB at T = 32768 for Qwen3's shape) for its

@@ -1089,6 +1089,31 @@ mod x86 {
         }
     }
 
+    /// `one(lo, hi, j)` for every pair `j` of `range` of an int8 block at `codes` whose group
+    /// starts at column `a` and ends at `e`: pair `j` is columns `c = a + 2j` and `c + 1`, their
+    /// codes as i32 lanes; `hi` is `None` where `c + 1` is past the group's end.
+    ///
+    /// # Safety
+    /// AVX-512F; columns `a + 2 * range.start .. e` are readable at `codes` (16 bytes each)
+    /// and `a + 2 * j < e` for every `j` of `range`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn int8_pairs(
+        codes: *const u8,
+        (a, e): (usize, usize),
+        range: std::ops::Range<usize>,
+        mut one: impl FnMut(__m512i, Option<__m512i>, usize),
+    ) {
+        // SAFETY: the caller's contract: column c < e is readable, 16 bytes at c * 16.
+        let column = |c: usize| unsafe {
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(codes.add(c * BLOCK).cast()))
+        };
+        for j in range {
+            let c = a + 2 * j;
+            one(column(c), (c + 1 < e).then(|| column(c + 1)), j);
+        }
+    }
+
     /// [`super::fold_group`] with AVX-512 fused multiply-adds (equal to the scalar form).
     ///
     /// # Safety
@@ -1160,24 +1185,13 @@ mod x86 {
             let range = BlockedWo::pairs_in(a, e, first, (first_pair, n));
             match &w.codes {
                 Codes::I8(_) => {
-                    for j in range {
-                        let c = a + 2 * j;
-                        // SAFETY: c < e <= k, so column c (and c + 1 when < e) lies inside
-                        // the block.
-                        unsafe {
-                            let lo =
-                                _mm512_cvtepi8_epi32(_mm_loadu_si128(bp.add(c * BLOCK).cast()));
-                            let hi = if c + 1 < e {
-                                _mm512_cvtepi8_epi32(_mm_loadu_si128(
-                                    bp.add((c + 1) * BLOCK).cast(),
-                                ))
-                            } else {
-                                _mm512_setzero_si512()
-                            };
-                            // Past the group's end, zeros widen to 0.0: an empty high half.
-                            put(pair(lo, hi), j);
-                        }
-                    }
+                    // Past the group's end, zeros widen to 0.0: an empty high half.
+                    let one = |lo, hi: Option<__m512i>, j| {
+                        put(pair(lo, hi.unwrap_or(_mm512_setzero_si512())), j);
+                    };
+                    // SAFETY: `pairs_in` keeps each pair's first column c inside the group
+                    // (c < e <= k), and the group's columns lie inside the block.
+                    unsafe { int8_pairs(bp, (a, e), range, one) };
                 }
                 // 4-bit storage has even group starts and even k: c + 1 < e always, and
                 // columns c, c + 1 are pair p = c / 2 = a / 2 + j, in line p / 4.
@@ -1268,23 +1282,13 @@ mod x86 {
             let range = BlockedWo::pairs_in(a, e, first, (first_pair, n));
             match &w.codes {
                 Codes::I8(_) => {
-                    for j in range {
-                        let c = a + 2 * j;
-                        // SAFETY: column c (and c + 1 when < e) lies inside the block.
-                        unsafe {
-                            let lo =
-                                _mm512_cvtepi8_epi32(_mm_loadu_si128(bp.add(c * BLOCK).cast()));
-                            let hi = if c + 1 < e {
-                                dq(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                                    bp.add((c + 1) * BLOCK).cast(),
-                                )))
-                            } else {
-                                // Past the group's end: an empty high half.
-                                _mm512_setzero_ps()
-                            };
-                            put(dq(lo), hi, j);
-                        }
-                    }
+                    // Past the group's end: an empty high half.
+                    let one = |lo, hi: Option<__m512i>, j| {
+                        put(dq(lo), hi.map_or(_mm512_setzero_ps(), dq), j);
+                    };
+                    // SAFETY: as in `widen`: each pair's first column lies inside the group
+                    // and the group's columns inside the block.
+                    unsafe { int8_pairs(bp, (a, e), range, one) };
                 }
                 // Even group starts and k: columns c, c + 1 are pair c / 2 = a / 2 + j, in
                 // line p / 4 at bits 4 (p % 4) (low column) and 16 + 4 (p % 4) (high).
