@@ -173,13 +173,14 @@ pub fn tiles<T: TileOps>(
     }
     // The last row tile when it has fewer than 16 rows, zero-padded: a tile load reads 16.
     let full = m / TILE_ROWS * TILE_ROWS;
-    let tail: Vec<u8> = if full < m {
-        // A spare buffer of this thread: one per GEMM call would be an allocation per panel.
-        let mut t = super::spare::take(TILE_ROWS * k_pad, 0u8);
+    let tail = if full < m {
+        // A spare buffer of this thread (one per GEMM call would be an allocation per panel),
+        // on a cache line as the rows it copies should be.
+        let mut t = super::spare::LineBytes::take(TILE_ROWS * k_pad, 0);
         t[..(m - full) * k_pad].copy_from_slice(&xu[full * k_pad..m * k_pad]);
         t
     } else {
-        Vec::new()
+        super::spare::LineBytes::default()
     };
     // Row tile `r`'s source: xu itself, or the padded copy of the last rows.
     let src = |r: usize| -> (&[u8], usize) {
@@ -223,7 +224,7 @@ pub fn tiles<T: TileOps>(
         }
         b += nb;
     }
-    super::spare::give(tail);
+    tail.give();
     true
 }
 

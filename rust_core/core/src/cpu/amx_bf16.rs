@@ -354,7 +354,8 @@ fn drive<T: TileOps + ?Sized>(
         .map(|c| c.steps * c.groups * TILE)
         .max()
         .unwrap_or(0);
-    let mut buf = super::spare::take(2 * wkp * BLOCK, 0u32);
+    // Widened blocks on a cache line: AMX's B tiles (see [`super::spare::AlignedBuf`]).
+    let mut buf = super::spare::AlignedBuf::take(2 * wkp * BLOCK, 0u32);
     let zero: PassOut = [[0.0; BLOCK]; OUT_ENTRIES];
     let panel = (PANEL_TILES / passes).clamp(1, nb.div_ceil(2));
     // Per pair of the panel and pass of rows: the accumulators a chunk carries to the next
@@ -449,7 +450,7 @@ fn drive<T: TileOps + ?Sized>(
             }
         }
     }
-    super::spare::give(buf);
+    buf.give();
     true
 }
 

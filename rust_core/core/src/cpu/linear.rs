@@ -11,7 +11,7 @@ use rayon::prelude::*;
 
 use super::kernels;
 use super::packed::{PackedI8, BLOCK};
-use super::spare;
+use super::spare::{self, LineBytes};
 use super::wo::bf16::Bf16Rows;
 use super::wo::fixed::{fixed_dot, FixedRows};
 use super::wo::BlockedWo;
@@ -58,7 +58,12 @@ pub enum Linear {
 /// as `x + 128` with their per-row scales.
 pub enum Prepared<'a> {
     F32(Cow<'a, [f32]>),
-    U8 { xu: Vec<u8>, sx: Vec<f32> },
+    /// `xu` starts on a cache line, and so does every row when `k_pad` is a multiple of 64
+    /// (AMX's A tiles; see [`LineBytes`]).
+    U8 {
+        xu: LineBytes,
+        sx: Vec<f32>,
+    },
     Bf16(Bf16Rows),
     Fixed(FixedRows),
 }
@@ -70,7 +75,7 @@ impl Prepared<'_> {
             Prepared::F32(Cow::Owned(v)) => spare::give(v),
             Prepared::F32(Cow::Borrowed(_)) => {}
             Prepared::U8 { xu, sx } => {
-                spare::give(xu);
+                xu.give();
                 spare::give(sx);
             }
             Prepared::Bf16(r) => {
@@ -104,11 +109,15 @@ impl Prepared<'_> {
             return None;
         };
         let k_pad = xu.len().checked_div(sx.len())?;
-        let mut out = spare::take_empty(rows.len() * k_pad);
+        if rows.iter().any(|&t| t >= sx.len()) {
+            return None;
+        }
+        let mut out = LineBytes::take_any(rows.len() * k_pad);
         let mut scales = spare::take_empty(rows.len());
-        for &t in rows {
-            out.extend_from_slice(xu.get(t * k_pad..(t + 1) * k_pad)?);
-            scales.push(*sx.get(t)?);
+        // (`t < sx.len()`, and `xu` holds `sx.len() * k_pad` bytes or more.)
+        for (i, &t) in rows.iter().enumerate() {
+            out[i * k_pad..(i + 1) * k_pad].copy_from_slice(&xu[t * k_pad..(t + 1) * k_pad]);
+            scales.push(sx[t]);
         }
         Some(Prepared::U8 {
             xu: out,
@@ -254,7 +263,7 @@ impl Linear {
                 Cow::Owned(v)
             }
             Linear::Int8 { w, input_scale, .. } => {
-                let mut xu = spare::take(m * w.k_pad, 128u8);
+                let mut xu = LineBytes::take(m * w.k_pad, 128);
                 let mut sx = spare::take(m, 0f32);
                 for (r, s) in sx.iter_mut().enumerate() {
                     let dst = &mut xu[r * w.k_pad..r * w.k_pad + k];
@@ -281,7 +290,7 @@ impl Linear {
         if x.len() < m * k {
             return None;
         }
-        let mut xu = spare::take(m * k_pad, 128u8);
+        let mut xu = LineBytes::take(m * k_pad, 128);
         let mut sx = spare::take(m, 0f32);
         xu.par_chunks_mut(k_pad.max(1))
             .zip(sx.par_iter_mut())
@@ -516,6 +525,35 @@ mod tests {
                 assert_eq!(transpose(&yt, n, m), want);
             }
         }
+    }
+
+    /// Every int8 input form starts on a cache line, so with a reduction of whole 64-byte steps
+    /// (AMX's) every row does, and the gathered rows are the rows prepared per expert, bit for
+    /// bit.
+    #[test]
+    fn int8_rows_start_on_cache_lines() {
+        let (n, k, m) = (32, 192, 9);
+        let q: Vec<i8> = (0..n * k).map(|i| (i * 37 % 251) as i8).collect();
+        let lin = Linear::int8(n, k, q, vec![1e-3; n], None);
+        let x: Vec<f32> = (0..m * k).map(|v| ((v * 7) % 23) as f32 - 11.0).collect();
+        let rows = [7usize, 0, 3, 3];
+        let on_lines = |p: &Prepared<'_>| -> (Vec<u8>, Vec<f32>) {
+            let Prepared::U8 { xu, sx } = p else {
+                panic!("an int8 layer prepares u8 rows");
+            };
+            let k_pad = xu.len() / sx.len();
+            assert_eq!(k_pad, 192);
+            assert!(xu
+                .chunks(k_pad)
+                .all(|r| (r.as_ptr() as usize).is_multiple_of(64)));
+            (xu.to_vec(), sx.clone())
+        };
+        let all = lin.prepare_int8_all(&x, m).expect("an int8 layer");
+        let gathered = on_lines(&all.gather(&rows).expect("rows in range"));
+        let direct = on_lines(&lin.prepare_rows(&x, rows.len(), Some(&rows), Compute::F32));
+        assert_eq!(gathered, direct);
+        on_lines(&all);
+        assert!(all.gather(&[m]).is_none(), "a row past the input");
     }
 
     /// Weight-only layers with int8 and with 4-bit storage never share a prepared input: their

@@ -577,11 +577,20 @@ impl BlockedWo {
     /// elsewhere (the gaps, each row to `kp` pairs, and the rows past `m` to a whole pass).
     /// Rows lie a step more than `kp` apart: at a multiple of 4 KB (Qwen3's 2048 columns) a
     /// tile's 16 rows share one L1 set, and the passes took ~85% of a prefill call.
-    fn amx_rows(&self, xb: &Bf16Rows, m: usize, to: &[usize], kp: usize) -> (Vec<u32>, usize) {
+    /// The rows start on a cache line, and so does every row (AMX's A tiles; see
+    /// [`crate::cpu::spare::AlignedBuf`]).
+    fn amx_rows(
+        &self,
+        xb: &Bf16Rows,
+        m: usize,
+        to: &[usize],
+        kp: usize,
+    ) -> (crate::cpu::spare::AlignedBuf<u32>, usize) {
         use crate::cpu::amx_bf16::{PASS_ROWS, TILE};
         let (pairs, offs) = (xb.pairs, self.pair_offsets());
         let stride = kp + TILE;
-        let mut a = crate::cpu::spare::take(m.next_multiple_of(PASS_ROWS) * stride, 0u32);
+        let mut a =
+            crate::cpu::spare::AlignedBuf::take(m.next_multiple_of(PASS_ROWS) * stride, 0u32);
         for r in 0..m {
             let r0 = r - r % TILE_ROWS;
             let mt = (m - r0).min(TILE_ROWS);
@@ -626,10 +635,10 @@ impl BlockedWo {
         let nb = end - first_block;
         // The arguments fit by construction (whole steps, rows padded), so `gemm` runs.
         let ran = Self::on_tiles(model, |ops| {
-            amx_bf16::gemm(ops, (&a, stride), m, kp, nb, widen, out)
+            amx_bf16::gemm(ops, (&a[..], stride), m, kp, nb, widen, out)
         });
         debug_assert!(ran, "AMX-BF16 GEMM refused its own layout");
-        crate::cpu::spare::give(a);
+        a.give();
         // (A refusal emitted nothing: the caller's other tiles run instead.)
         ran
     }
@@ -695,7 +704,7 @@ impl BlockedWo {
             amx_bf16::gemm_grouped(ops, rows, m, kp, nb, &starts, widen, fold, out)
         });
         debug_assert!(ran, "AMX-BF16 grouped GEMM refused its own layout");
-        crate::cpu::spare::give(a);
+        a.give();
         // (A refusal emitted nothing: the caller's other tiles run instead.)
         ran
     }
