@@ -23,6 +23,7 @@
 //! is smaller than the one used here, the int8 GEMM stays on AVX-512 VNNI.
 
 use super::packed::{reference_accumulators, Accumulator, BLOCK};
+use super::spare::OnLine;
 
 /// Rows of an A or C tile (activation rows per row tile).
 pub const TILE_ROWS: usize = 16;
@@ -43,8 +44,8 @@ pub const ACC_ENTRIES: usize = ROW_TILES * TILE_ROWS * BLOCKS;
 /// to AMX above 4 rows too).
 pub const MIN_ROWS: usize = 5;
 
-/// The accumulators of one pass.
-pub type PassOut = [[i32; BLOCK]; ACC_ENTRIES];
+/// The accumulators of one pass, on a cache line (see [`OnLine`]).
+pub type PassOut = OnLine<[[i32; BLOCK]; ACC_ENTRIES]>;
 
 /// One pass: `rts` row tiles x `nb` blocks over `steps` steps of 64 inputs. Step `s` loads A
 /// tile `i` (16 rows, row stride `sa`) from `a[i].0[a[i].1 + 64 s..]` and B tile `j` (16 rows
@@ -129,7 +130,7 @@ pub fn run_pass<I: Instructions>(ins: &mut I, p: &Pass<'_>, out: &mut PassOut) {
     }
     for i in 0..p.rts {
         for j in 0..p.nb {
-            ins.store(i, j, out, i * TILE_ROWS * BLOCKS + j, p.nb);
+            ins.store(i, j, &mut out[..], i * TILE_ROWS * BLOCKS + j, p.nb);
         }
     }
 }
@@ -190,7 +191,7 @@ pub fn tiles<T: TileOps>(
             (&tail, 0)
         }
     };
-    let mut acc: PassOut = [[0; BLOCK]; ACC_ENTRIES];
+    let mut acc: PassOut = OnLine([[0; BLOCK]; ACC_ENTRIES]);
     let mut b = first;
     while b < end {
         let nb = (end - b).min(BLOCKS);

@@ -47,8 +47,9 @@ pub const PASS_ROWS: usize = 2 * TILE;
 /// `32 i + 2 r + j`.
 pub const OUT_ENTRIES: usize = 2 * PASS_ROWS;
 
-/// The outputs of one pass, as f32 bits' carrier.
-pub type PassOut = [[f32; BLOCK]; OUT_ENTRIES];
+/// The outputs of one pass, as f32 bits' carrier, on a cache line (see
+/// [`super::spare::OnLine`]).
+pub type PassOut = super::spare::OnLine<[[f32; BLOCK]; OUT_ENTRIES]>;
 
 /// One pass: rows `r0..r0 + 16 tiles` (one or two row tiles) of `a` (row-major, row `r` from
 /// pair `r * stride`, `kp` pairs each) against blocks `b0` and `b1` of `w` (block `j` from
@@ -356,7 +357,7 @@ fn drive<T: TileOps + ?Sized>(
         .unwrap_or(0);
     // Widened blocks on a cache line: AMX's B tiles (see [`super::spare::AlignedBuf`]).
     let mut buf = super::spare::AlignedBuf::take(2 * wkp * BLOCK, 0u32);
-    let zero: PassOut = [[0.0; BLOCK]; OUT_ENTRIES];
+    let zero: PassOut = super::spare::OnLine([[0.0; BLOCK]; OUT_ENTRIES]);
     let panel = (PANEL_TILES / passes).clamp(1, nb.div_ceil(2));
     // Per pair of the panel and pass of rows: the accumulators a chunk carries to the next
     // (`acc`), and the folded totals (`grouped`); a grouped pass's runs go to `runs`.
@@ -522,7 +523,7 @@ fn emitted<T: TileOps>(
         Some(starts) => {
             let fold = |f: Fold<'_>| {
                 let s = 1.0 + f.group as f32 / 8.0;
-                for (t, c) in f.totals.iter_mut().zip(f.c) {
+                for (t, c) in f.totals.iter_mut().zip(f.c.iter()) {
                     for (t, c) in t.iter_mut().zip(c) {
                         *t = c.mul_add(s, *t);
                     }

@@ -71,6 +71,26 @@ pub const LINE: usize = 64;
 #[derive(Clone, Copy, Debug)]
 pub struct Line(pub [u8; LINE]);
 
+/// `T` on a cache line's boundary: the accumulators AMX passes store their C tiles into (and
+/// load carried ones from). On the stack or in a `Vec`, an array of `i32` or `f32` starts
+/// anywhere 4 bytes apart, and every 64-byte tile row then spans two lines.
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OnLine<T>(pub T);
+
+impl<T> std::ops::Deref for OnLine<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+impl<T> std::ops::DerefMut for OnLine<T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.0
+    }
+}
+
 /// Plain numbers an [`AlignedBuf`] holds: every bit pattern is a value, and the size divides
 /// a [`Line`].
 pub trait LineValue: Copy + sealed::Sealed {
@@ -290,6 +310,18 @@ mod tests {
         assert!(release_here() >= KEEP * 10 * 4 + (1 << 20));
         assert_eq!(f32::with_spares(|s| s.map(|s| s.len())), Some(0));
         assert_eq!(release_here(), 0);
+    }
+
+    #[test]
+    fn pass_outputs_lie_on_lines() {
+        let one = OnLine([[0i32; 16]; 64]);
+        let many = vec![[OnLine([[0f32; 16]; 64]); 1]; 3];
+        assert!((one.as_ptr() as usize).is_multiple_of(LINE));
+        assert!(many
+            .iter()
+            .all(|p| (p[0].as_ptr() as usize).is_multiple_of(LINE)));
+        assert_eq!(std::mem::align_of::<crate::cpu::amx::PassOut>(), LINE);
+        assert_eq!(std::mem::align_of::<crate::cpu::amx_bf16::PassOut>(), LINE);
     }
 
     #[test]
