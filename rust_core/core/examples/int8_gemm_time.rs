@@ -5,19 +5,33 @@
 mod common;
 use common::{best_per_call, env_size};
 
+use moeq_core::cpu::arena::Arena;
 use moeq_core::cpu::linear::Linear;
 use moeq_core::cpu::packed::PackedI8;
+use moeq_core::cpu::spare::LineBytes;
+use std::sync::Arc;
 
 fn main() {
     // `N=... K=...` time other shapes (default: Qwen3-30B-A3B's gate|up).
     let (n, k) = (env_size("N", 1536), env_size("K", 2048));
     let q: Vec<i8> = (0..n * k).map(|i| ((i * 7919) % 255) as i8).collect();
-    let packed = PackedI8::pack(&q, n, k);
-    let lin = Linear::int8(n, k, q, vec![1e-3; n], None);
+    let mut packed = PackedI8::pack(&q, n, k);
+    let mut lin = Linear::int8(n, k, q, vec![1e-3; n], None);
+    // In an arena, on cache lines, as a loaded layer's weights are.
+    if let Linear::Int8 { w, .. } = &mut lin {
+        let (arena, at) = Arena::build(&[packed.bytes(), w.bytes()]);
+        let arena = Arc::new(arena);
+        packed.share(&arena, at[0]);
+        w.share(&arena, at[1]);
+    }
     let isa = moeq_core::cpu::kernels::isa();
     println!("kernel family: {}", moeq_core::cpu::kernels::isa_name(isa));
     for m in [1usize, 4, 6, 64, 256] {
-        let xu: Vec<u8> = (0..m * packed.k_pad).map(|i| (i % 251) as u8).collect();
+        // On a cache line, as the forward's prepared rows are.
+        let mut xu = LineBytes::take(m * packed.k_pad, 0);
+        for (i, v) in xu.iter_mut().enumerate() {
+            *v = (i % 251) as u8;
+        }
         let calls = (512 / m).max(20);
         let mut sink = 0i32;
         let kernel = best_per_call(calls, || {

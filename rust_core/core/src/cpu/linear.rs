@@ -528,11 +528,11 @@ mod tests {
     }
 
     /// Every int8 input form starts on a cache line, so with a reduction of whole 64-byte steps
-    /// (AMX's) every row does, and the gathered rows are the rows prepared per expert, bit for
-    /// bit.
+    /// (AMX's) every row does; the padding past `k` is the zero code (128), and the gathered
+    /// rows are the rows prepared per expert, bit for bit.
     #[test]
     fn int8_rows_start_on_cache_lines() {
-        let (n, k, m) = (32, 192, 9);
+        let (n, k, m) = (32, 190, 9);
         let q: Vec<i8> = (0..n * k).map(|i| (i * 37 % 251) as i8).collect();
         let lin = Linear::int8(n, k, q, vec![1e-3; n], None);
         let x: Vec<f32> = (0..m * k).map(|v| ((v * 7) % 23) as f32 - 11.0).collect();
@@ -545,7 +545,7 @@ mod tests {
             assert_eq!(k_pad, 192);
             assert!(xu
                 .chunks(k_pad)
-                .all(|r| (r.as_ptr() as usize).is_multiple_of(64)));
+                .all(|r| (r.as_ptr() as usize).is_multiple_of(64) && r[k..] == [128, 128]));
             (xu.to_vec(), sx.clone())
         };
         let all = lin.prepare_int8_all(&x, m).expect("an int8 layer");

@@ -123,7 +123,7 @@ impl LineValue for u32 {
 /// A buffer that starts on a cache line's boundary, taken from this thread's spares. AMX
 /// tiles are loaded from such buffers (the int8 activations, and the bf16 rows and widened
 /// weights): a tile load whose 64-byte rows straddle two cache lines ran 2-5x slower than an
-/// aligned one on an Emerald Rapids-class VM, and a `Vec` from the allocator starts 16 bytes
+/// aligned one on an Emerald Rapids-class VM, and a `Vec` from the allocator starts 16, 32 or 48 bytes
 /// past a line's start as often as not.
 #[derive(Debug)]
 pub struct AlignedBuf<T: LineValue> {
@@ -150,23 +150,26 @@ impl<T: LineValue> AlignedBuf<T> {
         len.saturating_mul(std::mem::size_of::<T>()).div_ceil(LINE)
     }
 
-    /// `len` copies of `fill` (as [`take`]).
-    pub fn take(len: usize, fill: T) -> Self {
+    /// `len` values in `lines`, which holds exactly the lines they need.
+    fn holding(lines: Vec<Line>, len: usize) -> Self {
+        // What `deref` relies on (`take` and `take_any` return as many values as asked for).
+        debug_assert_eq!(lines.len(), Self::lines_for(len));
         AlignedBuf {
-            lines: take(Self::lines_for(len), T::line_of(fill)),
+            lines,
             len,
             of: std::marker::PhantomData,
         }
     }
 
-    /// `len` values for a caller that overwrites them all (as [`take_any`]: poisoned under
-    /// `MOEQ_POISON_SCRATCH=1`).
+    /// `len` copies of `fill` (as [`take`]).
+    pub fn take(len: usize, fill: T) -> Self {
+        Self::holding(take(Self::lines_for(len), T::line_of(fill)), len)
+    }
+
+    /// `len` values for a caller that overwrites them all (as [`take_any`]: under
+    /// `MOEQ_POISON_SCRATCH=1` every byte is 0xA5, which for u32 values is no NaN pattern).
     pub fn take_any(len: usize) -> Self {
-        AlignedBuf {
-            lines: take_any(Self::lines_for(len), Line([0; LINE])),
-            len,
-            of: std::marker::PhantomData,
-        }
+        Self::holding(take_any(Self::lines_for(len), Line([0; LINE])), len)
     }
 
     /// Back to this thread's spares.

@@ -577,7 +577,8 @@ impl BlockedWo {
     /// elsewhere (the gaps, each row to `kp` pairs, and the rows past `m` to a whole pass).
     /// Rows lie a step more than `kp` apart: at a multiple of 4 KB (Qwen3's 2048 columns) a
     /// tile's 16 rows share one L1 set, and the passes took ~85% of a prefill call.
-    /// The rows start on a cache line, and so does every row (AMX's A tiles; see
+    /// The buffer starts on a cache line and, with `kp` a multiple of 16 pairs, so does every
+    /// row (AMX's A tiles; see
     /// [`crate::cpu::spare::AlignedBuf`]).
     fn amx_rows(
         &self,
@@ -588,6 +589,10 @@ impl BlockedWo {
     ) -> (crate::cpu::spare::AlignedBuf<u32>, usize) {
         use crate::cpu::amx_bf16::{PASS_ROWS, TILE};
         let (pairs, offs) = (xb.pairs, self.pair_offsets());
+        debug_assert!(
+            kp.is_multiple_of(TILE),
+            "rows of {kp} pairs are not whole steps"
+        );
         let stride = kp + TILE;
         let mut a =
             crate::cpu::spare::AlignedBuf::take(m.next_multiple_of(PASS_ROWS) * stride, 0u32);
