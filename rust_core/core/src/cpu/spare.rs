@@ -122,9 +122,9 @@ impl LineValue for u32 {
 
 /// A buffer that starts on a cache line's boundary, taken from this thread's spares. AMX
 /// tiles are loaded from such buffers (the int8 activations, and the bf16 rows and widened
-/// weights): a tile load whose 64-byte rows straddle two cache lines ran 2-5x slower than an
-/// aligned one on an Emerald Rapids-class VM, and a `Vec` from the allocator starts 16, 32 or 48 bytes
-/// past a line's start as often as not.
+/// weights): a tile load whose 64-byte rows straddle two cache lines ran 2-6x slower than an
+/// aligned one on an Emerald Rapids-class VM, and a `Vec` from the allocator starts 16, 32 or
+/// 48 bytes past a line's start as often as not.
 #[derive(Debug)]
 pub struct AlignedBuf<T: LineValue> {
     lines: Vec<Line>,
@@ -315,6 +315,7 @@ mod tests {
         assert_eq!(release_here(), 0);
     }
 
+    /// Both AMX pass outputs lie on a line wherever they are: on the stack and in a `Vec`.
     #[test]
     fn pass_outputs_lie_on_lines() {
         let one = OnLine([[0i32; 16]; 64]);
@@ -327,6 +328,7 @@ mod tests {
         assert_eq!(std::mem::align_of::<crate::cpu::amx_bf16::PassOut>(), LINE);
     }
 
+    /// A word buffer holds its fill in every word (the line is built from the word's bytes).
     #[test]
     fn aligned_words_are_filled() {
         let w = AlignedBuf::take(37, 0x0102_0304u32);
@@ -336,6 +338,8 @@ mod tests {
         w.give();
     }
 
+    /// Byte buffers of every length start on a line, come back through the spares, and come
+    /// poisoned from `take_any` under `MOEQ_POISON_SCRATCH=1`.
     #[test]
     fn line_bytes_start_on_a_line_and_come_back() {
         for len in [0, 1, 63, 64, 65, 1000, 100_000] {

@@ -578,8 +578,7 @@ impl BlockedWo {
     /// Rows lie a step more than `kp` apart: at a multiple of 4 KB (Qwen3's 2048 columns) a
     /// tile's 16 rows share one L1 set, and the passes took ~85% of a prefill call.
     /// The buffer starts on a cache line and, with `kp` a multiple of 16 pairs, so does every
-    /// row (AMX's A tiles; see
-    /// [`crate::cpu::spare::AlignedBuf`]).
+    /// row (AMX's A tiles; see [`crate::cpu::spare::AlignedBuf`]).
     fn amx_rows(
         &self,
         xb: &Bf16Rows,
