@@ -374,11 +374,11 @@ fn run_experts(jobs: &[Job<'_>], parallel: bool, out: &mut [f32]) {
         });
 }
 
-/// Where an expert's output rows go in [`run_experts_summed`]: per row, its token, its top-k
-/// weight and whether it is that token's first term (which overwrites rather than adds).
+/// Where an expert's output rows go in [`run_experts_summed`]: per row, its token and top-k
+/// weight (the expert's routed `(token, weight)` pairs), and whether it is that token's first
+/// term (which overwrites rather than adds).
 struct Sink<'a> {
-    tokens: &'a [usize],
-    weights: Vec<f32>,
+    terms: &'a [(usize, f32)],
     first: Vec<bool>,
 }
 
@@ -502,10 +502,10 @@ fn run_experts_summed(
                 let m = job.m;
                 let y = &mut y[..m * count];
                 job.ex.down.forward_cols(down, m, first, count, y, count, 1);
-                for (r, &t) in sink.tokens.iter().enumerate() {
+                for (r, (&(t, w), &first)) in sink.terms.iter().zip(&sink.first).enumerate() {
                     let dst = &mut sums[t * count..(t + 1) * count];
                     let src = &y[r * count..(r + 1) * count];
-                    kernels::add_scaled(dst, src, sink.weights[r], sink.first[r]);
+                    kernels::add_scaled(dst, src, w, first);
                 }
             }
             super::spare::give(y);
@@ -747,13 +747,11 @@ impl CpuMoe {
             let mut seen = vec![false; tokens];
             let sinks: Vec<Sink<'_>> = active
                 .iter()
-                .zip(&token_rows)
-                .map(|(&e, rows)| Sink {
-                    tokens: rows,
-                    weights: by_expert[e].iter().map(|&(_, w)| w).collect(),
-                    first: rows
+                .map(|&e| Sink {
+                    terms: &by_expert[e],
+                    first: by_expert[e]
                         .iter()
-                        .map(|&t| !std::mem::replace(&mut seen[t], true))
+                        .map(|&(t, _)| !std::mem::replace(&mut seen[t], true))
                         .collect(),
                 })
                 .collect();
