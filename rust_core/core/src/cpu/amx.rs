@@ -8,9 +8,10 @@
 //! epilogue stay as they are. Activations (`xu`, u8 rows of `k_pad` bytes) are the A tiles.
 //!
 //! Work goes in passes ([`Pass`]): up to 2 row tiles x 2 blocks (32 rows x 32 features) over
-//! the whole reduction. On the hardware a pass is one `asm!` block that configures the tiles,
-//! runs its loop, stores its accumulators and releases the tiles, so no tile state lives
-//! between blocks of assembly or across any call the compiler makes. [`run_pass`] is that
+//! the whole reduction. On the hardware a pass is one `asm!` block that zeroes its
+//! accumulators, runs its loop and stores them, so no tile contents live between blocks of
+//! assembly or across any call the compiler makes; the tile configuration does, held by a
+//! [`Session`] for as long as an [`Hw`] lives (one per GEMM call). [`run_pass`] is that
 //! block's program written out in Rust over [`Instructions`], and [`Model`], an exact software
 //! model of the five instructions (Intel SDM semantics of `tdpbusd`) that also checks every
 //! byte a tile load reads lies inside its slice, runs it. The tests run [`tiles`] on the model
@@ -340,14 +341,7 @@ impl TileOps for Model {
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 pub(crate) use hw::tile_peak_asm;
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-pub use hw::{peak_loop, usable, Hw, PEAK_MACS_PER_ISSUE};
-
-/// The 64-byte `ldtilecfg` operand every pass loads (palette 1, eight tiles of 16 rows x 64
-/// bytes), shared with the AMX-BF16 tiles of [`super::amx_bf16`].
-#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-pub(crate) fn tile_config() -> *const u8 {
-    hw::ALL_FULL.bytes().as_ptr()
-}
+pub use hw::{peak_loop, usable, Hw, Session, PEAK_MACS_PER_ISSUE};
 
 /// AMX tiles are used on x86-64 Linux only (the permission request is Linux's).
 #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
@@ -406,17 +400,97 @@ mod hw {
         }
     }
 
-    /// The CPU's AMX tiles. Each pass is one self-contained `asm!` block (configure, compute,
-    /// store, release), so nothing of the tile state outlives it.
+    std::thread_local! {
+        /// How many [`Session`]s are open on this thread. Only sessions configure or release
+        /// the tiles, so the tiles are configured as [`ALL_FULL`] exactly while this is above
+        /// zero.
+        static OPEN: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    }
+
+    /// The tiles configured ([`ALL_FULL`]) on this thread for as long as the value lives:
+    /// the first session open on a thread runs `ldtilecfg`, the last one closed runs
+    /// `tilerelease`, and sessions nest (an inner one neither configures nor releases). Tile
+    /// instructions need the configuration and `ldtilecfg` costs about as much as 1-4 steps
+    /// of a pass (83-110 ns measured on the 2-core AMX VM, against 29-110 ns for a step's
+    /// four loads and four products), so a GEMM's passes share one instead of each loading
+    /// its own. Not `Send`: the configuration is the thread's (the OS saves and restores it
+    /// with the rest of the thread's extended state).
     #[derive(Debug)]
-    pub struct Hw(());
+    pub struct Session {
+        thread_bound: std::marker::PhantomData<*const ()>,
+    }
+
+    impl Session {
+        /// # Safety
+        /// The CPU has AMX with palette 1 of at least 8 tiles of 16 rows x 64 bytes and the
+        /// OS granted tile state to this process.
+        pub unsafe fn open() -> Session {
+            OPEN.with(|open| {
+                if open.get() == 0 {
+                    // SAFETY: the caller's contract (the CPU takes palette 1 with eight full
+                    // tiles, the OS granted tile state). `ldtilecfg` reads the 64 bytes of
+                    // ALL_FULL and zeroes every tile, declared clobbered; no session is open
+                    // on this thread, so no pass relies on tile contents or a configuration.
+                    unsafe {
+                        ::core::arch::asm!(
+                            "ldtilecfg [{cfg}]",
+                            cfg = in(reg) ALL_FULL.bytes().as_ptr(),
+                            out("tmm0") _, out("tmm1") _, out("tmm2") _, out("tmm3") _,
+                            out("tmm4") _, out("tmm5") _, out("tmm6") _, out("tmm7") _,
+                            options(nostack, readonly, preserves_flags),
+                        );
+                    }
+                }
+                open.set(open.get() + 1);
+            });
+            Session {
+                thread_bound: std::marker::PhantomData,
+            }
+        }
+
+        /// Whether a session is open on this thread (the tiles are configured).
+        pub fn open_here() -> bool {
+            OPEN.with(|open| open.get() > 0)
+        }
+    }
+
+    impl Drop for Session {
+        fn drop(&mut self) {
+            OPEN.with(|open| {
+                // This session counted itself when it opened, on this thread (not `Send`).
+                let left = open.get().saturating_sub(1);
+                open.set(left);
+                if left == 0 {
+                    // SAFETY: this session's opening configured the tiles or found them
+                    // configured, so the CPU has them; `tilerelease` returns them to their
+                    // initial state, declared clobbered, and no session is left open on this
+                    // thread to rely on them.
+                    unsafe {
+                        ::core::arch::asm!(
+                            "tilerelease",
+                            out("tmm0") _, out("tmm1") _, out("tmm2") _, out("tmm3") _,
+                            out("tmm4") _, out("tmm5") _, out("tmm6") _, out("tmm7") _,
+                            options(nostack, nomem, preserves_flags),
+                        );
+                    }
+                }
+            });
+        }
+    }
+
+    /// The CPU's AMX tiles, configured while the value lives (it holds a [`Session`]). Each
+    /// pass is one self-contained `asm!` block (zero or load the accumulators, compute,
+    /// store), so no tile contents outlive it; only the configuration does.
+    #[derive(Debug)]
+    pub struct Hw(Session);
 
     impl Hw {
         /// # Safety
         /// [`usable`] returned true in this process (the CPU has AMX-INT8 with palette 1 of
         /// at least 8 tiles of 16 rows x 64 bytes, and the OS granted tile state).
         pub unsafe fn new() -> Hw {
-            Hw(())
+            // SAFETY: the caller's contract is Session::open's.
+            Hw(unsafe { Session::open() })
         }
     }
 
@@ -437,17 +511,16 @@ mod hw {
         };
     }
 
-    /// One pass's `asm!` block: `ldtilecfg`, zeroed accumulators, a loop of `steps` steps
-    /// (the listed loads, products and prefetches, then the four source addresses move on),
-    /// the listed stores, `tilerelease`. Stores: C `(i, j)` row `r` at `c + 64 (32 i + j) + r *
-    /// cs`. The tile registers are declared clobbered; flags are changed by the loop.
+    /// One pass's `asm!` block, on tiles a [`Session`] configured: zeroed accumulators, a loop
+    /// of `steps` steps (the listed loads, products and prefetches, then the four source
+    /// addresses move on), the listed stores. Stores: C `(i, j)` row `r` at `c + 64 (32 i + j)
+    /// + r * cs`. The tile registers are declared clobbered; flags are changed by the loop.
     macro_rules! tile_pass_asm {
-        ($cfg:expr, ($a0:expr, $a1:expr, $sa:expr), ($b0:expr, $b1:expr), $steps:expr,
+        (($a0:expr, $a1:expr, $sa:expr), ($b0:expr, $b1:expr), $steps:expr,
          ($out:expr, $cs:expr),
          [$($load:literal),*], [$($dot:literal),*], [$($store:literal),*]
          $(, prefetch $pf:expr)?) => {
             ::core::arch::asm!(
-                "ldtilecfg [{cfg}]",
                 "tilezero tmm0",
                 "tilezero tmm1",
                 "tilezero tmm2",
@@ -463,8 +536,6 @@ mod hw {
                 "dec {steps}",
                 "jnz 2b",
                 $($store,)*
-                "tilerelease",
-                cfg = in(reg) $cfg,
                 a0 = inout(reg) $a0 => _,
                 a1 = inout(reg) $a1 => _,
                 sa = in(reg) $sa,
@@ -484,9 +555,8 @@ mod hw {
 
     /// [`tile_pass_asm`] for an int8 [`Pass`]: its tiles' addresses, row stride and steps.
     macro_rules! pass_asm {
-        ($p:expr, $cfg:expr, $out:expr, $cs:expr, $($rest:tt)*) => {
+        ($p:expr, $out:expr, $cs:expr, $($rest:tt)*) => {
             tile_pass_asm!(
-                $cfg,
                 (
                     $p.a[0].0.as_ptr().wrapping_add($p.a[0].1),
                     $p.a[1].0.as_ptr().wrapping_add($p.a[1].1),
@@ -503,13 +573,12 @@ mod hw {
         };
     }
 
-    /// A peak loop's block for the tile product `$op` (`tdpbusd`, `tdpbf16ps`): `4 * rounds`
-    /// back-to-back products into four independent accumulator tiles from zeroed operand
-    /// tiles, configured and released inside the block.
+    /// A peak loop's block for the tile product `$op` (`tdpbusd`, `tdpbf16ps`), on tiles a
+    /// [`Session`] configured: `4 * rounds` back-to-back products into four independent
+    /// accumulator tiles from zeroed operand tiles.
     macro_rules! tile_peak_asm {
-        ($op:literal, $cfg:expr, $rounds:expr) => {
+        ($op:literal, $rounds:expr) => {
             ::core::arch::asm!(
-                "ldtilecfg [{cfg}]",
                 "tilezero tmm0",
                 "tilezero tmm1",
                 "tilezero tmm2",
@@ -525,12 +594,10 @@ mod hw {
                 concat!($op, " tmm3, tmm5, tmm7"),
                 "dec {n}",
                 "jnz 2b",
-                "tilerelease",
-                cfg = in(reg) $cfg,
                 n = inout(reg) $rounds => _,
                 out("tmm0") _, out("tmm1") _, out("tmm2") _, out("tmm3") _,
                 out("tmm4") _, out("tmm5") _, out("tmm6") _, out("tmm7") _,
-                options(nostack),
+                options(nostack, nomem),
             )
         };
     }
@@ -549,12 +616,12 @@ mod hw {
         if rounds == 0 {
             return;
         }
-        let cfg = ALL_FULL.bytes().as_ptr();
-        // SAFETY: the caller's contract: the CPU has AMX-INT8 with palette 1 of 8 full tiles
-        // and the OS granted tile state. Nothing is read but the configuration and nothing
-        // written; tile state is configured and released inside this one block.
+        // SAFETY: the caller's contract (the CPU has AMX-INT8 with palette 1 of 8 full tiles
+        // and the OS granted tile state) is the session's, which configures the tiles while
+        // the block runs. The block reads and writes no memory, only tiles.
         unsafe {
-            tile_peak_asm!("tdpbusd", cfg, rounds);
+            let _tiles = Session::open();
+            tile_peak_asm!("tdpbusd", rounds);
         }
     }
 
@@ -562,12 +629,12 @@ mod hw {
         fn pass(&mut self, p: &Pass<'_>, out: &mut PassOut) {
             // Checked here, not assumed: the loads below read exactly the tiles `fits` checks.
             assert!(p.fits(), "AMX pass out of bounds");
-            let cfg = &ALL_FULL;
             let c = out.as_mut_ptr();
             // Row stride of a C tile's stores, in bytes: `nb` entries of 64 bytes.
             let cs = p.nb * std::mem::size_of::<[i32; super::BLOCK]>();
-            // SAFETY: an `Hw` exists only where AMX is usable (`Hw::new`'s contract). The
-            // loads read the tiles `p.fits()` found inside their slices (A: 16 rows of 64 bytes
+            // SAFETY: an `Hw` exists only where AMX is usable (`Hw::new`'s contract), and its
+            // session keeps the tiles configured as ALL_FULL (8 tiles of 16 x 64 bytes) on
+            // this thread while it lives (`Hw` is not `Send`). The loads read the tiles `p.fits()` found inside their slices (A: 16 rows of 64 bytes
             // at stride `sa` from a[i] + 64 s; B: 16 x 64 contiguous bytes from b[j] + 1024 s;
             // s < steps). The stores write C (i, j) row r at entry 32 i + j + r nb of `out`:
             // at most 32 + 1 + 15 * 2 = 63 < 64 entries. Registers a1/b1 equal a0/b0 when
@@ -578,7 +645,6 @@ mod hw {
                 macro_rules! one_row_tile_two_blocks {
                     ($($prefetch:tt)*) => {
                         pass_asm!(p,
-                            cfg.bytes().as_ptr(),
                             c,
                             cs,
                             [
@@ -596,7 +662,6 @@ mod hw {
                 macro_rules! two_row_tiles_two_blocks {
                     ($($prefetch:tt)*) => {
                         pass_asm!(p,
-                            cfg.bytes().as_ptr(),
                             c,
                             cs,
                             [
@@ -622,7 +687,6 @@ mod hw {
                 match (p.rts, p.nb) {
                     (1, 1) => pass_asm!(
                         p,
-                        cfg.bytes().as_ptr(),
                         c,
                         cs,
                         [
@@ -636,7 +700,6 @@ mod hw {
                     (1, _) => one_row_tile_two_blocks!(),
                     (_, 1) => pass_asm!(
                         p,
-                        cfg.bytes().as_ptr(),
                         c,
                         cs,
                         [
@@ -960,6 +1023,65 @@ mod tests {
         if !hw_cpuid_amx() {
             assert!(!amx);
         }
+    }
+
+    /// The tile configuration the CPU holds for this thread (`sttilecfg`): 64 zero bytes
+    /// when the tiles are in their initial state (released, or never configured).
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    fn held_config() -> [u8; 64] {
+        #[repr(C, align(64))]
+        struct Held([u8; 64]);
+        let mut held = Held([0xA5; 64]);
+        // SAFETY: only called where `usable()` holds (the CPU has the tiles); `sttilecfg`
+        // writes exactly 64 bytes to its operand, a 64-byte buffer of ours.
+        unsafe {
+            ::core::arch::asm!(
+                "sttilecfg [{at}]",
+                at = in(reg) held.0.as_mut_ptr(),
+                options(nostack, preserves_flags),
+            );
+        }
+        held.0
+    }
+
+    /// Tile sessions nest: a GEMM (an `Hw`), the peak loop and another `Hw` opened and
+    /// closed inside an open one leave the tiles configured for it, and its passes still equal
+    /// the scalar reference after them (were the tiles released, the next pass would fault
+    /// with SIGILL). The last session closed returns the tiles to their initial state.
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    #[test]
+    fn tile_sessions_nest_and_release() {
+        if !usable() {
+            assert!(!super::super::kernels::isa().amx());
+            return;
+        }
+        // (Each test runs on a thread of its own.)
+        assert!(!Session::open_here());
+        assert_eq!(held_config(), [0; 64]);
+        // SAFETY: `usable()` holds.
+        let mut outer = unsafe { Hw::new() };
+        assert!(Session::open_here());
+        assert_eq!(&held_config(), hw::ALL_FULL.bytes());
+        assert!(self_test(&mut outer));
+        {
+            // SAFETY: `usable()` holds.
+            let mut inner = unsafe { Hw::new() };
+            assert!(self_test(&mut inner));
+            // SAFETY: `usable()` holds.
+            unsafe { peak_loop(2) };
+        }
+        // SAFETY: `usable()` holds.
+        unsafe { peak_loop(2) };
+        assert!(Session::open_here());
+        assert_eq!(&held_config(), hw::ALL_FULL.bytes());
+        assert!(self_test(&mut outer));
+        drop(outer);
+        assert!(!Session::open_here());
+        assert_eq!(held_config(), [0; 64]);
+        // The peak loop alone configures and releases too.
+        // SAFETY: `usable()` holds.
+        unsafe { peak_loop(2) };
+        assert_eq!(held_config(), [0; 64]);
     }
 
     #[cfg(target_arch = "x86_64")]

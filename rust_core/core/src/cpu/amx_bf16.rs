@@ -575,6 +575,7 @@ pub const PEAK_MACS_PER_ISSUE: usize = TILE * BLOCK * 2 * TILE;
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 mod hw {
     use super::{Pass, PassOut, TileOps, TILE};
+    use crate::cpu::amx::Session;
     use crate::cpu::wo::BLOCK;
 
     /// CPUID leaf 7: AMX-BF16 (EDX bit 22).
@@ -583,16 +584,19 @@ mod hw {
         __cpuid_count(0, 0).eax >= 7 && __cpuid_count(7, 0).edx & (1 << 22) != 0
     }
 
-    /// The CPU's AMX-BF16 tiles; each pass is one self-contained `asm!` block.
+    /// The CPU's AMX-BF16 tiles, configured while the value lives (it holds a tile
+    /// [`Session`], shared with the int8 tiles on the same thread); each pass is one
+    /// self-contained `asm!` block.
     #[derive(Debug)]
-    pub struct Hw(());
+    pub struct Hw(Session);
 
     impl Hw {
         /// # Safety
         /// The CPU has AMX-BF16 with palette 1 of at least 8 tiles of 16 rows x 64 bytes, and
         /// the OS granted tile state to this process.
         pub unsafe fn new() -> Hw {
-            Hw(())
+            // SAFETY: the caller's contract covers Session::open's.
+            Hw(unsafe { Session::open() })
         }
     }
 
@@ -607,25 +611,24 @@ mod hw {
         if rounds == 0 {
             return;
         }
-        let cfg = crate::cpu::amx::tile_config();
-        // SAFETY: the caller's contract: the CPU has AMX-BF16 with palette 1 of 8 full tiles
-        // and the OS granted tile state. Nothing is read but the configuration and nothing
-        // written; tile state is configured and released inside this one block.
+        // SAFETY: the caller's contract (the CPU has AMX-BF16 with palette 1 of 8 full tiles
+        // and the OS granted tile state) is the session's, which configures the tiles while
+        // the block runs. The block reads and writes no memory, only tiles.
         unsafe {
-            crate::cpu::amx::tile_peak_asm!("tdpbf16ps", cfg, rounds);
+            let _tiles = Session::open();
+            crate::cpu::amx::tile_peak_asm!("tdpbf16ps", rounds);
         }
     }
 
-    /// One pass's `asm!` block: `ldtilecfg`; per run, the accumulators' `$init` (zeroed, or
-    /// loaded from C), `steps` steps of the listed loads and products, the listed stores to
-    /// C, C on by 4096 bytes; `tilerelease`. C `(i, j)` row `r` lies at `c + 64 (32 i + j) +
-    /// 128 r`. (Both A addresses move on, used or not.)
+    /// One pass's `asm!` block, on tiles a [`Session`] configured: per run, the accumulators'
+    /// `$init` (zeroed, or loaded from C), `steps` steps of the listed loads and products, the
+    /// listed stores to C, C on by 4096 bytes. C `(i, j)` row `r` lies at `c + 64 (32 i + j)
+    /// + 128 r`. (Both A addresses move on, used or not.)
     macro_rules! bf16_pass_asm {
-        (($cfg:expr, $a0:expr, $a1:expr, $sa:expr, $b0:expr, $b1:expr, $steps:expr,
+        (($a0:expr, $a1:expr, $sa:expr, $b0:expr, $b1:expr, $steps:expr,
           $groups:expr, $c:expr), [$($init:literal),*], [$($load:literal),*],
          [$($dot:literal),*], [$($store:literal),*]) => {
             ::core::arch::asm!(
-                "ldtilecfg [{cfg}]",
                 "3:",
                 $($init,)*
                 "mov {n}, {steps}",
@@ -642,8 +645,6 @@ mod hw {
                 "add {c}, 4096",
                 "dec {groups}",
                 "jnz 3b",
-                "tilerelease",
-                cfg = in(reg) $cfg,
                 a0 = inout(reg) $a0 => _,
                 a1 = inout(reg) $a1 => _,
                 sa = in(reg) $sa,
@@ -715,7 +716,6 @@ mod hw {
                 p.fits() && out.len() >= p.groups,
                 "AMX-BF16 pass out of bounds"
             );
-            let cfg = crate::cpu::amx::tile_config();
             let row_bytes = p.stride * 4;
             let first = p.s0 * TILE;
             let a0 = p.a[p.r0 * p.stride + first..].as_ptr();
@@ -727,8 +727,9 @@ mod hw {
             let b1 = p.w[p.b1 * p.wkp * BLOCK..].as_ptr();
             let c = out.as_mut_ptr();
             let (steps, groups) = (p.steps, p.groups);
-            // SAFETY: an `Hw` exists only where AMX-BF16 is usable (`Hw::new`'s contract).
-            // `fits` found rows r0..r0 + 16 tiles (kp pairs each, `stride` apart) inside `a`
+            // SAFETY: an `Hw` exists only where AMX-BF16 is usable (`Hw::new`'s contract),
+            // and its session keeps the tiles configured (8 tiles of 16 x 64 bytes) on this
+            // thread while it lives (`Hw` is not `Send`). `fits` found rows r0..r0 + 16 tiles (kp pairs each, `stride` apart) inside `a`
             // with pairs 16 s0 + 16 groups steps <= kp, and blocks b0, b1 (wkp pairs each,
             // 16 groups steps <= wkp of them read) inside `w`; step s loads A rows at a +
             // 64 s (16 rows of 64 bytes, stride * 4 bytes apart; the second row tile only
@@ -736,16 +737,12 @@ mod hw {
             // inside. Run g loads (with `carry`, one run) and stores C (i, j) row r (i <
             // tiles) at byte 4096 g + 64 (32 i + 2 r + j) of `out`, inside its first
             // `groups` entries of 4096 bytes. `steps` and `groups` are at least 1 (fits), so
-            // both loops end. Tile state is configured and released inside this block.
+            // both loops end.
             unsafe {
                 // This pass's operands, with `$tiles` row tiles and the accumulators' `$init`.
                 macro_rules! run {
                     ($tiles:tt, $init:tt) => {
-                        bf16_pass!(
-                            (cfg, a0, a1, row_bytes, b0, b1, steps, groups, c),
-                            $tiles,
-                            $init
-                        )
+                        bf16_pass!((a0, a1, row_bytes, b0, b1, steps, groups, c), $tiles, $init)
                     };
                 }
                 match (p.tiles, p.carry) {
