@@ -28,8 +28,8 @@
 //!
 //! Work goes in passes of 2 row tiles x 2 blocks (32 rows x 32 features; one row tile where
 //! 16 rows or fewer are left) over a chunk of the reduction ([`CHUNK_STEPS`]), each one
-//! self-contained `asm!` block (configure, zero or load the accumulators, loop, store,
-//! release), as the int8 tiles of [`super::amx`] do. The blocks are widened chunk by chunk
+//! self-contained `asm!` block (zero or load the accumulators, loop, store) on tiles that the
+//! [`Hw`]'s session configured, as the int8 tiles of [`super::amx`] do. The blocks are widened chunk by chunk
 //! into a buffer that stays in L1 while every pass of rows reads it, and block pairs go in
 //! panels so that a chunk of the rows is read once per panel; the accumulators go through
 //! memory between chunks, which rounds nothing. Rows are padded to 32 and the reduction to
