@@ -377,7 +377,7 @@ mod hw {
     #[repr(C, align(64))]
     pub(super) struct Config([u8; 64]);
 
-    /// The one configuration every pass loads, built once at compile time.
+    /// The one configuration every [`Session`] loads, built once at compile time.
     pub(super) static ALL_FULL: Config = Config::all_full();
 
     impl Config {
@@ -403,18 +403,29 @@ mod hw {
     std::thread_local! {
         /// How many [`Session`]s are open on this thread. Only sessions configure or release
         /// the tiles, so the tiles are configured as [`ALL_FULL`] exactly while this is above
-        /// zero.
+        /// zero (given what [`Session`] says of other tile users).
         static OPEN: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
     }
 
-    /// The tiles configured ([`ALL_FULL`]) on this thread for as long as the value lives:
-    /// the first session open on a thread runs `ldtilecfg`, the last one closed runs
-    /// `tilerelease`, and sessions nest (an inner one neither configures nor releases). Tile
-    /// instructions need the configuration and `ldtilecfg` costs about as much as 1-4 steps
-    /// of a pass (83-110 ns measured on the 2-core AMX VM, against 29-110 ns for a step's
-    /// four loads and four products), so a GEMM's passes share one instead of each loading
-    /// its own. Not `Send`: the configuration is the thread's (the OS saves and restores it
-    /// with the rest of the thread's extended state).
+    /// The tiles configured on this thread (palette 1, eight tiles of 16 rows x 64 bytes) for
+    /// as long as the value lives: the first session open on a thread runs `ldtilecfg`, the
+    /// last one closed runs `tilerelease`, and sessions nest (an inner one neither configures
+    /// nor releases). Tile instructions need the configuration and `ldtilecfg` costs about as
+    /// much as 1-4 steps of a pass (83-110 ns measured on the 2-core AMX VM, against 29-110 ns
+    /// for a step's four loads and four products), so a GEMM's passes share one instead of
+    /// each loading its own. Not `Send`: the configuration is the thread's (the OS saves and
+    /// restores it with the rest of the thread's extended state).
+    ///
+    /// The x86-64 ABI lets any called function change the tile configuration, and the
+    /// configuration now outlives the passes' assembly blocks: across the epilogues, widening
+    /// and folds a GEMM calls between passes, the allocator, and rayon (a worker may run
+    /// another job inside a callback). None of that code uses tiles but through a session,
+    /// and no other library's tile code runs on our threads during a GEMM (the forward runs
+    /// on the pool's threads and the caller's, with the GIL released, calling nothing
+    /// outside this crate but the allocator and rayon). Were a foreign `tilerelease` to run
+    /// there anyway, the next pass would stop with SIGILL (an invalid instruction), not
+    /// touch memory out of bounds: the bounds every pass checks do not depend on the
+    /// configuration beyond palette 1's largest tiles, which this one is.
     #[derive(Debug)]
     pub struct Session {
         thread_bound: std::marker::PhantomData<*const ()>,
@@ -424,6 +435,7 @@ mod hw {
         /// # Safety
         /// The CPU has AMX with palette 1 of at least 8 tiles of 16 rows x 64 bytes and the
         /// OS granted tile state to this process.
+        #[must_use = "a session closes (and may release the tiles) when dropped"]
         pub unsafe fn open() -> Session {
             OPEN.with(|open| {
                 if open.get() == 0 {
@@ -458,6 +470,7 @@ mod hw {
         fn drop(&mut self) {
             OPEN.with(|open| {
                 // This session counted itself when it opened, on this thread (not `Send`).
+                debug_assert!(open.get() > 0, "a tile session closed that never opened");
                 let left = open.get().saturating_sub(1);
                 open.set(left);
                 if left == 0 {
@@ -607,8 +620,9 @@ mod hw {
     pub const PEAK_MACS_PER_ISSUE: usize = TILE_ROWS * 16 * KSTEP;
 
     /// `4 * rounds` back-to-back `tdpbusd` into four independent accumulator tiles from
-    /// operands held in tiles (no memory traffic but the 64-byte configuration): the
-    /// instruction's throughput limit, for [`crate::cpu::peak`].
+    /// operands held in tiles (no memory traffic, but the 64-byte configuration where no
+    /// session is open on the thread): the instruction's throughput limit, for
+    /// [`crate::cpu::peak`].
     ///
     /// # Safety
     /// [`usable`] returned true in this process.
@@ -633,14 +647,15 @@ mod hw {
             // Row stride of a C tile's stores, in bytes: `nb` entries of 64 bytes.
             let cs = p.nb * std::mem::size_of::<[i32; super::BLOCK]>();
             // SAFETY: an `Hw` exists only where AMX is usable (`Hw::new`'s contract), and its
-            // session keeps the tiles configured as ALL_FULL (8 tiles of 16 x 64 bytes) on
-            // this thread while it lives (`Hw` is not `Send`). The loads read the tiles `p.fits()` found inside their slices (A: 16 rows of 64 bytes
-            // at stride `sa` from a[i] + 64 s; B: 16 x 64 contiguous bytes from b[j] + 1024 s;
-            // s < steps). The stores write C (i, j) row r at entry 32 i + j + r nb of `out`:
-            // at most 32 + 1 + 15 * 2 = 63 < 64 entries. Registers a1/b1 equal a0/b0 when
-            // unused and are never dereferenced then. `steps >= 1` (fits), so the loop ends.
-            // The prefetches (`p.pf != 0`) may name any address: a prefetch never faults and
-            // neither reads into nor writes anything the program sees.
+            // session keeps the tiles configured as ALL_FULL (8 tiles of 16 x 64 bytes) on this
+            // thread while it lives (`Hw` is not `Send`; see `Session` for why nothing else on the
+            // thread changes the configuration meanwhile). The loads read the tiles `p.fits()`
+            // found inside their slices (A: 16 rows of 64 bytes at stride `sa` from a[i] + 64 s; B:
+            // 16 x 64 contiguous bytes from b[j] + 1024 s; s < steps). The stores write C (i, j)
+            // row r at entry 32 i + j + r nb of `out`: at most 32 + 1 + 15 * 2 = 63 < 64 entries.
+            // Registers a1/b1 equal a0/b0 when unused and are never dereferenced then. `steps >= 1`
+            // (fits), so the loop ends. The prefetches (`p.pf != 0`) may name any address: a
+            // prefetch never faults and neither reads into nor writes anything the program sees.
             unsafe {
                 macro_rules! one_row_tile_two_blocks {
                     ($($prefetch:tt)*) => {
@@ -1069,10 +1084,34 @@ mod tests {
             assert!(self_test(&mut inner));
             // SAFETY: `usable()` holds.
             unsafe { peak_loop(2) };
+            if super::super::amx_bf16::enabled() {
+                // SAFETY: `enabled()` holds.
+                let mut bf16 = unsafe { super::super::amx_bf16::Hw::new() };
+                assert!(super::super::amx_bf16::self_test(&mut bf16));
+            }
         }
+        // Still configured (checked before any tile instruction, which would fault if not).
+        assert!(Session::open_here());
+        assert_eq!(&held_config(), hw::ALL_FULL.bytes());
         // SAFETY: `usable()` holds.
         unsafe { peak_loop(2) };
-        assert!(Session::open_here());
+        assert!(self_test(&mut outer));
+        // Sessions are the thread's: another thread starts with none, and its own session's
+        // release leaves this one's configured. (Linux starts a thread with a copy of its
+        // creator's extended state, tile configuration included, so the new thread may hold
+        // one before its first session: harmless, as no pass runs outside a session.)
+        std::thread::spawn(|| {
+            assert!(!Session::open_here());
+            // SAFETY: `usable()` holds (checked on the spawning thread, for the process).
+            let mut other = unsafe { Hw::new() };
+            assert_eq!(&held_config(), hw::ALL_FULL.bytes());
+            assert!(self_test(&mut other));
+            drop(other);
+            assert!(!Session::open_here());
+            assert_eq!(held_config(), [0; 64]);
+        })
+        .join()
+        .expect("a tile session on another thread");
         assert_eq!(&held_config(), hw::ALL_FULL.bytes());
         assert!(self_test(&mut outer));
         drop(outer);
