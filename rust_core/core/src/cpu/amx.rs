@@ -178,8 +178,11 @@ pub fn tiles<T: TileOps>(
     let tail = if full < m {
         // A spare buffer of this thread (one per GEMM call would be an allocation per panel),
         // on a cache line as the rows it copies should be.
-        let mut t = super::spare::LineBytes::take(TILE_ROWS * k_pad, 0);
-        t[..(m - full) * k_pad].copy_from_slice(&xu[full * k_pad..m * k_pad]);
+        // Only the padding rows are zeroed: the others are copied over at once.
+        let mut t = super::spare::LineBytes::take_any(TILE_ROWS * k_pad);
+        let have = (m - full) * k_pad;
+        t[..have].copy_from_slice(&xu[full * k_pad..m * k_pad]);
+        t[have..].fill(0);
         t
     } else {
         super::spare::LineBytes::default()
@@ -526,8 +529,9 @@ mod hw {
 
     /// One pass's `asm!` block, on tiles a [`Session`] configured: zeroed accumulators, a loop
     /// of `steps` steps (the listed loads, products and prefetches, then the four source
-    /// addresses move on), the listed stores. Stores: C `(i, j)` row `r` at `c + 64 (32 i + j)
-    /// + r * cs`. The tile registers are declared clobbered; flags are changed by the loop.
+    /// addresses move on), the listed stores. Stores: C `(i, j)` row `r` at
+    /// `c + 64 (32 i + j) + r * cs`. The tile registers are declared clobbered; flags are
+    /// changed by the loop.
     macro_rules! tile_pass_asm {
         (($a0:expr, $a1:expr, $sa:expr), ($b0:expr, $b1:expr), $steps:expr,
          ($out:expr, $cs:expr),
@@ -648,14 +652,15 @@ mod hw {
             let cs = p.nb * std::mem::size_of::<[i32; super::BLOCK]>();
             // SAFETY: an `Hw` exists only where AMX is usable (`Hw::new`'s contract), and its
             // session keeps the tiles configured as ALL_FULL (8 tiles of 16 x 64 bytes) on this
-            // thread while it lives (`Hw` is not `Send`; see `Session` for why nothing else on the
-            // thread changes the configuration meanwhile). The loads read the tiles `p.fits()`
-            // found inside their slices (A: 16 rows of 64 bytes at stride `sa` from a[i] + 64 s; B:
-            // 16 x 64 contiguous bytes from b[j] + 1024 s; s < steps). The stores write C (i, j)
-            // row r at entry 32 i + j + r nb of `out`: at most 32 + 1 + 15 * 2 = 63 < 64 entries.
-            // Registers a1/b1 equal a0/b0 when unused and are never dereferenced then. `steps >= 1`
-            // (fits), so the loop ends. The prefetches (`p.pf != 0`) may name any address: a
-            // prefetch never faults and neither reads into nor writes anything the program sees.
+            // thread while it lives (`Hw` is not `Send`; see `Session` for why nothing else on
+            // the thread changes the configuration meanwhile). The loads read the tiles
+            // `p.fits()` found inside their slices (A: 16 rows of 64 bytes at stride `sa` from
+            // a[i] + 64 s; B: 16 x 64 contiguous bytes from b[j] + 1024 s; s < steps). The
+            // stores write C (i, j) row r at entry 32 i + j + r nb of `out`: at most 32 + 1 +
+            // 15 * 2 = 63 < 64 entries. Registers a1/b1 equal a0/b0 when unused and are never
+            // dereferenced then. `steps >= 1` (fits), so the loop ends. The prefetches (`p.pf
+            // != 0`) may name any address: a prefetch never faults and neither reads into nor
+            // writes anything the program sees.
             unsafe {
                 macro_rules! one_row_tile_two_blocks {
                     ($($prefetch:tt)*) => {

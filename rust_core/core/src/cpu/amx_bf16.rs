@@ -26,16 +26,17 @@
 //! this model in 51,200 of 51,200 outputs of random normal operands, where the Intrinsics
 //! Guide's sequential form matched 18,268).
 //!
-//! Work goes in passes of 2 row tiles x 2 blocks (32 rows x 32 features; one row tile where 16 rows
-//! or fewer are left) over a chunk of the reduction ([`CHUNK_STEPS`]), each one self-contained
-//! `asm!` block (zero or load the accumulators, loop, store) on tiles that the [`Hw`]'s session
-//! configured, as the int8 tiles of [`super::amx`] do. The blocks are widened chunk by chunk into a
-//! buffer that stays in L1 while every pass of rows reads it, and block pairs go in panels so that
-//! a chunk of the rows is read once per panel; the accumulators go through memory between chunks,
-//! which rounds nothing. Rows are padded to 32 and the reduction to 16 pairs with zeros; a single
-//! last block is run as a pair with itself. Before the chunks, every pass ran the whole reduction:
-//! at Mixtral's 14,336-column down projection a block pair's widened weights (917 KB) and a pass's
-//! rows (918 KB) no longer fit L2 together.
+//! Work goes in passes of 2 row tiles x 2 blocks (32 rows x 32 features; one row tile where
+//! 16 rows or fewer are left) over a chunk of the reduction ([`CHUNK_STEPS`]), each one
+//! self-contained `asm!` block (zero or load the accumulators, loop, store) on tiles that the
+//! [`Hw`]'s session configured, as the int8 tiles of [`super::amx`] do. The blocks are
+//! widened chunk by chunk into a buffer that stays in L1 while every pass of rows reads it,
+//! and block pairs go in panels so that a chunk of the rows is read once per panel; the
+//! accumulators go through memory between chunks, which rounds nothing. Rows are padded to 32
+//! and the reduction to 16 pairs with zeros; a single last block is run as a pair with
+//! itself. Before the chunks, every pass ran the whole reduction: at Mixtral's 14,336-column
+//! down projection a block pair's widened weights (917 KB) and a pass's rows (918 KB) no
+//! longer fit L2 together.
 
 use super::wo::BLOCK;
 
@@ -622,8 +623,8 @@ mod hw {
 
     /// One pass's `asm!` block, on tiles a [`Session`] configured: per run, the accumulators'
     /// `$init` (zeroed, or loaded from C), `steps` steps of the listed loads and products, the
-    /// listed stores to C, C on by 4096 bytes. C `(i, j)` row `r` lies at `c + 64 (32 i + j)
-    /// + 128 r`. (Both A addresses move on, used or not.)
+    /// listed stores to C, C on by 4096 bytes. C `(i, j)` row `r` lies at
+    /// `c + 64 (32 i + j) + 128 r`. (Both A addresses move on, used or not.)
     macro_rules! bf16_pass_asm {
         (($a0:expr, $a1:expr, $sa:expr, $b0:expr, $b1:expr, $steps:expr,
           $groups:expr, $c:expr), [$($init:literal),*], [$($load:literal),*],
@@ -727,17 +728,17 @@ mod hw {
             let b1 = p.w[p.b1 * p.wkp * BLOCK..].as_ptr();
             let c = out.as_mut_ptr();
             let (steps, groups) = (p.steps, p.groups);
-            // SAFETY: an `Hw` exists only where AMX-BF16 is usable (`Hw::new`'s contract), and its
-            // session keeps the tiles configured (8 tiles of 16 x 64 bytes) on this thread while it
-            // lives (`Hw` is not `Send`; see `amx::Session`). `fits` found rows r0..r0 + 16 tiles
-            // (kp pairs each, `stride` apart) inside `a` with pairs 16 s0 + 16 groups steps <= kp,
-            // and blocks b0, b1 (wkp pairs each, 16 groups steps <= wkp of them read) inside `w`;
-            // step s loads A rows at a + 64 s (16 rows of 64 bytes, stride * 4 bytes apart; the
-            // second row tile only with two) and B at b + 1024 s (16 x 64 contiguous bytes), so
-            // every load stays inside. Run g loads (with `carry`, one run) and stores C (i, j) row
-            // r (i < tiles) at byte 4096 g + 64 (32 i + 2 r + j) of `out`, inside its first
-            // `groups` entries of 4096 bytes. `steps` and `groups` are at least 1 (fits), so both
-            // loops end.
+            // SAFETY: an `Hw` exists only where AMX-BF16 is usable (`Hw::new`'s contract), and
+            // its session keeps the tiles configured (8 tiles of 16 x 64 bytes) on this thread
+            // while it lives (`Hw` is not `Send`; see `amx::Session`). `fits` found rows r0..r0
+            // + 16 tiles (kp pairs each, `stride` apart) inside `a` with pairs 16 s0 + 16
+            // groups steps <= kp, and blocks b0, b1 (wkp pairs each, 16 groups steps <= wkp of
+            // them read) inside `w`; step s loads A rows at a + 64 s (16 rows of 64 bytes,
+            // stride * 4 bytes apart; the second row tile only with two) and B at b + 1024 s
+            // (16 x 64 contiguous bytes), so every load stays inside. Run g loads (with
+            // `carry`, one run) and stores C (i, j) row r (i < tiles) at byte 4096 g + 64 (32 i
+            // + 2 r + j) of `out`, inside its first `groups` entries of 4096 bytes. `steps` and
+            // `groups` are at least 1 (fits), so both loops end.
             unsafe {
                 // This pass's operands, with `$tiles` row tiles and the accumulators' `$init`.
                 macro_rules! run {
