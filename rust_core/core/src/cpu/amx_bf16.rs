@@ -37,6 +37,16 @@
 //! itself. Before the chunks, every pass ran the whole reduction: at Mixtral's 14,336-column
 //! down projection a block pair's widened weights (917 KB) and a pass's rows (918 KB) no
 //! longer fit L2 together.
+//!
+//! Widening int8 codes streams them from memory, and it waited on them: one thread reads
+//! ~8 GB/s on the 2-core VM (as many lines in flight as one core allows), and while the tiles
+//! computed, nothing was read. So the first pass of rows after each widening prefetches the
+//! codes of the next one ([`Prefetch`], from [`Int8Codes`]), 16 lines per step, and the
+//! widening finds them in L2. Alternated call by call in one process (`moe_time`, cold
+//! weights, random routing, bf16 inputs), medians: Mixtral W8A16 T=128 256 against 334 ms
+//! (bf16 scales) and 199 against 274 (other scales), DeepSeek-V2-Lite T=128 65 against 81,
+//! Qwen3-30B-A3B T=1024 188 against 215. (`prefetcht0` did less, 263 against 314; so did
+//! prefetching inside the widening, 2 KB ahead of its loads: 278.)
 
 use super::wo::BLOCK;
 
@@ -74,6 +84,46 @@ pub struct Pass<'a> {
     pub carry: bool,
     /// Row tiles (1 or 2): with one, rows `r0 + 16..` are neither read nor written.
     pub tiles: usize,
+    /// Code bytes the hardware block prefetches while it computes (see [`Prefetch`]); the
+    /// model ignores them.
+    pub pf: Option<Prefetch>,
+}
+
+/// Lines a pass prefetches (`prefetcht1`, into L2) while its tiles compute: with each of its
+/// steps (`steps * groups` in all), [`PREFETCH_LINES`] lines from `at` and as many from `at +
+/// next`, both moving on by that many lines per step. [`drive`] points them at the int8
+/// codes of the widening after the pass (two blocks, 16 pairs of 32 bytes per step), which
+/// otherwise waits on memory while the tiles leave it idle. A prefetch never faults and
+/// changes nothing a program can observe, so the addresses need no bounds.
+#[derive(Clone, Copy, Debug)]
+pub struct Prefetch {
+    pub at: *const u8,
+    pub next: usize,
+}
+
+/// Lines per stream and step of a [`Prefetch`]: one step's 16 pairs of int8 codes (two
+/// columns of 16 bytes each).
+pub const PREFETCH_LINES: usize = 8;
+
+/// Where a GEMM's `widen` reads int8 codes, for its passes to prefetch the next widening's
+/// ([`Prefetch`]): block `b`'s pair `p` (columns `2 p` and `2 p + 1`, 16 bytes each) at byte
+/// `b * block_len + 32 p` of `codes`. Where groups are padded, pairs and columns drift apart
+/// by the padding; a prefetch is a hint, so near is good enough.
+#[derive(Clone, Copy, Debug)]
+pub struct Int8Codes<'a> {
+    pub codes: &'a [u8],
+    pub block_len: usize,
+}
+
+impl Int8Codes<'_> {
+    /// The prefetch of the widening of block `b` (and `b + 1` below `nb`) from pair `first`.
+    fn prefetch(&self, b: usize, first: usize, nb: usize) -> Prefetch {
+        let at = (b * self.block_len + 32 * first).min(self.codes.len());
+        Prefetch {
+            at: self.codes.as_ptr().wrapping_add(at),
+            next: if b + 1 < nb { self.block_len } else { 0 },
+        }
+    }
 }
 
 impl Pass<'_> {
@@ -212,7 +262,7 @@ pub fn gemm<T: TileOps + ?Sized>(
     m: usize,
     kp: usize,
     nb: usize,
-    widen: impl Widen,
+    (widen, ahead): (impl Widen, Option<Int8Codes<'_>>),
     emit: impl FnMut(usize, usize, &[f32; BLOCK]),
 ) -> bool {
     let chunks = (0..kp / TILE)
@@ -227,7 +277,17 @@ pub fn gemm<T: TileOps + ?Sized>(
         })
         .collect::<Vec<_>>();
     let no_fold = |_: Fold<'_>| {};
-    drive(ops, a, m, kp, nb, (&chunks, false), widen, no_fold, emit)
+    drive(
+        ops,
+        a,
+        m,
+        kp,
+        nb,
+        (&chunks, false),
+        (widen, ahead),
+        no_fold,
+        emit,
+    )
 }
 
 /// As [`gemm`], with the reduction cut into groups of whole steps (group `g` is steps
@@ -244,7 +304,7 @@ pub fn gemm_grouped<T: TileOps + ?Sized>(
     kp: usize,
     nb: usize,
     starts: &[usize],
-    widen: impl Widen,
+    (widen, ahead): (impl Widen, Option<Int8Codes<'_>>),
     fold: impl FnMut(Fold<'_>),
     emit: impl FnMut(usize, usize, &[f32; BLOCK]),
 ) -> bool {
@@ -298,7 +358,17 @@ pub fn gemm_grouped<T: TileOps + ?Sized>(
         });
         g += run;
     }
-    drive(ops, a, m, kp, nb, (&chunks, true), widen, fold, emit)
+    drive(
+        ops,
+        a,
+        m,
+        kp,
+        nb,
+        (&chunks, true),
+        (widen, ahead),
+        fold,
+        emit,
+    )
 }
 
 /// A piece of the reduction for [`drive`]: `groups` runs of `steps` steps from step `s0`
@@ -320,6 +390,32 @@ struct Chunk {
 /// one block pair and holds one output per pass.)
 const PANEL_TILES: usize = 64;
 
+/// The widening [`drive`] runs after pair `q` of chunk `ci` in the panel from block `p0`
+/// (panels of `panel` pairs over `nb` blocks), as its first block and step: the chunk's next
+/// pair, else the first pair of the panel's next chunk with steps, else of the next panel's
+/// first such chunk; `None` after the last.
+fn next_widening(
+    chunks: &[Chunk],
+    (nb, panel): (usize, usize),
+    (p0, ci, q): (usize, usize, usize),
+) -> Option<(usize, usize)> {
+    let first_with_steps = |from: usize| {
+        chunks
+            .iter()
+            .skip(from)
+            .find(|c| c.steps * c.groups > 0)
+            .map(|c| c.s0)
+    };
+    if q + 1 < (nb - p0).div_ceil(2).min(panel) {
+        return Some((p0 + 2 * (q + 1), chunks[ci].s0));
+    }
+    if let Some(s0) = first_with_steps(ci + 1) {
+        return Some((p0, s0));
+    }
+    let next = p0 + 2 * panel;
+    (next < nb).then(|| first_with_steps(0).map(|s0| (next, s0)))?
+}
+
 /// The loop of [`gemm`] and [`gemm_grouped`], blocked as a GEMM is: the block pairs go in
 /// panels (as many as keep [`PANEL_TILES`] accumulators for all passes of rows); per panel,
 /// chunk by chunk, each pair's two blocks are widened into a buffer that stays in L1 and
@@ -334,7 +430,7 @@ fn drive<T: TileOps + ?Sized>(
     kp: usize,
     nb: usize,
     (chunks, grouped): (&[Chunk], bool),
-    mut widen: impl Widen,
+    (mut widen, ahead): (impl Widen, Option<Int8Codes<'_>>),
     mut fold: impl FnMut(Fold<'_>),
     mut emit: impl FnMut(usize, usize, &[f32; BLOCK]),
 ) -> bool {
@@ -368,7 +464,7 @@ fn drive<T: TileOps + ?Sized>(
     for p0 in (0..nb).step_by(2 * panel) {
         let pairs_here = (nb - p0).div_ceil(2).min(panel);
         totals.fill(zero);
-        for ch in chunks {
+        for (ci, ch) in chunks.iter().enumerate() {
             let pairs = ch.steps * ch.groups * TILE;
             if pairs == 0 {
                 for (at, totals) in totals.iter_mut().enumerate().take(pairs_here * passes) {
@@ -395,6 +491,11 @@ fn drive<T: TileOps + ?Sized>(
                         &mut buf[j * wkp * BLOCK..][..pairs * BLOCK],
                     );
                 }
+                // The first pass of rows prefetches the codes of the next widening.
+                let pf = ahead.and_then(|codes| {
+                    let (b, s0) = next_widening(chunks, (nb, panel), (p0, ci, q))?;
+                    Some(codes.prefetch(b, s0 * TILE, nb))
+                });
                 for pi in 0..passes {
                     let r0 = pi * PASS_ROWS;
                     let p = Pass {
@@ -412,6 +513,7 @@ fn drive<T: TileOps + ?Sized>(
                         carry: ch.carry,
                         // (A last pass of 16 rows or fewer skips the second row tile.)
                         tiles: if m - r0 > TILE { 2 } else { 1 },
+                        pf: pf.filter(|_| pi == 0),
                     };
                     let out = if chained {
                         &mut acc[q * passes + pi][..]
@@ -495,13 +597,14 @@ pub fn self_test<T: TileOps>(ops: &mut T) -> bool {
         .collect();
     let starts = [0, 2, 4, 4, 24, 25, 35];
     let problem = (&a[..], m, kp, &w[..], nb);
+    // (The plain GEMM's passes run without prefetches, the grouped one's with them.)
     let (got, want) = (
-        emitted(ops, problem, None),
-        emitted(&mut Model, problem, None),
+        emitted(ops, problem, None, false),
+        emitted(&mut Model, problem, None, false),
     );
     let (got_g, want_g) = (
-        emitted(ops, problem, Some(&starts)),
-        emitted(&mut Model, problem, Some(&starts)),
+        emitted(ops, problem, Some(&starts), true),
+        emitted(&mut Model, problem, Some(&starts), true),
     );
     want.is_some() && got == want && want_g.is_some() && got_g == want_g
 }
@@ -511,16 +614,23 @@ type Emitted = Vec<(usize, usize, [u32; BLOCK])>;
 
 /// Every `(row, block, lanes' bits)` [`gemm`] (or with `starts`, [`gemm_grouped`] with a
 /// fold that adds each group's C, scaled by 1 + group / 8) emits on `ops`, in order; `None`
-/// if it refused.
+/// if it refused. With `prefetch`, the passes prefetch codes of a stand-in int8 layer of the
+/// same shape, as a layer's do.
 fn emitted<T: TileOps>(
     ops: &mut T,
     (a, m, kp, w, nb): (&[u32], usize, usize, &[u32], usize),
     starts: Option<&[usize]>,
+    prefetch: bool,
 ) -> Option<Emitted> {
+    let codes = vec![0u8; if prefetch { nb * 32 * kp } else { 0 }];
+    let ahead = prefetch.then_some(Int8Codes {
+        codes: &codes,
+        block_len: 32 * kp,
+    });
     let mut seen = Vec::new();
     let emit = |r: usize, b: usize, l: &[f32; BLOCK]| seen.push((r, b, l.map(f32::to_bits)));
     let ran = match starts {
-        None => gemm(ops, (a, kp), m, kp, nb, from_blocks(w, kp), emit),
+        None => gemm(ops, (a, kp), m, kp, nb, (from_blocks(w, kp), ahead), emit),
         Some(starts) => {
             let fold = |f: Fold<'_>| {
                 let s = 1.0 + f.group as f32 / 8.0;
@@ -531,7 +641,7 @@ fn emitted<T: TileOps>(
                 }
             };
             let widen = from_blocks(w, kp);
-            gemm_grouped(ops, (a, kp), m, kp, nb, starts, widen, fold, emit)
+            gemm_grouped(ops, (a, kp), m, kp, nb, starts, (widen, ahead), fold, emit)
         }
     };
     ran.then_some(seen)
@@ -628,7 +738,8 @@ mod hw {
     macro_rules! bf16_pass_asm {
         (($a0:expr, $a1:expr, $sa:expr, $b0:expr, $b1:expr, $steps:expr,
           $groups:expr, $c:expr), [$($init:literal),*], [$($load:literal),*],
-         [$($dot:literal),*], [$($store:literal),*]) => {
+         [$($dot:literal),*], [$($store:literal),*]
+         $(, prefetch ($pf:expr, $pfn:expr))?) => {
             ::core::arch::asm!(
                 "3:",
                 $($init,)*
@@ -636,6 +747,7 @@ mod hw {
                 "2:",
                 $($load,)*
                 $($dot,)*
+                $(prefetch_lines!(@ $pf),)?
                 "add {a0}, 64",
                 "add {a1}, 64",
                 "add {b0}, 1024",
@@ -657,6 +769,7 @@ mod hw {
                 n = out(reg) _,
                 groups = inout(reg) $groups => _,
                 c = inout(reg) $c => _,
+                $(pf = inout(reg) $pf => _, pfn = in(reg) $pfn,)?
                 out("tmm0") _, out("tmm1") _, out("tmm2") _, out("tmm3") _,
                 out("tmm4") _, out("tmm5") _, out("tmm6") _, out("tmm7") _,
                 options(nostack),
@@ -664,10 +777,34 @@ mod hw {
         };
     }
 
+    /// The prefetches of one step of a pass with a [`super::Prefetch`]: `PREFETCH_LINES`
+    /// lines from `{pf}` and as many from `{pf} + {pfn}`, then `{pf}` moves on past them.
+    macro_rules! prefetch_lines {
+        ($($at:literal),*) => {
+            concat!(
+                $("prefetcht1 [{pf} + ", $at, "]\n",)*
+                $("prefetcht1 [{pf} + {pfn}*1 + ", $at, "]\n",)*
+                "add {pf}, 512\n",
+            )
+        };
+        // The pass's addresses are register operands: this form only names them.
+        (@ $pf:expr) => {
+            prefetch_lines!(0, 64, 128, 192, 256, 320, 384, 448)
+        };
+    }
+    // The step's prefetches are the lines the macro lists.
+    const _: () = assert!(super::PREFETCH_LINES * 64 == 512);
+
     /// [`bf16_pass_asm`] for `$p`'s operands, one or two row tiles (`$tiles`), from zero or
-    /// carried.
+    /// carried, and with prefetches or without.
     macro_rules! bf16_pass {
-        ($ops:tt, 1, $init:tt) => {
+        ($ops:tt, $tiles:tt, $init:tt, None) => {
+            bf16_pass!(@ $ops, $tiles, $init)
+        };
+        ($ops:tt, $tiles:tt, $init:tt, Some(($pf:expr, $pfn:expr))) => {
+            bf16_pass!(@ $ops, $tiles, $init, prefetch ($pf, $pfn))
+        };
+        (@ $ops:tt, 1, $init:tt $(, prefetch ($pf:expr, $pfn:expr))?) => {
             bf16_pass_asm!(
                 $ops,
                 $init,
@@ -681,9 +818,10 @@ mod hw {
                     "tilestored [{c} + {sb}*2], tmm0",
                     "tilestored [{c} + {sb}*2 + 64], tmm1"
                 ]
+                $(, prefetch ($pf, $pfn))?
             )
         };
-        ($ops:tt, 2, $init:tt) => {
+        (@ $ops:tt, 2, $init:tt $(, prefetch ($pf:expr, $pfn:expr))?) => {
             bf16_pass_asm!(
                 $ops,
                 $init,
@@ -705,6 +843,7 @@ mod hw {
                     "tilestored [{c} + {sb}*2 + 2048], tmm2",
                     "tilestored [{c} + {sb}*2 + 2112], tmm3"
                 ]
+                $(, prefetch ($pf, $pfn))?
             )
         };
     }
@@ -738,12 +877,27 @@ mod hw {
             // (16 x 64 contiguous bytes), so every load stays inside. Run g loads (with
             // `carry`, one run) and stores C (i, j) row r (i < tiles) at byte 4096 g + 64 (32 i
             // + 2 r + j) of `out`, inside its first `groups` entries of 4096 bytes. `steps` and
-            // `groups` are at least 1 (fits), so both loops end.
+            // `groups` are at least 1 (fits), so both loops end. The prefetches (`p.pf`) may
+            // name any address: a prefetch never faults and neither reads into nor writes any
+            // register or memory the program sees.
             unsafe {
                 // This pass's operands, with `$tiles` row tiles and the accumulators' `$init`.
                 macro_rules! run {
                     ($tiles:tt, $init:tt) => {
-                        bf16_pass!((a0, a1, row_bytes, b0, b1, steps, groups, c), $tiles, $init)
+                        match p.pf {
+                            Some(super::Prefetch { at, next }) => bf16_pass!(
+                                (a0, a1, row_bytes, b0, b1, steps, groups, c),
+                                $tiles,
+                                $init,
+                                Some((at, next))
+                            ),
+                            None => bf16_pass!(
+                                (a0, a1, row_bytes, b0, b1, steps, groups, c),
+                                $tiles,
+                                $init,
+                                None
+                            ),
+                        }
                     };
                 }
                 match (p.tiles, p.carry) {
@@ -888,7 +1042,7 @@ mod tests {
             m,
             kp,
             nb,
-            from_blocks(w, kp),
+            (from_blocks(w, kp), None),
             |r, b, l| {
                 got[r * nb + b] = *l;
                 seen[r * nb + b] += 1;
@@ -951,7 +1105,7 @@ mod tests {
                     }
                 }
             }
-            let got = emitted(&mut Model, (&a, m, kp, &w, nb), Some(&starts)).expect("runs");
+            let got = emitted(&mut Model, (&a, m, kp, &w, nb), Some(&starts), false).expect("runs");
             let got: Vec<u32> = {
                 let mut v = vec![0u32; m * nb * BLOCK];
                 for (r, b, l) in &got {
@@ -1001,13 +1155,23 @@ mod tests {
             (17, 32, 16),
         ] {
             let widen = from_blocks(&w, 16);
-            let ran = gemm(&mut Model, (&a, stride), m, kp, 2, widen, none);
+            let ran = gemm(&mut Model, (&a, stride), m, kp, 2, (widen, None), none);
             assert!(!ran, "stride {stride} m {m} kp {kp}");
         }
         let fold = |_: Fold<'_>| panic!("folded");
         for starts in [&[0usize][..], &[0, 2], &[1, 1], &[0, 1, 0, 1], &[0, 0]] {
             let widen = from_blocks(&w, 16);
-            let ran = gemm_grouped(&mut Model, (&a, 16), 32, 16, 2, starts, widen, fold, none);
+            let ran = gemm_grouped(
+                &mut Model,
+                (&a, 16),
+                32,
+                16,
+                2,
+                starts,
+                (widen, None),
+                fold,
+                none,
+            );
             assert!(!ran, "{starts:?}");
         }
         // A carried run is one run; runs stay inside the rows' and the blocks' pairs.
@@ -1025,6 +1189,7 @@ mod tests {
             groups: 1,
             carry: true,
             tiles: 2,
+            pf: None,
         };
         assert!(p.fits());
         assert!(Pass { tiles: 1, ..p }.fits());
@@ -1066,6 +1231,113 @@ mod tests {
     }
 
     /// A faulty implementation (one output lane off by one ulp) fails the self-test.
+    /// What a GEMM did, in order: a widening (block, first pair), or a pass (first row,
+    /// prefetch).
+    #[derive(Debug, PartialEq)]
+    enum Event {
+        Widen(usize, usize),
+        Pass(usize, Option<(*const u8, usize)>),
+    }
+
+    /// Records each pass's first row and prefetch into a shared log, running the model.
+    struct Recorder<'a>(&'a std::cell::RefCell<Vec<Event>>);
+
+    impl TileOps for Recorder<'_> {
+        fn pass(&mut self, p: &Pass<'_>, out: &mut [PassOut]) {
+            let pf = p.pf.map(|f| (f.at, f.next));
+            self.0.borrow_mut().push(Event::Pass(p.r0, pf));
+            Model.pass(p, out)
+        }
+    }
+
+    /// The first pass of rows after each widening prefetches the int8 codes of the next
+    /// widening (its first block's pair at 32 bytes per pair, and the second block's a block
+    /// on, where there is one); no other pass prefetches, nor those after the last widening.
+    /// Over chunks, empty and carried groups, a padded second pass of rows, a single last
+    /// block, and panels of one block pair (33 passes of rows).
+    #[test]
+    fn passes_prefetch_the_next_widening_once() {
+        for (m, nb, kp, starts) in [
+            (37, 5, 35 * TILE, None),
+            (37, 5, 35 * TILE, Some(&[0usize, 2, 4, 4, 24, 25, 35][..])),
+            (33 * PASS_ROWS, 5, 2 * TILE, None),
+        ] {
+            let (a, w) = problem(m, nb, kp, 9);
+            let block_len = 32 * kp;
+            let codes = vec![0u8; nb * block_len];
+            let ahead = Some(Int8Codes {
+                codes: &codes,
+                block_len,
+            });
+            let log = std::cell::RefCell::new(Vec::new());
+            let widen = |b: usize, first: usize, dst: &mut [u32]| {
+                log.borrow_mut().push(Event::Widen(b, first));
+                from_blocks(&w, kp)(b, first, dst);
+            };
+            let emit = |_: usize, _: usize, _: &[f32; BLOCK]| {};
+            let ops = &mut Recorder(&log);
+            let ran = match starts {
+                None => gemm(ops, (&a, kp), m, kp, nb, (widen, ahead), emit),
+                Some(starts) => {
+                    let fold = |_: Fold<'_>| {};
+                    gemm_grouped(ops, (&a, kp), m, kp, nb, starts, (widen, ahead), fold, emit)
+                }
+            };
+            assert!(ran);
+            // Per widening (one or two consecutive widen calls), its blocks and the passes
+            // after it.
+            let mut runs: Vec<Widening> = Vec::new();
+            for e in log.into_inner() {
+                match e {
+                    Event::Widen(b, first) => match runs.last_mut() {
+                        Some(r)
+                            if r.passes.is_empty() && r.b + r.blocks == b && r.first == first =>
+                        {
+                            r.blocks += 1
+                        }
+                        _ => runs.push(Widening {
+                            b,
+                            first,
+                            blocks: 1,
+                            passes: Vec::new(),
+                        }),
+                    },
+                    Event::Pass(r0, pf) => {
+                        let last = runs.last_mut().expect("a widening before every pass");
+                        last.passes.push((r0, pf));
+                    }
+                }
+            }
+            assert!(
+                runs.len() > 2,
+                "{m} rows, {nb} blocks: {} widenings",
+                runs.len()
+            );
+            for (i, run) in runs.iter().enumerate() {
+                let want = runs.get(i + 1).map(|next| {
+                    let at = codes
+                        .as_ptr()
+                        .wrapping_add(next.b * block_len + 32 * next.first);
+                    (at, if next.blocks == 2 { block_len } else { 0 })
+                });
+                assert_eq!(run.passes.len(), m.div_ceil(PASS_ROWS), "widening {i}");
+                for &(r0, pf) in &run.passes {
+                    let want = if r0 == 0 { want } else { None };
+                    assert_eq!(pf, want, "{m} rows, {nb} blocks: widening {i}, row {r0}");
+                }
+            }
+        }
+    }
+
+    /// One widening of a GEMM: its first block and pair, its blocks (1 or 2), and the
+    /// passes after it (first row, prefetch).
+    struct Widening {
+        b: usize,
+        first: usize,
+        blocks: usize,
+        passes: Vec<(usize, Option<(*const u8, usize)>)>,
+    }
+
     #[test]
     fn self_test_passes_the_model_and_catches_a_fault() {
         struct Off;
@@ -1112,10 +1384,17 @@ mod tests {
             let problem = (&a[..], m, kp, &w[..], nb);
             // SAFETY: `enabled()` holds.
             let mut hw = unsafe { Hw::new() };
+            for prefetch in [false, true] {
+                assert_eq!(
+                    emitted(&mut hw, problem, Some(&starts), prefetch),
+                    emitted(&mut Model, problem, Some(&starts), prefetch),
+                    "grouped: m {m} nb {nb} starts {starts:?} prefetch {prefetch}"
+                );
+            }
             assert_eq!(
-                emitted(&mut hw, problem, Some(&starts)),
-                emitted(&mut Model, problem, Some(&starts)),
-                "grouped: m {m} nb {nb} starts {starts:?}"
+                emitted(&mut hw, problem, None, true),
+                emitted(&mut Model, problem, None, false),
+                "prefetching: m {m} nb {nb} kp {kp}"
             );
         }
     }

@@ -637,9 +637,10 @@ impl BlockedWo {
         };
         let out = |r: usize, j: usize, lanes: &[f32; BLOCK]| emit(r, first_block + j, lanes);
         let nb = end - first_block;
+        let ahead = self.int8_codes(first_block);
         // The arguments fit by construction (whole steps, rows padded), so `gemm` runs.
         let ran = Self::on_tiles(model, |ops| {
-            amx_bf16::gemm(ops, (&a[..], stride), m, kp, nb, widen, out)
+            amx_bf16::gemm(ops, (&a[..], stride), m, kp, nb, (widen, ahead), out)
         });
         debug_assert!(ran, "AMX-BF16 GEMM refused its own layout");
         a.give();
@@ -705,12 +706,25 @@ impl BlockedWo {
         let rows = (&a[..], stride);
         // The arguments fit by construction (whole steps, rows padded), so the GEMM runs.
         let ran = Self::on_tiles(model, |ops| {
+            let widen = (widen, self.int8_codes(first_block));
             amx_bf16::gemm_grouped(ops, rows, m, kp, nb, &starts, widen, fold, out)
         });
         debug_assert!(ran, "AMX-BF16 grouped GEMM refused its own layout");
         a.give();
         // (A refusal emitted nothing: the caller's other tiles run instead.)
         ran
+    }
+
+    /// Where the AMX-BF16 GEMMs' widening reads int8 codes, from block `first_block` on, for
+    /// their passes to prefetch (see [`crate::cpu::amx_bf16::Prefetch`]). 4-bit codes go
+    /// without: a pass prefetches an int8 step's 512 bytes per block, twice a 4-bit step's.
+    fn int8_codes(&self, first_block: usize) -> Option<crate::cpu::amx_bf16::Int8Codes<'_>> {
+        let Codes::I8(_) = &self.codes else {
+            return None;
+        };
+        let block_len = self.codes.block_len(self.k);
+        let codes = self.codes.bytes().get(first_block * block_len..)?;
+        Some(crate::cpu::amx_bf16::Int8Codes { codes, block_len })
     }
 
     /// `f` on the tiles `amx_route()` chose: their model, or the hardware (where it exists;
