@@ -38,15 +38,19 @@
 //! down projection a block pair's widened weights (917 KB) and a pass's rows (918 KB) no
 //! longer fit L2 together.
 //!
-//! Widening int8 codes streams them from memory, and it waited on them: one thread reads
+//! Widening the codes streams them from memory, and it waited on them: one thread reads
 //! ~8 GB/s on the 2-core VM (as many lines in flight as one core allows), and while the tiles
 //! computed, nothing was read. So the first pass of rows after each widening prefetches the
-//! codes of the next one ([`Prefetch`], from [`Int8Codes`]), 16 lines per step, and the
-//! widening finds them in L2. Alternated call by call in one process (`moe_time`, cold
-//! weights, random routing, bf16 inputs), medians: Mixtral W8A16 T=128 256 against 334 ms
-//! (bf16 scales) and 199 against 274 (other scales), DeepSeek-V2-Lite T=128 65 against 81,
-//! Qwen3-30B-A3B T=1024 188 against 215. (`prefetcht0` did less, 263 against 314; so did
-//! prefetching inside the widening, 2 KB ahead of its loads: 278.)
+//! codes of the next one ([`Prefetch`], from [`CodeSource`]; 16 lines per step for int8
+//! codes, 8 for 4-bit), and the widening finds them in L2. Alternated call by call in one
+//! process (`moe_time`, cold weights, random routing, bf16 inputs), medians:
+//! - W8A16: Mixtral T=128 256 against 334 ms (bf16 scales) and 199 against 274 (other
+//!   scales), DeepSeek-V2-Lite T=128 65 against 81, Qwen3-30B-A3B T=1024 188 against 215;
+//! - W4A16: Mixtral T=128 176 against 195 and 168 against 185, Qwen3-30B-A3B T=128 65
+//!   against 71, DeepSeek-V2-Lite T=1024 142 against 150.
+//!
+//! (`prefetcht0` did less, 263 against 314 for int8 Mixtral T=128; so did prefetching inside
+//! the widening, 2 KB ahead of its own loads: 278.)
 
 use super::wo::BLOCK;
 
@@ -90,38 +94,57 @@ pub struct Pass<'a> {
 }
 
 /// Lines a pass prefetches (`prefetcht1`, into L2) while its tiles compute: with each of its
-/// steps (`steps * groups` in all), [`PREFETCH_LINES`] lines from `at` and as many from `at +
-/// next`, both moving on by that many lines per step. [`drive`] points them at the int8
-/// codes of the widening after the pass (two blocks, 16 pairs of 32 bytes per step), which
-/// otherwise waits on memory while the tiles leave it idle. A prefetch never faults and
-/// changes nothing a program can observe, so the addresses need no bounds.
-#[derive(Clone, Copy, Debug)]
+/// steps (`steps * groups` in all), `lines` lines from `at` and as many from `at + next`,
+/// both moving on by that many lines per step. [`drive`] points them at the codes of the
+/// widening after the pass (two blocks, 16 pairs per step), which otherwise waits on memory
+/// while the tiles leave it idle. A prefetch never faults and changes nothing a program can
+/// observe, so the addresses need no bounds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Prefetch {
     pub at: *const u8,
     pub next: usize,
+    pub lines: StepLines,
 }
 
-/// Lines per stream and step of a [`Prefetch`]: one step's 16 pairs of int8 codes (two
-/// columns of 16 bytes each).
-pub const PREFETCH_LINES: usize = 8;
+/// Lines of codes per block and step of the reduction (16 pairs): the hardware block has a
+/// form for each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepLines {
+    /// 8 lines (512 bytes): int8 codes, two columns of 16 bytes per pair.
+    Eight,
+    /// 4 lines (256 bytes): 4-bit codes, 16 bytes per pair.
+    Four,
+}
 
-/// Where a GEMM's `widen` reads int8 codes, for its passes to prefetch the next widening's
-/// ([`Prefetch`]): block `b`'s pair `p` (columns `2 p` and `2 p + 1`, 16 bytes each) at byte
-/// `b * block_len + 32 p` of `codes`. Where groups are padded, pairs and columns drift apart
-/// by the padding; a prefetch is a hint, so near is good enough.
+impl StepLines {
+    /// The bytes per pair.
+    pub fn pair_bytes(self) -> usize {
+        match self {
+            StepLines::Eight => 32,
+            StepLines::Four => 16,
+        }
+    }
+}
+
+/// Where a GEMM's `widen` reads codes, for its passes to prefetch the next widening's
+/// ([`Prefetch`]): block `b`'s pair `p` at byte `b * block_len + p * lines.pair_bytes()` of
+/// `codes`. Where groups are padded, pairs and columns drift apart by the padding; a
+/// prefetch is a hint, so near is good enough.
 #[derive(Clone, Copy, Debug)]
-pub struct Int8Codes<'a> {
+pub struct CodeSource<'a> {
     pub codes: &'a [u8],
     pub block_len: usize,
+    pub lines: StepLines,
 }
 
-impl Int8Codes<'_> {
+impl CodeSource<'_> {
     /// The prefetch of the widening of block `b` (and `b + 1` below `nb`) from pair `first`.
     fn prefetch(&self, b: usize, first: usize, nb: usize) -> Prefetch {
-        let at = (b * self.block_len + 32 * first).min(self.codes.len());
+        let at = b * self.block_len + first * self.lines.pair_bytes();
         Prefetch {
-            at: self.codes.as_ptr().wrapping_add(at),
+            at: self.codes.as_ptr().wrapping_add(at.min(self.codes.len())),
             next: if b + 1 < nb { self.block_len } else { 0 },
+            lines: self.lines,
         }
     }
 }
@@ -262,7 +285,7 @@ pub fn gemm<T: TileOps + ?Sized>(
     m: usize,
     kp: usize,
     nb: usize,
-    (widen, ahead): (impl Widen, Option<Int8Codes<'_>>),
+    (widen, ahead): (impl Widen, Option<CodeSource<'_>>),
     emit: impl FnMut(usize, usize, &[f32; BLOCK]),
 ) -> bool {
     let chunks = (0..kp / TILE)
@@ -304,7 +327,7 @@ pub fn gemm_grouped<T: TileOps + ?Sized>(
     kp: usize,
     nb: usize,
     starts: &[usize],
-    (widen, ahead): (impl Widen, Option<Int8Codes<'_>>),
+    (widen, ahead): (impl Widen, Option<CodeSource<'_>>),
     fold: impl FnMut(Fold<'_>),
     emit: impl FnMut(usize, usize, &[f32; BLOCK]),
 ) -> bool {
@@ -430,7 +453,7 @@ fn drive<T: TileOps + ?Sized>(
     kp: usize,
     nb: usize,
     (chunks, grouped): (&[Chunk], bool),
-    (mut widen, ahead): (impl Widen, Option<Int8Codes<'_>>),
+    (mut widen, ahead): (impl Widen, Option<CodeSource<'_>>),
     mut fold: impl FnMut(Fold<'_>),
     mut emit: impl FnMut(usize, usize, &[f32; BLOCK]),
 ) -> bool {
@@ -599,12 +622,12 @@ pub fn self_test<T: TileOps>(ops: &mut T) -> bool {
     let problem = (&a[..], m, kp, &w[..], nb);
     // (The plain GEMM's passes run without prefetches, the grouped one's with them.)
     let (got, want) = (
-        emitted(ops, problem, None, false),
-        emitted(&mut Model, problem, None, false),
+        emitted(ops, problem, None, None),
+        emitted(&mut Model, problem, None, None),
     );
     let (got_g, want_g) = (
-        emitted(ops, problem, Some(&starts), true),
-        emitted(&mut Model, problem, Some(&starts), true),
+        emitted(ops, problem, Some(&starts), Some(StepLines::Eight)),
+        emitted(&mut Model, problem, Some(&starts), Some(StepLines::Eight)),
     );
     want.is_some() && got == want && want_g.is_some() && got_g == want_g
 }
@@ -614,18 +637,20 @@ type Emitted = Vec<(usize, usize, [u32; BLOCK])>;
 
 /// Every `(row, block, lanes' bits)` [`gemm`] (or with `starts`, [`gemm_grouped`] with a
 /// fold that adds each group's C, scaled by 1 + group / 8) emits on `ops`, in order; `None`
-/// if it refused. With `prefetch`, the passes prefetch codes of a stand-in int8 layer of the
-/// same shape, as a layer's do.
+/// if it refused. With `prefetch`, the passes prefetch codes of a stand-in layer of the same
+/// shape with that many lines per step, as a layer's do.
 fn emitted<T: TileOps>(
     ops: &mut T,
     (a, m, kp, w, nb): (&[u32], usize, usize, &[u32], usize),
     starts: Option<&[usize]>,
-    prefetch: bool,
+    prefetch: Option<StepLines>,
 ) -> Option<Emitted> {
-    let codes = vec![0u8; if prefetch { nb * 32 * kp } else { 0 }];
-    let ahead = prefetch.then_some(Int8Codes {
+    let block_len = prefetch.map_or(0, |l| l.pair_bytes() * kp);
+    let codes = vec![0u8; nb * block_len];
+    let ahead = prefetch.map(|lines| CodeSource {
         codes: &codes,
-        block_len: 32 * kp,
+        block_len,
+        lines,
     });
     let mut seen = Vec::new();
     let emit = |r: usize, b: usize, l: &[f32; BLOCK]| seen.push((r, b, l.map(f32::to_bits)));
@@ -739,7 +764,7 @@ mod hw {
         (($a0:expr, $a1:expr, $sa:expr, $b0:expr, $b1:expr, $steps:expr,
           $groups:expr, $c:expr), [$($init:literal),*], [$($load:literal),*],
          [$($dot:literal),*], [$($store:literal),*]
-         $(, prefetch ($pf:expr, $pfn:expr))?) => {
+         $(, prefetch ($pf:expr, $pfn:expr, [$($at:literal),*], $step:literal))?) => {
             ::core::arch::asm!(
                 "3:",
                 $($init,)*
@@ -747,7 +772,7 @@ mod hw {
                 "2:",
                 $($load,)*
                 $($dot,)*
-                $(prefetch_lines!(@ $pf),)?
+                $(prefetch_lines!([$($at),*], $step),)?
                 "add {a0}, 64",
                 "add {a1}, 64",
                 "add {b0}, 1024",
@@ -777,23 +802,17 @@ mod hw {
         };
     }
 
-    /// The prefetches of one step of a pass with a [`super::Prefetch`]: `PREFETCH_LINES`
-    /// lines from `{pf}` and as many from `{pf} + {pfn}`, then `{pf}` moves on past them.
+    /// The prefetches of one step of a pass with a [`super::Prefetch`]: the lines at `$at`
+    /// from `{pf}` and from `{pf} + {pfn}`, then `{pf}` moves on by `$step` bytes.
     macro_rules! prefetch_lines {
-        ($($at:literal),*) => {
+        ([$($at:literal),*], $step:literal) => {
             concat!(
                 $("prefetcht1 [{pf} + ", $at, "]\n",)*
                 $("prefetcht1 [{pf} + {pfn}*1 + ", $at, "]\n",)*
-                "add {pf}, 512\n",
+                "add {pf}, ", $step, "\n",
             )
         };
-        // The pass's addresses are register operands: this form only names them.
-        (@ $pf:expr) => {
-            prefetch_lines!(0, 64, 128, 192, 256, 320, 384, 448)
-        };
     }
-    // The step's prefetches are the lines the macro lists.
-    const _: () = assert!(super::PREFETCH_LINES * 64 == 512);
 
     /// [`bf16_pass_asm`] for `$p`'s operands, one or two row tiles (`$tiles`), from zero or
     /// carried, and with prefetches or without.
@@ -801,10 +820,10 @@ mod hw {
         ($ops:tt, $tiles:tt, $init:tt, None) => {
             bf16_pass!(@ $ops, $tiles, $init)
         };
-        ($ops:tt, $tiles:tt, $init:tt, Some(($pf:expr, $pfn:expr))) => {
-            bf16_pass!(@ $ops, $tiles, $init, prefetch ($pf, $pfn))
+        ($ops:tt, $tiles:tt, $init:tt, Some($pf:tt)) => {
+            bf16_pass!(@ $ops, $tiles, $init, prefetch $pf)
         };
-        (@ $ops:tt, 1, $init:tt $(, prefetch ($pf:expr, $pfn:expr))?) => {
+        (@ $ops:tt, 1, $init:tt $(, prefetch $pf:tt)?) => {
             bf16_pass_asm!(
                 $ops,
                 $init,
@@ -818,10 +837,10 @@ mod hw {
                     "tilestored [{c} + {sb}*2], tmm0",
                     "tilestored [{c} + {sb}*2 + 64], tmm1"
                 ]
-                $(, prefetch ($pf, $pfn))?
+                $(, prefetch $pf)?
             )
         };
-        (@ $ops:tt, 2, $init:tt $(, prefetch ($pf:expr, $pfn:expr))?) => {
+        (@ $ops:tt, 2, $init:tt $(, prefetch $pf:tt)?) => {
             bf16_pass_asm!(
                 $ops,
                 $init,
@@ -843,7 +862,7 @@ mod hw {
                     "tilestored [{c} + {sb}*2 + 2048], tmm2",
                     "tilestored [{c} + {sb}*2 + 2112], tmm3"
                 ]
-                $(, prefetch ($pf, $pfn))?
+                $(, prefetch $pf)?
             )
         };
     }
@@ -885,11 +904,25 @@ mod hw {
                 macro_rules! run {
                     ($tiles:tt, $init:tt) => {
                         match p.pf {
-                            Some(super::Prefetch { at, next }) => bf16_pass!(
+                            Some(super::Prefetch {
+                                at,
+                                next,
+                                lines: super::StepLines::Eight,
+                            }) => bf16_pass!(
                                 (a0, a1, row_bytes, b0, b1, steps, groups, c),
                                 $tiles,
                                 $init,
-                                Some((at, next))
+                                Some((at, next, [0, 64, 128, 192, 256, 320, 384, 448], 512))
+                            ),
+                            Some(super::Prefetch {
+                                at,
+                                next,
+                                lines: super::StepLines::Four,
+                            }) => bf16_pass!(
+                                (a0, a1, row_bytes, b0, b1, steps, groups, c),
+                                $tiles,
+                                $init,
+                                Some((at, next, [0, 64, 128, 192], 256))
                             ),
                             None => bf16_pass!(
                                 (a0, a1, row_bytes, b0, b1, steps, groups, c),
@@ -1105,7 +1138,7 @@ mod tests {
                     }
                 }
             }
-            let got = emitted(&mut Model, (&a, m, kp, &w, nb), Some(&starts), false).expect("runs");
+            let got = emitted(&mut Model, (&a, m, kp, &w, nb), Some(&starts), None).expect("runs");
             let got: Vec<u32> = {
                 let mut v = vec![0u32; m * nb * BLOCK];
                 for (r, b, l) in &got {
@@ -1236,7 +1269,7 @@ mod tests {
     #[derive(Debug, PartialEq)]
     enum Event {
         Widen(usize, usize),
-        Pass(usize, Option<(*const u8, usize)>),
+        Pass(usize, Option<Prefetch>),
     }
 
     /// Records each pass's first row and prefetch into a shared log, running the model.
@@ -1244,8 +1277,7 @@ mod tests {
 
     impl TileOps for Recorder<'_> {
         fn pass(&mut self, p: &Pass<'_>, out: &mut [PassOut]) {
-            let pf = p.pf.map(|f| (f.at, f.next));
-            self.0.borrow_mut().push(Event::Pass(p.r0, pf));
+            self.0.borrow_mut().push(Event::Pass(p.r0, p.pf));
             Model.pass(p, out)
         }
     }
@@ -1257,17 +1289,25 @@ mod tests {
     /// block, and panels of one block pair (33 passes of rows).
     #[test]
     fn passes_prefetch_the_next_widening_once() {
-        for (m, nb, kp, starts) in [
-            (37, 5, 35 * TILE, None),
-            (37, 5, 35 * TILE, Some(&[0usize, 2, 4, 4, 24, 25, 35][..])),
-            (33 * PASS_ROWS, 5, 2 * TILE, None),
+        for (m, nb, kp, starts, lines) in [
+            (37, 5, 35 * TILE, None, StepLines::Eight),
+            (37, 5, 35 * TILE, None, StepLines::Four),
+            (
+                37,
+                5,
+                35 * TILE,
+                Some(&[0usize, 2, 4, 4, 24, 25, 35][..]),
+                StepLines::Eight,
+            ),
+            (33 * PASS_ROWS, 5, 2 * TILE, None, StepLines::Four),
         ] {
             let (a, w) = problem(m, nb, kp, 9);
-            let block_len = 32 * kp;
+            let block_len = lines.pair_bytes() * kp;
             let codes = vec![0u8; nb * block_len];
-            let ahead = Some(Int8Codes {
+            let ahead = Some(CodeSource {
                 codes: &codes,
                 block_len,
+                lines,
             });
             let log = std::cell::RefCell::new(Vec::new());
             let widen = |b: usize, first: usize, dst: &mut [u32]| {
@@ -1315,10 +1355,12 @@ mod tests {
             );
             for (i, run) in runs.iter().enumerate() {
                 let want = runs.get(i + 1).map(|next| {
-                    let at = codes
-                        .as_ptr()
-                        .wrapping_add(next.b * block_len + 32 * next.first);
-                    (at, if next.blocks == 2 { block_len } else { 0 })
+                    let to_first = next.first * if lines == StepLines::Four { 16 } else { 32 };
+                    Prefetch {
+                        at: codes.as_ptr().wrapping_add(next.b * block_len + to_first),
+                        next: if next.blocks == 2 { block_len } else { 0 },
+                        lines,
+                    }
                 });
                 assert_eq!(run.passes.len(), m.div_ceil(PASS_ROWS), "widening {i}");
                 for &(r0, pf) in &run.passes {
@@ -1335,7 +1377,7 @@ mod tests {
         b: usize,
         first: usize,
         blocks: usize,
-        passes: Vec<(usize, Option<(*const u8, usize)>)>,
+        passes: Vec<(usize, Option<Prefetch>)>,
     }
 
     #[test]
@@ -1384,18 +1426,19 @@ mod tests {
             let problem = (&a[..], m, kp, &w[..], nb);
             // SAFETY: `enabled()` holds.
             let mut hw = unsafe { Hw::new() };
-            for prefetch in [false, true] {
+            // Every form of the hardware block: without prefetches and with each kind.
+            for prefetch in [None, Some(StepLines::Eight), Some(StepLines::Four)] {
                 assert_eq!(
                     emitted(&mut hw, problem, Some(&starts), prefetch),
-                    emitted(&mut Model, problem, Some(&starts), prefetch),
-                    "grouped: m {m} nb {nb} starts {starts:?} prefetch {prefetch}"
+                    emitted(&mut Model, problem, Some(&starts), None),
+                    "grouped: m {m} nb {nb} starts {starts:?} prefetch {prefetch:?}"
+                );
+                assert_eq!(
+                    emitted(&mut hw, problem, None, prefetch),
+                    emitted(&mut Model, problem, None, None),
+                    "m {m} nb {nb} kp {kp} prefetch {prefetch:?}"
                 );
             }
-            assert_eq!(
-                emitted(&mut hw, problem, None, true),
-                emitted(&mut Model, problem, None, false),
-                "prefetching: m {m} nb {nb} kp {kp}"
-            );
         }
     }
 }

@@ -637,7 +637,7 @@ impl BlockedWo {
         };
         let out = |r: usize, j: usize, lanes: &[f32; BLOCK]| emit(r, first_block + j, lanes);
         let nb = end - first_block;
-        let ahead = self.int8_codes(first_block);
+        let ahead = self.code_source(first_block);
         // The arguments fit by construction (whole steps, rows padded), so `gemm` runs.
         let ran = Self::on_tiles(model, |ops| {
             amx_bf16::gemm(ops, (&a[..], stride), m, kp, nb, (widen, ahead), out)
@@ -706,7 +706,7 @@ impl BlockedWo {
         let rows = (&a[..], stride);
         // The arguments fit by construction (whole steps, rows padded), so the GEMM runs.
         let ran = Self::on_tiles(model, |ops| {
-            let widen = (widen, self.int8_codes(first_block));
+            let widen = (widen, self.code_source(first_block));
             amx_bf16::gemm_grouped(ops, rows, m, kp, nb, &starts, widen, fold, out)
         });
         debug_assert!(ran, "AMX-BF16 grouped GEMM refused its own layout");
@@ -715,16 +715,21 @@ impl BlockedWo {
         ran
     }
 
-    /// Where the AMX-BF16 GEMMs' widening reads int8 codes, from block `first_block` on, for
-    /// their passes to prefetch (see [`crate::cpu::amx_bf16::Prefetch`]). 4-bit codes go
-    /// without: a pass prefetches an int8 step's 512 bytes per block, twice a 4-bit step's.
-    fn int8_codes(&self, first_block: usize) -> Option<crate::cpu::amx_bf16::Int8Codes<'_>> {
-        let Codes::I8(_) = &self.codes else {
-            return None;
+    /// Where the AMX-BF16 GEMMs' widening reads codes, from block `first_block` on, for their
+    /// passes to prefetch (see [`crate::cpu::amx_bf16::Prefetch`]).
+    fn code_source(&self, first_block: usize) -> Option<crate::cpu::amx_bf16::CodeSource<'_>> {
+        use crate::cpu::amx_bf16::StepLines;
+        let lines = match &self.codes {
+            Codes::I8(_) => StepLines::Eight,
+            Codes::U4(_) => StepLines::Four,
         };
         let block_len = self.codes.block_len(self.k);
         let codes = self.codes.bytes().get(first_block * block_len..)?;
-        Some(crate::cpu::amx_bf16::Int8Codes { codes, block_len })
+        Some(crate::cpu::amx_bf16::CodeSource {
+            codes,
+            block_len,
+            lines,
+        })
     }
 
     /// `f` on the tiles `amx_route()` chose: their model, or the hardware (where it exists;
