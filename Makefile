@@ -43,6 +43,8 @@ demo: build
 rust-checks: $(VENV)/.base-deps
 	cargo fmt --all --check
 	cargo clippy --all-targets --locked -- -D warnings
+	# The API docs build without broken or private links.
+	RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --workspace --locked -q
 	# torch's CUDA wheel (a base dependency) ships NVRTC, so the CUDA compile checks must run.
 	MOEQ_REQUIRE_NVRTC=1 MOEQ_NO_DISK_CACHE=1 cargo test --locked
 

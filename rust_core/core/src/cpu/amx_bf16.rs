@@ -95,7 +95,7 @@ pub struct Pass<'a> {
 
 /// Lines a pass prefetches (`prefetcht1`, into L2) while its tiles compute: with each of its
 /// steps (`steps * groups` in all), `lines` lines from `at` and as many from `at + next`,
-/// both moving on by that many lines per step. [`drive`] points them at the codes of the
+/// both moving on by that many lines per step. `drive` points them at the codes of the
 /// widening after the pass (two blocks, 16 pairs per step), which otherwise waits on memory
 /// while the tiles leave it idle. A prefetch never faults and changes nothing a program can
 /// observe, so the addresses need no bounds.

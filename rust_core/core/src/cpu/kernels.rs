@@ -452,7 +452,7 @@ fn convert_chunks<A: Copy + Sync, B: Send>(src: &[A], out: &mut [B], f: impl Fn(
 /// `Σ w[i] * x[i]` in f32, 16 lanes: lane `l` sums the rounded products `w[i] * x[i]` of
 /// every `i ≡ l (mod 16)` below the last full chunk, in order (multiply, then add: no fused
 /// operation, which the portable form would pay for without FMA hardware); then
-/// [`sum_lanes`] and [`tail_dot`]. Every kernel gives these bits.
+/// `sum_lanes` and `tail_dot`. Every kernel gives these bits.
 #[inline]
 pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]

@@ -21,7 +21,7 @@ pub use moe::{CpuExpert, CpuMoe};
 /// threads (read once; unset, zero or unparsable means one per available CPU). A pool of our
 /// own keeps the thread count ours to set, whatever else in the process uses rayon's global
 /// pool. `None` only if the OS refused the threads; the work then runs on the calling thread
-/// alone ([`on_this_thread_only`]).
+/// alone (`on_this_thread_only`).
 ///
 /// One per process: a child forked after the pool started inherits it without its threads, and
 /// work handed to it there would wait forever (a call from any thread but the adopted one), so
