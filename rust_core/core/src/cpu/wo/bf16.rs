@@ -2123,6 +2123,38 @@ mod tests {
         }
     }
 
+    /// The codes the AMX-BF16 GEMMs' passes prefetch are the layer's own, from the first
+    /// block of the call on, a block's bytes apart, with the pair size of their storage
+    /// (32 bytes for two int8 columns of 16 lanes, 16 for a 4-bit pair).
+    #[test]
+    fn code_source_is_the_layers_codes_from_the_first_block() {
+        use crate::cpu::amx_bf16::StepLines;
+        let (n, k) = (64, 128);
+        for (int8, lines) in [(true, StepLines::Eight), (false, StepLines::Four)] {
+            let q: Vec<i8> = (0..n * k)
+                .map(|i| {
+                    if int8 {
+                        (i % 251) as i8
+                    } else {
+                        (i % 16) as i8 - 8
+                    }
+                })
+                .collect();
+            let w = BlockedWo::new(n, k, &q, &vec![0.5; n], None, vec![0]);
+            assert_eq!(matches!(w.codes, Codes::I8(_)), int8);
+            let len = w.codes.block_len(k);
+            assert_eq!(len, lines.pair_bytes() * k / 2, "one block's pairs");
+            let src = w.code_source(2).expect("a layer with codes");
+            assert_eq!((src.block_len, src.lines), (len, lines));
+            let from = &w.code_bytes()[2 * len..];
+            assert_eq!(
+                (src.codes.as_ptr(), src.codes.len()),
+                (from.as_ptr(), from.len())
+            );
+            assert!(w.code_source(w.blocks() + 1).is_none());
+        }
+    }
+
     /// The scalar tile reads 4-bit lines as their widened pairs.
     #[test]
     fn scalar_tile_reads_nibbles_as_widened_pairs() {
