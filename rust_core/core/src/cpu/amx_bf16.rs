@@ -277,8 +277,9 @@ impl<F: FnMut(usize, usize, &mut [u32])> Widen for F {}
 /// that is not a multiple of 4 KB keeps a tile's 16 rows out of one L1 set) and blocks
 /// `0..nb`, whose `kp` pairs `widen` writes chunk by chunk ([`CHUNK_STEPS`]; the
 /// accumulators are carried across chunks through memory, exactly): `emit(row, block,
-/// lanes)` for every row below `m` and block, in block-pair then row order. Returns `false`,
-/// having done nothing, when the arguments do not fit.
+/// lanes)` for every row below `m` and block, in block-pair then row order. With `ahead`
+/// (where `widen` reads its codes), the passes prefetch each widening's codes before it
+/// ([`Prefetch`]). Returns `false`, having done nothing, when the arguments do not fit.
 pub fn gemm<T: TileOps + ?Sized>(
     ops: &mut T,
     a: (&[u32], usize),
@@ -436,7 +437,10 @@ fn next_widening(
         return Some((p0, s0));
     }
     let next = p0 + 2 * panel;
-    (next < nb).then(|| first_with_steps(0).map(|s0| (next, s0)))?
+    if next >= nb {
+        return None;
+    }
+    first_with_steps(0).map(|s0| (next, s0))
 }
 
 /// The loop of [`gemm`] and [`gemm_grouped`], blocked as a GEMM is: the block pairs go in
