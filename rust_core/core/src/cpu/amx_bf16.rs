@@ -118,7 +118,7 @@ pub enum StepLines {
 
 impl StepLines {
     /// The bytes per pair.
-    pub fn pair_bytes(self) -> usize {
+    pub const fn pair_bytes(self) -> usize {
         match self {
             StepLines::Eight => 32,
             StepLines::Four => 16,
@@ -626,7 +626,8 @@ pub fn self_test<T: TileOps>(ops: &mut T) -> bool {
         .collect();
     let starts = [0, 2, 4, 4, 24, 25, 35];
     let problem = (&a[..], m, kp, &w[..], nb);
-    // (The plain GEMM's passes run without prefetches, the grouped one's with them.)
+    // (The 37-row plain GEMM's passes prefetch nothing, the grouped one's 8 lines per step and
+    // the 9-row one's below 4.)
     let (got, want) = (
         emitted(ops, problem, None, None),
         emitted(&mut Model, problem, None, None),
@@ -829,6 +830,13 @@ mod hw {
             )
         };
     }
+
+    // A step is 16 pairs: the forms below prefetch 512 bytes (8 lines) per stream and step for
+    // int8 codes and 256 (4 lines) for 4-bit ones.
+    const _: () = assert!(
+        super::StepLines::Eight.pair_bytes() * TILE == 512
+            && super::StepLines::Four.pair_bytes() * TILE == 256
+    );
 
     /// [`bf16_pass_asm`] for `$p`'s operands, one or two row tiles (`$tiles`), from zero or
     /// carried, and with prefetches or without.

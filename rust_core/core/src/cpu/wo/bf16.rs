@@ -704,9 +704,9 @@ impl BlockedWo {
         };
         let out = |r: usize, j: usize, lanes: &[f32; BLOCK]| emit(r, first_block + j, lanes);
         let rows = (&a[..], stride);
+        let widen = (widen, self.code_source(first_block));
         // The arguments fit by construction (whole steps, rows padded), so the GEMM runs.
         let ran = Self::on_tiles(model, |ops| {
-            let widen = (widen, self.code_source(first_block));
             amx_bf16::gemm_grouped(ops, rows, m, kp, nb, &starts, widen, fold, out)
         });
         debug_assert!(ran, "AMX-BF16 grouped GEMM refused its own layout");
