@@ -1103,14 +1103,12 @@ mod x86 {
         }
     }
 
-    /// How far ahead (bytes) [`rows_streaming`] prefetches its one weight stream.
-    const STREAM_PF: usize = 4096;
-
     /// `mr` (1 or 2) rows of `nb` blocks, the blocks one after another: each block is one
     /// contiguous run and the blocks of a call follow each other in memory, so this reads a
-    /// single stream, prefetched `STREAM_PF` ahead (a line per quad). Four accumulators per
-    /// row over interleaved quads keep `vpdpbusd`'s latency hidden; integer sums do not depend
-    /// on their order, so the results equal the scalar tile's exactly.
+    /// single stream, each line prefetched twice ahead of its use (`kernels::prefetch_stream`:
+    /// into L1 and, farther on, into L2). Four accumulators per row over interleaved quads
+    /// keep `vpdpbusd`'s latency hidden; integer sums do not depend on their order, so the
+    /// results equal the scalar tile's exactly.
     ///
     /// # Safety
     /// As [`tile`]; `mr <= 2`.
@@ -1172,8 +1170,7 @@ mod x86 {
             let mut q = 0;
             while q + 4 <= quads {
                 for l in 0..4 {
-                    // A prefetch never faults; the address is formed with wrapping_add.
-                    _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add((q + l) * 64 + STREAM_PF).cast());
+                    crate::cpu::kernels::prefetch_stream(wp.wrapping_add((q + l) * 64));
                 }
                 for u in 0..4 {
                     step(&mut acc, q + u, u);

@@ -45,11 +45,6 @@ pub const CHUNK: usize = 128;
 /// Rows one pass of the kernel runs (its accumulators: 3 digits per row, with 4 partial sums
 /// each at one row to cover the dot product's latency).
 const PASS_ROWS: usize = 2;
-/// How far ahead (bytes) the weight stream is prefetched, a line per quad, as the W8A8 decode
-/// stream does (the blocks of a layer are one run, so this crosses into the next block; a
-/// second prefetch of the next block's line, as the fp32 tile issues, measured alike).
-#[cfg(target_arch = "x86_64")]
-const PF_DIST: usize = 4096;
 
 const _: () = assert!(32896 * 128 * CHUNK < (1 << 31));
 
@@ -491,7 +486,7 @@ pub fn block_scalar(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{pow2, row_bytes, shift, BlockedWo, Chunk, FixedRows, BLOCK, PASS_ROWS, PF_DIST};
+    use super::{pow2, row_bytes, shift, BlockedWo, Chunk, FixedRows, BLOCK, PASS_ROWS};
     use std::arch::x86_64::*;
 
     /// Lanes `0..n` of 16.
@@ -673,8 +668,10 @@ mod x86 {
             // Unit n: int8 quad n (4 columns), or 4-bit line n (8 columns, two operands).
             let mut step = |n: usize, u: usize| {
                 let at = n * 64;
-                // The addresses are formed with wrapping_add; a prefetch never faults.
-                _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add(at + PF_DIST).cast());
+                // Ahead in the weight stream, as the W8A8 decode stream does: the blocks of a
+                // layer are one run, so this crosses into the next block (a second prefetch of
+                // the next block's line, as the fp32 tile issues, measured alike).
+                crate::cpu::kernels::prefetch_stream(cp.wrapping_add(at));
                 // SAFETY: unit n < k / 4 (int8: k * 16 bytes a block) or k / 8 (4-bit:
                 // ceil(k / 8) * 64 bytes) lies inside the block.
                 let wq = unsafe { _mm512_loadu_si512(cp.add(at).cast()) };
