@@ -91,18 +91,19 @@ pub(crate) const STREAM_L1_AHEAD: usize = 2048;
 #[cfg(target_arch = "x86_64")]
 pub(crate) const STREAM_L2_AHEAD: usize = 8192;
 
-/// The prefetches for the 64-byte line at `at` of a decode kernel's weight stream (one or two
-/// rows, bound by reading the weights): the line [`STREAM_L1_AHEAD`] bytes on into L1 and the
+/// The prefetches for the 64-byte line at `at` of a decode kernel's weight stream (few rows,
+/// bound by reading the weights): the line [`STREAM_L1_AHEAD`] bytes on into L1 and the
 /// one [`STREAM_L2_AHEAD`] on into L2. One prefetch into L1 4 KB ahead (as before) kept too
 /// few lines in flight; the second, farther one into L2 starts each line's read from memory
 /// earlier. Measured on the 2-core AMX VM, alternated call by call in one process (`moe_time`
 /// at T=1, cold weights, random routing; medians of 100-150 calls), against the one prefetch
 /// 4 KB ahead: W8A8 decode 1.55-1.57 against 1.62-1.67 ms (Qwen3-30B-A3B), 2.14-2.18 against
 /// 2.39-2.43 (DeepSeek-V2-Lite), 13.3-13.6 against 15.0-15.7 (Mixtral); W4A16 with bf16
-/// inputs (the fixed-point kernel) 1.02-1.07 against 1.11-1.14, 1.44-1.47 against 1.56-1.58,
+/// inputs (the fixed-point kernel) 1.02-1.21 against 1.11-1.28, 1.44-1.47 against 1.56-1.58,
 /// 7.7-8.4 against 8.8-9.4; W8A16 Qwen3 1.78-1.87 against 2.04-2.10. Without any prefetch the
 /// W4A16 call took 1.7 ms; the L1 prefetch alone 1-2 KB ahead did worse than 4 KB, the L2
-/// one alone 4 KB ahead 2-3% better; near and far at 4 and 16 KB measured as 2 and 8 KB did.
+/// one alone 4 KB ahead 2-3% better; near and far at 4 and 16 KB did as 2 and 8 KB for W8A8,
+/// 3-5% better against 5-8% for W4A16.
 /// The addresses may lie past the stream's end: a prefetch never faults.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]

@@ -644,18 +644,11 @@ mod x86 {
         let (k, groups, nch) = (w.k, w.groups(), w.chunks.len());
         let t = w.tile(b);
         let cp = t.codes.as_ptr();
-        // The next block's scales (64 bytes per group, a stream of their own beside the
-        // codes': the block's are read once per group, at its end) into L2 now. Alternated
-        // call by call at T=1, cold (medians of 50-150 calls): W4A16 with bf16 inputs Qwen3
-        // 0.92-1.11 against 0.96-1.16 ms, DeepSeek-V2-Lite 1.13 / 1.20 against 1.17 / 1.25,
-        // Mixtral 8.35 / 8.92 against 8.70 / 9.06; W8A16 Qwen3 1.58 / 1.60 against 1.61 /
-        // 1.65. Past the last block the addresses lie outside the scales: a prefetch never
-        // faults, and they are formed with wrapping_add.
-        let scale_bytes = groups * BLOCK * std::mem::size_of::<f32>();
-        let next_scales = t.scale.as_ptr().cast::<u8>().wrapping_add(scale_bytes);
-        for line in (0..scale_bytes).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T1>(next_scales.wrapping_add(line).cast());
-        }
+        // The next block's scales: a stream of their own beside the codes', 64 bytes per group,
+        // each read once at its group's end; there each group prefetches its line of the next
+        // block's (below). Past the last block the address lies outside the scales: a prefetch
+        // never faults, and it is formed with wrapping_add.
+        let next_scales = t.scale.as_ptr_range().end.cast::<u8>();
         let rb = row_bytes(k);
         // SAFETY: 64 readable bytes.
         let idx = unsafe { _mm512_loadu_si512(TRANSPOSE.as_ptr().cast()) };
@@ -681,8 +674,9 @@ mod x86 {
             let mut step = |n: usize, u: usize| {
                 let at = n * 64;
                 // Ahead in the weight stream, as the W8A8 decode stream does: the blocks of a
-                // layer are one run, so this crosses into the next block (a second prefetch of
-                // the next block's line, as the fp32 tile issues, measured alike).
+                // layer are one run, so this crosses into the next block (against the single
+                // prefetch 4 KB ahead of before, a second one of the next block's line, as the
+                // fp32 tile issues, measured alike).
                 crate::cpu::kernels::prefetch_stream(cp.wrapping_add(at));
                 // SAFETY: unit n < k / 4 (int8: k * 16 bytes a block) or k / 8 (4-bit:
                 // ceil(k / 8) * 64 bytes) lies inside the block.
@@ -764,6 +758,18 @@ mod x86 {
                         // SAFETY: zs holds 16 values (the slice above is bounds-checked).
                         let zv = unsafe { _mm512_loadu_ps(zs.as_ptr()) };
                         a = _mm512_fnmadd_ps(zv, _mm512_set1_ps(x.sums[r * groups + g]), a);
+                    }
+                    if rr == 0 {
+                        // Into L2, the first and last byte (the scales are f32-aligned, so a
+                        // group's 64 bytes may straddle two lines). Alternated call by call at
+                        // T=1, cold (medians of 150 calls): W4A16 with bf16 inputs Qwen3 0.96 /
+                        // 1.04 against 0.99 / 1.06 ms at groups of 128, 1.21 / 1.25 against 1.24
+                        // / 1.28 at 32, DeepSeek-V2-Lite 1.28 / 1.24 against 1.33 / 1.31; W8A16
+                        // Qwen3 1.60 / 1.66 against 1.64 / 1.71. The whole next block's scales
+                        // at once at the block's start did as well at 128 but 3% worse at 32.
+                        let line = next_scales.wrapping_add(g * BLOCK * 4);
+                        _mm_prefetch::<_MM_HINT_T1>(line.cast());
+                        _mm_prefetch::<_MM_HINT_T1>(line.wrapping_add(BLOCK * 4 - 1).cast());
                     }
                     let ss = &t.scale[g * BLOCK..(g + 1) * BLOCK];
                     // SAFETY: ss holds 16 values (the slice above is bounds-checked).
