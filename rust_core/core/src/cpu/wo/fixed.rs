@@ -645,8 +645,8 @@ mod x86 {
         let t = w.tile(b);
         let cp = t.codes.as_ptr();
         // The next block's scales: a stream of their own beside the codes', 64 bytes per group,
-        // each read once at its group's end; there each group prefetches its line of the next
-        // block's (below). Past the last block the address lies outside the scales: a prefetch
+        // each read once at its group's end; after that each group prefetches its line of the
+        // next block's (below). Past the last block the address lies outside the scales: a prefetch
         // never faults, and it is formed with wrapping_add.
         let next_scales = t.scale.as_ptr_range().end.cast::<u8>();
         let rb = row_bytes(k);
@@ -759,24 +759,25 @@ mod x86 {
                         let zv = unsafe { _mm512_loadu_ps(zs.as_ptr()) };
                         a = _mm512_fnmadd_ps(zv, _mm512_set1_ps(x.sums[r * groups + g]), a);
                     }
-                    if rr == 0 {
-                        // Into L2, the first and last byte (the scales are f32-aligned, so a
-                        // group's 64 bytes may straddle two lines). Alternated call by call at
-                        // T=1, cold (medians of 150 calls): W4A16 with bf16 inputs Qwen3 0.96 /
-                        // 1.04 against 0.99 / 1.06 ms at groups of 128, 1.21 / 1.25 against 1.24
-                        // / 1.28 at 32, DeepSeek-V2-Lite 1.28 / 1.24 against 1.33 / 1.31; W8A16
-                        // Qwen3 1.60 / 1.66 against 1.64 / 1.71. The whole next block's scales
-                        // at once at the block's start did as well at 128 but 3% worse at 32.
-                        let line = next_scales.wrapping_add(g * BLOCK * 4);
-                        _mm_prefetch::<_MM_HINT_T1>(line.cast());
-                        _mm_prefetch::<_MM_HINT_T1>(line.wrapping_add(BLOCK * 4 - 1).cast());
-                    }
                     let ss = &t.scale[g * BLOCK..(g + 1) * BLOCK];
                     // SAFETY: ss holds 16 values (the slice above is bounds-checked).
                     let s = unsafe { _mm512_loadu_ps(ss.as_ptr()) };
                     total[rr] = _mm512_fmadd_ps(a, s, total[rr]);
                     acc[rr] = [_mm512_setzero_pd(); 2];
                 }
+            }
+            if last {
+                // The same group's scales of the next block into L2, their first and last byte
+                // (the scales are f32-aligned, so a group's 64 bytes may straddle two lines).
+                // Alternated call by call at T=1, cold (medians of 150 calls): W4A16 with bf16
+                // inputs Qwen3 0.96 / 1.04 against 0.99 / 1.06 ms at groups of 128, 1.21 / 1.25
+                // against 1.24 / 1.28 at 32, DeepSeek-V2-Lite 1.28 / 1.24 against 1.33 / 1.31;
+                // W8A16 Qwen3 1.60 / 1.66 against 1.64 / 1.71. The whole next block's scales at
+                // once at the block's start did as well at 128 but 3% worse at 32.
+                let group_bytes = BLOCK * std::mem::size_of::<f32>();
+                let line = next_scales.wrapping_add(ch.group * group_bytes);
+                _mm_prefetch::<_MM_HINT_T1>(line.cast());
+                _mm_prefetch::<_MM_HINT_T1>(line.wrapping_add(group_bytes - 1).cast());
             }
         }
         for (rr, v) in total.iter().enumerate() {
