@@ -663,7 +663,13 @@ impl CpuMoe {
         {
             return Err(bad(not_an_expert(i, k, i64::from(bad_id), e_count)));
         }
-        let chunk = chunk_tokens(k, h, e_count);
+        let chunk = self.planned_chunk(tokens, k).map_err(|need| {
+            bad(format!(
+                "topk_ids: {k} slots per token need {need} of scratch memory, more than this \
+                 process may use ({})",
+                limit_words()
+            ))
+        })?;
         Ok(in_chunks(tokens, chunk, h, |at| {
             let x = &x[at.start * h..at.end * h];
             let ids = &routed.ids[at.start * k..at.end * k];
@@ -810,6 +816,47 @@ impl CpuMoe {
         out
     }
 
+    /// The widest intermediate (gate and up outputs) of the routed experts.
+    fn widest_intermediate(&self) -> usize {
+        self.experts
+            .iter()
+            .map(|ex| ex.up.out_features())
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Scratch bytes one token of a call with `k` slots may need, a bound over the paths
+    /// [`Self::routed_sum_by`] and [`run_experts`] take: per routed row its output (`hidden`
+    /// floats, twice where a buffered path copies it) and its gate, up and down input
+    /// (`inter` floats each at most); the shared expert's likewise; the token's output row.
+    fn token_scratch_bytes(&self, k: usize) -> usize {
+        let h = self.hidden;
+        let rows = |inter: usize| h.saturating_mul(2).saturating_add(inter.saturating_mul(3));
+        let shared = self
+            .shared
+            .as_ref()
+            .map_or(0, |s| rows(s.up.out_features()));
+        k.saturating_mul(rows(self.widest_intermediate()))
+            .saturating_add(shared)
+            .saturating_add(h)
+            .saturating_mul(std::mem::size_of::<f32>())
+    }
+
+    /// Tokens per chunk of a call of `tokens` tokens with `k` slots each ([`plan_chunk`]), or
+    /// the scratch it would need (in words) where that exceeds what the process may use.
+    fn planned_chunk(&self, tokens: usize, k: usize) -> std::result::Result<usize, String> {
+        let per_token = self.token_scratch_bytes(k);
+        let default = default_chunk(k, self.hidden, self.experts.len());
+        plan_chunk(
+            tokens,
+            per_token,
+            requested_chunk_env(),
+            default,
+            memory_limit(),
+        )
+        .map_err(gib)
+    }
+
     /// Routes with the model's router logits, runs the routed experts (routed scaling included)
     /// and adds the shared experts.
     /// `compute` is the weight-only arithmetic (see [`Compute`]).
@@ -839,7 +886,15 @@ impl CpuMoe {
         }
         self.check_hidden(x, tokens)?;
         let h = self.hidden;
-        let chunk = chunk_tokens(self.top_k, h, e);
+        let chunk = self.planned_chunk(tokens, self.top_k).map_err(|need| {
+            bad(format!(
+                "this layer (top_k {}, hidden {h}, intermediate up to {}) needs {need} of \
+                 scratch memory per chunk, more than this process may use ({})",
+                self.top_k,
+                self.widest_intermediate(),
+                limit_words()
+            ))
+        })?;
         Ok(in_chunks(tokens, chunk, h, |at| {
             let x = &x[at.start * h..at.end * h];
             self.routed_and_shared(
@@ -902,30 +957,130 @@ impl CpuMoe {
     }
 }
 
-/// Tokens per chunk of a long forward: `MOEQ_CHUNK_TOKENS` (read once; 0: never split), else
-/// as many as keep a chunk's routed output rows (`top_k x hidden` floats per token) within the
-/// spares' size limit, but at least `ROWS_PER_EXPERT` rows per expert on average (4096 tokens
-/// at Qwen3-30B-A3B's shape, 8192 at DeepSeek-V3's). A chunk reads every weight it touches
-/// once, so a call of several chunks reads them again per chunk: with that many rows per
-/// expert each weight byte feeds as many multiply-adds, well above what a many-core CPU's
-/// memory can supply per byte, and memory stays bounded instead of growing with the prompt.
-pub fn chunk_tokens(top_k: usize, hidden: usize, experts: usize) -> usize {
+/// The chunk `MOEQ_CHUNK_TOKENS` asks for (read once): `Some(usize::MAX)` for 0 (never split),
+/// `None` where it is unset or not a count (the default applies).
+fn requested_chunk_env() -> Option<usize> {
     static SET: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     let set = *SET.get_or_init(|| {
         std::env::var("MOEQ_CHUNK_TOKENS")
             .ok()
             .and_then(|v| requested_chunk(&v))
     });
-    match set {
-        Some(0) => usize::MAX,
-        Some(n) => n,
-        None => default_chunk(top_k, hidden, experts),
+    set.map(|n| if n == 0 { usize::MAX } else { n })
+}
+
+/// Tokens per chunk of a call of `tokens` tokens that needs up to `per_token` bytes of scratch
+/// each: `requested` (`MOEQ_CHUNK_TOKENS`) as asked, else `default` ([`default_chunk`]) but
+/// never planning more than a quarter of `limit`, the memory the process may use
+/// ([`memory_limit`]). `Err(bytes)`, before anything is allocated, where the chunk would need
+/// more than `limit`: one token alone, or a requested chunk (an allocation that large would
+/// abort the process rather than fail).
+fn plan_chunk(
+    tokens: usize,
+    per_token: usize,
+    requested: Option<usize>,
+    default: usize,
+    limit: Option<usize>,
+) -> std::result::Result<usize, usize> {
+    let per_token = per_token.max(1);
+    let chunk = match (requested, limit) {
+        (Some(n), _) => n.max(1),
+        (None, Some(limit)) => default.min(limit / 4 / per_token).max(1),
+        (None, None) => default.max(1),
+    };
+    let need = chunk.min(tokens).max(1).saturating_mul(per_token);
+    match limit {
+        Some(limit) if need > limit => Err(need),
+        _ => Ok(chunk),
     }
+}
+
+/// `bytes` in words: GiB or MiB.
+fn gib(bytes: usize) -> String {
+    if bytes >= 1 << 30 {
+        format!("{:.1} GiB", bytes as f64 / f64::from(1u32 << 30))
+    } else {
+        format!("{:.1} MiB", bytes as f64 / f64::from(1u32 << 20))
+    }
+}
+
+/// What bounds [`memory_limit`], for error messages.
+fn limit_words() -> String {
+    match memory_limit() {
+        Some(limit) => format!(
+            "{}: the least of the machine's memory, the cgroup's memory.max and the \
+             address-space limit left; MOEQ_CHUNK_TOKENS sets the tokens per chunk",
+            gib(limit)
+        ),
+        None => "unknown".into(),
+    }
+}
+
+/// The memory this process may use, read once: the least of the machine's physical memory,
+/// its cgroup's `memory.max` (cgroup v2) and what the address-space limit (`RLIMIT_AS`) leaves
+/// beside the process's present size; `None` where none is known.
+fn memory_limit() -> Option<usize> {
+    static LIMIT: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *LIMIT.get_or_init(read_memory_limit)
+}
+
+#[cfg(target_os = "linux")]
+fn read_memory_limit() -> Option<usize> {
+    // SAFETY: sysconf reads a system value and touches no memory of ours.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    let physical = usize::try_from(pages)
+        .ok()
+        .zip(usize::try_from(page).ok())
+        .map(|(n, p)| n.saturating_mul(p))
+        .filter(|&b| b > 0);
+    let cgroup = std::fs::read_to_string("/sys/fs/cgroup/memory.max")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok());
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into `rl`, which lives for the call.
+    let got = unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut rl) } == 0;
+    let address_space = (got && rl.rlim_cur != libc::RLIM_INFINITY)
+        .then(|| usize::try_from(rl.rlim_cur).ok())
+        .flatten()
+        .map(|cap| {
+            // /proc/self/statm: the process's size in pages, first.
+            let used = std::fs::read_to_string("/proc/self/statm")
+                .ok()
+                .and_then(|v| v.split_whitespace().next()?.parse::<usize>().ok())
+                .zip(usize::try_from(page).ok())
+                .map_or(0, |(n, p)| n.saturating_mul(p));
+            cap.saturating_sub(used)
+        });
+    [physical, cgroup, address_space]
+        .into_iter()
+        .flatten()
+        .min()
+}
+
+#[cfg(not(target_os = "linux"))]
+fn read_memory_limit() -> Option<usize> {
+    None
 }
 
 /// The rows per expert a default chunk gives at least, on average.
 const ROWS_PER_EXPERT: usize = 256;
 
+/// Tokens per chunk of a long forward unless `MOEQ_CHUNK_TOKENS` says otherwise: as many as
+/// keep a chunk's routed output rows (`top_k x hidden` floats per token) within the spares'
+/// size limit, but at least `ROWS_PER_EXPERT` rows per expert on average (4096 tokens at
+/// Qwen3-30B-A3B's shape, 8192 at DeepSeek-V3's). A chunk reads every weight it touches once,
+/// so a call of several chunks reads them again per chunk: with that many rows per expert each
+/// weight byte feeds as many multiply-adds, well above what a many-core CPU's memory can
+/// supply per byte, and memory stays bounded instead of growing with the prompt.
+/// [`plan_chunk`] then keeps the whole scratch of a chunk within the process's memory.
 fn default_chunk(top_k: usize, hidden: usize, experts: usize) -> usize {
     let k = top_k.max(1);
     let row_bytes = k.saturating_mul(hidden.max(1)).saturating_mul(4);
@@ -1221,6 +1376,67 @@ mod tests {
         assert_eq!(default_chunk(8, 7168, 256), 8192);
         assert_eq!(default_chunk(0, 0, 0), (256 << 20) / 4);
         assert_eq!(default_chunk(usize::MAX, usize::MAX, usize::MAX), 1);
+    }
+
+    #[test]
+    fn chunks_keep_their_scratch_within_the_memory_limit() {
+        let gib = 1usize << 30;
+        // No limit known: the default as it is.
+        assert_eq!(plan_chunk(10_000, 1 << 20, None, 4096, None), Ok(4096));
+        // A default chunk whose scratch would pass a quarter of the limit is cut to it.
+        assert_eq!(
+            plan_chunk(10_000, 1 << 20, None, 4096, Some(4 * gib)),
+            Ok(1024)
+        );
+        assert_eq!(
+            plan_chunk(10_000, 1 << 10, None, 4096, Some(4 * gib)),
+            Ok(4096)
+        );
+        // Between a quarter of the limit and all of it for one token: a token per chunk.
+        assert_eq!(plan_chunk(3, 2 * gib, None, 4096, Some(4 * gib)), Ok(1));
+        // One token needing more than the limit: refused with what it needs.
+        assert_eq!(
+            plan_chunk(1, 5 * gib, None, 4096, Some(4 * gib)),
+            Err(5 * gib)
+        );
+        assert_eq!(
+            plan_chunk(0, 5 * gib, None, 4096, Some(4 * gib)),
+            Err(5 * gib)
+        );
+        // A requested chunk is kept, unless the call's chunk would pass the limit.
+        let asked = |tokens, n| plan_chunk(tokens, 1 << 20, Some(n), 4096, Some(4 * gib));
+        assert_eq!(asked(10_000, 2048), Ok(2048));
+        assert_eq!(asked(100, usize::MAX), Ok(usize::MAX));
+        assert_eq!(asked(10_000, usize::MAX), Err(10_000 << 20));
+        assert_eq!(asked(10_000, 8192), Err(8192 << 20));
+        // Sizes that overflow saturate into a refusal, not a wrap.
+        assert_eq!(
+            plan_chunk(usize::MAX, usize::MAX, None, 4096, Some(gib)),
+            Err(usize::MAX)
+        );
+    }
+
+    #[test]
+    fn the_scratch_bound_covers_every_path() {
+        // Every buffer the layer's paths allocate per token, at the sample shapes: the
+        // buffered path's routed rows (twice: the rows and the panel path's stacked copy)
+        // and gate, up and down input per row; the shared expert's; the output row.
+        for shared in [false, true] {
+            let mut moe = sample_layer(RawScheme::W8a16, 4, 128, 192, 64, 2);
+            if shared {
+                moe.shared = moe.experts.first().cloned();
+            }
+            let (h, i) = (moe.hidden, moe.widest_intermediate());
+            assert_eq!((h, i), (128, 192));
+            let s = moe
+                .shared
+                .as_ref()
+                .map_or(0, |s| 2 * h + 3 * s.up.out_features());
+            assert_eq!(
+                moe.token_scratch_bytes(2),
+                (2 * (2 * h + 3 * i) + s + h) * 4
+            );
+        }
     }
 
     #[test]
