@@ -28,13 +28,13 @@ pub enum Isa {
 /// The kernel family every CPU kernel dispatches to: the best this CPU runs, capped by the
 /// environment variable `MOEQ_CPU_ISA` (`scalar`, `avx2`, `avx_vnni`, `avx512`, `avx512_vnni`,
 /// `amx_int8`, `neon`) so that each path can be tested and compared on one machine. A cap above the CPU's
-/// support is ignored.
+/// support, or a value that names no kernel of this architecture (in any case), is ignored.
 pub fn isa() -> Isa {
     static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
     *ISA.get_or_init(|| {
-        let cap = std::env::var("MOEQ_CPU_ISA").unwrap_or_default();
+        let cap = isa_cap(&std::env::var("MOEQ_CPU_ISA").unwrap_or_default());
         let detected = detect();
-        match cap.as_str() {
+        match cap {
             "scalar" => Isa::Scalar,
             #[cfg(target_arch = "x86_64")]
             "avx2" if detected != Isa::Scalar => Isa::Avx2,
@@ -57,6 +57,31 @@ pub fn isa() -> Isa {
             _ => detected,
         }
     })
+}
+
+/// The cap a `MOEQ_CPU_ISA` value sets: one of this architecture's kernel names (any case,
+/// surrounding blanks ignored), or `""` (no cap) for anything else, so that a misspelt value
+/// leaves the CPU's best rather than the best below AMX.
+pub(crate) fn isa_cap(value: &str) -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    const NAMES: &[&str] = &[
+        "scalar",
+        "avx2",
+        "avx_vnni",
+        "avx512",
+        "avx512_vnni",
+        "amx_int8",
+    ];
+    #[cfg(target_arch = "aarch64")]
+    const NAMES: &[&str] = &["scalar", "neon"];
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    const NAMES: &[&str] = &["scalar"];
+    let value = value.trim();
+    NAMES
+        .iter()
+        .find(|n| n.eq_ignore_ascii_case(value))
+        .copied()
+        .unwrap_or("")
 }
 
 fn detect() -> Isa {
@@ -879,6 +904,26 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn isa_caps_name_a_kernel_or_none() {
+        assert_eq!(isa_cap("scalar"), "scalar");
+        assert_eq!(isa_cap(" Scalar\n"), "scalar");
+        for unknown in ["", "bogus", "avx-512", "scalar2"] {
+            assert_eq!(isa_cap(unknown), "", "{unknown:?}");
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            assert_eq!(isa_cap("AVX2"), "avx2");
+            assert_eq!(isa_cap(" amx_int8 "), "amx_int8");
+            assert_eq!(isa_cap("neon"), "");
+        }
+        #[cfg(target_arch = "aarch64")]
+        {
+            assert_eq!(isa_cap("NEON"), "neon");
+            assert_eq!(isa_cap("avx2"), "");
+        }
+    }
 
     #[test]
     fn add_scaled_equals_scalar() {
