@@ -3647,3 +3647,104 @@ def test_function_modes_see_the_op_and_torch_device_stays_eager(
     with Seen() as seen, torch.device("cpu"):
         assert torch.equal(layer(x, logits), want)
     assert calls == [2] and "moeq.moe_forward" in seen.funcs
+
+
+def test_a_call_whose_scratch_exceeds_the_memory_is_refused_before_allocating() -> None:
+    """One token of ``forward_topk`` with 65536 slots on a layer of intermediate size 2**20
+    would need ~825 GB of scratch: a ``LayoutError`` saying so, where the allocation used to
+    fail and abort the process (no Python exception)."""
+    e, h, i = 1, 8, 2**20
+    w13 = torch.ones(e, 2 * i, h, dtype=torch.int8)
+    w2 = torch.ones(e, h, i, dtype=torch.int8)
+    moe = mq.MoELayer.from_tensors(
+        w13, w2, torch.full((e, 2 * i, 1), 1e-3), torch.full((e, h, 1), 1e-3),
+        scheme="w8a16", top_k=1,
+    )  # fmt: skip
+    slots = 2**16
+    w = torch.full((1, slots), 1.0 / slots)
+    ids = torch.zeros(1, slots, dtype=torch.int64)
+    with pytest.raises(mq.LayoutError, match=r"topk_ids: 65536 slots per token need .* GiB of "):
+        moe.forward_topk(torch.randn(1, h), w, ids)
+    # The layer itself still runs a call of a size that fits.
+    x = torch.randn(2, h)
+    got = moe.forward_topk(x, torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int64))
+    assert got.shape == (2, h) and torch.isfinite(got).all()
+
+
+def test_fake_and_unusual_tensors_are_checked_as_real_ones_are() -> None:
+    """Under ``FakeTensorMode`` a wrong shape is the same ``LayoutError`` as for real tensors
+    (the trace recorded a wrong output shape, and the error came only when run); tensors of
+    another layout (sparse, MKL-DNN, nested) are refused by name as not dense (a numpy
+    ``TypeError`` or torch's internal error before); 4-bit zero points outside -8..7 are
+    refused on the CPU as on CUDA and in checkpoints."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    w13, w2, s13, s2 = _small_w8a16()
+    moe = mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a16", top_k=2)
+    with FakeTensorMode() as mode:
+        assert moe(torch.empty(5, 64), torch.empty(5, 4)).shape == (5, 64)
+        with pytest.raises(mq.LayoutError, match=r"hidden_states: expected \[T, 64\]"):
+            moe(torch.empty(5, 65), torch.empty(5, 4))
+        with pytest.raises(mq.LayoutError, match=r"router_logits: expected \[5, 4\]"):
+            moe(torch.empty(5, 64), torch.empty(4, 4))
+        with pytest.raises(mq.LayoutError, match="must both be"):
+            moe.forward_topk(
+                torch.empty(5, 64), torch.empty(5, 2), torch.empty(5, 3, dtype=torch.int64)
+            )
+        args = tuple(mode.from_tensor(t) for t in (w13, w2, s13, s2))
+        fw, fids = torch.empty(5, 2), torch.empty(5, 2, dtype=torch.int64)
+        assert mq.fused_moe(torch.empty(5, 64), *args, fw, fids, scheme="w8a16").shape == (5, 64)
+        with pytest.raises(mq.LayoutError, match=r"hidden_states: expected \[T, 64\]"):
+            mq.fused_moe(torch.empty(5, 63), *args, fw, fids, scheme="w8a16")
+        with pytest.raises(mq.LayoutError, match="must both be"):
+            mq.fused_moe(torch.empty(5, 64), *args, fw, fids[:4], scheme="w8a16")
+    x = torch.randn(2, 64)
+    logits = torch.randn(2, 4)
+    for odd, kind in [
+        (x.to_sparse(), "layout torch.sparse_coo"),
+        (x.to_mkldnn(), "layout torch._mkldnn"),
+        (torch.nested.nested_tensor([x[0], x[1]], layout=torch.jagged), "a nested tensor"),
+    ]:
+        with pytest.raises(mq.LayoutError, match=f"hidden_states: expected a dense .*{kind}"):
+            moe(odd, logits)
+    e, h, i = 2, 64, 32
+    q13 = torch.randint(0, 2**31 - 1, (e, 2 * i, h // 8), dtype=torch.int32)
+    q2 = torch.randint(0, 2**31 - 1, (e, h, i // 8), dtype=torch.int32)
+    s13, s2 = torch.rand(e, 2 * i, h // 32) / 1e3, torch.rand(e, h, i // 32) / 1e3
+    z13 = torch.zeros(e, 2 * i, h // 32, dtype=torch.int8)
+    z2 = torch.zeros(e, h, i // 32, dtype=torch.int8)
+
+    def build(z2: torch.Tensor) -> object:
+        return mq.MoELayer.from_tensors(
+            q13, q2, s13, s2, scheme="w4a16", group_size=32, top_k=1,
+            w13_zero_point=z13, w2_zero_point=z2,
+        )  # fmt: skip
+
+    build(z2)
+    for bad in (8, -9, 100):
+        with pytest.raises(mq.LayoutError, match=f"w2_zero_point: 4-bit zero points .* got {bad}"):
+            build(torch.full_like(z2, bad))
+
+
+def test_an_isa_cap_that_names_no_kernel_leaves_the_cpus_best() -> None:
+    """``MOEQ_CPU_ISA`` values that name no kernel (misspelt, or of another architecture) leave
+    the dispatch where it is unset, as the README says (they capped it below AMX before); a
+    kernel's name counts in any case."""
+    import os
+    import subprocess
+    import sys
+
+    def kernel(cap: str | None) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "MOEQ_CPU_ISA"}
+        if cap is not None:
+            env["MOEQ_CPU_ISA"] = cap
+        script = "import moeq_rs as mq; print(mq.oracle.cpu_kernel())"
+        ran = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+        )
+        return ran.stdout.strip()
+
+    best = kernel(None)
+    for cap in ("bogus", "amx", "Neon" if best != "neon" else "avx2"):
+        assert kernel(cap) == best, cap
+    assert kernel(" SCALAR ") == "scalar"

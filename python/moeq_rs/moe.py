@@ -65,6 +65,9 @@ def _check(t: object, name: str, ndim: int, floating: bool, meta: bool = False) 
     the meta device (``_meta_call`` has checked that every argument is)."""
     if not isinstance(t, torch.Tensor):
         raise LayoutError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.is_nested or t.layout != torch.strided:
+        kind = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+        raise LayoutError(f"{name}: expected a dense (strided) tensor, got {kind}")
     if not meta and not t.is_cpu:
         raise LayoutError(f"{name}: expected a CPU tensor, got device {t.device}")
     if t.dim() != ndim:
@@ -369,8 +372,12 @@ class MoELayer(torch.nn.Module):
             if _meta_call(hidden_states, router_logits=router_logits):
                 # Shapes only: checked as an eager call checks them, then the op.
                 return self._forward_checked(hidden_states, router_logits)
-            _check(hidden_states, "hidden_states", 2, True)
-            _check(router_logits, "router_logits", 2, True)
+            # Fake tensors and tensor subclasses (a FakeTensorMode trace, make_fx): their
+            # shapes are checked here, or the trace would record a wrong output shape.
+            self._check_shapes(
+                _check(hidden_states, "hidden_states", 2, True),
+                _check(router_logits, "router_logits", 2, True),
+            )
             _refuse_transforms(hidden_states, router_logits)
         return torch.ops.moeq.moe_forward(
             hidden_states, router_logits, self._op_handle(hidden_states)
@@ -391,9 +398,11 @@ class MoELayer(torch.nn.Module):
             # As in forward: the op checks them when it runs.
             if _meta_call(hidden_states, topk_weights=topk_weights, topk_ids=topk_ids):
                 return self._forward_topk_checked(hidden_states, topk_weights, topk_ids)
-            _check(hidden_states, "hidden_states", 2, True)
-            _check(topk_weights, "topk_weights", 2, True)
-            _check(topk_ids, "topk_ids", 2, False)
+            self._check_topk_shapes(
+                _check(hidden_states, "hidden_states", 2, True),
+                _check(topk_weights, "topk_weights", 2, True),
+                _check(topk_ids, "topk_ids", 2, False),
+            )
             _refuse_transforms(hidden_states, topk_weights, topk_ids)
         return torch.ops.moeq.moe_forward_topk(
             hidden_states, topk_weights, topk_ids, self._op_handle(hidden_states)
@@ -438,14 +447,8 @@ class MoELayer(torch.nn.Module):
             return out
         return self._forward_topk_checked(hidden_states, topk_weights, topk_ids)
 
-    def _forward_checked(
-        self, hidden_states: torch.Tensor, router_logits: torch.Tensor
-    ) -> torch.Tensor:
-        """Any input the native torch path declines: checked (errors name the argument), then
-        through numpy."""
-        meta = _meta_call(hidden_states, router_logits=router_logits)
-        x = _check(hidden_states, "hidden_states", 2, True, meta)
-        logits = _check(router_logits, "router_logits", 2, True, meta)
+    def _check_shapes(self, x: torch.Tensor, logits: torch.Tensor) -> None:
+        """``forward``'s shapes: ``x`` ``[T, H]`` and ``logits`` ``[T, E]`` of this layer."""
         t, h = x.shape
         if h != self._hidden_size:
             raise LayoutError(
@@ -455,6 +458,29 @@ class MoELayer(torch.nn.Module):
             raise LayoutError(
                 f"router_logits: expected [{t}, {self._num_experts}], got {list(logits.shape)}"
             )
+
+    def _check_topk_shapes(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> None:
+        """``forward_topk``'s shapes: ``x`` ``[T, H]``, weights and ids both ``[T, k]``."""
+        t, h = x.shape
+        if h != self._hidden_size:
+            raise LayoutError(
+                f"hidden_states: expected [T, {self._hidden_size}], got {list(x.shape)}"
+            )
+        if w.shape != ids.shape or w.shape[0] != t:
+            raise LayoutError(
+                f"topk_weights {list(w.shape)} and topk_ids {list(ids.shape)} must both be [{t}, k]"
+            )
+
+    def _forward_checked(
+        self, hidden_states: torch.Tensor, router_logits: torch.Tensor
+    ) -> torch.Tensor:
+        """Any input the native torch path declines: checked (errors name the argument), then
+        through numpy."""
+        meta = _meta_call(hidden_states, router_logits=router_logits)
+        x = _check(hidden_states, "hidden_states", 2, True, meta)
+        logits = _check(router_logits, "router_logits", 2, True, meta)
+        self._check_shapes(x, logits)
+        t = x.shape[0]
         if meta:
             # Through the op (its fake implementation makes the meta output), so that a trace
             # (torch.jit.trace, make_fx) records the op and an input that needs gradients gets
@@ -472,15 +498,8 @@ class MoELayer(torch.nn.Module):
         x = _check(hidden_states, "hidden_states", 2, True, meta)
         w = _check(topk_weights, "topk_weights", 2, True, meta)
         ids = _check(topk_ids, "topk_ids", 2, False, meta)
-        t, h = x.shape
-        if h != self._hidden_size:
-            raise LayoutError(
-                f"hidden_states: expected [T, {self._hidden_size}], got {list(x.shape)}"
-            )
-        if w.shape != ids.shape or w.shape[0] != t:
-            raise LayoutError(
-                f"topk_weights {list(w.shape)} and topk_ids {list(ids.shape)} must both be [{t}, k]"
-            )
+        self._check_topk_shapes(x, w, ids)
+        t = x.shape[0]
         if meta:  # as in _forward_checked
             _refuse_transforms(x, w, ids)
             return torch.ops.moeq.moe_forward_topk(x, w, ids, self._op_handle(x))
@@ -553,13 +572,18 @@ def _act_scales(t: object, name: str, e: int):  # type: ignore[no-untyped-def]
     return s.contiguous().numpy()
 
 
-def _zero_points(t: object, name: str, e: int, n: int, groups: int):  # type: ignore[no-untyped-def]
+def _zero_points(t: object, name: str, e: int, n: int, groups: int, int4: bool):  # type: ignore[no-untyped-def]
     if t is None:
         return None, None
     z = _np(t, name, (torch.int8, torch.int32), (3,))
     if z.dtype == torch.int8:
         if tuple(z.shape) != (e, n, groups):
             raise LayoutError(f"{name}: int8 zero points must be [{e}, {n}, {groups}]")
+        if int4 and z.numel() and not -8 <= int(z.min()) <= int(z.max()) <= 7:
+            # As a checkpoint's are, and as the CUDA layer requires: the same call must not
+            # build on one device and fail on the other.
+            bad = int(z.min()) if int(z.min()) < -8 else int(z.max())
+            raise LayoutError(f"{name}: 4-bit zero points lie in -8..7, got {bad}")
         return z.reshape(-1).numpy(), None
     if tuple(z.shape) != (e, (n + 7) // 8, groups):
         raise LayoutError(f"{name}: packed zero points must be [{e}, {(n + 7) // 8}, {groups}]")
@@ -631,8 +655,8 @@ def _parse_tensors(
             f"w13_scale/w2_scale: {g13}/{g2} groups do not match group_size "
             f"{group_size} (expected {groups_expected[0]}/{groups_expected[1]})"
         )
-    zp13 = _zero_points(w13_zero_point, "w13_zero_point", e, n13, g13)
-    zp2 = _zero_points(w2_zero_point, "w2_zero_point", e, h, g2)
+    zp13 = _zero_points(w13_zero_point, "w13_zero_point", e, n13, g13, int4)
+    zp2 = _zero_points(w2_zero_point, "w2_zero_point", e, h, g2, int4)
     if scheme == "w8a16" and (w13_zero_point is not None or w2_zero_point is not None):
         raise UnsupportedSchemeError("w13_zero_point: asymmetric int8 weights are not supported")
     if scheme.startswith("w8a8") and (w13_zero_point is not None or w2_zero_point is not None):
@@ -1017,9 +1041,32 @@ _FUSED_MOE_ARGS = (
 
 @_op_fused_moe.register_fake
 def _(hidden_states: torch.Tensor, *rest: Any) -> torch.Tensor:
-    _refuse_meta_mix(hidden_states, **dict(zip(_FUSED_MOE_ARGS, rest, strict=True)))
+    args = dict(zip(_FUSED_MOE_ARGS, rest, strict=True))
+    _refuse_meta_mix(hidden_states, **args)
+    _fused_moe_shapes(hidden_states, args)
     # The output is [T, H] in the input's dtype, whatever the weights.
     return torch.empty_like(hidden_states)
+
+
+def _fused_moe_shapes(x: torch.Tensor, args: dict[str, Any]) -> None:
+    """What a fake ``fused_moe`` call can check of the shapes the real one checks (the rest
+    needs values): ``x`` ``[T, H]`` with ``w13``'s input size, the weights and ids ``[T, k]``.
+    A trace would otherwise record a wrong output shape and fail only when run."""
+    w13, w, ids = args["w13"], args["topk_weights"], args["topk_ids"]
+    if x.dim() != 2:
+        raise LayoutError(f"hidden_states: expected 2 dimensions, got shape {list(x.shape)}")
+    if w.dim() != 2 or w.shape != ids.shape or w.shape[0] != x.shape[0]:
+        raise LayoutError(
+            f"topk_weights {list(w.shape)} and topk_ids {list(ids.shape)} must both be "
+            f"[{x.shape[0]}, k]"
+        )
+    if w13.dim() == 3:
+        # int4 weights pack 8 inputs per int32.
+        h = w13.shape[2] * (8 if args["scheme"] == "w4a16" else 1)
+        if x.shape[1] != h:
+            raise LayoutError(
+                f"hidden_states: expected [T, {h}] (w13's input size), got {list(x.shape)}"
+            )
 
 
 def _wants_grad(*tensors: object) -> bool:
