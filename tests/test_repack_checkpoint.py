@@ -723,6 +723,56 @@ def test_a_killed_repack_leaves_nothing_for_long(
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", live.name, recent.name])
 
 
+def test_the_clean_up_of_abandoned_directories_never_removes_the_source(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A source checkpoint that carries the name of an abandoned temporary directory of its
+    OUT_DIR (`.out.moeq-tmp-<pid of no process>`, untouched for an hour), itself or through a
+    symlink, was removed by the clean-up at the start of the repack, which then failed on the
+    missing source. It is read, and left as it was."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], stdout=-1)
+    dead = int(gone.stdout)
+    hour_ago = time.time() - 3600
+    for kind, through_link in [("tmp", False), ("old", True)]:
+        work = tmp_path / f"{kind}-{through_link}"
+        work.mkdir()
+        real = work / f".out.moeq-{kind}-{dead}"
+        shutil.copytree(fixture_path("qwen3_w8a16_g128"), real)
+        for p in [*real.iterdir(), real]:
+            os.utime(p, (hour_ago, hour_ago))
+        before = digest(real)
+        src = real
+        if through_link:
+            src = work / "src"
+            src.symlink_to(real.name)
+        r = cli("repack", str(src), str(work / "out"), "--target", "cpu")
+        assert r.returncode == 0, r.stderr
+        assert digest(real) == before
+        mq.MoELayer.from_checkpoint(work / "out", 0)
+
+
+def test_force_never_deletes_a_file_a_source_side_file_links_to(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """--force checked that OUT_DIR held none of the source's shards or config, but not its
+    side files: a `tokenizer.json` linking into the earlier output lost its target when that
+    output was replaced. Refused now, the file kept."""
+    old = tmp_path / "out"
+    assert (
+        cli("repack", str(fixture_path("qwen3_w8a16_g128")), str(old), "--target", "cpu").returncode
+        == 0
+    )
+    (old / "tok_store.json").write_text('{"tok": 1}')
+    src = tmp_path / "src"
+    shutil.copytree(fixture_path("qwen3_w8a16_g128"), src)
+    (src / "tokenizer.json").symlink_to(old / "tok_store.json")
+    r = cli("repack", str(src), str(old), "--target", "cpu", "--force")
+    assert (
+        r.returncode == 1 and "of the source checkpoint, which --force would delete" in r.stderr
+    ), r
+    assert json.loads((src / "tokenizer.json").read_text()) == {"tok": 1}
+
+
 def test_force_replaces_only_an_empty_dir_or_an_earlier_repack(
     fixture_path: Callable[[str], Path], tmp_path: Path
 ) -> None:

@@ -173,8 +173,10 @@ pub fn repack_marlin(
 /// no longer exist (hundreds of MB each, hidden, and never reused: the next run has another
 /// pid). A live process's are left alone: it may be repacking there now; and so is anything
 /// written in the last ten minutes, since a pid names a process only on this machine and in
-/// this PID namespace (another container or host may be writing to a shared volume).
-fn remove_abandoned(parent: &Path, name: &str) {
+/// this PID namespace (another container or host may be writing to a shared volume); and so
+/// is any that is, or holds, one of `sources` ([`source_paths`]): a source checkpoint that
+/// happens to carry such a name (or a symlink to one) is read, never removed.
+fn remove_abandoned(parent: &Path, name: &str, sources: &[PathBuf]) {
     let Ok(entries) = std::fs::read_dir(parent) else {
         return;
     };
@@ -188,9 +190,16 @@ fn remove_abandoned(parent: &Path, name: &str) {
                 .and_then(|p| p.parse::<u32>().ok())
         });
         if let Some(pid) = pid {
+            let holds_source = || {
+                entry
+                    .path()
+                    .canonicalize()
+                    .map_or(true, |c| sources.iter().any(|s| s.starts_with(&c)))
+            };
             if pid != std::process::id()
                 && !process_exists(pid)
                 && untouched_for(&entry.path(), 600)
+                && !holds_source()
             {
                 let _ = remove_entry(&entry.path());
             }
@@ -626,15 +635,9 @@ pub fn repack(
                 ));
             }
             // Replacing OUT_DIR deletes it: it must hold none of the files being read (an
-            // ancestor of the source directory, or one of its shards, was deleted before).
-            let sources = std::iter::once(b)
-                .chain(
-                    ckpt.files()
-                        .iter()
-                        .filter_map(|f| f.path().canonicalize().ok()),
-                )
-                .chain(ckpt.config_path().canonicalize().ok());
-            for source in sources {
+            // ancestor of the source directory, one of its shards, or a side file that a
+            // source file links to, was deleted before).
+            for source in source_paths(ckpt) {
                 if source.starts_with(&a) {
                     return Err(output_error(
                         out_dir,
@@ -739,7 +742,7 @@ pub fn repack(
     let tmp_path = staged_path(&parent, &name, TMP);
     // Held to the end, the commit and the removal of a moved-aside earlier output included.
     let _claim = StagingClaim::new(&tmp_path, out_dir)?;
-    remove_abandoned(&parent, &name);
+    remove_abandoned(&parent, &name, &source_paths(ckpt));
     if tmp_path.exists() {
         std::fs::remove_dir_all(&tmp_path).map_err(|e| io(&tmp_path, e))?;
     }
@@ -1142,6 +1145,24 @@ fn other_weight_format(file: &str) -> bool {
 
 /// Copies the other top-level files of the source (tokenizer, generation config, ...), not
 /// subdirectories, nor weights in other formats ([`other_weight_format`]).
+/// Every path a repack of `ckpt` reads, resolved: the source directory and each entry in it
+/// (shards, index, config and the side files copied), each through its symlinks, and the
+/// shards and config wherever they lie. What no clean-up may delete.
+fn source_paths(ckpt: &crate::checkpoint::Checkpoint) -> Vec<PathBuf> {
+    let dir = ckpt.dir();
+    let entries = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path());
+    std::iter::once(dir.to_path_buf())
+        .chain(entries)
+        .chain(ckpt.files().iter().map(|f| f.path().to_path_buf()))
+        .chain(std::iter::once(ckpt.config_path().to_path_buf()))
+        .filter_map(|p| p.canonicalize().ok())
+        .collect()
+}
+
 fn copy_side_files(src: &Path, dst: &Path) -> Result<()> {
     let mut entries: Vec<PathBuf> = std::fs::read_dir(src)
         .map_err(|e| io(src, e))?
