@@ -518,6 +518,100 @@ def test_damaged_cpu_layout_is_refused(fixture_path: Callable[[str], Path], tmp_
         mq.open(out)
 
 
+def _edited_cpu_output(src: Path, out: Path) -> tuple[Path, dict[str, Any]]:
+    repack_checkpoint(src, out, target="cpu")
+    return out / "config.json", json.loads((out / "config.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("fixture", "key", "value", "tensor"),
+    [
+        ("qwen3_w4a16_g128_asym", ("weights", "symmetric"), True, "w13_weight_zero_point"),
+        ("qwen3_w4a16_actorder", ("act_order",), False, "w13_g_idx_sort_indices"),
+        ("qwen3_w8a8_static", ("static_act_scales",), False, "w13_input_scale"),
+    ],
+)
+def test_a_cpu_layout_record_that_leaves_stored_tensors_out_is_refused(
+    fixture_path: Callable[[str], Path],
+    tmp_path: Path,
+    fixture: str,
+    key: tuple[str, ...],
+    value: object,
+    tensor: str,
+) -> None:
+    """A record edited to say less than the tensors hold (symmetric over stored zero points,
+    no act-order over stored sort indices, dynamic over stored input scales) loaded the layer
+    as the record said, the tensors ignored: outputs off by 0.1-0.5. Refused, naming the
+    tensor."""
+    cfg_path, cfg = _edited_cpu_output(fixture_path(fixture), tmp_path / "cpu")
+    entry = cfg["moeq"]["layers"][0]
+    for k in key[:-1]:
+        entry = entry[k]
+    entry[key[-1]] = value
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(mq.MoeqError, match=f"{tensor}.* has no place for it"):
+        mq.MoELayer.from_checkpoint(tmp_path / "cpu", 0)
+
+
+def test_a_cpu_layout_record_at_odds_with_itself_is_refused(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A `kind` that the entry's activation contradicts (or no version writes), and a layer
+    listed twice, were accepted."""
+    cfg_path, cfg = _edited_cpu_output(fixture_path("qwen3_w8a16_g128"), tmp_path / "cpu")
+    layers = cfg["moeq"]["layers"]
+    for kind in ("banana", "int8_w8a8"):
+        layers[0]["kind"] = kind
+        cfg_path.write_text(json.dumps(cfg))
+        with pytest.raises(mq.ConfigError, match=rf"moeq\.layers\[0\]\.kind: .*{kind}"):
+            mq.open(tmp_path / "cpu")
+    layers[0]["kind"] = "weight_only"
+    layers.append(dict(layers[0]))
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(mq.ConfigError, match=r"layer 0 is listed twice"):
+        mq.open(tmp_path / "cpu")
+
+
+def test_damaged_values_in_a_cpu_layout_are_refused(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A 4-bit code or zero point outside -8..7, or act-order sort indices that repeat a
+    column, built the layer and gave other outputs without an error; the source path refuses
+    the like. Refused at load, naming the tensor."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    def damaged(fixture: str, tensor: str, edit: Callable[[torch.Tensor], None]) -> Path:
+        out = tmp_path / f"{fixture}-{tensor}"
+        repack_checkpoint(fixture_path(fixture), out, target="cpu")
+        (shard,) = [p for p in out.glob("*.safetensors") if tensor in load_file(p)]
+        tensors = load_file(shard)
+        edit(tensors[tensor])
+        save_file(tensors, shard, metadata={"format": "pt"})
+        return out
+
+    prefix = "model.layers.0.mlp.experts"
+    cases = [
+        ("qwen3_w4a16_g128_sym", "w13_weight_packed", 100, r"element 0 is 100; 4-bit"),
+        ("qwen3_w4a16_g128_asym", "w2_weight_zero_point", -9, r"element 0 is -9; 4-bit"),
+    ]
+    for fixture, name, value, match in cases:
+
+        def put(t: torch.Tensor, value: int = value) -> None:
+            t.view(-1)[0] = value
+
+        out = damaged(fixture, f"{prefix}.{name}", put)
+        with pytest.raises(mq.CheckpointError, match=match):
+            mq.MoELayer.from_checkpoint(out, 0)
+
+    def repeat(t: torch.Tensor) -> None:
+        t.view(-1)[1] = t.view(-1)[0]
+
+    out = damaged("qwen3_w4a16_actorder", f"{prefix}.w2_g_idx_sort_indices", repeat)
+    with pytest.raises(mq.LayoutError, match="repeats a column"):
+        mq.MoELayer.from_checkpoint(out, 0)
+
+
 def test_unknown_target(fixture_path: Callable[[str], Path], tmp_path: Path) -> None:
     with pytest.raises(mq.MoeqError, match="target 'amx' is not available"):
         repack_checkpoint(fixture_path("qwen3_w8a16_g128"), tmp_path / "o", target="amx")
@@ -1085,7 +1179,9 @@ def test_verify_catches_a_changed_byte(
                 f.seek(at)
                 byte = f.read(1)[0]
                 f.seek(at)
-                f.write(bytes([byte ^ 0x5A]))
+                # The lowest bit: a 4-bit code stays in -8..7, which the load checks before
+                # the verify could compare it.
+                f.write(bytes([byte ^ 0x01]))
             changed.append(tensor)
             return
 

@@ -92,6 +92,8 @@ fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
     }
     let mut layers = Vec::new();
     let mut cpu_layers = Vec::new();
+    // A layer listed twice would be loaded from whichever entry came last.
+    let mut seen_layers = std::collections::BTreeSet::new();
     // Without the list, the repacked tensors would be found by no one: no MoE layers, silently.
     let listed = m.field("layers").opt_array()?.ok_or_else(|| {
         m.field("layers")
@@ -140,6 +142,11 @@ fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
                 crate::scheme::QuantArgs::parse_obj(&obj, role)
             };
             let layer = need_u("layer")?;
+            if !seen_layers.insert(layer) {
+                return Err(o
+                    .field("layer")
+                    .invalid(format!("layer {layer} is listed twice")));
+            }
             let g = crate::repack::cpu::CpuGeometry {
                 layer,
                 prefix: prefix_of(layer)?,
@@ -157,7 +164,39 @@ fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
                 },
                 act_order: o.opt_bool("act_order")?.unwrap_or(false),
             };
-            check_specs(ckpt, &g.specs(), "CPU")?;
+            // `kind` repeats what `activation` says: a record that disagrees with itself (or
+            // names a kind no version wrote) is damaged.
+            let kind = if g.activation.is_some() {
+                "int8_w8a8"
+            } else {
+                "weight_only"
+            };
+            if let Some(stated) = o.opt_str("kind")? {
+                if stated != kind {
+                    return Err(o.field("kind").invalid(format!(
+                        "\"{stated}\" disagrees with the entry's activation (a {kind} layer)"
+                    )));
+                }
+            }
+            let specs = g.specs();
+            check_specs(ckpt, &specs, "CPU")?;
+            // And the other way: a stacked tensor the record has no place for (zero points
+            // under `symmetric: true`, sort indices without `act_order`, input scales of
+            // dynamic activations) would be ignored, the layer computed as the record says.
+            for suffix in crate::repack::cpu::LAYOUT_TENSORS {
+                let name = format!("{}.{suffix}", g.prefix);
+                if ckpt.info(&name).is_some() && !specs.iter().any(|s| s.0 == name) {
+                    return Err(module_error(
+                        &name,
+                        format!(
+                            "is stored, but the recorded CPU layout of layer {layer} has no \
+                             place for it ({} in {}): the record and the tensors disagree",
+                            o.path,
+                            file.display()
+                        ),
+                    ));
+                }
+            }
             cpu_layers.push(g);
             continue;
         }
@@ -173,6 +212,11 @@ fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
             None => None,
         };
         let layer = need_u("layer")?;
+        if !seen_layers.insert(layer) {
+            return Err(o
+                .field("layer")
+                .invalid(format!("layer {layer} is listed twice")));
+        }
         let geometry = MarlinGeometry {
             prefix: prefix_of(layer)?,
             experts: need_size("num_experts")?,
@@ -188,6 +232,12 @@ fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
             act_order: o.opt_bool("act_order")?.unwrap_or(false),
             scale_dtype,
         };
+        if geometry.intermediate > geometry.intermediate_padded {
+            return Err(o.field("intermediate_size").invalid(format!(
+                "{} is above intermediate_size_padded {}",
+                geometry.intermediate, geometry.intermediate_padded
+            )));
+        }
         check_specs(ckpt, &geometry.specs(), "Marlin")?;
         layers.push(RepackedLayer {
             layer,
@@ -298,16 +348,13 @@ impl Model {
         let config = ckpt.config();
         let configured = moe::configured_num_experts(&ckpt.config_path(), config)?;
         // (where config.json says it, e.g. `text_config.hidden_size`, and the value)
-        let size_at = |key: &str| {
-            moe::cfg_at(config, key)
-                .and_then(|(at, v)| Some((at, usize::try_from(v.as_u64()?).ok()?)))
-        };
-        let hidden_cfg = size_at("hidden_size");
+        let size_at = |key: &str| moe::configured_size(&ckpt.config_path(), config, key);
+        let hidden_cfg = size_at("hidden_size")?;
         // The routed experts' width, in the families that name it apart from the dense MLP's
         // `intermediate_size` (Qwen-MoE, DeepSeek, GLM-MoE, ...): transformers and vLLM build
         // the experts from it, so experts of another width fail to load there. Where it is a
         // list (per layer or per modality in some families), it is not checked.
-        let moe_inter_cfg = size_at("moe_intermediate_size");
+        let moe_inter_cfg = size_at("moe_intermediate_size")?;
         // The shared expert's width, where the config fixes it (transformers and vLLM build the
         // shared expert from it, none for 0, so a stored one of another width fails to load
         // there, and the forward here added it all the same): Nemotron-H's
@@ -315,14 +362,14 @@ impl Model {
         // Qwen3-Next's and Laguna's `shared_expert_intermediate_size`; without either, the
         // DeepSeek lineage's `n_shared_experts` experts of `moe_intermediate_size` each (fused
         // into one MLP: DeepSeek-V2/V3, Kimi-K2, GLM-4.5, dots.llm1).
-        let n_shared = size_at("n_shared_experts");
+        let n_shared = size_at("n_shared_experts")?;
         let shared_cfg: Option<(String, usize)> =
-            if let Some((at, v)) = size_at("moe_shared_expert_intermediate_size") {
+            if let Some((at, v)) = size_at("moe_shared_expert_intermediate_size")? {
                 Some(match &n_shared {
                     Some((nat, n)) => (format!("{at} {v} x {nat} {n}"), v.saturating_mul(*n)),
                     None => (format!("{at} {v}"), v),
                 })
-            } else if let Some((at, v)) = size_at("shared_expert_intermediate_size") {
+            } else if let Some((at, v)) = size_at("shared_expert_intermediate_size")? {
                 Some((format!("{at} {v}"), v))
             } else {
                 n_shared.and_then(|(at, n)| {

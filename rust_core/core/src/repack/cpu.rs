@@ -53,6 +53,25 @@ pub struct CpuGeometry {
     pub act_order: bool,
 }
 
+/// Every stacked tensor a layer of the CPU layout may have, by its name after the prefix
+/// ([`CpuGeometry::specs`] names those of one record's kind).
+pub const LAYOUT_TENSORS: [&str; 14] = [
+    "w13_weight_packed",
+    "w2_weight_packed",
+    "w13_weight_scale",
+    "w2_weight_scale",
+    "w13_weight_zero_point",
+    "w2_weight_zero_point",
+    "w13_g_idx_sort_indices",
+    "w2_g_idx_sort_indices",
+    "w13_group_starts",
+    "w2_group_starts",
+    "w13_weight_sum",
+    "w2_weight_sum",
+    "w13_input_scale",
+    "w2_input_scale",
+];
+
 fn blocks(n: usize) -> usize {
     n.div_ceil(BLOCK)
 }
@@ -439,13 +458,33 @@ fn load_weight_only(ckpt: &Checkpoint, g: &CpuGeometry) -> Result<Vec<CpuExpert>
         }
         .into()
     };
+    // Codes and zero points within the weights' bit width (4-bit ones in -8..=7), as the
+    // source path checks them: the 4-bit storage would not hold a damaged value, and the
+    // layer would then compute with it as an int8 code, silently.
+    let bits = g.weights.num_bits;
     let int8 = |suffix: &str| -> Result<Vec<i8>> {
-        Ok(ckpt
-            .tensor(&format!("{p}.{suffix}"))?
-            .bytes
-            .iter()
-            .map(|&b| b as i8)
-            .collect())
+        let view = ckpt.tensor(&format!("{p}.{suffix}"))?;
+        let v: Vec<i8> = view.bytes.iter().map(|&b| b as i8).collect();
+        if (1..8).contains(&bits) {
+            let half = 1i16 << (bits - 1);
+            if let Some(at) = v
+                .iter()
+                .position(|&x| !(-half..half).contains(&i16::from(x)))
+            {
+                return Err(crate::error::CheckpointError::Tensor {
+                    path: view.path.to_path_buf(),
+                    tensor: view.info.name.clone(),
+                    reason: format!(
+                        "element {at} is {}; {bits}-bit integer codes lie in {}..={}",
+                        v[at],
+                        -half,
+                        half - 1
+                    ),
+                }
+                .into());
+            }
+        }
+        Ok(v)
     };
     let int32 = |suffix: &str| -> Result<Vec<i32>> {
         Ok(ckpt
@@ -514,6 +553,17 @@ fn load_weight_only(ckpt: &Checkpoint, g: &CpuGeometry) -> Result<Vec<CpuExpert>
                     .map(|&v| u32::try_from(v).ok().filter(|&c| (c as usize) < k))
                     .collect::<Option<_>>()
                     .ok_or_else(|| bad("g_idx_sort_indices", "holds a column outside the layer"))?;
+                // Each column once: a repeated one would be counted twice and another never.
+                let mut seen = vec![false; k];
+                if perm
+                    .iter()
+                    .any(|&c| std::mem::replace(&mut seen[c as usize], true))
+                {
+                    return Err(bad(
+                        "g_idx_sort_indices",
+                        "repeats a column: not a permutation of the layer's columns",
+                    ));
+                }
                 let gs: Vec<usize> = starts[which]
                     .get(slot * groups..(slot + 1) * groups)
                     .ok_or_else(|| bad("group_starts", "is shorter than recorded"))?
