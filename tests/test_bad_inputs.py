@@ -240,6 +240,29 @@ def test_wrong_type_names_key_path(tmp_path: Path) -> None:
         mq.open(c)
 
 
+@pytest.mark.parametrize("key", ["hidden_size", "moe_intermediate_size"])
+@pytest.mark.parametrize("value", ["64", -64, 64.5, True, 1e30])
+def test_config_sizes_that_are_not_counts_are_refused(
+    tmp_path: Path, key: str, value: object
+) -> None:
+    """`hidden_size` or `moe_intermediate_size` that is not a count (a string, a negative, a
+    fraction, a bool, beyond 2**64) skipped the check of the experts against it, silently; the
+    expert count's spellings were refused. Now every size is, naming the key. A list of sizes
+    (per layer, in some families) and an integral float still pass."""
+    c = write_checkpoint(tmp_path / "m")
+    cfg_path = c / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    good = cfg[key]
+    cfg[key] = value
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(mq.ConfigError, match=f"{key}"):
+        mq.open(c)
+    for fine in (float(good), [good]):
+        cfg[key] = fine
+        cfg_path.write_text(json.dumps(cfg))
+        mq.open(c)
+
+
 def test_online_transform(tmp_path: Path) -> None:
     from synth import quant_config
 
