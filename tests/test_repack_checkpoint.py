@@ -570,6 +570,16 @@ def test_a_cpu_layout_record_at_odds_with_itself_is_refused(
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(mq.ConfigError, match=r"layer 0 is listed twice"):
         mq.open(tmp_path / "cpu")
+    # A Marlin record whose intermediate size passes its padding opened (the plan alone
+    # reported it).
+    out = tmp_path / "marlin"
+    repack_checkpoint(fixture_path("qwen3_w4a16_g128_sym"), out, target="marlin")
+    cfg = json.loads((out / "config.json").read_text())
+    entry = cfg["moeq"]["layers"][0]
+    entry["intermediate_size"] = entry["intermediate_size_padded"] + 1
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(mq.ConfigError, match="is above intermediate_size_padded"):
+        mq.open(out)
 
 
 def test_damaged_values_in_a_cpu_layout_are_refused(
