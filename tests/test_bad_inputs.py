@@ -335,6 +335,11 @@ def test_weights_or_config_that_are_not_files(ckpt: Path, tmp_path: Path) -> Non
         mq.CheckpointError, match=r"model.safetensors.index.json: is a broken symbolic link"
     ):
         mq.open(ckpt)
+    # A link that leads back to itself is said to loop, not to lack a target.
+    index.unlink()
+    index.symlink_to(index.name)
+    with pytest.raises(mq.CheckpointError, match=r"index.json: is a symbolic link that loops"):
+        mq.open(ckpt)
 
 
 def test_invalid_config_json(ckpt: Path) -> None:

@@ -795,7 +795,14 @@ def test_bad_max_shard_size_values(
     is written."""
     shown = re.escape(repr(size))
     small = size in ("0", "-1")  # read, but below one byte
-    expect = f"{shown} is less than one byte" if small else f"cannot read {shown}"
+    large = size in (2**70, "inf", "1e30GB")  # read, but beyond 2**64 - 1
+    expect = (
+        f"{shown} is less than one byte"
+        if small
+        else rf"{shown} is more than 2\*\*64 - 1 bytes"
+        if large
+        else f"cannot read {shown}"
+    )
     with pytest.raises(mq.LayoutError, match=f"max shard size: {expect}"):
         repack_checkpoint(
             fixture_path("qwen3_w8a16_g128"), tmp_path / "o", target="cpu", max_shard_size=size
@@ -1479,8 +1486,13 @@ def test_max_shard_size_counts_are_read_exactly() -> None:
     range."""
     assert parse_size("18446744073709551615") == 2**64 - 1
     assert parse_size("1_000") == 1000 and parse_size("2KiB") == 2048
-    with pytest.raises(mq.LayoutError, match="cannot read"):
-        parse_size("18446744073709551616")
+    # Too large is said as such (it said "cannot read").
+    for huge in ("18446744073709551616", "99999999999999999999GB", "1e30", "1e400", 2**64):
+        with pytest.raises(mq.LayoutError, match=r"is more than 2\*\*64 - 1 bytes"):
+            parse_size(huge)  # type: ignore[arg-type]
+    for unreadable in ("lots", "5XB", "nan", -5.5):
+        with pytest.raises(mq.LayoutError, match="cannot read"):
+            parse_size(unreadable)
 
 
 def test_an_interrupt_whose_temporary_directory_cannot_be_removed_says_so(

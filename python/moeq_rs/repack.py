@@ -283,10 +283,13 @@ def marlin_zero_points_inverse(zp: Any, size_k: int, size_n: int, num_bits: int)
 def parse_size(text: str | int) -> int:
     """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a plain byte count."""
     bad = LayoutError(f"max shard size: cannot read {text!r} (use e.g. 5GB, 500MB or bytes)")
+    huge = LayoutError(f"max shard size: {text!r} is more than 2**64 - 1 bytes (use e.g. 5GB)")
     tiny = LayoutError(f"max shard size: {text!r} is less than one byte (use e.g. 5GB, 500MB)")
     if not isinstance(text, str):
         count = int_in(text, 1, U64_MAX)
         if count is None:
+            if isinstance(text, int) and not isinstance(text, bool) and text > U64_MAX:
+                raise huge
             raise bad
         return count
     units = {
@@ -314,14 +317,16 @@ def parse_size(text: str | int) -> int:
             if whole < 1:
                 raise tiny
             if whole > U64_MAX:
-                raise bad
+                raise huge
             return whole
     try:
         value = float(num)
     except ValueError:
         value = math.nan
-    if unit not in units or not math.isfinite(value) or not value * units[unit] <= U64_MAX:
+    if unit not in units or math.isnan(value):
         raise bad
+    if not value * units[unit] <= U64_MAX:
+        raise huge
     if value * units[unit] < 1:
         raise tiny
     return int(value * units[unit])

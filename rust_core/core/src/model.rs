@@ -384,10 +384,13 @@ impl Model {
             let owner = format!("{}.experts", d.prefix);
             let count = d.experts.len();
             if let Some(missing) = (0..count).find(|e| !d.experts.contains_key(e)) {
+                // (The highest index says why, where it is far past the count.)
+                let highest = d.experts.keys().next_back().copied().unwrap_or(0);
                 return Err(module_error(
                     &owner,
                     format!(
-                        "expert indices are not 0..{}: expert {missing} is missing",
+                        "expert indices are not 0..{}: expert {missing} is missing (the \
+                         highest index is {highest})",
                         count - 1
                     ),
                 ));

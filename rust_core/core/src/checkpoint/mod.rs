@@ -462,11 +462,27 @@ fn not_a_file(path: &Path) -> Option<&'static str> {
     Some(match std::fs::metadata(path) {
         Ok(m) if m.is_dir() => "is a directory, not a file",
         Ok(_) => "is not a regular file",
+        Err(e) if link.file_type().is_symlink() && links_loop(&e) => {
+            "is a symbolic link that loops (too many levels of links)"
+        }
         Err(_) if link.file_type().is_symlink() => {
             "is a broken symbolic link (its target does not exist)"
         }
         Err(_) => "cannot be read",
     })
+}
+
+/// Whether `e` says that symbolic links led back to themselves (ELOOP).
+fn links_loop(e: &std::io::Error) -> bool {
+    #[cfg(unix)]
+    {
+        e.raw_os_error() == Some(libc::ELOOP)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = e;
+        false
+    }
 }
 
 /// The `*.safetensors` files of a sharded checkpoint directory, sorted.
