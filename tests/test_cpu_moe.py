@@ -1894,6 +1894,15 @@ def test_compiled_calls_name_bad_inputs_as_eager_ones_do(
             "topk_ids: expected int32 or int64",
         ),
     ]
+    # fused_moe, whose fake implementation checks shapes outside torch.compile only.
+    raw = _small_w8a16()
+    fw, fids = torch.rand(3, 2), torch.randint(0, 4, (3, 2))
+    cases.append(
+        (
+            lambda: mq.fused_moe(torch.randn(3, 63), *raw, fw, fids, scheme="w8a16"),
+            r"hidden_states: expected \[T, 64\]",
+        )
+    )
     for call, match in cases:
         with pytest.raises(mq.LayoutError, match=match):
             call()
@@ -3650,8 +3659,8 @@ def test_function_modes_see_the_op_and_torch_device_stays_eager(
 
 
 def test_a_call_whose_scratch_exceeds_the_memory_is_refused_before_allocating() -> None:
-    """One token of ``forward_topk`` with 65536 slots on a layer of intermediate size 2**20
-    would need ~825 GB of scratch: a ``LayoutError`` saying so, where the allocation used to
+    """One token of ``forward_topk`` with 2**22 slots on a layer of intermediate size 2**20
+    would need ~50 TB of scratch: a ``LayoutError`` saying so, where the allocation used to
     fail and abort the process (no Python exception)."""
     e, h, i = 1, 8, 2**20
     w13 = torch.ones(e, 2 * i, h, dtype=torch.int8)
@@ -3660,10 +3669,13 @@ def test_a_call_whose_scratch_exceeds_the_memory_is_refused_before_allocating() 
         w13, w2, torch.full((e, 2 * i, 1), 1e-3), torch.full((e, h, 1), 1e-3),
         scheme="w8a16", top_k=1,
     )  # fmt: skip
-    slots = 2**16
+    # ~50 TB: beyond any machine's memory (2**16 slots, ~0.8 TB, would run on a large host).
+    slots = 2**22
     w = torch.full((1, slots), 1.0 / slots)
     ids = torch.zeros(1, slots, dtype=torch.int64)
-    with pytest.raises(mq.LayoutError, match=r"topk_ids: 65536 slots per token need .* GiB of "):
+    with pytest.raises(
+        mq.LayoutError, match=r"topk_ids: 4194304 slots per token need .* GiB of scratch memory "
+    ):
         moe.forward_topk(torch.randn(1, h), w, ids)
     # The layer itself still runs a call of a size that fits.
     x = torch.randn(2, h)

@@ -862,6 +862,23 @@ def test_the_clean_up_of_abandoned_directories_never_removes_the_source(
         mq.MoELayer.from_checkpoint(work / "out", 0)
 
 
+def test_an_output_inside_the_source_is_replaced_with_force(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """`moeq repack model model/cpu`, then again with --force: the output is not a file the
+    repack reads, so it is replaced (the source's paths are its shards, index, config and
+    copied side files, not every entry of its directory); the source is untouched."""
+    src = tmp_path / "model"
+    shutil.copytree(fixture_path("qwen3_w8a16_g128"), src)
+    before = digest(src)
+    out = src / "cpu"
+    assert cli("repack", str(src), str(out), "--target", "cpu").returncode == 0
+    r = cli("repack", str(src), str(out), "--target", "cpu", "--force")
+    assert r.returncode == 0, r.stderr
+    mq.MoELayer.from_checkpoint(out, 0)
+    assert digest(src) == before
+
+
 def test_force_never_deletes_a_file_a_source_side_file_links_to(
     fixture_path: Callable[[str], Path], tmp_path: Path
 ) -> None:

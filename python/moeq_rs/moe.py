@@ -1043,7 +1043,10 @@ _FUSED_MOE_ARGS = (
 def _(hidden_states: torch.Tensor, *rest: Any) -> torch.Tensor:
     args = dict(zip(_FUSED_MOE_ARGS, rest, strict=True))
     _refuse_meta_mix(hidden_states, **args)
-    _fused_moe_shapes(hidden_states, args)
+    if not _is_compiling():
+        # (While torch.compile traces, dynamo would wrap the error as its own; the op checks
+        # the same when it runs, as for the layer's ops.)
+        _fused_moe_shapes(hidden_states, args)
     # The output is [T, H] in the input's dtype, whatever the weights.
     return torch.empty_like(hidden_states)
 

@@ -377,6 +377,7 @@ pub fn from_raw(
         },
         top_k,
         correction_bias: None,
+        widest: Default::default(),
     };
     moe.consolidate();
     Ok(moe)

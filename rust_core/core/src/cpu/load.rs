@@ -395,6 +395,7 @@ fn assemble(
         routing: model.routing().clone(),
         top_k,
         correction_bias,
+        widest: Default::default(),
     };
     moe.consolidate();
     Ok(moe)

@@ -543,6 +543,9 @@ pub struct CpuMoe {
     pub routing: Routing,
     pub top_k: usize,
     pub correction_bias: Option<Vec<f32>>,
+    /// The widest routed intermediate, found once (a walk over every expert at each call
+    /// touched hundreds of cold cache lines at decode).
+    pub(crate) widest: std::sync::OnceLock<usize>,
 }
 
 /// Why slot `slot` of a `[tokens, top_k]` routing naming expert `id` of a layer of `experts`
@@ -663,13 +666,7 @@ impl CpuMoe {
         {
             return Err(bad(not_an_expert(i, k, i64::from(bad_id), e_count)));
         }
-        let chunk = self.planned_chunk(tokens, k).map_err(|need| {
-            bad(format!(
-                "topk_ids: {k} slots per token need {need} of scratch memory, more than this \
-                 process may use ({})",
-                limit_words()
-            ))
-        })?;
+        let chunk = self.planned_chunk(tokens, k, &format!("topk_ids: {k} slots per token"))?;
         Ok(in_chunks(tokens, chunk, h, |at| {
             let x = &x[at.start * h..at.end * h];
             let ids = &routed.ids[at.start * k..at.end * k];
@@ -818,43 +815,63 @@ impl CpuMoe {
 
     /// The widest intermediate (gate and up outputs) of the routed experts.
     fn widest_intermediate(&self) -> usize {
-        self.experts
-            .iter()
-            .map(|ex| ex.up.out_features())
-            .max()
-            .unwrap_or(0)
+        *self.widest.get_or_init(|| {
+            self.experts
+                .iter()
+                .map(|ex| ex.up.out_features())
+                .max()
+                .unwrap_or(0)
+        })
     }
 
-    /// Scratch bytes one token of a call with `k` slots may need, a bound over the paths
-    /// [`Self::routed_sum_by`] and [`run_experts`] take: per routed row its output (`hidden`
-    /// floats, twice where a buffered path copies it) and its gate, up and down input
-    /// (`inter` floats each at most); the shared expert's likewise; the token's output row.
-    fn token_scratch_bytes(&self, k: usize) -> usize {
+    /// Scratch bytes one token of a call with `k` slots may need, summed over the buffers the
+    /// paths of [`Self::routed_sum_by`] and [`run_experts`] allocate: per routed row its output
+    /// (`hidden` floats, twice where a buffered path stacks a copy), its prepared inputs (up's
+    /// and, with act-order, gate's own: `hidden` floats at most), its gate and up outputs and
+    /// down input (`inter` floats each at most) and its routing bookkeeping; the shared
+    /// expert's rows likewise; the token's output row.
+    pub fn token_scratch_bytes(&self, k: usize) -> usize {
+        const F32: usize = std::mem::size_of::<f32>();
+        // `by_expert`, `token_rows` and `place` entries of one slot.
+        const BOOKKEEPING: usize = 48;
         let h = self.hidden;
-        let rows = |inter: usize| h.saturating_mul(2).saturating_add(inter.saturating_mul(3));
-        let shared = self
-            .shared
-            .as_ref()
-            .map_or(0, |s| rows(s.up.out_features()));
-        k.saturating_mul(rows(self.widest_intermediate()))
+        let row = |inter: usize| {
+            h.saturating_add(inter)
+                .saturating_mul(3)
+                .saturating_mul(F32)
+        };
+        let shared = self.shared.as_ref().map_or(0, |s| row(s.up.out_features()));
+        k.saturating_mul(row(self.widest_intermediate()).saturating_add(BOOKKEEPING))
             .saturating_add(shared)
-            .saturating_add(h)
-            .saturating_mul(std::mem::size_of::<f32>())
+            .saturating_add(h.saturating_mul(F32))
     }
 
     /// Tokens per chunk of a call of `tokens` tokens with `k` slots each ([`plan_chunk`]), or
-    /// the scratch it would need (in words) where that exceeds what the process may use.
-    fn planned_chunk(&self, tokens: usize, k: usize) -> std::result::Result<usize, String> {
+    /// why it is refused (`subject`: what one token's need is said of).
+    fn planned_chunk(&self, tokens: usize, k: usize, subject: &str) -> Result<usize> {
         let per_token = self.token_scratch_bytes(k);
         let default = default_chunk(k, self.hidden, self.experts.len());
-        plan_chunk(
-            tokens,
-            per_token,
-            requested_chunk_env(),
-            default,
-            memory_limit(),
-        )
-        .map_err(gib)
+        let requested = requested_chunk_env();
+        let limit = memory_limit();
+        plan_chunk(tokens, per_token, requested, default, limit).map_err(|need| {
+            let why = match requested {
+                Some(n) => format!(
+                    "MOEQ_CHUNK_TOKENS={}: a chunk of {} tokens needs {} of scratch memory",
+                    if n == usize::MAX { 0 } else { n },
+                    n.min(tokens),
+                    gib(need)
+                ),
+                None => format!(
+                    "{subject} need {} of scratch memory for one token",
+                    gib(need)
+                ),
+            };
+            bad(format!(
+                "{why}, more than this process may use ({}: the least of the machine's \
+                 memory, its cgroup's memory limit and what RLIMIT_AS leaves)",
+                limit.map_or_else(|| "unknown".into(), gib)
+            ))
+        })
     }
 
     /// Routes with the model's router logits, runs the routed experts (routed scaling included)
@@ -886,15 +903,12 @@ impl CpuMoe {
         }
         self.check_hidden(x, tokens)?;
         let h = self.hidden;
-        let chunk = self.planned_chunk(tokens, self.top_k).map_err(|need| {
-            bad(format!(
-                "this layer (top_k {}, hidden {h}, intermediate up to {}) needs {need} of \
-                 scratch memory per chunk, more than this process may use ({})",
-                self.top_k,
-                self.widest_intermediate(),
-                limit_words()
-            ))
-        })?;
+        let subject = format!(
+            "this layer's top_k {} slots (hidden {h}, intermediate up to {})",
+            self.top_k,
+            self.widest_intermediate()
+        );
+        let chunk = self.planned_chunk(tokens, self.top_k, &subject)?;
         Ok(in_chunks(tokens, chunk, h, |at| {
             let x = &x[at.start * h..at.end * h];
             self.routed_and_shared(
@@ -985,7 +999,13 @@ fn plan_chunk(
     let per_token = per_token.max(1);
     let chunk = match (requested, limit) {
         (Some(n), _) => n.max(1),
-        (None, Some(limit)) => default.min(limit / 4 / per_token).max(1),
+        (None, Some(limit)) => {
+            // Down to a multiple of 256 tokens where that leaves any: the chunking (which
+            // weight-only outputs' last bits follow) then moves in few steps with the memory.
+            let cap = limit / 4 / per_token;
+            let cap = if cap >= 256 { cap - cap % 256 } else { cap };
+            default.min(cap).max(1)
+        }
         (None, None) => default.max(1),
     };
     let need = chunk.min(tokens).max(1).saturating_mul(per_token);
@@ -1001,18 +1021,6 @@ fn gib(bytes: usize) -> String {
         format!("{:.1} GiB", bytes as f64 / f64::from(1u32 << 30))
     } else {
         format!("{:.1} MiB", bytes as f64 / f64::from(1u32 << 20))
-    }
-}
-
-/// What bounds [`memory_limit`], for error messages.
-fn limit_words() -> String {
-    match memory_limit() {
-        Some(limit) => format!(
-            "{}: the least of the machine's memory, the cgroup's memory.max and the \
-             address-space limit left; MOEQ_CHUNK_TOKENS sets the tokens per chunk",
-            gib(limit)
-        ),
-        None => "unknown".into(),
     }
 }
 
@@ -1038,9 +1046,7 @@ fn read_memory_limit() -> Option<usize> {
         .zip(usize::try_from(page).ok())
         .map(|(n, p)| n.saturating_mul(p))
         .filter(|&b| b > 0);
-    let cgroup = std::fs::read_to_string("/sys/fs/cgroup/memory.max")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok());
+    let cgroup = cgroup_memory_limit();
     let mut rl = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -1063,6 +1069,46 @@ fn read_memory_limit() -> Option<usize> {
         .into_iter()
         .flatten()
         .min()
+}
+
+/// The least memory limit of this process's cgroup and its ancestors: cgroup v2's
+/// `memory.max` along the path `/proc/self/cgroup` gives (`0::<path>`), or v1's
+/// `memory.limit_in_bytes` of its memory controller; `None` where none is set or readable.
+#[cfg(target_os = "linux")]
+fn cgroup_memory_limit() -> Option<usize> {
+    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let read = |file: std::path::PathBuf| {
+        std::fs::read_to_string(file)
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+    };
+    let mut least: Option<usize> = None;
+    for line in own.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        let (root, file) = match controllers {
+            "" => ("/sys/fs/cgroup", "memory.max"),
+            c if c.split(',').any(|c| c == "memory") => {
+                ("/sys/fs/cgroup/memory", "memory.limit_in_bytes")
+            }
+            _ => continue,
+        };
+        // The cgroup and each ancestor up to the root (a limit above binds as well); a path
+        // outside this namespace's view ("/..") reads nothing.
+        let mut dir = std::path::PathBuf::from(root).join(path.trim_start_matches('/'));
+        loop {
+            if let Some(v) = read(dir.join(file)) {
+                least = Some(least.map_or(v, |l| l.min(v)));
+            }
+            if dir.as_os_str().len() <= root.len() || !dir.pop() {
+                break;
+            }
+        }
+    }
+    least
 }
 
 #[cfg(not(target_os = "linux"))]
@@ -1392,6 +1438,16 @@ mod tests {
             plan_chunk(10_000, 1 << 10, None, 4096, Some(4 * gib)),
             Ok(4096)
         );
+
+        // A cap is taken down to a multiple of 256 tokens (1000 -> 768), unless below 256.
+        assert_eq!(
+            plan_chunk(10_000, 1 << 20, None, 4096, Some(4000 << 20)),
+            Ok(768)
+        );
+        assert_eq!(
+            plan_chunk(10_000, 1 << 20, None, 4096, Some(800 << 20)),
+            Ok(200)
+        );
         // Between a quarter of the limit and all of it for one token: a token per chunk.
         assert_eq!(plan_chunk(3, 2 * gib, None, 4096, Some(4 * gib)), Ok(1));
         // One token needing more than the limit: refused with what it needs.
@@ -1418,9 +1474,9 @@ mod tests {
 
     #[test]
     fn the_scratch_bound_covers_every_path() {
-        // Every buffer the layer's paths allocate per token, at the sample shapes: the
-        // buffered path's routed rows (twice: the rows and the panel path's stacked copy)
-        // and gate, up and down input per row; the shared expert's; the output row.
+        // Every buffer the layer's paths allocate per token, at the sample shapes: per row
+        // its output (twice: the rows and the panel path's stacked copy) and prepared input,
+        // gate, up and down input, and bookkeeping; the shared expert's; the output row.
         for shared in [false, true] {
             let mut moe = sample_layer(RawScheme::W8a16, 4, 128, 192, 64, 2);
             if shared {
@@ -1431,11 +1487,9 @@ mod tests {
             let s = moe
                 .shared
                 .as_ref()
-                .map_or(0, |s| 2 * h + 3 * s.up.out_features());
-            assert_eq!(
-                moe.token_scratch_bytes(2),
-                (2 * (2 * h + 3 * i) + s + h) * 4
-            );
+                .map_or(0, |s| 3 * (h + s.up.out_features()));
+            let row = 3 * (h + i) * 4 + 48;
+            assert_eq!(moe.token_scratch_bytes(2), 2 * row + (s + h) * 4);
         }
     }
 

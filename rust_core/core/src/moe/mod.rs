@@ -1058,9 +1058,10 @@ pub fn configured_num_experts(file: &Path, config: &Value) -> Result<Option<usiz
 }
 
 /// A size `config.json` sets under `key` (at the top level, else in a nested language-model
-/// config), with the key path where it was found: a count ([`count`]), so that `"256"`, `-256`,
-/// `256.5` or `true` are errors naming the key rather than a check silently skipped. A list
-/// (per layer or per modality, in some families) is passed over, as an unset or null key is.
+/// config), with the key path where it was found: a count (an integral float too), so that
+/// `"256"`, `-256`, `256.5` or `true` are errors naming the key rather than a check silently
+/// skipped. A list (per layer or per modality, in some families) is passed over, as an unset
+/// or null key is.
 pub fn configured_size(file: &Path, config: &Value, key: &str) -> Result<Option<(String, usize)>> {
     match cfg_at(config, key) {
         Some((_, Value::Array(_))) | None => Ok(None),

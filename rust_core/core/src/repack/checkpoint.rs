@@ -1143,49 +1143,52 @@ fn other_weight_format(file: &str) -> bool {
             .any(|p| file.starts_with(p))
 }
 
-/// Copies the other top-level files of the source (tokenizer, generation config, ...), not
-/// subdirectories, nor weights in other formats ([`other_weight_format`]).
-/// Every path a repack of `ckpt` reads, resolved: the source directory and each entry in it
-/// (shards, index, config and the side files copied), each through its symlinks, and the
-/// shards and config wherever they lie. What no clean-up may delete.
+/// Every path a repack of `ckpt` reads, resolved through its symlinks: the source directory,
+/// its shards, index and config, and the side files it copies ([`side_files`]). What neither
+/// the clean-up nor `--force` may delete. (Not the directory's other entries: an OUT_DIR
+/// inside the source, or a subdirectory linking elsewhere, is not read.)
 fn source_paths(ckpt: &crate::checkpoint::Checkpoint) -> Vec<PathBuf> {
     let dir = ckpt.dir();
-    let entries = std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.path());
     std::iter::once(dir.to_path_buf())
-        .chain(entries)
+        .chain(side_files(dir).unwrap_or_default())
         .chain(ckpt.files().iter().map(|f| f.path().to_path_buf()))
+        .chain(std::iter::once(dir.join(INDEX_FILE)))
         .chain(std::iter::once(ckpt.config_path().to_path_buf()))
         .filter_map(|p| p.canonicalize().ok())
         .collect()
 }
 
-fn copy_side_files(src: &Path, dst: &Path) -> Result<()> {
+/// The other top-level files of the source (tokenizer, generation config, ...) that a repack
+/// copies, sorted: not subdirectories, hidden files, the weights and their index, nor weights
+/// in other formats ([`other_weight_format`]).
+fn side_files(src: &Path) -> Result<Vec<PathBuf>> {
     let mut entries: Vec<PathBuf> = std::fs::read_dir(src)
         .map_err(|e| io(src, e))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.is_file())
+        .filter(|p| {
+            // (Tested in lossy form; copied under the exact name: a lossy one merged names
+            // that are not UTF-8 into one file, the others lost.)
+            p.file_name().is_some_and(|name| {
+                let file = name.to_string_lossy();
+                !(file == CONFIG_FILE
+                    || file == INDEX_FILE
+                    || file.ends_with(".safetensors")
+                    || file.starts_with('.')
+                    || other_weight_format(&file))
+            })
+        })
         .collect();
     entries.sort();
-    for p in entries {
-        let Some(name) = p.file_name() else {
-            continue;
-        };
-        // (Tested in lossy form; copied under the exact name: a lossy one merged names that
-        // are not UTF-8 into one file, the others lost.)
-        let file = name.to_string_lossy();
-        if file == CONFIG_FILE
-            || file == INDEX_FILE
-            || file.ends_with(".safetensors")
-            || file.starts_with('.')
-            || other_weight_format(&file)
-        {
-            continue;
+    Ok(entries)
+}
+
+/// Copies [`side_files`] of `src` into `dst`.
+fn copy_side_files(src: &Path, dst: &Path) -> Result<()> {
+    for p in side_files(src)? {
+        if let Some(name) = p.file_name() {
+            copy_file(&p, &dst.join(name))?;
         }
-        copy_file(&p, &dst.join(name))?;
     }
     Ok(())
 }

@@ -460,23 +460,28 @@ fn load_weight_only(ckpt: &Checkpoint, g: &CpuGeometry) -> Result<Vec<CpuExpert>
     };
     // Codes and zero points within the weights' bit width (4-bit ones in -8..=7), as the
     // source path checks them: the 4-bit storage would not hold a damaged value, and the
-    // layer would then compute with it as an int8 code, silently.
+    // layer would then compute with it as an int8 code, silently. (A min and max over the
+    // copy, which vectorise; the copy itself is the reading the load does anyway.)
     let bits = g.weights.num_bits;
-    let int8 = |suffix: &str| -> Result<Vec<i8>> {
+    let int8 = |suffix: &str, what: &str| -> Result<Vec<i8>> {
         let view = ckpt.tensor(&format!("{p}.{suffix}"))?;
         let v: Vec<i8> = view.bytes.iter().map(|&b| b as i8).collect();
         if (1..8).contains(&bits) {
             let half = 1i16 << (bits - 1);
-            if let Some(at) = v
+            let (lo, hi) = v
                 .iter()
-                .position(|&x| !(-half..half).contains(&i16::from(x)))
-            {
+                .fold((i8::MAX, i8::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+            if i16::from(lo) < -half || i16::from(hi) >= half {
+                let at = v
+                    .iter()
+                    .position(|&x| !(-half..half).contains(&i16::from(x)))
+                    .unwrap_or(0);
                 return Err(crate::error::CheckpointError::Tensor {
                     path: view.path.to_path_buf(),
                     tensor: view.info.name.clone(),
                     reason: format!(
-                        "element {at} is {}; {bits}-bit integer codes lie in {}..={}",
-                        v[at],
+                        "element {at} is {}; {bits}-bit {what} lie in {}..={}",
+                        v.get(at).copied().unwrap_or(0),
                         -half,
                         half - 1
                     ),
@@ -492,7 +497,10 @@ fn load_weight_only(ckpt: &Checkpoint, g: &CpuGeometry) -> Result<Vec<CpuExpert>
             .typed::<i32>()?
             .to_vec())
     };
-    let q = [int8("w13_weight_packed")?, int8("w2_weight_packed")?];
+    let q = [
+        int8("w13_weight_packed", "integer codes")?,
+        int8("w2_weight_packed", "integer codes")?,
+    ];
     let sc = [
         crate::cpu::load::scales(ckpt, &format!("{p}.w13_weight_scale"))?,
         crate::cpu::load::scales(ckpt, &format!("{p}.w2_weight_scale"))?,
@@ -501,8 +509,8 @@ fn load_weight_only(ckpt: &Checkpoint, g: &CpuGeometry) -> Result<Vec<CpuExpert>
         None
     } else {
         Some([
-            int8("w13_weight_zero_point")?,
-            int8("w2_weight_zero_point")?,
+            int8("w13_weight_zero_point", "zero points")?,
+            int8("w2_weight_zero_point", "zero points")?,
         ])
     };
     let order = if g.act_order {
