@@ -825,7 +825,7 @@ impl CpuMoe {
     }
 
     /// Scratch bytes one token of a call with `k` slots may need, summed over the buffers the
-    /// paths of [`Self::routed_sum_by`] and [`run_experts`] allocate: per routed row its output
+    /// paths of the routed sum (`routed_sum_by`, `run_experts`) allocate: per routed row its output
     /// (`hidden` floats, twice where a buffered path stacks a copy), its prepared inputs (up's
     /// and, with act-order, gate's own: `hidden` floats at most), its gate and up outputs and
     /// down input (`inter` floats each at most) and its routing bookkeeping; the shared
