@@ -829,7 +829,10 @@ def test_from_tensors_on_cuda_refuses_what_its_kernels_do_not_run() -> None:
     zp13 = torch.zeros(3, 64, 1, dtype=torch.int8)
     zp13[2, 5, 0] = 8
     zp = {"w13_zero_point": zp13, "w2_zero_point": torch.zeros(3, 64, 1, dtype=torch.int8)}
-    with pytest.raises(mq.LayoutError, match="expert 2, row 5, group 0 is 8; Marlin's 4-bit"):
+    with pytest.raises(
+        mq.LayoutError,
+        match="w13_zero_point: expert 2, row 5, group 0 is 8; 4-bit zero points lie in -8..7",
+    ):
         p = _parsed(packed13, packed2, s13, s2, scheme="w4a16", top_k=1, **zp)
         from_tensors_on_cuda(cpu, p)
     grouped = (s13.expand(3, 64, 2).contiguous(), s2.expand(3, 64, 1).contiguous())

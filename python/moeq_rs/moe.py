@@ -582,8 +582,11 @@ def _zero_points(t: object, name: str, e: int, n: int, groups: int, int4: bool):
         if int4 and z.numel() and not -8 <= int(z.min()) <= int(z.max()) <= 7:
             # As a checkpoint's are, and as the CUDA layer requires: the same call must not
             # build on one device and fail on the other.
-            bad = int(z.min()) if int(z.min()) < -8 else int(z.max())
-            raise LayoutError(f"{name}: 4-bit zero points lie in -8..7, got {bad}")
+            at = ((z < -8) | (z > 7)).nonzero()[0].tolist()
+            raise LayoutError(
+                f"{name}: expert {at[0]}, row {at[1]}, group {at[2]} is {int(z[tuple(at)])}; "
+                "4-bit zero points lie in -8..7"
+            )
         return z.reshape(-1).numpy(), None
     if tuple(z.shape) != (e, (n + 7) // 8, groups):
         raise LayoutError(f"{name}: packed zero points must be [{e}, {(n + 7) // 8}, {groups}]")
