@@ -466,10 +466,7 @@ class MoELayer(torch.nn.Module):
             raise LayoutError(
                 f"hidden_states: expected [T, {self._hidden_size}], got {list(x.shape)}"
             )
-        if w.shape != ids.shape or w.shape[0] != t:
-            raise LayoutError(
-                f"topk_weights {list(w.shape)} and topk_ids {list(ids.shape)} must both be [{t}, k]"
-            )
+        _check_routing_shapes(t, w, ids)
 
     def _forward_checked(
         self, hidden_states: torch.Tensor, router_logits: torch.Tensor
@@ -1061,11 +1058,7 @@ def _fused_moe_shapes(x: torch.Tensor, args: dict[str, Any]) -> None:
     w13, w, ids = args["w13"], args["topk_weights"], args["topk_ids"]
     if x.dim() != 2:
         raise LayoutError(f"hidden_states: expected 2 dimensions, got shape {list(x.shape)}")
-    if w.dim() != 2 or w.shape != ids.shape or w.shape[0] != x.shape[0]:
-        raise LayoutError(
-            f"topk_weights {list(w.shape)} and topk_ids {list(ids.shape)} must both be "
-            f"[{x.shape[0]}, k]"
-        )
+    _check_routing_shapes(x.shape[0], w, ids)
     if w13.dim() == 3:
         # int4 weights pack 8 inputs per int32.
         h = w13.shape[2] * (8 if args["scheme"] == "w4a16" else 1)
@@ -1073,6 +1066,14 @@ def _fused_moe_shapes(x: torch.Tensor, args: dict[str, Any]) -> None:
             raise LayoutError(
                 f"hidden_states: expected [T, {h}] (w13's input size), got {list(x.shape)}"
             )
+
+
+def _check_routing_shapes(t: int, w: torch.Tensor, ids: torch.Tensor) -> None:
+    """``topk_weights`` and ``topk_ids`` both ``[t, k]``."""
+    if w.dim() != 2 or w.shape != ids.shape or w.shape[0] != t:
+        raise LayoutError(
+            f"topk_weights {list(w.shape)} and topk_ids {list(ids.shape)} must both be [{t}, k]"
+        )
 
 
 def _wants_grad(*tensors: object) -> bool:

@@ -133,6 +133,12 @@ fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
                 v => Ok(v),
             }
         };
+        let layer = need_u("layer")?;
+        if !seen_layers.insert(layer) {
+            return Err(o
+                .field("layer")
+                .invalid(format!("layer {layer} is listed twice")));
+        }
         if layout == "cpu" {
             let args = |k: &str, role| -> Result<crate::scheme::QuantArgs> {
                 let obj = o
@@ -141,12 +147,6 @@ fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
                     .ok_or_else(|| o.field(k).invalid("missing"))?;
                 crate::scheme::QuantArgs::parse_obj(&obj, role)
             };
-            let layer = need_u("layer")?;
-            if !seen_layers.insert(layer) {
-                return Err(o
-                    .field("layer")
-                    .invalid(format!("layer {layer} is listed twice")));
-            }
             let g = crate::repack::cpu::CpuGeometry {
                 layer,
                 prefix: prefix_of(layer)?,
@@ -211,12 +211,6 @@ fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
             )?),
             None => None,
         };
-        let layer = need_u("layer")?;
-        if !seen_layers.insert(layer) {
-            return Err(o
-                .field("layer")
-                .invalid(format!("layer {layer} is listed twice")));
-        }
         let geometry = MarlinGeometry {
             prefix: prefix_of(layer)?,
             experts: need_size("num_experts")?,

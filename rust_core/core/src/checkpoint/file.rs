@@ -283,8 +283,7 @@ impl<'a> TensorView<'a> {
     /// reader, wrapped or clamped by others, or refused by the CPU loader alone.
     pub fn signed_codes(&self, bits: u32) -> Result<Vec<i64>, CheckpointError> {
         let values = self.to_i64_vec()?;
-        let half = 1i64 << bits.clamp(1, 63).saturating_sub(1);
-        let (lo, hi) = (-half, half - 1);
+        let (lo, hi) = signed_range(bits);
         match values.iter().position(|v| !(lo..=hi).contains(v)) {
             None => Ok(values),
             Some(i) => Err(CheckpointError::Tensor {
@@ -297,6 +296,12 @@ impl<'a> TensorView<'a> {
             }),
         }
     }
+}
+
+/// The signed range of `bits`-bit integer codes (`-2^(bits-1)..=2^(bits-1)-1`).
+pub fn signed_range(bits: u32) -> (i64, i64) {
+    let half = 1i64 << bits.clamp(1, 63).saturating_sub(1);
+    (-half, half - 1)
 }
 
 fn le8(c: &[u8]) -> [u8; 8] {

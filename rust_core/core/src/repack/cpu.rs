@@ -467,23 +467,19 @@ fn load_weight_only(ckpt: &Checkpoint, g: &CpuGeometry) -> Result<Vec<CpuExpert>
         let view = ckpt.tensor(&format!("{p}.{suffix}"))?;
         let v: Vec<i8> = view.bytes.iter().map(|&b| b as i8).collect();
         if (1..8).contains(&bits) {
-            let half = 1i16 << (bits - 1);
-            let (lo, hi) = v
+            let (lo, hi) = crate::checkpoint::file::signed_range(bits);
+            let (least, most) = v
                 .iter()
-                .fold((i8::MAX, i8::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
-            if i16::from(lo) < -half || i16::from(hi) >= half {
-                let at = v
-                    .iter()
-                    .position(|&x| !(-half..half).contains(&i16::from(x)))
-                    .unwrap_or(0);
+                .fold((i8::MAX, i8::MIN), |(l, m), &x| (l.min(x), m.max(x)));
+            if i64::from(least) < lo || i64::from(most) > hi {
+                let out = |x: &i8| !(lo..=hi).contains(&i64::from(*x));
+                let at = v.iter().position(out).unwrap_or(0);
                 return Err(crate::error::CheckpointError::Tensor {
                     path: view.path.to_path_buf(),
                     tensor: view.info.name.clone(),
                     reason: format!(
-                        "element {at} is {}; {bits}-bit {what} lie in {}..={}",
-                        v.get(at).copied().unwrap_or(0),
-                        -half,
-                        half - 1
+                        "element {at} is {}; {bits}-bit {what} lie in {lo}..={hi}",
+                        v.get(at).copied().unwrap_or(0)
                     ),
                 }
                 .into());
