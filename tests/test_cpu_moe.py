@@ -213,9 +213,10 @@ def median_token_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def emulate_rows(
-    emu: Emulation, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, round_h: bool
+    emu: Emulation, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, round_h: bool | set[int]
 ) -> torch.Tensor:
-    """Emulation.topk batched per expert; ``round_h`` rounds ``silu(gate) * up`` to bf16."""
+    """Emulation.topk batched per expert; ``round_h`` rounds ``silu(gate) * up`` to bf16 (in
+    every expert, or in those of the set)."""
     g, u, d = emu.names
     out = torch.zeros(x.shape, dtype=torch.float64)
     for e in ids.unique().tolist():
@@ -223,7 +224,7 @@ def emulate_rows(
         p = f"{emu.prefix}.experts.{e}"
         xe = x[tok]
         h = torch.nn.functional.silu(emu.linear(f"{p}.{g}", xe)) * emu.linear(f"{p}.{u}", xe)
-        if round_h:
+        if round_h is True or (isinstance(round_h, set) and e in round_h):
             h = h.to(torch.bfloat16).double()
         out.index_add_(0, tok, w[tok, slot].double()[:, None] * emu.linear(f"{p}.{d}", h))
     return out
@@ -249,9 +250,10 @@ def test_bf16_inputs_use_bf16_dot_products(
 ) -> None:
     """Weight-only layers given bf16 activations with enough rows per expert (8, or any for
     int4) run bf16 dot products where the CPU has them (products exact, fp32 sums, the
-    intermediate rounded to bf16): the result agrees with an fp64 emulation that rounds the
-    intermediate to bf16 far better than with one that does not. The same rows as fp32 input
-    stay fp32 compute."""
+    intermediate rounded to bf16), and with few rows the fixed-point int8 dot products where
+    the CPU runs them (``cpu_fixed_point_rows``; same numerics): the result agrees with an
+    fp64 emulation that rounds the intermediate to bf16 far better than with one that does
+    not. Elsewhere, and for the same rows as fp32 input, fp32 compute."""
     ckpt = mq.open(fixture_path(name))
     moe = mq.MoELayer.from_checkpoint(ckpt, layer)
     tokens = rows * moe.num_experts // 2  # `rows` rows per expert
@@ -269,17 +271,41 @@ def test_bf16_inputs_use_bf16_dot_products(
         )
         return torch.from_numpy(out).reshape(tokens, -1)
 
+    # Which experts take bf16 numerics (their intermediate rounded to bf16) depends on their
+    # rows: bf16 dot products (int4 at any rows, int8 from 8) where the CPU has them, and the
+    # fixed-point int8 dot products up to `cpu_fixed_point_rows`. (With fewer tokens than
+    # experts the routing gives some experts one row and others two.)
+    bits = [4] if "w4a16" in name else [8] if "w8a16" in name else [4, 8]
+
+    def bf16_numerics(n: int) -> bool:
+        per_bits = {
+            n > 0
+            and (
+                (mq.oracle.cpu_bf16_dot() and (b == 4 or n >= 8))
+                or n <= mq.oracle.cpu_fixed_point_rows(b)  # type: ignore[arg-type]
+            )
+            for b in bits
+        }
+        assert len(per_bits) == 1, f"{name}: {n} rows would mix the paths"
+        return per_bits.pop()
+
+    counts = torch.bincount(ids.reshape(-1), minlength=moe.num_experts).tolist()
+    rounding = {e for e, n in enumerate(counts) if bf16_numerics(n)}
     emu = Emulation(ckpt, layer, False)
-    exact_h, rounded_h = (emulate_rows(emu, x, w, ids, r) for r in (False, True))
+    exact_h, rounded_h = (emulate_rows(emu, x, w, ids, r) for r in (False, rounding))
     fp32 = native(False)
     assert rel_l2(fp32, exact_h) <= 1e-5
     bf16 = native(True)
     assert torch.isfinite(bf16).all()
-    if mq.oracle.cpu_bf16_dot():
-        # Per-token errors, median: where fp32 and fp64 put an intermediate on different sides
-        # of a bf16 rounding boundary (about one element per test), that token moves by
-        # ~1e-4; the median is the typical token.
-        near, far = median_token_rel(bf16, rounded_h), median_token_rel(bf16, exact_h)
+    # Tokens routed only to fp32 experts are computed as for fp32 input.
+    touched = torch.tensor([any(int(e) in rounding for e in row) for row in ids])
+    assert torch.equal(bf16[~touched], fp32[~touched])
+    if rounding:
+        # Per-token errors, median over the tokens a bf16 expert computes: where fp32 and fp64
+        # put an intermediate on different sides of a bf16 rounding boundary (about one element
+        # per test), that token moves by ~1e-4; the median is the typical token.
+        b, r, ex = bf16[touched], rounded_h[touched], exact_h[touched]
+        near, far = median_token_rel(b, r), median_token_rel(b, ex)
         assert near <= 1e-5, f"{name}: {near:.2e} from the bf16-intermediate emulation"
         assert far >= 20 * near, f"{name}: not measurably bf16 ({near:.2e} vs {far:.2e})"
         assert rel_l2(bf16, rounded_h) <= 5e-4

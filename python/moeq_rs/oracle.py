@@ -24,6 +24,7 @@ __all__ = [
     "cpu_bf16_dot",
     "cpu_dot_peak",
     "cpu_features",
+    "cpu_fixed_point_rows",
     "cpu_kernel",
     "cpu_park_openmp",
     "cpu_release_scratch",
@@ -128,6 +129,17 @@ def cpu_bf16_dot() -> bool:
     accumulation. ``MOEQ_CPU_BF16=0`` (or ``MOEQ_CPU_ISA`` below ``avx512``) keeps every
     input in fp32 compute."""
     return _core.cpu_bf16_dot()
+
+
+def cpu_fixed_point_rows(bits: Literal[4, 8]) -> int:
+    """Rows per expert up to which weight-only layers given bfloat16 activations, with
+    ``bits``-bit codes, take int8 dot products on this CPU (0: never): the inputs in fixed
+    point, exact products, the same numerics as the bf16 dot products of
+    :func:`cpu_bf16_dot` (activations and intermediate rounded to bf16). AVX-512 VNNI with
+    VBMI: int8 codes below 8 rows, 4-bit codes below 8 rows, or at one row where bf16 dot
+    products take the rest; AVX2: 4-bit codes at one row. ``MOEQ_CPU_BF16=0`` switches it off
+    with the bf16 dot products. A ``bits`` other than 4 or 8 raises ``ValueError``."""
+    return _core.cpu_fixed_point_rows(bits)
 
 
 def cpu_dot_peak(

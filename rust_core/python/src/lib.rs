@@ -500,6 +500,18 @@ fn cpu_bf16_dot() -> bool {
     moeq_core::cpu::kernels::bf16_dot()
 }
 
+/// Rows per expert up to which weight-only layers with bf16 inputs and `bits`-bit codes (4 or
+/// 8) take the fixed-point int8 dot products on this machine (0: never).
+#[pyfunction]
+fn cpu_fixed_point_rows(bits: u32) -> PyResult<usize> {
+    match bits {
+        4 | 8 => Ok(moeq_core::cpu::wo::fixed::fixed_point_rows(bits == 4)),
+        _ => Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "cpu_fixed_point_rows: bits must be 4 or 8, got {bits}"
+        ))),
+    }
+}
+
 /// The compute limit of the CPU kernels' products (`kind`: `"int8"`, `"bf16"` or `"f32"`):
 /// the instruction and its multiply-adds per second (GMAC/s) on `threads` threads (default:
 /// the forward's), measured now with the GIL released; `None` where there is no probe for it
@@ -684,6 +696,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_features, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_bf16_dot, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_fixed_point_rows, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_dot_peak, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_threads, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_adopt_calling_thread, m)?)?;

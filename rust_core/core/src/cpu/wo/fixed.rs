@@ -35,6 +35,14 @@
 //! written in that column order. Inputs: `[m][k / 4][3]` u32, per quad of (so ordered)
 //! columns the digit `j` of its four `a` in word `j`, each broadcast from memory as one
 //! `vpdpbusd` operand. [`block_scalar`] repeats the arithmetic exactly.
+//!
+//! AVX2 CPUs (no VNNI, no AVX-512) run the 4-bit form with `vpmaddubsw` (u8 x s8, adjacent
+//! products summed into saturating int16) in place of `vpdpbusd`: a stored value is at most 15
+//! and a digit at least -128, so a pair sums to within ±3840 and never saturates, and four
+//! lines (two operands each) add up within int16 before `vpmaddwd` by ones widens them into
+//! the int32 sums: the same integers, hence the same outputs bit for bit. int8 codes (`q + 128`
+//! up to 255) would saturate a pair, so there int8 layers keep the fp32 tile
+//! ([`BlockedWo::fixed_max_rows`] is 0 for them).
 
 use super::bf16::{to_bf16, BF16_MIN_ROWS};
 use super::{BlockedWo, Codes, BLOCK};
@@ -212,15 +220,14 @@ impl BlockedWo {
         !self.chunks.is_empty()
     }
 
-    /// Rows per expert below which bf16 input takes [`FixedRows`] (0: never). 4-bit codes
-    /// take them at one row only where the bf16 nibble tile runs (from two rows its two dot
-    /// products per 64 codes beat the fixed point's three: one Zen 4 core, codes in cache,
-    /// 2 rows 86 against 64 GMAC/s); int8 codes up to the bf16 path's [`BF16_MIN_ROWS`].
+    /// Rows per expert up to which bf16 input takes [`FixedRows`] (0: never): as
+    /// [`fixed_point_rows`] for this layer's codes, where its groups hold whole quads (int8)
+    /// or lines (4-bit).
     pub fn fixed_max_rows(&self) -> usize {
-        match (self.fixed_ok(), self.nibbles()) {
-            (false, _) => 0,
-            (true, true) if super::super::kernels::bf16_dot() => 1,
-            (true, _) => BF16_MIN_ROWS - 1,
+        if self.fixed_ok() {
+            fixed_point_rows(self.nibbles())
+        } else {
+            0
         }
     }
 
@@ -273,7 +280,7 @@ impl BlockedWo {
         if !self.fixed_ok() {
             return None;
         }
-        let simd = simd && fixed_dot();
+        let simd = simd && kernel() != FixedKernel::Scalar;
         let (k, nch, groups) = (self.k, self.chunks.len(), self.groups());
         let rb = row_bytes(k);
         let mut planes = spare::take_any(m * rb, 0u8);
@@ -293,9 +300,15 @@ impl BlockedWo {
             ok = xr.len() >= k
                 && match (simd, perm) {
                     #[cfg(target_arch = "x86_64")]
-                    // SAFETY: `simd` holds only where `fixed_dot()` detected AVX-512F/BW/VBMI;
-                    // xr (sliced to k) and v hold k values.
-                    (true, None) => unsafe { x86::round_row(&xr[..k], &mut v) },
+                    // SAFETY: `simd` holds only where `kernel()` found AVX-512F/BW/VBMI (or,
+                    // for the AVX2 form, AVX2 and FMA); xr (sliced to k) and v hold k values.
+                    (true, None) => unsafe {
+                        if kernel() == FixedKernel::Avx512 {
+                            x86::round_row(&xr[..k], &mut v)
+                        } else {
+                            x86::round_row_avx2(&xr[..k], &mut v)
+                        }
+                    },
                     _ => round_row(xr, perm, &mut v),
                 };
             // 4-bit lines hold their 8 columns' nibbles in the order LINE_ORDER (see
@@ -313,7 +326,13 @@ impl BlockedWo {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: as above; the chunks are whole quads inside 0..k, dst holds the
                     // row's k / 4 quads, cc and un its chunks.
-                    true => unsafe { x86::digits_row(digits_of, &self.chunks, dst, cc, un) },
+                    true => unsafe {
+                        if kernel() == FixedKernel::Avx512 {
+                            x86::digits_row(digits_of, &self.chunks, dst, cc, un)
+                        } else {
+                            x86::digits_row_avx2(digits_of, &self.chunks, dst, cc, un)
+                        }
+                    },
                     _ => digits_row(digits_of, &self.chunks, dst, cc, un),
                 };
             if !ok {
@@ -365,15 +384,15 @@ impl BlockedWo {
             return;
         }
         #[cfg(target_arch = "x86_64")]
-        let simd = fixed_dot();
+        let simd = kernel();
         for b in first_block..end {
             let mut r = 0;
             while r < m {
                 let mr = (m - r).min(PASS_ROWS);
                 let mut out = [[0f32; BLOCK]; PASS_ROWS];
                 #[cfg(target_arch = "x86_64")]
-                if simd {
-                    // SAFETY: `fixed_dot()` detected AVX-512F/BW/VNNI/VBMI; b < blocks; the
+                if simd == FixedKernel::Avx512 {
+                    // SAFETY: `kernel()` detected AVX-512F/BW/VNNI/VBMI; b < blocks; the
                     // checks above give `x` rows r..r + mr of planes, digit sums, units and
                     // group sums.
                     unsafe {
@@ -382,6 +401,16 @@ impl BlockedWo {
                             (2, true) => x86::block::<2, 2, true>(self, b, x, r, &mut out),
                             (_, false) => x86::block::<1, 4, false>(self, b, x, r, &mut out),
                             (_, true) => x86::block::<1, 4, true>(self, b, x, r, &mut out),
+                        }
+                    }
+                } else if simd == FixedKernel::Avx2Nibbles && self.nibbles() {
+                    // SAFETY: `kernel()` detected AVX2 and FMA; the rest as above, and the
+                    // layer's codes are 4-bit lines.
+                    unsafe {
+                        if mr == 2 {
+                            x86::block_avx2::<2>(self, b, x, r, &mut out);
+                        } else {
+                            x86::block_avx2::<1>(self, b, x, r, &mut out);
                         }
                     }
                 } else {
@@ -398,23 +427,87 @@ impl BlockedWo {
     }
 }
 
-/// Whether the fixed-point kernel runs: AVX-512 VNNI and VBMI (`vpermb`), and the bf16 paths
-/// not switched off (`MOEQ_CPU_BF16=0` keeps weight-only layers in fp32 for bf16 inputs).
-pub fn fixed_dot() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
+/// Rows per expert up to which 4-bit layers take the AVX2 form. One Zen 3 core, codes in L2
+/// (`N=128 wo_time`, int4, K=2048, groups of 128): one row 9.3-12.1 us against the fp32
+/// tile's 17.1-18.1; from two rows the fp32 tile, which converts each code once for all its
+/// rows, is ahead (2 rows 22.0-22.3 against 26.1-26.3 us).
+const AVX2_MAX_ROWS: usize = 1;
+
+/// Which fixed-point kernel [`BlockedWo::gemm_fixed`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FixedKernel {
+    /// AVX-512 VNNI and VBMI (`vpermb`): int8 and 4-bit codes.
+    Avx512,
+    /// AVX2 and FMA without those: 4-bit codes on `vpmaddubsw` (see the module docs).
+    Avx2Nibbles,
+    /// Neither: [`block_scalar`] (the reference; no layer is sent to it by
+    /// [`BlockedWo::fixed_max_rows`]).
+    Scalar,
+}
+
+/// This CPU's fixed-point kernel, where the bf16 paths are not switched off
+/// (`MOEQ_CPU_BF16=0` keeps weight-only layers in fp32 for bf16 inputs).
+pub fn fixed_kernel() -> FixedKernel {
+    static KERNEL: std::sync::OnceLock<FixedKernel> = std::sync::OnceLock::new();
+    *KERNEL.get_or_init(|| {
+        if std::env::var("MOEQ_CPU_BF16").is_ok_and(|v| v.trim() == "0") {
+            return FixedKernel::Scalar;
+        }
         #[cfg(target_arch = "x86_64")]
         {
-            super::isa().vnni()
+            if super::isa().vnni()
                 && std::arch::is_x86_feature_detected!("avx512vbmi")
                 && std::arch::is_x86_feature_detected!("avx512bw")
-                && std::env::var("MOEQ_CPU_BF16").map_or(true, |v| v.trim() != "0")
+            {
+                return FixedKernel::Avx512;
+            }
+            if super::isa().avx2_fma() {
+                return FixedKernel::Avx2Nibbles;
+            }
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
+        FixedKernel::Scalar
     })
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Tests: run the AVX2 form on a CPU that would run the AVX-512 one.
+    static FORCE_AVX2: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// [`fixed_kernel`], or in tests the AVX2 form where [`FORCE_AVX2`] asks for it and the CPU
+/// has AVX2 and FMA.
+fn kernel() -> FixedKernel {
+    #[cfg(all(test, target_arch = "x86_64"))]
+    if FORCE_AVX2.with(std::cell::Cell::get)
+        && std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+    {
+        return FixedKernel::Avx2Nibbles;
+    }
+    fixed_kernel()
+}
+
+/// Rows per expert up to which weight-only layers with bf16 inputs take the fixed-point kernel
+/// on this CPU, for 4-bit (`nibbles`) or int8 codes (0: never). On AVX2 CPUs (the
+/// `vpmaddubsw` form) 4-bit codes at one row only ([`AVX2_MAX_ROWS`]), int8 codes never. With
+/// AVX-512 VNNI and VBMI, 4-bit codes at one row only where the bf16 nibble tile runs (from
+/// two rows its two dot products per 64 codes beat the fixed point's three: one Zen 4 core,
+/// codes in cache, 2 rows 86 against 64 GMAC/s), else and for int8 codes below the bf16
+/// path's [`BF16_MIN_ROWS`].
+pub fn fixed_point_rows(nibbles: bool) -> usize {
+    match (nibbles, kernel()) {
+        (_, FixedKernel::Scalar) | (false, FixedKernel::Avx2Nibbles) => 0,
+        (true, FixedKernel::Avx2Nibbles) => AVX2_MAX_ROWS,
+        (true, FixedKernel::Avx512) if super::super::kernels::bf16_dot() => 1,
+        (_, FixedKernel::Avx512) => BF16_MIN_ROWS - 1,
+    }
+}
+
+/// Whether a fixed-point kernel runs for some layers (see [`fixed_kernel`];
+/// [`BlockedWo::fixed_max_rows`] says which).
+pub fn fixed_dot() -> bool {
+    kernel() != FixedKernel::Scalar
 }
 
 /// One group's f64 sum rounded, then the zero-point term and the scale (the SIMD epilogue's
@@ -785,6 +878,285 @@ mod x86 {
             unsafe { _mm512_storeu_ps(out[rr].as_mut_ptr(), *v) };
         }
     }
+    /// Lanes `0..n` of 8, as an AVX2 load or store mask.
+    #[target_feature(enable = "avx2")]
+    fn mask8(n: usize) -> __m256i {
+        let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(n.min(8) as i32), lane)
+    }
+
+    /// [`round_row`] with AVX2, 8 values a step: the same integer rounding.
+    ///
+    /// # Safety
+    /// AVX2; `v.len() >= x.len()`.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn round_row_avx2(x: &[f32], v: &mut [f32]) -> bool {
+        let (exp, sign) = (_mm256_set1_epi32(0x7f80_0000), _mm256_set1_epi32(i32::MIN));
+        let (half, one, top) = (
+            _mm256_set1_epi32(0x7fff),
+            _mm256_set1_epi32(1),
+            _mm256_set1_epi32(0xffff_0000u32 as i32),
+        );
+        let zero = _mm256_setzero_si256();
+        let mut bad = zero;
+        for c in (0..x.len()).step_by(8) {
+            let mk = mask8(x.len() - c);
+            // SAFETY: lanes c..c + 8 masked to the slices' length (masked lanes read 0 and
+            // are not touched by the store).
+            let b = unsafe { _mm256_maskload_epi32(x.as_ptr().add(c).cast(), mk) };
+            bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(b, exp), exp));
+            let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(b), one);
+            let r = _mm256_and_si256(_mm256_add_epi32(b, _mm256_add_epi32(half, odd)), top);
+            let e = _mm256_and_si256(r, exp);
+            bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(e, exp));
+            // Subnormal results to a signed zero.
+            let sub = _mm256_cmpeq_epi32(e, zero);
+            let r = _mm256_blendv_epi8(r, _mm256_and_si256(r, sign), sub);
+            // SAFETY: as the load.
+            unsafe { _mm256_maskstore_epi32(v.as_mut_ptr().add(c).cast(), mk, r) };
+        }
+        _mm256_testz_si256(bad, bad) == 1
+    }
+
+    /// `vpshufb` indices (both 128-bit lanes alike): output byte `4 j + i` (`j < 3`) is byte
+    /// `j` of the lane's column `i` (its dword `i`); bytes 12-15 zero.
+    const fn quad_index() -> [i8; 32] {
+        let mut idx = [-128i8; 32];
+        let mut o = 0;
+        while o < 12 {
+            let (j, i) = (o / 4, o % 4);
+            idx[o] = (4 * i + j) as i8;
+            idx[o + 16] = (4 * i + j) as i8;
+            o += 1;
+        }
+        idx
+    }
+    static QUAD: [i8; 32] = quad_index();
+
+    /// [`super::digits_row`] with AVX2, 8 columns (two quads) a step, as [`digits_row`] does
+    /// it: the digits are the bytes of `(a + 0x808080) ^ 0x808080`, each quad's 12 gathered
+    /// by one `vpshufb` within its 128-bit lane.
+    ///
+    /// # Safety
+    /// AVX2; the chunks are whole quads inside `0..v.len()`, `dst` holds `v.len() / 4 * 12`
+    /// bytes, `comp` 2 and `unit` 1 per chunk.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn digits_row_avx2(
+        v: &[f32],
+        chunks: &[Chunk],
+        dst: &mut [u8],
+        comp: &mut [i32],
+        unit: &mut [f32],
+    ) -> bool {
+        // SAFETY: 32 readable bytes.
+        let quad = unsafe { _mm256_loadu_si256(QUAD.as_ptr().cast()) };
+        let (bias, low16, lo_off, hi_off) = (
+            _mm256_set1_epi32(0x0080_8080),
+            _mm256_set1_epi32(0xffff),
+            _mm256_set1_epi32(0x8080),
+            _mm256_set1_epi32(128),
+        );
+        let (amin, amax) = (
+            _mm256_set1_epi32(-(1 << 22)),
+            _mm256_set1_epi32((1 << 22) - 1),
+        );
+        let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+        for (ci, ch) in chunks.iter().enumerate() {
+            let mut mx = _mm256_setzero_ps();
+            for c in (ch.start..ch.end).step_by(8) {
+                // SAFETY: lanes masked to the chunk, inside v (masked lanes read 0).
+                let x = unsafe { _mm256_maskload_ps(v.as_ptr().add(c), mask8(ch.end - c)) };
+                mx = _mm256_max_ps(mx, _mm256_and_ps(x, magnitude));
+            }
+            let mut lanes = [0f32; 8];
+            // SAFETY: 8 writable f32.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), mx) };
+            let Some(sh) = shift(lanes.iter().fold(0f32, |a, &l| a.max(l))) else {
+                return false;
+            };
+            unit[ci] = pow2(-sh);
+            let p = _mm256_set1_ps(pow2(sh));
+            let (mut lo, mut hi) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+            for c in (ch.start..ch.end).step_by(8) {
+                let n = (ch.end - c).min(8);
+                // SAFETY: as above. Masked lanes are 0: digits of 0, which add nothing.
+                let x = unsafe { _mm256_maskload_ps(v.as_ptr().add(c), mask8(n)) };
+                // Exact products; the conversion rounds to nearest even (the default mode).
+                let a = _mm256_min_epi32(
+                    _mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(x, p)), amin),
+                    amax,
+                );
+                let t = _mm256_add_epi32(a, bias);
+                lo = _mm256_add_epi32(lo, _mm256_sub_epi32(_mm256_and_si256(t, low16), lo_off));
+                hi = _mm256_add_epi32(hi, _mm256_sub_epi32(_mm256_srli_epi32::<16>(t), hi_off));
+                let d = _mm256_shuffle_epi8(_mm256_xor_si256(t, bias), quad);
+                let mut bytes = [0u8; 32];
+                // SAFETY: 32 writable bytes.
+                unsafe { _mm256_storeu_si256(bytes.as_mut_ptr().cast(), d) };
+                // Quads c / 4.. (n / 4 of them, 1 or 2) lie inside dst.
+                let at = (c / 4) * 12;
+                dst[at..at + 12].copy_from_slice(&bytes[..12]);
+                if n == 8 {
+                    dst[at + 12..at + 24].copy_from_slice(&bytes[16..28]);
+                }
+            }
+            comp[ci * 2] = 128 * reduce_add(lo);
+            comp[ci * 2 + 1] = 128 * reduce_add(hi);
+        }
+        true
+    }
+
+    /// The wrapping sum of 8 int32 lanes.
+    #[target_feature(enable = "avx2")]
+    fn reduce_add(v: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+        _mm_cvtsi128_si32(s)
+    }
+
+    /// Lines of two operands each that add up within int16 (`2 * 3840` per line; see the
+    /// module docs) before they are widened.
+    const AVX2_LINES: usize = 4;
+    const _: () = assert!(AVX2_LINES * 2 * 3840 <= i16::MAX as usize);
+
+    /// [`block`] for 4-bit codes on AVX2: rows `r0..r0 + MR` of block `b` into `out`, each
+    /// 64-byte line as two 256-bit halves (features 0-7 and 8-15), `vpmaddubsw` for
+    /// `vpdpbusd` (see the module docs).
+    ///
+    /// # Safety
+    /// AVX2 and FMA; the layer's codes are 4-bit lines; otherwise as [`block`].
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn block_avx2<const MR: usize>(
+        w: &BlockedWo,
+        b: usize,
+        x: &FixedRows,
+        r0: usize,
+        out: &mut [[f32; BLOCK]; PASS_ROWS],
+    ) {
+        let (k, groups, nch) = (w.k, w.groups(), w.chunks.len());
+        let t = w.tile(b);
+        let cp = t.codes.as_ptr();
+        // As in `block`: the next block's scales, a group's line at a time.
+        let next_scales = t.scale.as_ptr_range().end.cast::<u8>();
+        let rb = row_bytes(k);
+        let (low4, ones) = (_mm256_set1_epi8(15), _mm256_set1_epi16(1));
+        let rows: [*const u8; MR] = std::array::from_fn(|rr| x.planes[(r0 + rr) * rb..].as_ptr());
+        let mut total = [[_mm256_setzero_ps(); 2]; MR];
+        // Per row, features 4 q..4 q + 4 in f64.
+        let mut acc = [[_mm256_setzero_pd(); 4]; MR];
+        for (ci, ch) in w.chunks.iter().enumerate() {
+            // int32 sums per row, digit and half.
+            let mut sums = [[[_mm256_setzero_si256(); 2]; 3]; MR];
+            let (mut n, n1) = (ch.start / 8, ch.end / 8);
+            while n < n1 {
+                let stop = (n + AVX2_LINES).min(n1);
+                let mut parts = [[[_mm256_setzero_si256(); 2]; 3]; MR];
+                while n < stop {
+                    let at = n * 64;
+                    crate::cpu::kernels::prefetch_stream(cp.wrapping_add(at));
+                    for h in 0..2 {
+                        // SAFETY: line n < ceil(k / 8) lies inside the block (ceil(k / 8) *
+                        // 64 bytes); half h is its bytes 32 h..32 h + 32.
+                        let wq = unsafe { _mm256_loadu_si256(cp.add(at + 32 * h).cast()) };
+                        let lo = _mm256_and_si256(wq, low4);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(wq), low4);
+                        for (rr, row) in rows.iter().enumerate() {
+                            for (p, part) in parts[rr].iter_mut().enumerate() {
+                                // SAFETY: quads 2 n and 2 n + 1's digit p lie inside the row's
+                                // k / 4 * 12 bytes (the caller's contract on `x`).
+                                let (dl, dh) = unsafe {
+                                    (
+                                        row.add(2 * n * 12 + 4 * p).cast::<i32>().read_unaligned(),
+                                        row.add((2 * n + 1) * 12 + 4 * p)
+                                            .cast::<i32>()
+                                            .read_unaligned(),
+                                    )
+                                };
+                                let pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(dl));
+                                let ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(dh));
+                                part[h] = _mm256_add_epi16(part[h], _mm256_add_epi16(pl, ph));
+                            }
+                        }
+                    }
+                    n += 1;
+                }
+                for (s, pr) in sums.iter_mut().zip(&parts) {
+                    for (sp, pp) in s.iter_mut().zip(pr) {
+                        for (sh, ph) in sp.iter_mut().zip(pp) {
+                            *sh = _mm256_add_epi32(*sh, _mm256_madd_epi16(*ph, ones));
+                        }
+                    }
+                }
+            }
+            let last = w.chunks.get(ci + 1).is_none_or(|n| n.group != ch.group);
+            for rr in 0..MR {
+                let r = r0 + rr;
+                let cc = (r * nch + ci) * 2;
+                let unit = _mm256_set1_pd(f64::from(x.unit[r * nch + ci]));
+                let scale16 = _mm256_set1_pd(65536.0);
+                for h in 0..2 {
+                    let s = &sums[rr];
+                    // Wrapping int32: the true values fit (see the module docs).
+                    let lo = _mm256_sub_epi32(
+                        _mm256_add_epi32(s[0][h], _mm256_slli_epi32::<8>(s[1][h])),
+                        _mm256_set1_epi32(x.comp[cc]),
+                    );
+                    let hi = _mm256_sub_epi32(s[2][h], _mm256_set1_epi32(x.comp[cc + 1]));
+                    let quarters = [
+                        (_mm256_castsi256_si128(hi), _mm256_castsi256_si128(lo)),
+                        (
+                            _mm256_extracti128_si256::<1>(hi),
+                            _mm256_extracti128_si256::<1>(lo),
+                        ),
+                    ];
+                    for (q, (hv, lv)) in quarters.into_iter().enumerate() {
+                        let dot = _mm256_mul_pd(
+                            _mm256_fmadd_pd(
+                                _mm256_cvtepi32_pd(hv),
+                                scale16,
+                                _mm256_cvtepi32_pd(lv),
+                            ),
+                            unit,
+                        );
+                        acc[rr][2 * h + q] = _mm256_add_pd(acc[rr][2 * h + q], dot);
+                    }
+                }
+                if last {
+                    let g = ch.group;
+                    let ss = &t.scale[g * BLOCK..(g + 1) * BLOCK];
+                    let zs = t.zp.map(|z| &z[g * BLOCK..(g + 1) * BLOCK]);
+                    for h in 0..2 {
+                        let mut a = _mm256_set_m128(
+                            _mm256_cvtpd_ps(acc[rr][2 * h + 1]),
+                            _mm256_cvtpd_ps(acc[rr][2 * h]),
+                        );
+                        if let Some(zs) = zs {
+                            // SAFETY: zs holds 16 values (the slice above is bounds-checked).
+                            let zv = unsafe { _mm256_loadu_ps(zs.as_ptr().add(8 * h)) };
+                            a = _mm256_fnmadd_ps(zv, _mm256_set1_ps(x.sums[r * groups + g]), a);
+                        }
+                        // SAFETY: ss holds 16 values (the slice above is bounds-checked).
+                        let sv = unsafe { _mm256_loadu_ps(ss.as_ptr().add(8 * h)) };
+                        total[rr][h] = _mm256_fmadd_ps(a, sv, total[rr][h]);
+                    }
+                    acc[rr] = [_mm256_setzero_pd(); 4];
+                }
+            }
+            if last {
+                let group_bytes = BLOCK * std::mem::size_of::<f32>();
+                let line = next_scales.wrapping_add(ch.group * group_bytes);
+                _mm_prefetch::<_MM_HINT_T1>(line.cast());
+                _mm_prefetch::<_MM_HINT_T1>(line.wrapping_add(group_bytes - 1).cast());
+            }
+        }
+        for (rr, halves) in total.iter().enumerate() {
+            for (h, v) in halves.iter().enumerate() {
+                // SAFETY: rr < MR <= PASS_ROWS; each entry is 16 f32, half h lanes 8 h..8 h + 8.
+                unsafe { _mm256_storeu_ps(out[rr].as_mut_ptr().add(8 * h), *v) };
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -1067,5 +1439,91 @@ mod tests {
         assert!(chunks(260, &[0], 8).is_none());
         assert!(chunks(256, &[0, 124], 8).is_none());
         assert_eq!(chunks(300, &[0, 40], 4).map(|c| c.len()), Some(4));
+    }
+
+    /// The AVX2 form (forced where the CPU would run the AVX-512 one) equals the scalar
+    /// reference bit for bit on 4-bit layers, one and two rows, with and without zero points,
+    /// groups of one chunk or several; also where every product pair is at the int16 bound
+    /// (stored 15 against digit -128 in every lane, four lines summed before widening). Its
+    /// input conversion equals the scalar one byte for byte, and int8 layers are left to the
+    /// fp32 tile.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_nibble_blocks_equal_the_scalar_reference() {
+        assert!(
+            std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma"),
+            "the x86 CPUs this crate is tested on have AVX2 and FMA"
+        );
+        FORCE_AVX2.with(|f| f.set(true));
+        assert_eq!(kernel(), FixedKernel::Avx2Nibbles);
+        let mut rng = Rng(0x005e_ed0f_a7c2);
+        let int8 = layer(&mut rng, 16, 128, 128, false, 8).w;
+        assert_eq!(int8.fixed_max_rows(), 0);
+        for (n, k, group, asym, m, extreme) in [
+            (16, 128, 128, false, 1, false),
+            (40, 256, 64, true, 2, false),
+            (33, 512, 32, true, 3, false),
+            (20, 1024, 1024, false, 2, false),
+            (17, 136, 136, true, 1, false),
+            (24, 384, 128, false, 2, true),
+        ] {
+            let Layer { mut w, .. } = layer(&mut rng, n, k, group, asym, 4);
+            assert_eq!(w.fixed_max_rows(), AVX2_MAX_ROWS);
+            let x: Vec<f32> = if extreme {
+                let q = vec![7i8; n * k];
+                let scale = vec![1.0f32; n * (k / group)];
+                let starts = (0..k / group).map(|g| g * group).collect();
+                w = BlockedWo::new(n, k, &q, &scale, None, starts);
+                // Each chunk's first value sets its shift (2^21 units), every other one is
+                // -128 units: digit 0 is -128 in every lane but the first.
+                (0..m * k)
+                    .map(|i| {
+                        if i % CHUNK == 0 {
+                            1.0
+                        } else {
+                            -128.0 / (1 << 21) as f32
+                        }
+                    })
+                    .collect()
+            } else {
+                (0..m * k)
+                    .map(|_| {
+                        if rng.below(11) == 0 {
+                            0.0
+                        } else {
+                            rng.bf16(-40, 12)
+                        }
+                    })
+                    .collect()
+            };
+            let row = |r: usize| &x[r * k..(r + 1) * k];
+            let scalar = w.fixed_rows_with(m, row, None, false).expect("finite");
+            let simd = w.fixed_rows_with(m, row, None, true).expect("finite");
+            assert_eq!(simd.planes, scalar.planes, "n={n} k={k}");
+            assert_eq!(simd.comp, scalar.comp);
+            assert_eq!(simd.unit, scalar.unit);
+            assert_eq!(simd.sums, scalar.sums);
+            let got = outputs(&w, &simd);
+            for b in 0..w.blocks() {
+                for r in (0..m).step_by(PASS_ROWS) {
+                    let mut out = [[0f32; BLOCK]; PASS_ROWS];
+                    let mr = (m - r).min(PASS_ROWS);
+                    block_scalar(&w, b, &scalar, r, mr, &mut out);
+                    for (rr, lanes) in out.iter().enumerate().take(mr) {
+                        for (l, v) in lanes.iter().enumerate().take(BLOCK.min(n - 16 * b)) {
+                            let at = format!("n={n} k={k} g={group} r={} j={}", r + rr, 16 * b + l);
+                            assert!(v.is_finite(), "{at}");
+                            assert_eq!(
+                                v.to_bits(),
+                                got[(r + rr) * n + 16 * b + l].to_bits(),
+                                "{at}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        FORCE_AVX2.with(|f| f.set(false));
     }
 }
