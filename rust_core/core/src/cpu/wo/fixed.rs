@@ -469,7 +469,7 @@ pub fn fixed_kernel() -> FixedKernel {
     })
 }
 
-#[cfg(test)]
+#[cfg(all(test, target_arch = "x86_64"))]
 thread_local! {
     /// Tests: run the AVX2 form on a CPU that would run the AVX-512 one.
     static FORCE_AVX2: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
