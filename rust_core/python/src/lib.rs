@@ -503,7 +503,7 @@ fn cpu_bf16_dot() -> bool {
 /// Rows per expert up to which weight-only layers with bf16 inputs and `bits`-bit codes (4 or
 /// 8) take the fixed-point int8 dot products on this machine (0: never).
 #[pyfunction]
-fn cpu_fixed_point_rows(bits: u32) -> PyResult<usize> {
+fn cpu_fixed_point_rows(bits: i64) -> PyResult<usize> {
     match bits {
         4 | 8 => Ok(moeq_core::cpu::wo::fixed::fixed_point_rows(bits == 4)),
         _ => Err(pyo3::exceptions::PyValueError::new_err(format!(

@@ -809,11 +809,11 @@ mod x86 {
                 // SAFETY: rows r..r + 1 or r + 2 (<= mr) lie in `xw`, block b in `w`, and their
                 // outputs in `out` (the caller's contract, b < nb).
                 unsafe {
+                    // (A last single row is never a block's first pair of more than two.)
                     match (mr - r >= 2, r == 0 && mr > 2) {
                         (true, true) => rows_avx2::<2, true>(xw, k_pad, w, out, at),
                         (true, false) => rows_avx2::<2, false>(xw, k_pad, w, out, at),
-                        (false, true) => rows_avx2::<1, true>(xw, k_pad, w, out, at),
-                        (false, false) => rows_avx2::<1, false>(xw, k_pad, w, out, at),
+                        (false, _) => rows_avx2::<1, false>(xw, k_pad, w, out, at),
                     }
                 }
                 r += 2;

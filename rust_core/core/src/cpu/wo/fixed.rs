@@ -36,7 +36,7 @@
 //! columns the digit `j` of its four `a` in word `j`, each broadcast from memory as one
 //! `vpdpbusd` operand. [`block_scalar`] repeats the arithmetic exactly.
 //!
-//! AVX2 CPUs (no VNNI, no AVX-512) run the 4-bit form with `vpmaddubsw` (u8 x s8, adjacent
+//! AVX2 CPUs without AVX-512 (AVX-VNNI ones too) run the 4-bit form with `vpmaddubsw` (u8 x s8, adjacent
 //! products summed into saturating int16) in place of `vpdpbusd`: a stored value is at most 15
 //! and a digit at least -128, so a pair sums to within ±3840 and never saturates, and four
 //! lines (two operands each) add up within int16 before `vpmaddwd` by ones widens them into
@@ -490,7 +490,7 @@ fn kernel() -> FixedKernel {
 
 /// Rows per expert up to which weight-only layers with bf16 inputs take the fixed-point kernel
 /// on this CPU, for 4-bit (`nibbles`) or int8 codes (0: never). On AVX2 CPUs (the
-/// `vpmaddubsw` form) 4-bit codes at one row only ([`AVX2_MAX_ROWS`]), int8 codes never. With
+/// `vpmaddubsw` form) 4-bit codes at one row only (`AVX2_MAX_ROWS`), int8 codes never. With
 /// AVX-512 VNNI and VBMI, 4-bit codes at one row only where the bf16 nibble tile runs (from
 /// two rows its two dot products per 64 codes beat the fixed point's three: one Zen 4 core,
 /// codes in cache, 2 rows 86 against 64 GMAC/s), else and for int8 codes below the bf16
@@ -1460,6 +1460,18 @@ mod tests {
         let mut rng = Rng(0x005e_ed0f_a7c2);
         let int8 = layer(&mut rng, 16, 128, 128, false, 8).w;
         assert_eq!(int8.fixed_max_rows(), 0);
+        // Its input conversion still serves int8 layers (`fixed_rows_from`): their `+ 128`
+        // sums and a last chunk of 4 columns.
+        for (k, group) in [(68, 68), (256, 64)] {
+            let w = layer(&mut rng, 16, k, group, true, 8).w;
+            let x: Vec<f32> = (0..2 * k).map(|_| rng.bf16(-30, 3)).collect();
+            let row = |r: usize| &x[r * k..(r + 1) * k];
+            let scalar = w.fixed_rows_with(2, row, None, false).expect("finite");
+            let simd = w.fixed_rows_with(2, row, None, true).expect("finite");
+            assert_eq!(simd.planes, scalar.planes, "int8 k={k}");
+            assert_eq!(simd.comp, scalar.comp, "int8 k={k}");
+            assert_eq!(simd.unit, scalar.unit);
+        }
         for (n, k, group, asym, m, extreme) in [
             (16, 128, 128, false, 1, false),
             (40, 256, 64, true, 2, false),
