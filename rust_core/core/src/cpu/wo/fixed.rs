@@ -56,6 +56,10 @@ const PASS_ROWS: usize = 2;
 
 const _: () = assert!(32896 * 128 * CHUNK < (1 << 31));
 
+/// A chunk's integers `a` lie in `-A_LIMIT..A_LIMIT` (three signed base-256 digits; see the
+/// module docs).
+const A_LIMIT: i32 = 1 << 22;
+
 /// A chunk of columns: `start..end` inside group `group`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Chunk {
@@ -195,7 +199,7 @@ fn digits_row(
             for (j, &x) in quad.iter().enumerate() {
                 // Exact for bf16 values within 14 binades of the largest; the clamp never
                 // acts on them (|a| < 2^22).
-                let a = ((x * p).round_ties_even() as i32).clamp(-(1 << 22), (1 << 22) - 1);
+                let a = ((x * p).round_ties_even() as i32).clamp(-A_LIMIT, A_LIMIT - 1);
                 for (i, d) in digits(a).into_iter().enumerate() {
                     dst[at + 4 * i + j] = d as u8;
                     dsum[i] += i32::from(d);
@@ -281,6 +285,8 @@ impl BlockedWo {
             return None;
         }
         let simd = simd && kernel() != FixedKernel::Scalar;
+        #[cfg(target_arch = "x86_64")]
+        let avx512 = kernel() == FixedKernel::Avx512;
         let (k, nch, groups) = (self.k, self.chunks.len(), self.groups());
         let rb = row_bytes(k);
         let mut planes = spare::take_any(m * rb, 0u8);
@@ -303,7 +309,7 @@ impl BlockedWo {
                     // SAFETY: `simd` holds only where `kernel()` found AVX-512F/BW/VBMI (or,
                     // for the AVX2 form, AVX2 and FMA); xr (sliced to k) and v hold k values.
                     (true, None) => unsafe {
-                        if kernel() == FixedKernel::Avx512 {
+                        if avx512 {
                             x86::round_row(&xr[..k], &mut v)
                         } else {
                             x86::round_row_avx2(&xr[..k], &mut v)
@@ -327,7 +333,7 @@ impl BlockedWo {
                     // SAFETY: as above; the chunks are whole quads inside 0..k, dst holds the
                     // row's k / 4 quads, cc and un its chunks.
                     true => unsafe {
-                        if kernel() == FixedKernel::Avx512 {
+                        if avx512 {
                             x86::digits_row(digits_of, &self.chunks, dst, cc, un)
                         } else {
                             x86::digits_row_avx2(digits_of, &self.chunks, dst, cc, un)
@@ -579,7 +585,7 @@ pub fn block_scalar(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{pow2, row_bytes, shift, BlockedWo, Chunk, FixedRows, BLOCK, PASS_ROWS};
+    use super::{pow2, row_bytes, shift, BlockedWo, Chunk, FixedRows, A_LIMIT, BLOCK, PASS_ROWS};
     use std::arch::x86_64::*;
 
     /// Lanes `0..n` of 16.
@@ -660,10 +666,7 @@ mod x86 {
             _mm512_set1_epi32(0x8080),
             _mm512_set1_epi32(128),
         );
-        let (amin, amax) = (
-            _mm512_set1_epi32(-(1 << 22)),
-            _mm512_set1_epi32((1 << 22) - 1),
-        );
+        let (amin, amax) = (_mm512_set1_epi32(-A_LIMIT), _mm512_set1_epi32(A_LIMIT - 1));
         for (ci, ch) in chunks.iter().enumerate() {
             let mut mx = _mm512_setzero_ps();
             for c in (ch.start..ch.end).step_by(16) {
@@ -704,6 +707,26 @@ mod x86 {
             comp[ci * 2 + 1] = 128 * _mm512_reduce_add_epi32(hi);
         }
         true
+    }
+
+    /// Group `group`'s scales of the next block (`next_scales`: the end of this block's) into
+    /// L2, their first and last byte (the scales are f32-aligned, so a group's 64 bytes may
+    /// straddle two lines); each kernel calls it at a group's end. Alternated call by call at
+    /// T=1, cold (medians of 150 calls): W4A16 with bf16 inputs Qwen3 0.96 / 1.04 against 0.99
+    /// / 1.06 ms at groups of 128, 1.21 / 1.25 against 1.24 / 1.28 at 32, DeepSeek-V2-Lite 1.28
+    /// / 1.24 against 1.33 / 1.31; W8A16 Qwen3 1.60 / 1.66 against 1.64 / 1.71. The whole next
+    /// block's scales at once at the block's start did as well at 128 but 3% worse at 32.
+    #[inline(always)]
+    fn prefetch_next_scales(next_scales: *const u8, group: usize) {
+        let group_bytes = BLOCK * std::mem::size_of::<f32>();
+        let line = next_scales.wrapping_add(group * group_bytes);
+        // SAFETY: a prefetch never faults, whatever the address (past the last block it lies
+        // outside the scales), and changes nothing the program sees; SSE is in the x86-64
+        // baseline. The addresses are formed with wrapping_add.
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T1>(line.cast());
+            _mm_prefetch::<_MM_HINT_T1>(line.wrapping_add(group_bytes - 1).cast());
+        }
     }
 
     /// `vpermb` indices: output byte `4 l + j` is input byte `16 j + l` (column `j` of the
@@ -860,17 +883,7 @@ mod x86 {
                 }
             }
             if last {
-                // The same group's scales of the next block into L2, their first and last byte
-                // (the scales are f32-aligned, so a group's 64 bytes may straddle two lines).
-                // Alternated call by call at T=1, cold (medians of 150 calls): W4A16 with bf16
-                // inputs Qwen3 0.96 / 1.04 against 0.99 / 1.06 ms at groups of 128, 1.21 / 1.25
-                // against 1.24 / 1.28 at 32, DeepSeek-V2-Lite 1.28 / 1.24 against 1.33 / 1.31;
-                // W8A16 Qwen3 1.60 / 1.66 against 1.64 / 1.71. The whole next block's scales at
-                // once at the block's start did as well at 128 but 3% worse at 32.
-                let group_bytes = BLOCK * std::mem::size_of::<f32>();
-                let line = next_scales.wrapping_add(ch.group * group_bytes);
-                _mm_prefetch::<_MM_HINT_T1>(line.cast());
-                _mm_prefetch::<_MM_HINT_T1>(line.wrapping_add(group_bytes - 1).cast());
+                prefetch_next_scales(next_scales, ch.group);
             }
         }
         for (rr, v) in total.iter().enumerate() {
@@ -956,10 +969,7 @@ mod x86 {
             _mm256_set1_epi32(0x8080),
             _mm256_set1_epi32(128),
         );
-        let (amin, amax) = (
-            _mm256_set1_epi32(-(1 << 22)),
-            _mm256_set1_epi32((1 << 22) - 1),
-        );
+        let (amin, amax) = (_mm256_set1_epi32(-A_LIMIT), _mm256_set1_epi32(A_LIMIT - 1));
         let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
         for (ci, ch) in chunks.iter().enumerate() {
             let mut mx = _mm256_setzero_ps();
@@ -1144,10 +1154,7 @@ mod x86 {
                 }
             }
             if last {
-                let group_bytes = BLOCK * std::mem::size_of::<f32>();
-                let line = next_scales.wrapping_add(ch.group * group_bytes);
-                _mm_prefetch::<_MM_HINT_T1>(line.cast());
-                _mm_prefetch::<_MM_HINT_T1>(line.wrapping_add(group_bytes - 1).cast());
+                prefetch_next_scales(next_scales, ch.group);
             }
         }
         for (rr, halves) in total.iter().enumerate() {
