@@ -522,6 +522,15 @@ def test_dot_peak_probes_the_instruction_the_dispatch_uses(cap: str) -> None:
             mq.oracle.cpu_dot_peak("f32", bad)
 
 
+def test_cpu_fixed_point_rows_takes_4_or_8() -> None:
+    for b in (4, 8):
+        rows = mq.oracle.cpu_fixed_point_rows(b)  # type: ignore[arg-type]
+        assert isinstance(rows, int) and 0 <= rows <= 8, (b, rows)
+    for bad in (0, 2, -4, 16, 2**70, -(2**70)):
+        with pytest.raises(ValueError, match="bits must be 4 or 8"):
+            mq.oracle.cpu_fixed_point_rows(bad)  # type: ignore[arg-type]
+
+
 def test_dynamic_w8a8_is_measurably_w8a8(fixture_path: Callable[[str], Path]) -> None:
     ckpt = mq.open(fixture_path("qwen3_w8a8_dynamic"))
     moe = mq.MoELayer.from_checkpoint(ckpt, 0)
