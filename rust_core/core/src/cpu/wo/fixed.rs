@@ -918,7 +918,8 @@ mod x86 {
         for c in (0..x.len()).step_by(8) {
             let n = x.len() - c;
             // Masked only at the end: AMD's masked stores are microcoded (converting a row
-            // of 2048 took 2.95 us on Zen 3 with one per 8 values, 2.05 without).
+            // of 2048 took 2.95 us on Zen 3 with masked loads and stores every 8 values, 1.7
+            // with them only at the end, here and in `digits_row_avx2`).
             // SAFETY: lanes c..c + 8 inside the slices, or masked to their length (masked
             // lanes read 0 and are not touched by the store).
             let b = unsafe {
@@ -965,7 +966,9 @@ mod x86 {
 
     /// [`super::digits_row`] with AVX2, 8 columns (two quads) a step, as [`digits_row`] does
     /// it: the digits are the bytes of `(a + 0x808080) ^ 0x808080`, each quad's 12 gathered
-    /// by one `vpshufb` within its 128-bit lane.
+    /// by one `vpshufb` within its 128-bit lane. A step writes each 12-byte quad as 16 bytes,
+    /// whose last 4 the next quad's store overwrites: the chunks must follow one another in
+    /// ascending order, as [`super::chunks`] makes them.
     ///
     /// # Safety
     /// AVX2; the chunks are whole quads inside `0..v.len()`, `dst` holds `v.len() / 4 * 12`
@@ -991,7 +994,7 @@ mod x86 {
         for (ci, ch) in chunks.iter().enumerate() {
             let mut mx = _mm256_setzero_ps();
             for c in (ch.start..ch.end).step_by(8) {
-                // SAFETY: lanes masked to the chunk, inside v (masked lanes read 0).
+                // SAFETY: c < ch.end <= v.len() (the caller's contract): `load8`'s.
                 let x = unsafe { load8(v, c, ch.end - c) };
                 mx = _mm256_max_ps(mx, _mm256_and_ps(x, magnitude));
             }
@@ -1073,8 +1076,9 @@ mod x86 {
     /// The integer `lo + 65536 hi` (4-bit codes, one chunk: `|lo| < 2^26`, `|hi| < 2^18`)
     /// rounded once to f32, as the f64 path's `cvtpd_ps` rounds it: `hi * 16 + (lo >> 12)`
     /// (below 2^23) times 4096 and `lo & 4095` are both exact in f32, so the fused
-    /// multiply-add rounds only their exact sum. Times a chunk's unit (a power of two at least
-    /// 2^-121, while a nonzero sum is at least 1) the result stays exact.
+    /// multiply-add rounds only their exact sum. Times a chunk's unit (a power of two from
+    /// 2^-121 to 2^106, while a nonzero sum is at least 1) the result stays exact, or
+    /// overflows to an infinity exactly where `cvtpd_ps` of the f64 product does.
     #[target_feature(enable = "avx2,fma")]
     pub fn exact_f32(lo: __m256i, hi: __m256i) -> __m256 {
         let top = _mm256_add_epi32(_mm256_slli_epi32::<4>(hi), _mm256_srai_epi32::<12>(lo));
@@ -1219,7 +1223,7 @@ mod x86 {
                     let (ss, zs) = group_scales(&t, g);
                     let unit = _mm256_set1_ps(unit);
                     for h in 0..2 {
-                        // Exact (unit is a power of two, the result a normal number: see
+                        // Exact, or an overflow where the f64 path overflows (see
                         // `exact_f32`).
                         let a = _mm256_mul_ps(exact_f32(lo[h], hi[h]), unit);
                         total[rr][h] =
@@ -1582,6 +1586,8 @@ mod tests {
             ((1 << 25) + 2, 0),
             ((1 << 25) + 6, 0),
             ((1 << 25) - 6, 1 << 9),
+            // 2^26 + 8 once; rounding `lo` first (to 2^25 + 4) gives 2^26 + 4, then 2^26.
+            ((1 << 25) + 5, 1 << 9),
         ];
         for _ in 0..100_000 {
             let lo = rng.below(2 * lo_max as u64 - 1) as i64 - (lo_max - 1);
