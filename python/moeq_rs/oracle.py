@@ -139,9 +139,6 @@ def cpu_fixed_point_rows(bits: Literal[4, 8]) -> int:
     VBMI: int8 codes below 8 rows, 4-bit codes below 8 rows, or at one row where bf16 dot
     products take the rest; AVX2: 4-bit codes at one row. ``MOEQ_CPU_BF16=0`` switches it off
     with the bf16 dot products. A ``bits`` other than 4 or 8 raises ``ValueError``."""
-    # Python ints are checked here: outside i64's range pyo3's conversion raises OverflowError.
-    if isinstance(bits, int) and bits not in (4, 8):
-        raise ValueError(f"cpu_fixed_point_rows: bits must be 4 or 8, got {bits}")
     return _core.cpu_fixed_point_rows(bits)
 
 

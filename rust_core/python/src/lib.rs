@@ -501,13 +501,19 @@ fn cpu_bf16_dot() -> bool {
 }
 
 /// Rows per expert up to which weight-only layers with bf16 inputs and `bits`-bit codes (4 or
-/// 8) take the fixed-point int8 dot products on this machine (0: never).
+/// 8) take the fixed-point int8 dot products on this machine (0: never). `bits` is any
+/// integer (`operator.index`: Python's and numpy's; others a TypeError); one other than 4 or 8
+/// is a ValueError however large (an `i64` argument would make those an OverflowError).
 #[pyfunction]
-fn cpu_fixed_point_rows(bits: i64) -> PyResult<usize> {
-    match bits {
-        4 | 8 => Ok(moeq_core::cpu::wo::fixed::fixed_point_rows(bits == 4)),
-        _ => Err(pyo3::exceptions::PyValueError::new_err(format!(
-            "cpu_fixed_point_rows: bits must be 4 or 8, got {bits}"
+fn cpu_fixed_point_rows(bits: &Bound<'_, PyAny>) -> PyResult<usize> {
+    let value = bits
+        .py()
+        .import("operator")?
+        .call_method1("index", (bits,))?;
+    match value.extract::<i64>() {
+        Ok(b @ (4 | 8)) => Ok(moeq_core::cpu::wo::fixed::fixed_point_rows(b == 4)),
+        _ => Err(PyValueError::new_err(format!(
+            "cpu_fixed_point_rows: bits must be 4 or 8, got {value}"
         ))),
     }
 }

@@ -437,9 +437,10 @@ impl BlockedWo {
 }
 
 /// Rows per expert up to which 4-bit layers take the AVX2 form. One Zen 3 core, codes in L2
-/// (`N=128 wo_time`, int4, K=2048, groups of 128): one row 9.3-12.1 us against the fp32
-/// tile's 17.1-18.1; from two rows the fp32 tile, which converts each code once for all its
-/// rows, is ahead (2 rows 22.0-22.3 against 26.1-26.3 us).
+/// (`N=128 wo_time`, int4, K=2048, groups of 128): one row 7.9 us against the fp32 tile's
+/// 12.4; two rows 16.7-16.9 against 17.2-17.3, three even and four behind (34-37 against
+/// 29.3), as the fp32 tile converts each code once for all its rows. Two rows' 3% is not
+/// worth their numerics changing (bf16 rounding) with the row count.
 const AVX2_MAX_ROWS: usize = 1;
 
 /// Which fixed-point kernel [`BlockedWo::gemm_fixed`] runs.
@@ -920,15 +921,9 @@ mod x86 {
             // Masked only at the end: AMD's masked stores are microcoded (converting a row
             // of 2048 took 2.95 us on Zen 3 with masked loads and stores every 8 values, 1.7
             // with them only at the end, here and in `digits_row_avx2`).
-            // SAFETY: lanes c..c + 8 inside the slices, or masked to their length (masked
-            // lanes read 0 and are not touched by the store).
-            let b = unsafe {
-                if n >= 8 {
-                    _mm256_loadu_si256(x.as_ptr().add(c).cast())
-                } else {
-                    _mm256_maskload_epi32(x.as_ptr().add(c).cast(), mask8(n))
-                }
-            };
+            // SAFETY: c < x.len(): `load8`'s contract (masked lanes read 0 and are not
+            // touched by the store).
+            let b = _mm256_castps_si256(unsafe { load8(x, c, n) });
             bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(b, exp), exp));
             let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(b), one);
             let r = _mm256_and_si256(_mm256_add_epi32(b, _mm256_add_epi32(half, odd)), top);
@@ -937,7 +932,7 @@ mod x86 {
             // Subnormal results to a signed zero.
             let sub = _mm256_cmpeq_epi32(e, zero);
             let r = _mm256_blendv_epi8(r, _mm256_and_si256(r, sign), sub);
-            // SAFETY: as the load.
+            // SAFETY: lanes c..c + 8 inside v (v.len() >= x.len()), or masked to x's length.
             unsafe {
                 if n >= 8 {
                     _mm256_storeu_si256(v.as_mut_ptr().add(c).cast(), r);
@@ -1591,7 +1586,7 @@ mod tests {
         ];
         for _ in 0..100_000 {
             let lo = rng.below(2 * lo_max as u64 - 1) as i64 - (lo_max - 1);
-            // Mostly small `hi`, where `lo`'s low bits still count in the sum.
+            // Half with small `hi`, where `lo`'s low bits still count in the sum.
             let span = if rng.below(2) == 0 { 64 } else { hi_max };
             let hi = rng.below(2 * span as u64 - 1) as i64 - (span - 1);
             pairs.push((lo as i32, hi as i32));
