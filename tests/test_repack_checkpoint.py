@@ -179,6 +179,58 @@ def test_existing_output_is_refused_without_force(
     assert [p.name for p in tmp_path.iterdir()] == ["out"], "temporary directories left behind"
 
 
+def test_a_repack_elsewhere_to_the_same_out_dir_is_refused(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Two `--force` repacks to one OUT_DIR both said they had written it, the later one having
+    deleted the other's output; the second is refused now, before any work, and told which
+    process holds `.<name>.moeq-lock` beside OUT_DIR (an flock, as another repack takes it)."""
+    import fcntl
+
+    src = fixture_path("qwen3_w8a16_g128")
+    out = tmp_path / "out"
+    lock = tmp_path / ".out.moeq-lock"
+    with lock.open("w") as held:
+        held.write("4242\n")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX)
+        r = cli("repack", str(src), str(out), "--target", "cpu", "--force")
+        assert r.returncode == 1
+        assert (
+            f"moeq: error: {out}: another repack (process 4242) is writing it; wait for that "
+            "one to finish, or write elsewhere" in r.stderr
+        ), r.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == [lock.name]
+        assert lock.read_text() == "4242\n"
+    # Released (as by a holder killed outright, which leaves the file): taken over, removed.
+    r = cli("repack", str(src), str(out), "--target", "cpu", "--force")
+    assert r.returncode == 0, r.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_the_lock_is_held_while_the_repack_writes(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    import fcntl
+
+    out = tmp_path / "out"
+    lock = tmp_path / ".out.moeq-lock"
+    seen: list[str] = []
+
+    def progress(stage: str, done: int, total: int, written: int, wtotal: int) -> None:
+        if stage in seen:
+            return
+        seen.append(stage)
+        with lock.open("r") as other:
+            assert other.read() == f"{os.getpid()}\n"
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    repack_checkpoint(fixture_path("qwen3_w4a16_g128_sym"), out, progress=progress)
+    assert {"copy", "layers", "commit"} <= set(seen), seen
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
 def test_interrupted_write_leaves_nothing(
     fixture_path: Callable[[str], Path], tmp_path: Path
 ) -> None:

@@ -742,6 +742,9 @@ pub fn repack(
     let tmp_path = staged_path(&parent, &name, TMP);
     // Held to the end, the commit and the removal of a moved-aside earlier output included.
     let _claim = StagingClaim::new(&tmp_path, out_dir)?;
+    // And across processes (see `out_lock`): from here on, nothing else writes OUT_DIR.
+    let _lock = super::out_lock::acquire(&super::out_lock::lock_path(&parent, &name))
+        .map_err(|busy| output_error(out_dir, busy.to_string()))?;
     remove_abandoned(&parent, &name, &source_paths(ckpt));
     if tmp_path.exists() {
         std::fs::remove_dir_all(&tmp_path).map_err(|e| io(&tmp_path, e))?;

@@ -4,5 +4,6 @@ pub mod checkpoint;
 pub mod cpu;
 pub mod marlin;
 pub mod moe_layer;
+mod out_lock;
 pub mod simd;
 pub mod tables;
