@@ -19,7 +19,10 @@
 //! (int8; `r = Σ d (q + 8)` for 4-bit storage): exact in int32
 //! within a chunk (`|Σ (d0 + 256 d1) q| <= 32896 * 128 * CHUNK`), then in f64, times `2^-sh`.
 //! A group of one chunk (up to 128 columns, as groups of 32-128 are) is thus exact before its one
-//! rounding to f32; a longer group (channelwise) adds its chunks' exact sums in f64, which
+//! rounding to f32, which the SIMD kernels make without the f64 detour (`x86::exact_f32`:
+//! the integer in two parts exact in f32, one fused multiply-add; one row, 128 features of
+//! 2048 4-bit columns on one Zen 3 core: 9.2 -> 7.9 us with groups of 128, 16.1 -> 11.1 us
+//! with groups of 32); a longer group (channelwise) adds its chunks' exact sums in f64, which
 //! rounds where their magnitudes differ by more than ~2^16, then to f32 (within one f32 ulp of
 //! the exact sum rounded once). Then the fp32 path's epilogue: `acc -= z * Σx`, `y += acc * s`
 //! (fused). The fp32 tile rounds once per column. Inputs are rounded to bf16 first (the bf16 path's
@@ -40,12 +43,9 @@
 //! s8, adjacent products summed into saturating int16) in place of `vpdpbusd`: a stored value
 //! is at most 15 and a digit at least -128, so a pair sums to within ±3840 and never saturates,
 //! and four lines (two operands each) add up within int16 before `vpmaddwd` by ones widens
-//! them into the int32 sums: the same integers, hence the same outputs bit for bit. A group of
-//! one chunk (up to 128 columns) rounds its integer to f32 there without the f64 detour
-//! (`x86::exact_f32`): the same single rounding, cheaper (one row, 128 features of 2048
-//! columns on one Zen 3 core: 9.2 -> 7.9 us with groups of 128, 16.1 -> 11.1 us with groups
-//! of 32). int8 codes (`q + 128` up to 255) would saturate a pair, so there int8 layers keep
-//! the fp32 tile ([`BlockedWo::fixed_max_rows`] is 0 for them).
+//! them into the int32 sums: the same integers, hence the same outputs bit for bit. int8
+//! codes (`q + 128` up to 255) would saturate a pair, so there int8 layers keep the fp32 tile
+//! ([`BlockedWo::fixed_max_rows`] is 0 for them).
 
 use super::bf16::{to_bf16, BF16_MIN_ROWS};
 use super::{BlockedWo, Codes, BLOCK};
@@ -833,6 +833,9 @@ mod x86 {
                 n += 1;
             }
             let last = w.chunks.get(ci + 1).is_none_or(|n| n.group != ch.group);
+            // A group of one chunk (groups of up to 128 columns) rounds its exact sum once,
+            // in f32 ([`exact_f32_x16`]); longer ones add their chunks in f64 first.
+            let single = last && (ci == 0 || w.chunks[ci - 1].group != ch.group);
             for rr in 0..MR {
                 let r = r0 + rr;
                 let sum_of = |p: usize| {
@@ -849,7 +852,30 @@ mod x86 {
                     _mm512_set1_epi32(x.comp[cc]),
                 );
                 let hi = _mm512_sub_epi32(sum_of(2), _mm512_set1_epi32(x.comp[cc + 1]));
-                let unit = _mm512_set1_pd(f64::from(x.unit[r * nch + ci]));
+                let unit = x.unit[r * nch + ci];
+                let g = ch.group;
+                // The fp32 path's epilogue of a group's sums `a`: `a -= z * Σx` where the
+                // layer has zero points, then `total + a * s`.
+                let finish = |a: __m512, total: __m512| {
+                    let mut a = a;
+                    if let Some(z) = t.zp {
+                        let zs = &z[g * BLOCK..(g + 1) * BLOCK];
+                        // SAFETY: zs holds 16 values (the slice above is bounds-checked).
+                        let zv = unsafe { _mm512_loadu_ps(zs.as_ptr()) };
+                        a = _mm512_fnmadd_ps(zv, _mm512_set1_ps(x.sums[r * groups + g]), a);
+                    }
+                    let ss = &t.scale[g * BLOCK..(g + 1) * BLOCK];
+                    // SAFETY: ss holds 16 values (the slice above is bounds-checked).
+                    let s = unsafe { _mm512_loadu_ps(ss.as_ptr()) };
+                    _mm512_fmadd_ps(a, s, total)
+                };
+                if single {
+                    // Exact, or an overflow where the f64 path overflows (see `exact_f32`).
+                    let a = _mm512_mul_ps(exact_f32_x16(lo, hi), _mm512_set1_ps(unit));
+                    total[rr] = finish(a, total[rr]);
+                    continue;
+                }
+                let unit = _mm512_set1_pd(f64::from(unit));
                 let scale16 = _mm512_set1_pd(65536.0);
                 let halves = [
                     (_mm512_castsi512_si256(hi), _mm512_castsi512_si256(lo)),
@@ -866,23 +892,13 @@ mod x86 {
                     acc[rr][h] = _mm512_add_pd(acc[rr][h], dot);
                 }
                 if last {
-                    let g = ch.group;
                     let lo32 = _mm512_cvtpd_ps(acc[rr][0]);
                     let hi32 = _mm512_cvtpd_ps(acc[rr][1]);
-                    let mut a = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+                    let a = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
                         _mm512_castpd256_pd512(_mm256_castps_pd(lo32)),
                         _mm256_castps_pd(hi32),
                     ));
-                    if let Some(z) = t.zp {
-                        let zs = &z[g * BLOCK..(g + 1) * BLOCK];
-                        // SAFETY: zs holds 16 values (the slice above is bounds-checked).
-                        let zv = unsafe { _mm512_loadu_ps(zs.as_ptr()) };
-                        a = _mm512_fnmadd_ps(zv, _mm512_set1_ps(x.sums[r * groups + g]), a);
-                    }
-                    let ss = &t.scale[g * BLOCK..(g + 1) * BLOCK];
-                    // SAFETY: ss holds 16 values (the slice above is bounds-checked).
-                    let s = unsafe { _mm512_loadu_ps(ss.as_ptr()) };
-                    total[rr] = _mm512_fmadd_ps(a, s, total[rr]);
+                    total[rr] = finish(a, total[rr]);
                     acc[rr] = [_mm512_setzero_pd(); 2];
                 }
             }
@@ -1068,25 +1084,43 @@ mod x86 {
         _mm_cvtsi128_si32(s)
     }
 
-    /// The integer `lo + 65536 hi` (4-bit codes, one chunk: `|lo| < 2^26`, `|hi| < 2^18`)
-    /// rounded once to f32, as the f64 path's `cvtpd_ps` rounds it: `hi * 16 + (lo >> 12)`
-    /// (below 2^23) times 4096 and `lo & 4095` are both exact in f32, so the fused
-    /// multiply-add rounds only their exact sum. Times a chunk's unit (a power of two from
-    /// 2^-121 to 2^106, while a nonzero sum is at least 1) the result stays exact, or
-    /// overflows to an infinity exactly where `cvtpd_ps` of the f64 product does.
+    /// The integer `lo + 65536 hi` (one chunk's sums, see [`SPLIT_BOUNDS`]) rounded once to
+    /// f32, as the f64 path's `cvtpd_ps` rounds it: `hi + (lo >> 16)` times 65536 and
+    /// `lo & 0xffff` are both exact in f32 (below 2^24), so the fused multiply-add rounds only
+    /// their exact sum. Times a chunk's unit (a power of two from 2^-121 to 2^106, while a
+    /// nonzero sum is at least 1) the result stays exact, or overflows to an infinity exactly
+    /// where `cvtpd_ps` of the f64 product does.
     #[target_feature(enable = "avx2,fma")]
     pub fn exact_f32(lo: __m256i, hi: __m256i) -> __m256 {
-        let top = _mm256_add_epi32(_mm256_slli_epi32::<4>(hi), _mm256_srai_epi32::<12>(lo));
-        let bottom = _mm256_and_si256(lo, _mm256_set1_epi32(4095));
+        let top = _mm256_add_epi32(hi, _mm256_srai_epi32::<16>(lo));
+        let bottom = _mm256_and_si256(lo, _mm256_set1_epi32(0xffff));
         _mm256_fmadd_ps(
             _mm256_cvtepi32_ps(top),
-            _mm256_set1_ps(4096.0),
+            _mm256_set1_ps(65536.0),
             _mm256_cvtepi32_ps(bottom),
         )
     }
-    // The bounds `exact_f32` relies on: 4-bit sums over one chunk.
-    const _: () =
-        assert!(32896 * 15 * super::CHUNK < (1 << 26) && 128 * 15 * super::CHUNK < (1 << 18));
+
+    /// [`exact_f32`] for 16 lanes.
+    #[target_feature(enable = "avx512f")]
+    pub fn exact_f32_x16(lo: __m512i, hi: __m512i) -> __m512 {
+        let top = _mm512_add_epi32(hi, _mm512_srai_epi32::<16>(lo));
+        let bottom = _mm512_and_si512(lo, _mm512_set1_epi32(0xffff));
+        _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(top),
+            _mm512_set1_ps(65536.0),
+            _mm512_cvtepi32_ps(bottom),
+        )
+    }
+
+    /// `(|lo|, |hi|)` limits of one chunk's sums, int8 codes (`|q| <= 128`; 4-bit ones are
+    /// smaller): `|d0 + 256 d1| <= 32896` and `|d2| <= 128` per column. [`exact_f32`]'s
+    /// `hi + (lo >> 16)` then stays far below 2^24.
+    pub const SPLIT_BOUNDS: (i64, i64) = (
+        32896 * 128 * super::CHUNK as i64,
+        128 * 128 * super::CHUNK as i64,
+    );
+    const _: () = assert!(SPLIT_BOUNDS.0 < 1 << 31 && SPLIT_BOUNDS.1 + (1 << 15) < 1 << 24);
 
     /// A block's scales and (if any) zero points of group `g`: 16 each.
     fn group_scales<'a>(t: &super::super::Tile<'a>, g: usize) -> (&'a [f32], Option<&'a [f32]>) {
@@ -1556,64 +1590,79 @@ mod tests {
         assert_eq!(chunks(300, &[0, 40], 4).map(|c| c.len()), Some(4));
     }
 
-    /// The AVX2 kernel's f32 rounding of a one-chunk group's integer `lo + 65536 hi` equals
-    /// the f64 path's single rounding, across the whole range of 4-bit sums: at its ends,
-    /// where `lo` alone has more bits than f32 holds (rounding it first would round twice),
-    /// and at ties.
+    /// The kernels' f32 rounding of a one-chunk group's integer `lo + 65536 hi` (AVX2, and
+    /// AVX-512 where the CPU has it) equals the f64 path's single rounding, across the whole
+    /// range of int8 sums (4-bit ones lie inside it): at its ends, where `lo` alone has more
+    /// bits than f32 holds (rounding it first would round twice), and at ties.
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn avx2_group_sums_round_once() {
+    fn group_sums_round_once() {
         assert!(
             std::arch::is_x86_feature_detected!("avx2")
                 && std::arch::is_x86_feature_detected!("fma"),
             "the x86 CPUs this crate is tested on have AVX2 and FMA"
         );
         use std::arch::x86_64::*;
-        let (lo_max, hi_max) = (1i64 << 26, 1i64 << 18);
+        let (lo_max, hi_max) = x86::SPLIT_BOUNDS;
         let mut rng = Rng(0x0dd_f00d);
         let mut pairs: Vec<(i32, i32)> = vec![
-            ((lo_max - 1) as i32, (hi_max - 1) as i32),
-            ((1 - lo_max) as i32, (1 - hi_max) as i32),
-            ((lo_max - 1) as i32, (1 - hi_max) as i32),
+            (lo_max as i32, hi_max as i32),
+            (-lo_max as i32, -hi_max as i32),
+            (lo_max as i32, -hi_max as i32),
+            (-lo_max as i32, hi_max as i32),
             (-1, 0),
             (1, -1),
+            (0xffff, 0),
+            (-0x10000, 1),
             // Ties: 2^25 + 2 and 2^25 + 6 (a half unit of the last place) round to even.
             ((1 << 25) + 2, 0),
             ((1 << 25) + 6, 0),
             ((1 << 25) - 6, 1 << 9),
             // 2^26 + 8 once; rounding `lo` first (to 2^25 + 4) gives 2^26 + 4, then 2^26.
             ((1 << 25) + 5, 1 << 9),
+            // Beyond 4-bit sums (int8 only): 2^29 + 49 rounds once, to 2^29 + 64.
+            ((1 << 29) + 49, 0),
         ];
         for _ in 0..100_000 {
-            let lo = rng.below(2 * lo_max as u64 - 1) as i64 - (lo_max - 1);
-            // Half with small `hi`, where `lo`'s low bits still count in the sum.
-            let span = if rng.below(2) == 0 { 64 } else { hi_max };
-            let hi = rng.below(2 * span as u64 - 1) as i64 - (span - 1);
+            let lo = rng.below(2 * lo_max as u64 + 1) as i64 - lo_max;
+            // Part with small `hi`, where `lo`'s low bits still count in the sum.
+            let span = [64, 1 << 18, hi_max][rng.below(3) as usize];
+            let hi = rng.below(2 * span as u64 + 1) as i64 - span;
             pairs.push((lo as i32, hi as i32));
         }
-        for chunk in pairs.chunks(8) {
-            let (mut lo, mut hi) = ([0i32; 8], [0i32; 8]);
+        let avx512 = std::arch::is_x86_feature_detected!("avx512f");
+        for chunk in pairs.chunks(16) {
+            let (mut lo, mut hi) = ([0i32; 16], [0i32; 16]);
             for (j, &(l, h)) in chunk.iter().enumerate() {
                 (lo[j], hi[j]) = (l, h);
             }
-            let mut got = [0f32; 8];
-            // SAFETY: AVX2 and FMA (asserted above); the arrays hold 8 values each.
+            let mut got = [0f32; 16];
+            // SAFETY: AVX2 and FMA (asserted above); the arrays hold 16 values each.
             unsafe {
-                let v = x86::exact_f32(
-                    _mm256_loadu_si256(lo.as_ptr().cast()),
-                    _mm256_loadu_si256(hi.as_ptr().cast()),
-                );
-                _mm256_storeu_ps(got.as_mut_ptr(), v);
+                for h in 0..2 {
+                    let v = x86::exact_f32(
+                        _mm256_loadu_si256(lo[8 * h..].as_ptr().cast()),
+                        _mm256_loadu_si256(hi[8 * h..].as_ptr().cast()),
+                    );
+                    _mm256_storeu_ps(got[8 * h..].as_mut_ptr(), v);
+                }
             }
-            for j in 0..8 {
+            let mut wide = got;
+            if avx512 {
+                // SAFETY: AVX-512F (detected); the arrays hold 16 values each.
+                unsafe {
+                    let v = x86::exact_f32_x16(
+                        _mm512_loadu_si512(lo.as_ptr().cast()),
+                        _mm512_loadu_si512(hi.as_ptr().cast()),
+                    );
+                    _mm512_storeu_ps(wide.as_mut_ptr(), v);
+                }
+            }
+            for j in 0..16 {
                 let want = f64::from(hi[j]).mul_add(65536.0, f64::from(lo[j])) as f32;
-                assert_eq!(
-                    got[j].to_bits(),
-                    want.to_bits(),
-                    "lo {} hi {}",
-                    lo[j],
-                    hi[j]
-                );
+                let at = format!("lo {} hi {}", lo[j], hi[j]);
+                assert_eq!(got[j].to_bits(), want.to_bits(), "AVX2, {at}");
+                assert_eq!(wide[j].to_bits(), want.to_bits(), "AVX-512, {at}");
             }
         }
     }
