@@ -29,19 +29,22 @@ TOOLS=$EMU/tools
 for f in "$BOCHS" "$KERNEL" "$TOOLS/usr/bin/genisoimage" "$TOOLS/usr/lib/ISOLINUX/isolinux.bin"; do
   [ -e "$f" ] || { echo "missing $f: run make check-amx-emulated first" >&2; exit 2; }
 done
-CPIO=$(find "$TOOLS" -name cpio -type f -perm -u+x | head -1)
-# A static busybox for the guest's /init, fetched once as the other tools were.
-BUSYBOX=$TOOLS/bin/busybox
-if [ ! -x "$BUSYBOX" ]; then
-  (mkdir -p "$EMU/debs" && cd "$EMU/debs" && apt-get download -q busybox-static > /dev/null 2>&1) ||
-    { echo "apt-get download busybox-static failed" >&2; exit 2; }
-  dpkg-deb -x "$EMU"/debs/busybox-static_*.deb "$TOOLS"
-fi
-
 [ $# -ge 1 ] || { echo "usage: $0 BINARY [ARGS...]" >&2; exit 2; }
 BIN=$(readlink -f "$1"); shift
 [ -x "$BIN" ] || { echo "not executable: $BIN" >&2; exit 2; }
-[ -n "$KERNEL" ] || { echo "no kernel (apt-get download linux-image-6.12.*+deb12-amd64; dpkg-deb -x ... $HERE/k612)" >&2; exit 2; }
+CPIO=$(find "$TOOLS" -name cpio -type f -perm -u+x | head -1)
+[ -n "$CPIO" ] || { echo "no cpio under $TOOLS: run make check-amx-emulated first" >&2; exit 2; }
+# A static busybox for the guest's /init, fetched once as the other tools were.
+find_busybox() { find "$TOOLS" -name busybox -type f -perm -u+x | head -1; }
+BUSYBOX=$(find_busybox)
+if [ -z "$BUSYBOX" ]; then
+  rm -rf "$EMU/debs-busybox" && mkdir -p "$EMU/debs-busybox"
+  (cd "$EMU/debs-busybox" && apt-get download -q busybox-static > /dev/null 2>&1) &&
+    dpkg-deb -x "$EMU"/debs-busybox/busybox-static_*.deb "$TOOLS" ||
+    { echo "cannot fetch busybox-static (apt-get download, dpkg-deb -x)" >&2; exit 2; }
+  BUSYBOX=$(find_busybox)
+  [ -n "$BUSYBOX" ] || { echo "busybox-static holds no busybox binary" >&2; exit 2; }
+fi
 log() { [ "${BOCHS_QUIET:-0}" = 1 ] || echo "[run.sh $(date +%T)] $*" >&2; }
 
 mkdir -p "$HERE/runs"
@@ -49,14 +52,15 @@ W=$(mktemp -d "$HERE/runs/run.XXXXXX")
 killbochs() { local i; kill "$1" 2>/dev/null; for i in 1 2 3 4 5; do sleep 1; kill -0 "$1" 2>/dev/null || return 0; kill "$1" 2>/dev/null; done; kill -9 "$1" 2>/dev/null; }
 cleanup() { [ -n "${BPID:-}" ] && killbochs "$BPID"; [ "${BOCHS_KEEP:-0}" = 1 ] || rm -rf "$W"; }
 trap cleanup EXIT
-trap 'exit 130' INT TERM
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 # ---------- initramfs ----------
 R=$W/root
 mkdir -p "$R"/{bin,sbin,proc,sys,dev,tmp,work,etc,root}
-cp "$BUSYBOX" "$R/bin/busybox"
+cp "$BUSYBOX" "$R/bin/busybox" || exit 3
 BNAME=$(basename "$BIN")
-if [ "${BOCHS_STRIP:-0}" = 1 ]; then strip --strip-debug -o "$R/work/$BNAME" "$BIN"; else cp "$BIN" "$R/work/$BNAME"; fi
+if [ "${BOCHS_STRIP:-0}" = 1 ]; then strip --strip-debug -o "$R/work/$BNAME" "$BIN"; else cp "$BIN" "$R/work/$BNAME"; fi || exit 3
 # extra files (BOCHS_EXTRA="f1 f2 ...") go to /work next to BINARY
 for f in ${BOCHS_EXTRA:-}; do cp "$f" "$R/work/"; done
 # shared libraries (and the dynamic loader at its absolute path)
@@ -85,7 +89,7 @@ echo "BOCHS-GUEST: MemTotal \$(grep MemTotal /proc/meminfo | tr -s ' ' | cut -d'
 echo "BOCHS-BINARY-START"
 cd /work
 T0=\$(cut -d' ' -f1 /proc/uptime)
-/work/$BNAME$QARGS
+'/work/$BNAME'$QARGS
 rc=\$?
 T1=\$(cut -d' ' -f1 /proc/uptime)
 echo "BOCHS-GUEST: binary ran from uptime \${T0}s to \${T1}s (guest clock)"
@@ -154,7 +158,7 @@ while kill -0 "$BPID" 2>/dev/null; do
 done
 wait "$BPID" 2>/dev/null; BPID=""
 END=$(date +%s)
-log "bochs finished after $((END-START))s ${REASON:+($REASON)}; boot ${BOOTED:-?}s, binary $([ -n "$BOOTED" ] && echo $((END-START-BOOTED)) || echo ?)s (wall, incl. power-off)"
+log "bochs finished after $((END-START))s ${REASON:+($REASON)}; boot ${BOOTED:-?}s, binary $([ -n "$BOOTED" ] && echo $((END-START-BOOTED)) || echo "?")s (wall, incl. power-off)"
 grep -a -E 'ips =|IPS' "$W/bochs.log" 2>/dev/null | tail -1 | sed 's/^/[bochs] /' >&2
 
 tr -d '\r' < "$W/serial.log" > "$W/serial.txt" 2>/dev/null

@@ -11,8 +11,9 @@
 //! file unlocked behind it: the next repack takes it over and removes it.
 //!
 //! Best effort where locking is impossible (a file system without `flock`, a directory that
-//! cannot be written, a symlink planted at the name): the repack goes on unlocked, as before,
-//! and the staging directory's own checks report an unwritable parent.
+//! cannot be written, a symlink planted at the name, a lock file another user's killed repack
+//! left that this user cannot write): the repack goes on unlocked, as before, and the staging
+//! directory's own checks report an unwritable parent.
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io::{Read, Write};
@@ -57,7 +58,7 @@ pub(super) struct OutDirLock {
 /// module docs), `Err` where another process (or another open of this one) holds it.
 pub(super) fn acquire(path: &Path) -> Result<Option<OutDirLock>, Busy> {
     for _ in 0..ATTEMPTS {
-        let Ok(mut file) = open(path) else {
+        let Ok((mut file, created)) = open(path) else {
             return Ok(None);
         };
         match file.try_lock() {
@@ -67,7 +68,13 @@ pub(super) fn acquire(path: &Path) -> Result<Option<OutDirLock>, Busy> {
                     pid: holder(&mut file),
                 })
             }
-            Err(TryLockError::Error(_)) => return Ok(None),
+            Err(TryLockError::Error(_)) => {
+                // No locking on this file system: leave nothing behind that was not there.
+                if created {
+                    let _ = std::fs::remove_file(path);
+                }
+                return Ok(None);
+            }
         }
         if !names(path, &file) {
             // Its holder removed it between our open and our lock: look again.
@@ -85,16 +92,27 @@ pub(super) fn acquire(path: &Path) -> Result<Option<OutDirLock>, Busy> {
     Err(Busy { pid: None })
 }
 
-fn open(path: &Path) -> std::io::Result<File> {
-    let mut opts = OpenOptions::new();
-    opts.read(true).write(true).create(true).truncate(false);
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        // Never through a symlink: the pid written after locking would land in its target.
-        opts.custom_flags(libc::O_NOFOLLOW);
+/// The lock file, and whether this call created it.
+fn open(path: &Path) -> std::io::Result<(File, bool)> {
+    let with = |create_new: bool| {
+        let mut opts = OpenOptions::new();
+        opts.read(true).write(true);
+        if create_new {
+            opts.create_new(true);
+        }
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::OpenOptionsExt;
+            // Never through a symlink: the pid written after locking would land in its target.
+            opts.custom_flags(libc::O_NOFOLLOW);
+        }
+        opts.open(path)
+    };
+    match with(true) {
+        Ok(f) => Ok((f, true)),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => with(false).map(|f| (f, false)),
+        Err(e) => Err(e),
     }
-    opts.open(path)
 }
 
 /// The pid a holder wrote, if the file holds one.
