@@ -856,16 +856,14 @@ mod x86 {
                 let g = ch.group;
                 // The fp32 path's epilogue of a group's sums `a`: `a -= z * Σx` where the
                 // layer has zero points, then `total + a * s`.
-                let finish = |a: __m512, total: __m512| {
-                    let mut a = a;
-                    if let Some(z) = t.zp {
-                        let zs = &z[g * BLOCK..(g + 1) * BLOCK];
-                        // SAFETY: zs holds 16 values (the slice above is bounds-checked).
+                let finish = |mut a: __m512, total: __m512| {
+                    let (ss, zs) = group_scales(&t, g);
+                    if let Some(zs) = zs {
+                        // SAFETY: zs holds 16 values (`group_scales` slices them, bounds-checked).
                         let zv = unsafe { _mm512_loadu_ps(zs.as_ptr()) };
                         a = _mm512_fnmadd_ps(zv, _mm512_set1_ps(x.sums[r * groups + g]), a);
                     }
-                    let ss = &t.scale[g * BLOCK..(g + 1) * BLOCK];
-                    // SAFETY: ss holds 16 values (the slice above is bounds-checked).
+                    // SAFETY: ss holds 16 values (as zs).
                     let s = unsafe { _mm512_loadu_ps(ss.as_ptr()) };
                     _mm512_fmadd_ps(a, s, total)
                 };
