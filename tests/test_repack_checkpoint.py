@@ -208,6 +208,36 @@ def test_a_repack_elsewhere_to_the_same_out_dir_is_refused(
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
+def test_the_lock_is_taken_before_out_dir_is_looked_at(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Whether OUT_DIR exists is decided under the lock: a repack that committed between an
+    earlier look and the lock made this one do all its work before failing at its own commit
+    ("appeared while the repack ran"). With the lock held elsewhere and OUT_DIR present, the
+    refusal names the other repack, not the OUT_DIR it is about to replace."""
+    import fcntl
+
+    src = fixture_path("qwen3_w8a16_g128")
+    out = tmp_path / "out"
+    out.mkdir()
+    lock = tmp_path / ".out.moeq-lock"
+    with lock.open("w") as held:
+        held.write("4242\n")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX)
+        for force in ([], ["--force"]):
+            r = cli("repack", str(src), str(out), "--target", "cpu", *force)
+            assert r.returncode == 1
+            assert "another repack (process 4242) is writing it" in r.stderr, r.stderr
+            assert "already exists" not in r.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == [lock.name, "out"]
+        assert list(out.iterdir()) == []
+    r = cli("repack", str(src), str(out), "--target", "cpu")
+    assert r.returncode == 1
+    assert f"moeq: error: {out}: already exists" in r.stderr, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_the_lock_is_held_while_the_repack_writes(
     fixture_path: Callable[[str], Path], tmp_path: Path
 ) -> None:

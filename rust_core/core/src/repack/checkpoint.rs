@@ -613,6 +613,15 @@ pub fn repack(
             ),
         ));
     }
+    let tmp_path = staged_path(&parent, &name, TMP);
+    // Held to the end, the commit and the removal of a moved-aside earlier output included.
+    let _claim = StagingClaim::new(&tmp_path, out_dir)?;
+    // And across processes (see `out_lock`): from here on, no other repack writes OUT_DIR.
+    // Taken before OUT_DIR is looked at, so that what the checks below see (whether it exists,
+    // what --force would replace) cannot be changed by a repack that commits while this one
+    // plans: that change would only show at this one's commit, after all its work.
+    let _lock = super::out_lock::acquire(&super::out_lock::lock_path(&parent, &name))
+        .map_err(|busy| output_error(out_dir, busy.to_string()))?;
     // The directory entry OUT_DIR names, which the checks look at and the commit replaces:
     // `out/.` would rename `.` (EBUSY), and `link/` follows a symlink that `link` replaces.
     let entry = parent.join(out_dir.file_name().unwrap_or_default());
@@ -739,12 +748,6 @@ pub fn repack(
     // the progress never reached its total).
     let bytes_total: u64 = plan.slots.values().map(|s| s.nbytes).sum();
 
-    let tmp_path = staged_path(&parent, &name, TMP);
-    // Held to the end, the commit and the removal of a moved-aside earlier output included.
-    let _claim = StagingClaim::new(&tmp_path, out_dir)?;
-    // And across processes (see `out_lock`): from here on, nothing else writes OUT_DIR.
-    let _lock = super::out_lock::acquire(&super::out_lock::lock_path(&parent, &name))
-        .map_err(|busy| output_error(out_dir, busy.to_string()))?;
     remove_abandoned(&parent, &name, &source_paths(ckpt));
     if tmp_path.exists() {
         std::fs::remove_dir_all(&tmp_path).map_err(|e| io(&tmp_path, e))?;
