@@ -12,7 +12,7 @@ BASE_DEPS := "numpy>=1.24" "torch>=2.5" "safetensors>=0.4" "maturin>=1.9.4,<2" "
 TEST_DEPS := "compressed-tensors==0.20.1" "transformers==5.24.0" "ruff>=0.6" "mypy==2.4.1"
 DEMO_MODEL := examples/tiny-moe-int4-int8
 
-.PHONY: demo test test-python build venv rust-checks py-checks fuzz bench bench-vllm clean check-aarch64 check-amx-emulated check-marlin-vllm
+.PHONY: demo test test-python build venv rust-checks py-checks fuzz bench bench-vllm clean check-aarch64 check-amx-emulated check-avx512-emulated check-marlin-vllm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -74,6 +74,13 @@ check-aarch64:
 # Our AMX tiles on an emulated Sapphire Rapids (Bochs + Linux; ~6 minutes, downloads from Debian).
 check-amx-emulated:
 	scripts/amx_emulated.sh
+
+# The core crate's unit tests on an emulated Tiger Lake (AVX-512F/BW/VL/VNNI/VBMI), for the
+# AVX-512 kernels on machines without them (~5 minutes; builds check-amx-emulated's Bochs first
+# when it is missing). Not part of `make test`. FILTER=name runs only the tests matching it.
+FILTER ?=
+check-avx512-emulated:
+	scripts/avx512_emu/unit_tests.sh $(FILTER)
 
 # Fuzz the header and config parsers (needs cargo-fuzz; FUZZ_SECONDS per target).
 FUZZ_SECONDS ?= 60
