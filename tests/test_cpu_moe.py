@@ -3633,6 +3633,65 @@ def test_dispatch_modes_see_the_op_and_make_fx_records_it() -> None:
     )
 
 
+def test_plain_eager_fused_moe_skips_the_op_and_others_take_it() -> None:
+    """``fused_moe`` always ran as ``torch.ops.moeq.fused_moe``, and torch runs a custom op's
+    kernel inside ``torch._disable_dynamo``, which imports ``torch._dynamo`` on a process's
+    first call: ~1.5 s before the first result. Plain eager calls now run what the op runs,
+    directly; modes, ``make_fx``, inputs that need gradients and meta tensors still take it."""
+    script = """
+import sys, torch, moeq_rs as mq
+torch.manual_seed(0)
+w13 = torch.randint(-127, 128, (4, 64, 64), dtype=torch.int8)
+w2 = torch.randint(-127, 128, (4, 64, 32), dtype=torch.int8)
+s13, s2 = torch.rand(4, 64, 1) / 1e3, torch.rand(4, 64, 1) / 1e3
+x, w, ids = torch.randn(3, 64), torch.rand(3, 2), torch.randint(0, 4, (3, 2))
+y = mq.fused_moe(x, w13, w2, s13, s2, w, ids, scheme="w8a8_static", a13_scale=0.02, a2_scale=0.5)
+assert y.shape == (3, 64) and bool(y.isfinite().all()) and bool(y.ne(0).any())
+print("dynamo" in " ".join(m for m in sys.modules if m.startswith("torch._dynamo")))
+"""
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "False", ran.stdout
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    w13, w2, s13, s2 = _small_w8a16()
+    x, w, ids = torch.randn(3, 64), torch.rand(3, 2), torch.randint(0, 4, (3, 2))
+
+    def call(a: torch.Tensor) -> torch.Tensor:
+        return mq.fused_moe(a, w13, w2, s13, s2, w, ids, scheme="w8a16")
+
+    want = call(x)
+    assert torch.equal(
+        want,
+        mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a16", top_k=2).forward_topk(x, w, ids),
+    )
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as seen:
+        assert torch.equal(call(x), want)
+    assert "moeq.fused_moe.default" in seen.ops
+    graph = make_fx(call)(x)
+    assert "moeq.fused_moe" in str(graph.graph)
+    x2 = torch.randn(3, 64)
+    assert torch.equal(graph(x2), call(x2))
+    out = call(x.clone().requires_grad_())
+    assert out.requires_grad and torch.equal(out.detach(), want)
+    with pytest.raises(NotImplementedError, match="inference-only"):
+        out.sum().backward()
+    meta = mq.fused_moe(*(t.to("meta") for t in (x, w13, w2, s13, s2, w, ids)), scheme="w8a16")
+    assert meta.is_meta and meta.shape == (3, 64)
+
+
 def test_empty_outputs_of_different_dtypes_save_together() -> None:
     """A T=0 output's buffer was an empty Vec's placeholder address, the same for every dtype of
     one size: torch took a bf16 and an fp16 empty output for one storage viewed as two dtypes,

@@ -801,8 +801,9 @@ def fused_moe(
 ) -> torch.Tensor:
     """Functional form: the weighted sum of the routed experts for raw tensors (the layer is built
     for this call, on the GPU of CUDA ``hidden_states``; build a :class:`MoELayer` once to reuse
-    it). With torch tensors (and numbers for the static input scales) it runs as
-    ``torch.ops.moeq.fused_moe``, so ``torch.compile`` traces it, also with ``fullgraph=True``."""
+    it). With torch tensors (and numbers for the static input scales) it is
+    ``torch.ops.moeq.fused_moe`` to ``torch.compile`` (also with ``fullgraph=True``), traces and
+    dispatch modes; plain eager calls run the op's implementation directly."""
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
         raise LayoutError(
             "topk_ids: expected a [tokens, top_k] integer tensor, got "
@@ -830,6 +831,16 @@ def fused_moe(
         and type(group_size) is int
         and abs(group_size) <= I64_MAX
     ):
+        tensors = (*required, topk_ids, *(v for v in optional if v is not None))
+        if _eager(*tensors) and not any(t.is_meta for t in tensors):
+            # Plain eager: what the op runs, without it. torch.library runs a custom op's
+            # kernel inside torch._disable_dynamo, which imports torch._dynamo on a process's
+            # first call: ~1.5 s before the first result. Meta tensors (shapes only), graphs,
+            # traces, modes, tensor subclasses and inputs that need gradients take the op.
+            return _fused_moe_eager(
+                hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, scheme,
+                group_size, *optional,
+            )  # fmt: skip
         if not _is_compiling():
             _refuse_transforms(*required, topk_ids, *optional)
         return torch.ops.moeq.fused_moe(
