@@ -3690,6 +3690,14 @@ print("dynamo" in " ".join(m for m in sys.modules if m.startswith("torch._dynamo
         out.sum().backward()
     meta = mq.fused_moe(*(t.to("meta") for t in (x, w13, w2, s13, s2, w, ids)), scheme="w8a16")
     assert meta.is_meta and meta.shape == (3, 64)
+    # torch.func transforms and dual tensors are refused by name, as before, on either path.
+    for transformed, match in [
+        (lambda: torch.func.vmap(call)(x[None]), "torch.func transforms"),
+        (lambda: torch.func.grad(lambda a: call(a).sum())(x), "torch.func transforms"),
+        (lambda: torch.func.jvp(call, (x,), (torch.ones_like(x),)), "forward-mode"),
+    ]:
+        with pytest.raises(NotImplementedError, match=match):
+            transformed()
 
 
 def test_empty_outputs_of_different_dtypes_save_together() -> None:
