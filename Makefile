@@ -78,7 +78,7 @@ check-amx-emulated:
 # The core crate's unit tests on an emulated Tiger Lake (AVX-512F/BW/VL/VNNI/VBMI), for the
 # AVX-512 kernels on machines without them (~5 minutes; builds check-amx-emulated's Bochs first
 # when it is missing). Not part of `make test`. FILTER=name runs only the tests matching it.
-FILTER ?=
+FILTER =
 check-avx512-emulated:
 	scripts/avx512_emu/unit_tests.sh $(FILTER)
 

@@ -3647,7 +3647,15 @@ s13, s2 = torch.rand(4, 64, 1) / 1e3, torch.rand(4, 64, 1) / 1e3
 x, w, ids = torch.randn(3, 64), torch.rand(3, 2), torch.randint(0, 4, (3, 2))
 y = mq.fused_moe(x, w13, w2, s13, s2, w, ids, scheme="w8a8_static", a13_scale=0.02, a2_scale=0.5)
 assert y.shape == (3, 64) and bool(y.isfinite().all()) and bool(y.ne(0).any())
-print("dynamo" in " ".join(m for m in sys.modules if m.startswith("torch._dynamo")))
+# Weights as a model holds them: nn.Parameters, under no_grad.
+P = torch.nn.Parameter
+with torch.no_grad():
+    z = mq.fused_moe(
+        x, P(w13, requires_grad=False), P(w2, requires_grad=False), P(s13), P(s2), w, ids,
+        scheme="w8a8_static", a13_scale=0.02, a2_scale=0.5,
+    )
+assert torch.equal(z, y)
+print(any(m.startswith("torch._dynamo") for m in sys.modules))
 """
     ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert ran.returncode == 0, ran.stderr
@@ -3690,9 +3698,19 @@ print("dynamo" in " ".join(m for m in sys.modules if m.startswith("torch._dynamo
         out.sum().backward()
     meta = mq.fused_moe(*(t.to("meta") for t in (x, w13, w2, s13, s2, w, ids)), scheme="w8a16")
     assert meta.is_meta and meta.shape == (3, 64)
-    # torch.func transforms and dual tensors are refused by name, as before, on either path.
+    # Parameters that need gradients (grad mode on) take the op, whose backward refuses.
+    out = mq.fused_moe(x, w13, w2, torch.nn.Parameter(s13), s2, w, ids, scheme="w8a16")
+    assert out.requires_grad and torch.equal(out.detach(), want)
+    # torch.func transforms and dual tensors are refused by name, as before, on either path,
+    # whichever argument is transformed.
     for transformed, match in [
         (lambda: torch.func.vmap(call)(x[None]), "torch.func transforms"),
+        (
+            lambda: torch.func.vmap(
+                lambda v: mq.fused_moe(x, v, w2, s13, s2, w, ids, scheme="w8a16")
+            )(w13[None]),
+            "torch.func transforms",
+        ),
         (lambda: torch.func.grad(lambda a: call(a).sum())(x), "torch.func transforms"),
         (lambda: torch.func.jvp(call, (x,), (torch.ones_like(x),)), "forward-mode"),
     ]:

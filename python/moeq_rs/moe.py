@@ -125,6 +125,7 @@ def _function_modes() -> bool:
 
 
 _Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
 _forward_ad = torch.autograd.forward_ad
 
 
@@ -832,17 +833,22 @@ def fused_moe(
         and abs(group_size) <= I64_MAX
     ):
         tensors = (*required, topk_ids, *(v for v in optional if v is not None))
-        if _eager(*tensors) and not any(t.is_meta for t in tensors):
+        if not _is_compiling():
+            _refuse_transforms(*tensors)
+        if (
+            # Weights held as nn.Parameters, as a model holds them, count as plain tensors.
+            _eager(*(t.detach() if type(t) is _Parameter else t for t in tensors))
+            and not _wants_grad(*tensors)
+            and not any(t.is_meta for t in tensors)
+        ):
             # Plain eager: what the op runs, without it. torch.library runs a custom op's
             # kernel inside torch._disable_dynamo, which imports torch._dynamo on a process's
             # first call: ~1.5 s before the first result. Meta tensors (shapes only), graphs,
-            # traces, modes, tensor subclasses and inputs that need gradients take the op.
+            # traces, modes, other tensor subclasses and inputs that need gradients take the op.
             return _fused_moe_eager(
                 hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, scheme,
                 group_size, *optional,
             )  # fmt: skip
-        if not _is_compiling():
-            _refuse_transforms(*required, topk_ids, *optional)
         return torch.ops.moeq.fused_moe(
             hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, scheme,
             group_size, *optional,

@@ -4,7 +4,7 @@
 # is built. Builds it first (scripts/amx_emulated.sh, ~6 minutes, which also runs the AMX
 # check) when it is missing.
 # Usage: unit_tests.sh [FILTER] (as cargo test's: only the tests whose names contain it)
-set -eu
+set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 EMU=${AMX_EMU_DIR:-$ROOT/target/amx-emulated}
 if [ ! -x "$EMU/bochs-3.0/bochs" ] || [ ! -e "$EMU/vmlinuz" ]; then

@@ -613,6 +613,20 @@ pub fn repack(
             ),
         ));
     }
+    if opts.max_shard_size == 0 {
+        return Err(output_error(out_dir, "max shard size must be positive"));
+    }
+    // A copy of a model without MoE layers is not a repacked checkpoint anyone wants, and
+    // once marked as one it could never be repacked again. (A MoE whose layers the layout
+    // leaves in source form, mixed per-expert schemes say, still loads from the output.)
+    if model.moe_layers().is_empty() {
+        return Err(crate::error::UnsupportedSchemeError {
+            subject: ckpt.dir().display().to_string(),
+            reason: "has no MoE layers: there is nothing to repack".into(),
+        }
+        .into());
+    }
+
     let tmp_path = staged_path(&parent, &name, TMP);
     // Held to the end, the commit and the removal of a moved-aside earlier output included.
     let _claim = StagingClaim::new(&tmp_path, out_dir)?;
@@ -670,20 +684,6 @@ pub fn repack(
                 ),
             ));
         }
-    }
-    if opts.max_shard_size == 0 {
-        return Err(output_error(out_dir, "max shard size must be positive"));
-    }
-
-    // A copy of a model without MoE layers is not a repacked checkpoint anyone wants, and
-    // once marked as one it could never be repacked again. (A MoE whose layers the layout
-    // leaves in source form, mixed per-expert schemes say, still loads from the output.)
-    if model.moe_layers().is_empty() {
-        return Err(crate::error::UnsupportedSchemeError {
-            subject: ckpt.dir().display().to_string(),
-            reason: "has no MoE layers: there is nothing to repack".into(),
-        }
-        .into());
     }
 
     // Decide everything before writing anything.
