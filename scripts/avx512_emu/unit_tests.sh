@@ -7,10 +7,15 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 EMU=${AMX_EMU_DIR:-$ROOT/target/amx-emulated}
-if [ ! -x "$EMU/bochs-3.0/bochs" ] || [ ! -e "$EMU/vmlinuz" ]; then
-  echo "[unit_tests.sh] no emulator in $EMU yet: building it (scripts/amx_emulated.sh)" >&2
-  "$ROOT/scripts/amx_emulated.sh"
-fi
+# What run.sh needs from that build (its own list); any one missing means a partial build.
+for f in "$EMU/bochs-3.0/bochs" "$EMU/vmlinuz" "$EMU/tools/usr/bin/genisoimage" \
+  "$EMU/tools/usr/lib/ISOLINUX/isolinux.bin"; do
+  if [ ! -e "$f" ]; then
+    echo "[unit_tests.sh] no $f yet: building the emulator (scripts/amx_emulated.sh)" >&2
+    "$ROOT/scripts/amx_emulated.sh"
+    break
+  fi
+done
 # The unit-test binary's path, as cargo reports it (its name carries a hash).
 BIN=$(cd "$ROOT" && cargo test --release --locked -p moeq-core --lib --no-run \
   --message-format=json-render-diagnostics |
