@@ -1245,6 +1245,38 @@ def _with_config(
     return _edited_copy(src, dst, tensors, change)
 
 
+def test_layers_a_qwen_config_makes_the_other_kind_are_said(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """transformers and vLLM build a Qwen-MoE layer from config.json (``mlp_only_layers``,
+    ``decoder_sparse_step``, ``num_experts``), moeq from the tensors: where they disagree, the
+    others fail to load or run weights the checkpoint lacks, so the summary and `moeq inspect`
+    say so; moeq still loads what the tensors hold."""
+    src = fixture_path("qwen3_w8a16_g128")
+    assert mq.open(src).summary()["config_layer_mismatch"] == []
+    assert "warning:" not in _inspect(src)
+
+    only = _with_config(src, tmp_path / "only", mlp_only_layers=[1])
+    [m] = mq.open(only).summary()["config_layer_mismatch"]
+    assert (m["layer"], m["config"], m["tensors"]) == (1, "dense", "moe")
+    assert "mlp_only_layers lists it" in m["reason"] and "vLLM refuses" in m["reason"]
+    assert f"warning: layer 1: {m['reason']}" in _inspect(only)
+    mq.MoELayer.from_checkpoint(only, 1)  # said, not refused
+
+    step = _with_config(src, tmp_path / "step", decoder_sparse_step=2)
+    [m] = mq.open(step).summary()["config_layer_mismatch"]
+    assert (m["layer"], m["config"]) == (0, "dense")
+    assert "decoder_sparse_step is 2, and 1 is not a multiple of it" in m["reason"]
+
+    # A dense layer where a Qwen3-MoE config (every layer MoE by default) makes a MoE block.
+    tiny = Path(__file__).resolve().parents[1] / "examples" / "tiny-moe-int4-int8"
+    assert mq.open(tiny).summary()["config_layer_mismatch"] == []  # not a Qwen family
+    qwen = _with_config(tiny, tmp_path / "qwen", model_type="qwen3_moe")
+    [m] = mq.open(qwen).summary()["config_layer_mismatch"]
+    assert (m["layer"], m["config"], m["tensors"]) == (0, "moe", "dense")
+    assert "whose weights the checkpoint lacks" in m["reason"]
+
+
 @pytest.mark.parametrize(
     "model_type,top_k,renormalize",
     [

@@ -205,6 +205,8 @@ def _print_table(summary: dict[str, Any], compat: bool) -> None:
         if compat:
             for note in layer["vllm"]["notes"]:
                 print(f"layer {layer['layer']}: vLLM: {note}")
+    for m in summary.get("config_layer_mismatch", []):
+        print(f"warning: layer {m['layer']}: {m['reason']}")
     if compat and summary["vllm_regressions"]:
         print("known vLLM regressions that concern this checkpoint:")
         for reg in summary["vllm_regressions"]:

@@ -32,6 +32,8 @@ pub struct Model {
     modules: Vec<ModuleInfo>,
     moe_layers: Vec<MoeLayer>,
     dense_layers: Vec<usize>,
+    /// Layers a Qwen-MoE family's config makes the other kind (see [`moe::sparse_layers`]).
+    config_mismatch: Vec<moe::sparse_layers::Mismatch>,
     /// MoE blocks outside the model's stack of layers (its multi-token-prediction layers, a
     /// talker beside a thinker), by prefix: listed, not loaded.
     set_aside_moe: Vec<String>,
@@ -499,6 +501,9 @@ impl Model {
         let routing = Routing::from_config(&config_file, config, any_bias)?;
         let hidden_act = moe::hidden_act(&config_file, config)?;
         let unsupported_parts = moe::unsupported_parts(&ckpt, &names);
+        let found: Vec<usize> = moe_layers.iter().map(|l| l.layer).collect();
+        let config_mismatch =
+            moe::sparse_layers::mismatches(config, &found, &discovery.dense_layers);
         Ok(Model {
             hidden_act,
             layout,
@@ -507,6 +512,7 @@ impl Model {
             modules,
             moe_layers,
             dense_layers: discovery.dense_layers,
+            config_mismatch,
             set_aside_moe: discovery.set_aside,
             routing,
             unsupported_parts,
@@ -1028,6 +1034,12 @@ impl Model {
             "layout": self.layout.as_ref().map_or("compressed-tensors", |l| l.layout.as_str()),
             "routing": routing_json(&self.routing),
             "dense_layers": self.dense_layers,
+            "config_layer_mismatch": self.config_mismatch.iter().map(|m| json!({
+                "layer": m.layer,
+                "config": if m.config_moe { "moe" } else { "dense" },
+                "tensors": if m.config_moe { "dense" } else { "moe" },
+                "reason": m.reason,
+            })).collect::<Vec<_>>(),
             "set_aside_moe": self.set_aside_moe,
             "platform": {"name": platform.name(), "sm": sm, "cpu_features": features},
             "tp_size": opts.tp_size,

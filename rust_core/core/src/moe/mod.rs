@@ -13,6 +13,8 @@ use crate::error::{module_error, Result, UnsupportedSchemeError};
 use crate::scheme::json::Field;
 use crate::scheme::module::ModuleInfo;
 
+pub mod sparse_layers;
+
 /// The role of an expert projection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum ProjRole {
