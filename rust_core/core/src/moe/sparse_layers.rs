@@ -128,7 +128,7 @@ pub fn mismatches(config: &Value, moe_layers: &[usize], dense_layers: &[usize]) 
                 reason: format!(
                     "config.json makes it a dense MLP ({why}), but its tensors hold experts: \
                      transformers and vLLM build a dense MLP there (vLLM refuses the expert \
-                     weights; transformers leaves them unused and the MLP's weights unset)"
+                     weights; transformers leaves them unused and the MLP's weights uninitialised)"
                 ),
             });
         }
