@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from marlin_ref import ct_unpack_rows, ct_unpack_zero_points
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import moeq_rs as mq
 
@@ -3628,12 +3629,23 @@ def test_plain_eager_calls_skip_the_python_checks_and_others_do_not(
         layer(fwad.make_dual(x, torch.ones_like(x)), logits)
 
 
+class _SeenOps(TorchDispatchMode):
+    """A dispatch mode that records the name of every op it sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def test_dispatch_modes_see_the_op_and_make_fx_records_it() -> None:
     """Under a TorchDispatchMode the eager native call bypassed the mode: ``make_fx`` in real
     mode baked the output in as a constant (a graph that replayed one input's result for every
     input) and modes such as FLOP counters never saw the layer. Such calls take the op."""
     from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     w13, w2, s13, s2 = _small_w8a16()
     layer = mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a16", top_k=2)
@@ -3646,16 +3658,7 @@ def test_dispatch_modes_see_the_op_and_make_fx_records_it() -> None:
     graph = make_fx(lambda a, b, c: layer.forward_topk(a, b, c))(x, w, ids)
     assert torch.equal(graph(x2, w, ids), layer.forward_topk(x2, w, ids))
 
-    class Seen(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    with Seen() as seen:
+    with _SeenOps() as seen:
         out = layer(x, logits)
         out_topk = layer.forward_topk(x, w, ids)
     assert "moeq.moe_forward.default" in seen.ops
@@ -3694,7 +3697,6 @@ print(any(m.startswith("torch._dynamo") for m in sys.modules))
     assert ran.stdout.strip() == "False", ran.stdout
 
     from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     w13, w2, s13, s2 = _small_w8a16()
     x, w, ids = torch.randn(3, 64), torch.rand(3, 2), torch.randint(0, 4, (3, 2))
@@ -3708,16 +3710,7 @@ print(any(m.startswith("torch._dynamo") for m in sys.modules))
         mq.MoELayer.from_tensors(w13, w2, s13, s2, scheme="w8a16", top_k=2).forward_topk(x, w, ids),
     )
 
-    class Seen(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    with Seen() as seen:
+    with _SeenOps() as seen:
         assert torch.equal(call(x), want)
     assert "moeq.fused_moe.default" in seen.ops
     graph = make_fx(call)(x)

@@ -32,8 +32,6 @@ pub struct Model {
     modules: Vec<ModuleInfo>,
     moe_layers: Vec<MoeLayer>,
     dense_layers: Vec<usize>,
-    /// Layers a Qwen-MoE family's config makes the other kind (see [`moe::sparse_layers`]).
-    config_mismatch: Vec<moe::sparse_layers::Mismatch>,
     /// MoE blocks outside the model's stack of layers (its multi-token-prediction layers, a
     /// talker beside a thinker), by prefix: listed, not loaded.
     set_aside_moe: Vec<String>,
@@ -501,9 +499,6 @@ impl Model {
         let routing = Routing::from_config(&config_file, config, any_bias)?;
         let hidden_act = moe::hidden_act(&config_file, config)?;
         let unsupported_parts = moe::unsupported_parts(&ckpt, &names);
-        let found: Vec<usize> = moe_layers.iter().map(|l| l.layer).collect();
-        let config_mismatch =
-            moe::sparse_layers::mismatches(config, &found, &discovery.dense_layers);
         Ok(Model {
             hidden_act,
             layout,
@@ -512,7 +507,6 @@ impl Model {
             modules,
             moe_layers,
             dense_layers: discovery.dense_layers,
-            config_mismatch,
             set_aside_moe: discovery.set_aside,
             routing,
             unsupported_parts,
@@ -1023,6 +1017,10 @@ impl Model {
             Platform::Cuda { sm } => (Some(sm), None),
             Platform::Cpu(f) => (None, Some(f.names())),
         };
+        // Layers a Qwen-MoE family's config makes the other kind (see [`moe::sparse_layers`]).
+        let found: Vec<usize> = self.moe_layers.iter().map(|l| l.layer).collect();
+        let config_mismatch =
+            moe::sparse_layers::mismatches(self.ckpt.config(), &found, &self.dense_layers);
         let mut doc = json!({
             "model_dir": self.ckpt.dir().display().to_string(),
             "quant_method": self.quant.as_ref().map(|q| q.quant_method.clone()),
@@ -1034,7 +1032,7 @@ impl Model {
             "layout": self.layout.as_ref().map_or("compressed-tensors", |l| l.layout.as_str()),
             "routing": routing_json(&self.routing),
             "dense_layers": self.dense_layers,
-            "config_layer_mismatch": self.config_mismatch.iter().map(|m| json!({
+            "config_layer_mismatch": config_mismatch.iter().map(|m| json!({
                 "layer": m.layer,
                 "config": if m.config_moe { "moe" } else { "dense" },
                 "tensors": if m.config_moe { "dense" } else { "moe" },

@@ -11,17 +11,16 @@
 
 use serde_json::Value;
 
-use super::cfg_at;
+use super::{cfg_at, nested, TEXT_CONFIGS};
 
 /// The families whose decoder layers follow these keys, by any `model_type` their
 /// `config.json` carries (the top level's or a wrapper's language-model config's).
-const FAMILIES: [&str; 7] = [
+const FAMILIES: [&str; 6] = [
     "qwen2_moe",
     "qwen3_moe",
     "qwen3_vl_moe",
     "qwen3_vl_moe_text",
     "qwen3_omni_moe",
-    "qwen3_omni_moe_thinker",
     "qwen3_omni_moe_text",
 ];
 
@@ -47,24 +46,12 @@ struct Rule {
 
 impl Rule {
     fn read(config: &Value) -> Option<Rule> {
-        let family = |t: Option<&Value>| {
-            t.and_then(Value::as_str)
-                .is_some_and(|t| FAMILIES.contains(&t))
-        };
-        let nested = [
-            "text_config",
-            "thinker_config",
-            "thinker_config.text_config",
-        ]
-        .iter()
-        .any(|p| {
-            family(
-                p.split('.')
-                    .try_fold(config, |v, k| v.get(k))
-                    .and_then(|c| c.get("model_type")),
-            )
-        });
-        if !family(config.get("model_type")) && !nested {
+        // Any `model_type` the config carries: the top level's, or a wrapper's language model's.
+        let family = std::iter::once(Some(config))
+            .chain(TEXT_CONFIGS.iter().map(|p| nested(config, p)))
+            .filter_map(|c| c?.get("model_type")?.as_str())
+            .any(|t| FAMILIES.contains(&t));
+        if !family {
             return None;
         }
         // A key of another type than the config class takes: transformers and vLLM would fail
