@@ -1449,6 +1449,59 @@ def test_routing_the_cpu_cannot_follow_is_refused(
     assert mq.plan(ckpt, "cuda").layer(0)["backend"] is not None
 
 
+def test_biased_groups_of_one_expert_are_refused(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """DeepSeek-V3's router scores a group by the sum of its two best biased scores; with
+    `n_group` equal to the expert count each group holds one expert, where transformers' and
+    vLLM's `topk(2)` fail. The CPU forward scored such a group by its one expert, a router no
+    reference computes; now the layer is refused naming n_group, from the checkpoint and from
+    its CPU repack, and the CPU plan says so. Without a bias (DeepSeek-V2's group-limited
+    routing scores a group by its best expert) groups of one still route."""
+    from moeq_rs.repack import repack_checkpoint
+
+    src = fixture_path("deepseek_v3_w8a8_dynamic")
+    ckpt = mq.open(src)
+    layer = ckpt.moe_layers()[0]["layer"]
+    experts = mq.MoELayer.from_checkpoint(ckpt, layer).num_experts
+    assert ckpt.summary()["routing"]["n_group"] == 2 and experts == 8
+    why = (
+        f"config.json: n_group: {experts} expert groups of the layer's {experts} experts hold one "
+        "expert each, where a router with a score-correction bias scores a group by its two best"
+    )
+    repack_checkpoint(src, tmp_path / "cpu", target="cpu")
+    for name, base in [("ckpt", src), ("repacked", tmp_path / "cpu")]:
+        path = _with_config(base, tmp_path / name, n_group=experts, topk_group=4)
+        grouped = mq.open(path)
+        with pytest.raises(mq.ConfigError, match=re.escape(why)):
+            mq.MoELayer.from_checkpoint(grouped, layer)
+        cpu = mq.plan(grouped, "cpu").layer(layer)
+        assert cpu["backend"] is None and why in cpu["error"]
+        # One expert per group is not refused on its own: the groups of two of the fixture load.
+        assert mq.MoELayer.from_checkpoint(mq.open(base), layer).num_experts == experts
+
+    def drop_bias(tensors: dict) -> None:
+        for k in [k for k in tensors if k.endswith("e_score_correction_bias")]:
+            del tensors[k]
+
+    unbiased = _edited_copy(
+        src,
+        tmp_path / "unbiased",
+        tensors=drop_bias,
+        config=lambda c: c.update(n_group=experts, topk_group=4),
+    )
+    ckpt = mq.open(unbiased)
+    moe = mq.MoELayer.from_checkpoint(ckpt, layer)
+    routing = ckpt.summary()["routing"]
+    assert (routing["n_group"], routing["topk_group"]) == (experts, 4)
+    x, logits = torch.randn(16, moe.hidden_size), torch.randn(16, experts)
+    w, ids = torch_route({}, routing, logits, None)
+    emu = Emulation(ckpt, layer, True)
+    shared = next(x for x in ckpt.moe_layers() if x["layer"] == layer)["shared_experts"]
+    want = emu.topk(x, w, ids) + emu.expert(shared["prefix"], x)
+    assert rel_l2(moe(x, logits), want) <= 2e-3
+
+
 @pytest.mark.parametrize("name", ["qwen3_w8a8_dynamic", "qwen3_w8a8_static"])
 def test_naive_quantized_w8a8_loads_and_repacks_as_int_quantized(
     fixture_path: Callable[[str], Path], tmp_path: Path, name: str

@@ -534,11 +534,13 @@ impl Model {
     }
 
     /// Whether the CPU forward computes what `config.json` describes for a MoE layer of
-    /// `experts` experts: SiLU-gated experts and routing it follows
-    /// ([`crate::moe::Routing::check`]). Otherwise the `config.json` key and the reason.
+    /// `experts` experts, whose router has a score-correction bias when `biased`: SiLU-gated
+    /// experts and routing it follows ([`crate::moe::Routing::check`]). Otherwise the
+    /// `config.json` key and the reason.
     pub fn cpu_layer_check(
         &self,
         experts: usize,
+        biased: bool,
     ) -> std::result::Result<(), (&'static str, String)> {
         if !moe::is_silu(self.hidden_act()) {
             return Err((
@@ -549,7 +551,7 @@ impl Model {
                 ),
             ));
         }
-        self.routing.check(experts)
+        self.routing.check(experts, biased)
     }
     /// The repacked layout, when this checkpoint was written by `moeq repack`.
     pub fn layout(&self) -> Option<&RepackedLayout> {
@@ -674,11 +676,11 @@ impl Model {
     /// A CPU plan whose layer the CPU forward cannot compute as `config.json` describes
     /// ([`Model::cpu_layer_check`]) loses its backend, with the reason in `error` and among
     /// the rejected backends: what `MoELayer.from_checkpoint` would refuse, said up front.
-    fn refuse_unroutable(&self, plan: &mut oracle::LayerPlan, experts: usize) {
+    fn refuse_unroutable(&self, plan: &mut oracle::LayerPlan, experts: usize, biased: bool) {
         if plan.backend != Some(Backend::CpuSimd) && plan.method != oracle::Method::Unquantized {
             return;
         }
-        if let Err((key, reason)) = self.cpu_layer_check(experts) {
+        if let Err((key, reason)) = self.cpu_layer_check(experts, biased) {
             refuse(plan, format!("config.json: {key}: {reason}"));
         }
     }
@@ -819,7 +821,7 @@ impl Model {
                 let input = Self::layer_input(l);
                 let mut plan = oracle::plan_layer(&input, platform, opts);
                 if matches!(platform, Platform::Cpu(_)) {
-                    self.refuse_unroutable(&mut plan, l.experts.len());
+                    self.refuse_unroutable(&mut plan, l.experts.len(), l.correction_bias.is_some());
                     if let Some(e) = self.shared_expert_problem(l) {
                         refuse(&mut plan, e.to_string());
                     }
@@ -944,16 +946,17 @@ impl Model {
                     ],
                 };
                 let mut plan = oracle::plan_layer(&input, platform, opts);
-                if matches!(platform, Platform::Cpu(_)) {
-                    self.refuse_unroutable(&mut plan, experts);
-                }
-                if let Some(why) = self.layout_refusal(layer, platform) {
-                    refuse(&mut plan, why);
-                }
                 let layer_prefix = prefix
                     .strip_suffix(".experts")
                     .unwrap_or(prefix)
                     .to_string();
+                if matches!(platform, Platform::Cpu(_)) {
+                    let biased = moe::find_correction_bias(&self.ckpt, &layer_prefix).is_some();
+                    self.refuse_unroutable(&mut plan, experts, biased);
+                }
+                if let Some(why) = self.layout_refusal(layer, platform) {
+                    refuse(&mut plan, why);
+                }
                 self.refuse_unsupported_part(&mut plan, &layer_prefix);
                 // The stacked static scales, checked as the loader reads them (as
                 // `static_scale_problem` does for a source checkpoint's).

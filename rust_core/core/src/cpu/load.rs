@@ -344,8 +344,9 @@ fn check_layer_config(model: &Model, prefix: &str, experts: usize) -> Result<()>
         return Err(part.error().into());
     }
     let file = model.checkpoint().config_path();
+    let biased = crate::moe::find_correction_bias(model.checkpoint(), prefix).is_some();
     model
-        .cpu_layer_check(experts)
+        .cpu_layer_check(experts, biased)
         .map_err(|(key, reason)| match key {
             "hidden_act" | "scoring_func" | "model_type" | "moe_apply_router_weight_on_input" => {
                 UnsupportedSchemeError {

@@ -700,11 +700,25 @@ impl Routing {
         })
     }
 
+    /// How an error names a value `config.json` left to the model family's default.
+    fn defaulted_note(&self, key: &str) -> String {
+        if self.family_defaults.contains(&key) {
+            format!(" (the model family's default; config.json does not set {key})")
+        } else {
+            String::new()
+        }
+    }
+
     /// What a layer of `experts` experts cannot be routed with, as the `config.json` key and the
     /// reason: a model family with a router of its own, a scoring function no kernel has,
-    /// expert groups that do not divide the experts or that leave fewer than `top_k`
-    /// candidates, a `top_k` out of range.
-    pub fn check(&self, experts: usize) -> std::result::Result<(), (&'static str, String)> {
+    /// expert groups that do not divide the experts, that leave fewer than `top_k` candidates
+    /// or that hold one expert each where the layer's router has a score-correction bias
+    /// (`biased`), a `top_k` out of range.
+    pub fn check(
+        &self,
+        experts: usize,
+        biased: bool,
+    ) -> std::result::Result<(), (&'static str, String)> {
         if let Some(why) = self.unsupported_model {
             return Err(("model_type", why.to_string()));
         }
@@ -759,15 +773,11 @@ impl Routing {
         }
         if let Some(groups) = self.n_group {
             if !experts.is_multiple_of(groups) {
-                let whose = if self.family_defaults.contains(&"n_group") {
-                    " (the model family's default; config.json does not set n_group)"
-                } else {
-                    ""
-                };
                 return Err((
                     "n_group",
                     format!(
-                        "{groups} expert groups{whose} do not divide the layer's {experts} experts"
+                        "{groups} expert groups{whose} do not divide the layer's {experts} experts",
+                        whose = self.defaulted_note("n_group"),
                     ),
                 ));
             }
@@ -775,12 +785,22 @@ impl Routing {
                 "topk_group",
                 format!("missing, and n_group is {groups}: how many groups to keep per token"),
             ))?;
-            let kept = if self.family_defaults.contains(&"topk_group") {
-                " (the model family's default; config.json does not set topk_group)"
-            } else {
-                ""
-            };
+            let kept = self.defaulted_note("topk_group");
             let per = experts / groups;
+            // transformers and vLLM score a biased group by the sum of its two best biased
+            // scores (`topk(2)`), which fails on groups of one: no score to follow.
+            if biased && per < 2 {
+                return Err((
+                    "n_group",
+                    format!(
+                        "{groups} expert groups{whose} of the layer's {experts} experts hold one \
+                         expert each, where a router with a score-correction bias scores a group \
+                         by its two best experts (DeepSeek-V3's grouped top-k, as transformers \
+                         and vLLM compute it)",
+                        whose = self.defaulted_note("n_group"),
+                    ),
+                ));
+            }
             if keep == 0 || keep > groups {
                 return Err((
                     "topk_group",
