@@ -23,6 +23,8 @@ from moeq_rs.oracle import (
 
 # ---- make_int8_moe_quant_config: vLLM's fixed truth table ---------------------------------
 
+SCALE = torch.ones(8)
+
 
 @pytest.mark.parametrize("as_numpy", [False, True])
 def test_int8_quant_config_truth_table(as_numpy: bool) -> None:
@@ -65,6 +67,32 @@ def test_int8_quant_config_mismatched_pair(which: str, flag: bool) -> None:
     with pytest.raises(ValueError, match="a1_scale and a2_scale must both be provided") as e:
         make_int8_moe_quant_config(s, s, per_act_token_quant=flag, **kwargs)
     assert isinstance(e.value, mq.ConfigError)
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,match",
+    [
+        (("x", "y"), {}, "w1_scale: expected a torch tensor or a numpy array, got str"),
+        ((SCALE, None), {}, "w2_scale: expected a torch tensor or a numpy array, got NoneType"),
+        # A stray value must not count as a stored activation scale (vLLM's mode follows from
+        # which scales are given), nor a string as the per-token flag.
+        ((SCALE, SCALE, "", SCALE), {}, "a1_scale: expected .* or None, got str"),
+        ((SCALE, SCALE, SCALE, [1.0]), {}, "a2_scale: expected .* or None, got list"),
+        ((SCALE, SCALE), {"w2_bias": 0.0}, "w2_bias: expected .* or None, got float"),
+        ((SCALE, SCALE), {"per_act_token_quant": "False"}, "per_act_token_quant: expected True"),
+        ((SCALE, SCALE), {"per_act_token_quant": 1}, "per_act_token_quant: expected True"),
+    ],
+)
+def test_int8_quant_config_refuses_what_is_not_a_scale_or_flag(
+    args: tuple, kwargs: dict, match: str
+) -> None:
+    """Before, any value counted: ``"False"`` as the per-token flag made the config dynamic
+    W8A8, and a string where an activation scale goes made it static."""
+    with pytest.raises(mq.LayoutError, match=match):
+        make_int8_moe_quant_config(*args, **kwargs)
+    assert make_int8_moe_quant_config(SCALE, SCALE.numpy(), per_act_token_quant=np.True_).kind == (
+        "int8_w8a8"
+    )
 
 
 def test_int8_quant_config_pair_check_survives_python_O() -> None:

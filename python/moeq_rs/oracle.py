@@ -392,14 +392,41 @@ def make_int8_moe_quant_config(
     ========================  ===================  ===============================
 
     The pair check is a real exception, so it also holds under ``python -O``. Scales may be torch
-    tensors or numpy arrays and are kept as given.
+    tensors or numpy arrays and are kept as given; anything else (a string, a list), or a
+    ``per_act_token_quant`` that is not a bool, is a :class:`moeq_rs.LayoutError` naming the
+    argument: the mode follows from which scales are given, so a stray value must not count as
+    one.
     """
-    kind = _core.int8_moe_quant_kind(
-        a1_scale is not None, a2_scale is not None, bool(per_act_token_quant)
-    )
+    from ._args import flag_arg
+
+    arrays = {"w1_scale": w1_scale, "w2_scale": w2_scale}
+    optional = {"a1_scale": a1_scale, "a2_scale": a2_scale, "w1_bias": w1_bias, "w2_bias": w2_bias}
+    for name, value in arrays.items():
+        _require_array(value, name)
+    for name, value in optional.items():
+        if value is not None:
+            _require_array(value, name, "or None")
+    per_token = flag_arg(per_act_token_quant, "per_act_token_quant")
+    kind = _core.int8_moe_quant_kind(a1_scale is not None, a2_scale is not None, per_token)
     return Int8MoEQuantConfig(
-        kind, bool(per_act_token_quant), w1_scale, w2_scale, a1_scale, a2_scale, w1_bias, w2_bias
+        kind, per_token, w1_scale, w2_scale, a1_scale, a2_scale, w1_bias, w2_bias
     )
+
+
+def _require_array(value: object, name: str, alternative: str = "") -> None:
+    """:class:`moeq_rs.LayoutError` naming ``name`` unless ``value`` is a torch tensor or a numpy
+    array (torch is looked up only when it is already imported: a tensor implies it is)."""
+    import sys
+
+    import numpy as np
+
+    from .errors import LayoutError
+
+    torch = sys.modules.get("torch")
+    if isinstance(value, np.ndarray) or (torch is not None and isinstance(value, torch.Tensor)):
+        return
+    wanted = " ".join(filter(None, ["a torch tensor or a numpy array", alternative]))
+    raise LayoutError(f"{name}: expected {wanted}, got {type(value).__name__}")
 
 
 class Plan(dict):  # type: ignore[type-arg]
