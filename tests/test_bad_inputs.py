@@ -1402,15 +1402,19 @@ def test_an_explicit_shared_expert_width_takes_precedence(
         mq.open(bad)
 
 
+@pytest.mark.parametrize("shape", [(4,), (2, 4), (8, 1)])
 def test_a_correction_bias_of_the_wrong_length_refuses_its_layer(
-    fixture_path: Callable[[str], Path], tmp_path: Path
+    fixture_path: Callable[[str], Path], tmp_path: Path, shape: tuple[int, ...]
 ) -> None:
     """A score-correction bias without one value per expert: `inspect` showed the layer planned
     (backend cpu_simd, no error) while the CPU loader refused it. The plan now refuses the layer
-    with the loader's reason; the checkpoint still opens. Found by a review helper."""
+    with the loader's reason; the checkpoint still opens. Found by a review helper. The shape
+    counts too, not only the number of values: `[2, 4]` for 8 experts was taken (found by a
+    fuzzing helper); transformers and vLLM hold `[8]`, ERNIE-4.5 `[1, 8]` (accepted, tested
+    with its routing)."""
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     c = _altered_fixture(
-        fixture_path("deepseek_v3_w8a8_dynamic"), tmp_path / "bias", {bias: torch.zeros(4)}
+        fixture_path("deepseek_v3_w8a8_dynamic"), tmp_path / "bias", {bias: torch.zeros(shape)}
     )
     doc = json.loads(
         subprocess.run(
@@ -1422,10 +1426,15 @@ def test_a_correction_bias_of_the_wrong_length_refuses_its_layer(
     assert layer["backend"] is None
     assert (
         "e_score_correction_bias" in layer["error"]
-        and "expected one score-correction value per expert (8)" in layer["error"]
+        and f"(shape {list(shape)}), expected one score-correction value per expert (8): "
+        "shape [8] (or [1, 8] as ERNIE-4.5 stores it)"
+        in layer["error"]
     )
-    with pytest.raises(mq.CheckpointError, match="e_score_correction_bias.*expected 8"):
+    why = rf"e_score_correction_bias.*: has shape \[{', '.join(map(str, shape))}\], expected \[8\]"
+    with pytest.raises(mq.CheckpointError, match=why):
         mq.MoELayer.from_checkpoint(c, 1)
+    # The other layer, whose bias is whole, still loads.
+    assert mq.MoELayer.from_checkpoint(c, 2).num_experts == 8
 
 
 def test_api_arguments_of_the_wrong_type_are_named(tmp_path: Path) -> None:

@@ -748,16 +748,17 @@ impl Model {
     pub fn correction_bias_problem(&self, l: &MoeLayer) -> Option<crate::error::Error> {
         let name = l.correction_bias.as_ref()?;
         let (file, info) = self.ckpt.locate(name)?;
-        let values = info.numel();
-        (values != l.experts.len()).then(|| {
+        let experts = l.experts.len();
+        (!moe::correction_bias_shape_ok(&info.shape, experts)).then(|| {
             crate::error::CheckpointError::Tensor {
                 path: file.path().to_path_buf(),
                 tensor: name.clone(),
                 reason: format!(
-                    "holds {values} values (shape {:?}), expected one score-correction value \
-                     per expert ({})",
+                    "holds {} values (shape {:?}), expected one score-correction value per \
+                     expert ({experts}): shape {}",
+                    info.numel(),
                     info.shape,
-                    l.experts.len()
+                    moe::correction_bias_expected(experts)
                 ),
             }
             .into()

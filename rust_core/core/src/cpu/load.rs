@@ -381,7 +381,21 @@ fn assemble(
         None => None,
     };
     let correction_bias = match correction_bias {
-        Some(name) => Some(vector(ckpt, &name, experts.len())?),
+        Some(name) => {
+            let shape = ckpt.locate(&name).map(|(_, info)| info.shape.clone());
+            if let Some(shape) =
+                shape.filter(|s| !crate::moe::correction_bias_shape_ok(s, experts.len()))
+            {
+                return Err(module_error(
+                    &name,
+                    format!(
+                        "has shape {shape:?}, expected {}",
+                        crate::moe::correction_bias_expected(experts.len())
+                    ),
+                ));
+            }
+            Some(vector(ckpt, &name, experts.len())?)
+        }
         None => None,
     };
     let top_k = model

@@ -1045,6 +1045,18 @@ pub fn find_router(ckpt: &Checkpoint, layer_prefix: &str) -> Option<Router> {
 /// its family keeps it: DeepSeek-V3 on the router (`mlp.gate`), MiniMax-M2 on the block
 /// (`block_sparse_moe`), Laguna on `mlp.experts`, ERNIE-4.5 in `moe_statics` (beside the
 /// router in its checkpoints, inside it in transformers 5).
+/// Whether a score-correction bias of `shape` holds one value per expert as the models store
+/// it: `[experts]`, or ERNIE-4.5's one-row `[1, experts]` (`moe_statics`); transformers and
+/// vLLM refuse other shapes, the same count included (`[2, experts / 2]`, say).
+pub fn correction_bias_shape_ok(shape: &[usize], experts: usize) -> bool {
+    matches!(shape, [e] | [1, e] if *e == experts)
+}
+
+/// The shape a score-correction bias of `experts` experts should have, as errors say it.
+pub fn correction_bias_expected(experts: usize) -> String {
+    format!("[{experts}] (or [1, {experts}] as ERNIE-4.5 stores it)")
+}
+
 pub fn find_correction_bias(ckpt: &Checkpoint, layer_prefix: &str) -> Option<String> {
     [
         "gate.e_score_correction_bias",
