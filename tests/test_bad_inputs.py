@@ -1209,7 +1209,11 @@ def test_import_survives_a_torch_without_the_ops() -> None:
     assert (r.returncode, r.stdout.strip()) == (0, "ok"), r.stderr
 
 
-def _altered_fixture(src: Path, dst: Path, change: dict[str, torch.Tensor]) -> Path:
+def _altered_fixture(
+    src: Path, dst: Path, change: dict[str, torch.Tensor], drop: tuple[str, ...] = ()
+) -> Path:
+    """A copy of the single-file checkpoint ``src`` at ``dst`` with the tensors ``change``
+    written over or added and those named in ``drop`` left out."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -1217,6 +1221,8 @@ def _altered_fixture(src: Path, dst: Path, change: dict[str, torch.Tensor]) -> P
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "ref"))
     tensors = load_file(str(src / "model.safetensors"))
     tensors.update(change)
+    for name in drop:
+        del tensors[name]
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
 
@@ -1435,6 +1441,38 @@ def test_a_correction_bias_of_the_wrong_length_refuses_its_layer(
         mq.MoELayer.from_checkpoint(c, 1)
     # The other layer, whose bias is whole, still loads.
     assert mq.MoELayer.from_checkpoint(c, 2).num_experts == 8
+
+
+def test_a_layer_missing_the_bias_other_layers_store_is_refused(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A MoE layer without the router score-correction bias that the checkpoint's other MoE
+    layers store was routed without it, silently (vLLM refuses such a checkpoint: a weight it
+    expects is never loaded). It is now refused, in the source and in its CPU repack, by the
+    loader and the plans, naming the missing tensor; the other layer still loads, and so does
+    a checkpoint in which no layer has a bias. Found by a fuzzing helper."""
+    from moeq_rs.repack import repack_checkpoint
+
+    src = fixture_path("deepseek_v3_w8a8_dynamic")
+    bias = "model.layers.{}.mlp.gate.e_score_correction_bias"
+    why = (
+        "module 'model.layers.2.mlp': has no router score-correction bias "
+        f"('{bias.format(2)}' is not in the checkpoint), where model.layers.1.mlp stores one "
+        f"('{bias.format(1)}')"
+    )
+    repack_checkpoint(src, tmp_path / "cpu", target="cpu")
+    for name, base in [("src", src), ("repacked", tmp_path / "cpu")]:
+        c = _altered_fixture(base, tmp_path / name, {}, drop=(bias.format(2),))
+        with pytest.raises(mq.CheckpointError, match=re.escape(why)):
+            mq.MoELayer.from_checkpoint(c, 2)
+        assert mq.MoELayer.from_checkpoint(c, 1).num_experts == 8
+        # (The CUDA plan of the CPU layout refuses both layers for the layout first.)
+        for platform in ("cpu", "cuda") if name == "src" else ("cpu",):
+            plan = mq.plan(mq.open(c), platform)
+            assert plan.layer(2)["backend"] is None and why in plan.layer(2)["error"]
+            assert plan.layer(1)["backend"] is not None
+    neither = _altered_fixture(src, tmp_path / "neither", {}, drop=(bias.format(1), bias.format(2)))
+    assert mq.MoELayer.from_checkpoint(neither, 2).num_experts == 8
 
 
 def test_api_arguments_of_the_wrong_type_are_named(tmp_path: Path) -> None:

@@ -606,19 +606,26 @@ def _edited_cpu_output(src: Path, out: Path) -> tuple[Path, dict[str, Any]]:
 
 
 @pytest.mark.parametrize(
-    ("fixture", "key", "value", "tensor"),
+    ("fixture", "edits", "tensor"),
     [
-        ("qwen3_w4a16_g128_asym", ("weights", "symmetric"), True, "w13_weight_zero_point"),
-        ("qwen3_w4a16_actorder", ("act_order",), False, "w13_g_idx_sort_indices"),
-        ("qwen3_w8a8_static", ("static_act_scales",), False, "w13_input_scale"),
+        ("qwen3_w4a16_g128_asym", {("weights", "symmetric"): True}, "w13_weight_zero_point"),
+        ("qwen3_w4a16_actorder", {("act_order",): False}, "w13_g_idx_sort_indices"),
+        (
+            "qwen3_w8a8_static",
+            {
+                ("static_act_scales",): False,
+                ("activation", "dynamic"): True,
+                ("activation", "strategy"): "token",
+            },
+            "w13_input_scale",
+        ),
     ],
 )
 def test_a_cpu_layout_record_that_leaves_stored_tensors_out_is_refused(
     fixture_path: Callable[[str], Path],
     tmp_path: Path,
     fixture: str,
-    key: tuple[str, ...],
-    value: object,
+    edits: dict[tuple[str, ...], object],
     tensor: str,
 ) -> None:
     """A record edited to say less than the tensors hold (symmetric over stored zero points,
@@ -626,10 +633,11 @@ def test_a_cpu_layout_record_that_leaves_stored_tensors_out_is_refused(
     as the record said, the tensors ignored: outputs off by 0.1-0.5. Refused, naming the
     tensor."""
     cfg_path, cfg = _edited_cpu_output(fixture_path(fixture), tmp_path / "cpu")
-    entry = cfg["moeq"]["layers"][0]
-    for k in key[:-1]:
-        entry = entry[k]
-    entry[key[-1]] = value
+    for key, value in edits.items():
+        entry = cfg["moeq"]["layers"][0]
+        for k in key[:-1]:
+            entry = entry[k]
+        entry[key[-1]] = value
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(mq.MoeqError, match=f"{tensor}.* has no place for it"):
         mq.MoELayer.from_checkpoint(tmp_path / "cpu", 0)
@@ -662,6 +670,56 @@ def test_a_cpu_layout_record_at_odds_with_itself_is_refused(
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(mq.ConfigError, match="is above intermediate_size_padded"):
         mq.open(out)
+
+
+@pytest.mark.parametrize(
+    ("target", "fixture", "edit", "match"),
+    [
+        # A W8A8 CPU layer recorded with float 4-bit weights: `inspect` refused the layer
+        # while the loader, which reads the blocks whatever the record says, built it.
+        ("cpu", "qwen3_w8a8_dynamic", {"type": "float"}, r"a scheme the CPU layout does not"),
+        ("cpu", "qwen3_w8a8_dynamic", {"num_bits": 4}, r"a scheme the CPU layout does not"),
+        ("cpu", "qwen3_w4a16_g128_sym", {"strategy": "tensor", "group_size": None}, "a scheme"),
+        # The Marlin record's weight args against its own checked geometry: the plan said
+        # int8_w8a16 over 4-bit tensors.
+        ("marlin", "qwen3_w4a16_g128_sym", {"num_bits": 8}, r"num_bits 8 where the entry says 4"),
+        ("marlin", "qwen3_w4a16_g128_sym", {"group_size": 64}, r"group_size 64 where the entry"),
+        ("marlin", "qwen3_w4a16_g128_sym", {"symmetric": False}, r"symmetric false where"),
+        ("marlin", "qwen3_w4a16_g128_asym", {"type": "float"}, r"type is not int"),
+    ],
+)
+def test_a_layout_record_whose_weight_args_are_not_its_tensors_is_refused(
+    fixture_path: Callable[[str], Path],
+    tmp_path: Path,
+    target: str,
+    fixture: str,
+    edit: dict[str, Any],
+    match: str,
+) -> None:
+    """A repacked layer's recorded weight args that no repack writes for its tensors opened,
+    and the plan followed the record while the loader followed the tensors. Refused at open,
+    naming the field. Found by a fuzzing helper."""
+    out = tmp_path / target
+    repack_checkpoint(fixture_path(fixture), out, target=target)
+    cfg = json.loads((out / "config.json").read_text())
+    mq.open(out)  # as written, it opens
+    cfg["moeq"]["layers"][0]["weights"].update(edit)
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(mq.ConfigError, match=rf"moeq\.layers\[0\]\.weights: .*{match}"):
+        mq.open(out)
+
+
+def test_a_cpu_layout_record_whose_static_flag_contradicts_its_activation_is_refused(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """`static_act_scales` said what the loader read (input scales or not) and `activation`
+    what the plan said (static or dynamic); each could be edited alone."""
+    cfg_path, cfg = _edited_cpu_output(fixture_path("qwen3_w8a8_static"), tmp_path / "cpu")
+    cfg["moeq"]["layers"][0]["activation"]["dynamic"] = True
+    cfg["moeq"]["layers"][0]["activation"]["strategy"] = "token"
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(mq.ConfigError, match=r"static_act_scales: true disagrees with .*dynamic"):
+        mq.open(tmp_path / "cpu")
 
 
 def test_damaged_values_in_a_cpu_layout_are_refused(

@@ -20,7 +20,7 @@ use crate::repack::checkpoint::LAYOUT_VERSION;
 use crate::repack::moe_layer::MarlinGeometry;
 use crate::scheme::json::Obj;
 use crate::scheme::module::{self as smod, ModuleInfo};
-use crate::scheme::QuantizationConfig;
+use crate::scheme::{QuantizationConfig, Strategy};
 
 /// A validated checkpoint. Opening reads headers, `config.json` and the tiny `weight_shape`
 /// tensors; weight data is untouched until dequantised.
@@ -164,6 +164,27 @@ fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
                 },
                 act_order: o.opt_bool("act_order")?.unwrap_or(false),
             };
+            // A scheme no repack writes (float or 4-bit W8A8 weights, say) would be loaded as
+            // the blocks are, whatever the record says, and planned as the record says.
+            if !crate::repack::cpu::holds_scheme(&g.weights, g.activation.as_ref()) {
+                return Err(o.field("weights").invalid(
+                    "a scheme the CPU layout does not hold (it holds int8 W8A8 with channelwise \
+                     symmetric weights, or int4/int8 weight-only, grouped or channelwise): the \
+                     record is damaged",
+                ));
+            }
+            let dynamic = g.activation.as_ref().is_some_and(|a| a.is_dynamic());
+            if g.static_act != (g.activation.is_some() && !dynamic) {
+                return Err(o.field("static_act_scales").invalid(format!(
+                    "{} disagrees with the entry's activation ({})",
+                    g.static_act,
+                    match &g.activation {
+                        Some(_) if dynamic => "dynamic",
+                        Some(_) => "static",
+                        None => "none",
+                    }
+                )));
+            }
             // `kind` repeats what `activation` says: a record that disagrees with itself (or
             // names a kind no version wrote) is damaged.
             let kind = if g.activation.is_some() {
@@ -233,6 +254,42 @@ fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
             )));
         }
         check_specs(ckpt, &geometry.specs(), "Marlin")?;
+        // The source's weight args, recorded beside the geometry the tensors were checked
+        // against: the plan reads them, so they must say what the geometry says.
+        if let Some(w) = &weights {
+            let disagreement = [
+                (w.qtype != crate::scheme::QuantType::Int).then(|| "type is not int".to_string()),
+                (!matches!(w.strategy, Strategy::Group | Strategy::Channel))
+                    .then(|| format!("strategy \"{}\" is not group or channel", w.strategy.name())),
+                (w.num_bits != geometry.bits).then(|| {
+                    format!(
+                        "num_bits {} where the entry says {}",
+                        w.num_bits, geometry.bits
+                    )
+                }),
+                (w.group_size != geometry.group_size).then(|| {
+                    format!(
+                        "group_size {} where the entry says {}",
+                        w.group_size, geometry.group_size
+                    )
+                }),
+                (w.symmetric != geometry.symmetric).then(|| {
+                    format!(
+                        "symmetric {} where the entry says {}",
+                        w.symmetric, geometry.symmetric
+                    )
+                }),
+            ]
+            .into_iter()
+            .flatten()
+            .collect::<Vec<_>>();
+            if !disagreement.is_empty() {
+                return Err(o.field("weights").invalid(format!(
+                    "{}: the record is damaged",
+                    disagreement.join(", ")
+                )));
+            }
+        }
         layers.push(RepackedLayer {
             layer,
             geometry,
@@ -741,6 +798,47 @@ impl Model {
         check().err()
     }
 
+    /// The block prefixes (`model.layers.N.mlp`) of every MoE layer: those read from expert
+    /// tensors and those stored in a repacked layout.
+    fn moe_block_prefixes(&self) -> impl Iterator<Item = &str> {
+        let repacked = self.layout.iter().flat_map(|l| {
+            l.layers
+                .iter()
+                .map(|rl| rl.geometry.prefix.as_str())
+                .chain(l.cpu_layers.iter().map(|g| g.prefix.as_str()))
+        });
+        self.moe_layers
+            .iter()
+            .map(|l| l.prefix.as_str())
+            .chain(repacked.map(|p| p.strip_suffix(".experts").unwrap_or(p)))
+    }
+
+    /// A MoE layer without the router score-correction bias that another MoE layer of the
+    /// checkpoint stores: its experts would be chosen without the bias, where vLLM refuses the
+    /// checkpoint (a weight it expects is never loaded) and transformers routes with zeros. A
+    /// plan refusal and a loader error, as a damaged bias is.
+    pub fn missing_correction_bias(&self, layer_prefix: &str) -> Option<crate::error::Error> {
+        if moe::find_correction_bias(&self.ckpt, layer_prefix).is_some() {
+            return None;
+        }
+        let (other, name) = self
+            .moe_block_prefixes()
+            .find_map(|p| Some((p, moe::find_correction_bias(&self.ckpt, p)?)))?;
+        let suffix = name.strip_prefix(other)?;
+        Some(
+            crate::error::CheckpointError::Module {
+                module: layer_prefix.to_string(),
+                reason: format!(
+                    "has no router score-correction bias ('{layer_prefix}{suffix}' is not in the \
+                     checkpoint), where {other} stores one ('{name}'): its experts would be \
+                     chosen without it (vLLM refuses such a checkpoint, transformers routes \
+                     with zeros)"
+                ),
+            }
+            .into(),
+        )
+    }
+
     /// A score-correction bias that does not hold one value per expert: every engine's loader
     /// refuses it (the CPU loader names it), so the plan refuses the layer too rather than
     /// showing a backend the layer cannot load on. (Not an error at open: ERNIE-4.5-VL, say,
@@ -831,7 +929,8 @@ impl Model {
                 if let Some(e) = self.static_scale_problem(l) {
                     refuse(&mut plan, e.to_string());
                 }
-                if let Some(e) = self.correction_bias_problem(l) {
+                let bias = self.correction_bias_problem(l);
+                if let Some(e) = bias.or_else(|| self.missing_correction_bias(&l.prefix)) {
                     refuse(&mut plan, e.to_string());
                 }
                 let mut v = layer_json(l);
@@ -957,6 +1056,9 @@ impl Model {
                 }
                 if let Some(why) = self.layout_refusal(layer, platform) {
                     refuse(&mut plan, why);
+                }
+                if let Some(e) = self.missing_correction_bias(&layer_prefix) {
+                    refuse(&mut plan, e.to_string());
                 }
                 self.refuse_unsupported_part(&mut plan, &layer_prefix);
                 // The stacked static scales, checked as the loader reads them (as

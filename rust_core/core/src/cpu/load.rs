@@ -343,6 +343,9 @@ fn check_layer_config(model: &Model, prefix: &str, experts: usize) -> Result<()>
     if let Some(part) = model.unsupported_part(prefix) {
         return Err(part.error().into());
     }
+    if let Some(e) = model.missing_correction_bias(prefix) {
+        return Err(e);
+    }
     let file = model.checkpoint().config_path();
     let biased = crate::moe::find_correction_bias(model.checkpoint(), prefix).is_some();
     model

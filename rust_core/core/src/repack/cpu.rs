@@ -181,6 +181,30 @@ impl CpuGeometry {
     }
 }
 
+/// Whether the CPU layout holds experts of weights `w` and input activations `a`: int8 W8A8
+/// (channelwise symmetric weights, symmetric activations) or int4/int8 weight-only, grouped or
+/// channelwise. A repacked checkpoint's record is checked against it too: the W8A8 loader
+/// reads its blocks whatever the record's weights say.
+pub fn holds_scheme(w: &QuantArgs, a: Option<&QuantArgs>) -> bool {
+    let int = |q: &QuantArgs| q.qtype == crate::scheme::QuantType::Int;
+    match a {
+        Some(a) => {
+            int(w)
+                && int(a)
+                && w.num_bits == 8
+                && w.strategy == Strategy::Channel
+                && w.symmetric
+                && a.num_bits == 8
+                && a.symmetric
+        }
+        None => {
+            int(w)
+                && matches!(w.num_bits, 4 | 8)
+                && matches!(w.strategy, Strategy::Channel | Strategy::Group)
+        }
+    }
+}
+
 /// The CPU layout of `l`, or `None` when the layer has no single CPU-quantized scheme (it is
 /// then copied unchanged).
 pub fn geometry(l: &MoeLayer) -> Option<CpuGeometry> {
@@ -193,16 +217,8 @@ pub fn geometry(l: &MoeLayer) -> Option<CpuGeometry> {
         m.format() == format && m.weights() == Some(&w) && m.input_activations() == a.as_ref()
     };
     let scheme_ok = match (&a, format) {
-        (Some(a), Format::IntQuantized | Format::NaiveQuantized) => {
-            w.num_bits == 8
-                && w.strategy == Strategy::Channel
-                && w.symmetric
-                && a.num_bits == 8
-                && a.symmetric
-        }
-        (None, Format::PackQuantized) => {
-            matches!(w.num_bits, 4 | 8) && matches!(w.strategy, Strategy::Channel | Strategy::Group)
-        }
+        (Some(_), Format::IntQuantized | Format::NaiveQuantized)
+        | (None, Format::PackQuantized) => holds_scheme(&w, a.as_ref()),
         _ => false,
     };
     let uniform = l.gated
