@@ -1409,38 +1409,70 @@ def test_an_explicit_shared_expert_width_takes_precedence(
 
 
 @pytest.mark.parametrize("shape", [(4,), (2, 4), (8, 1)])
-def test_a_correction_bias_of_the_wrong_length_refuses_its_layer(
+def test_a_correction_bias_of_the_wrong_shape_refuses_its_layer(
     fixture_path: Callable[[str], Path], tmp_path: Path, shape: tuple[int, ...]
 ) -> None:
     """A score-correction bias without one value per expert: `inspect` showed the layer planned
     (backend cpu_simd, no error) while the CPU loader refused it. The plan now refuses the layer
-    with the loader's reason; the checkpoint still opens. Found by a review helper. The shape
-    counts too, not only the number of values: `[2, 4]` for 8 experts was taken (found by a
-    fuzzing helper); transformers and vLLM hold `[8]`, ERNIE-4.5 `[1, 8]` (accepted, tested
-    with its routing)."""
+    with the loader's reason, in the source and in its CPU repack; the checkpoint still opens.
+    Found by a review helper. The shape counts too, not only the number of values: `[2, 4]`
+    for 8 experts was taken (found by a fuzzing helper); transformers and vLLM hold `[8]`,
+    ERNIE-4.5 `[1, 8]` (tested with its routing) and ERNIE-4.5-VL a row per modality
+    (below)."""
+    from moeq_rs.repack import repack_checkpoint
+
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     c = _altered_fixture(
         fixture_path("deepseek_v3_w8a8_dynamic"), tmp_path / "bias", {bias: torch.zeros(shape)}
     )
-    doc = json.loads(
-        subprocess.run(
-            [sys.executable, "-m", "moeq_rs", "inspect", str(c), "--json"],
-            capture_output=True, text=True, check=True,
-        ).stdout
-    )  # fmt: skip
-    (layer,) = [entry for entry in doc["moe_layers"] if entry["layer"] == 1]
-    assert layer["backend"] is None
-    assert (
-        "e_score_correction_bias" in layer["error"]
-        and f"(shape {list(shape)}), expected one score-correction value per expert (8): "
-        "shape [8] (or [1, 8] as ERNIE-4.5 stores it)"
-        in layer["error"]
+    repack_checkpoint(c, tmp_path / "cpu", target="cpu")
+    why = (
+        f"tensor '{bias}': has shape {list(shape)}, expected one score-correction value per "
+        "expert: [8] (or [1, 8] as ERNIE-4.5 stores it)"
     )
-    why = rf"e_score_correction_bias.*: has shape \[{', '.join(map(str, shape))}\], expected \[8\]"
-    with pytest.raises(mq.CheckpointError, match=why):
-        mq.MoELayer.from_checkpoint(c, 1)
-    # The other layer, whose bias is whole, still loads.
-    assert mq.MoELayer.from_checkpoint(c, 2).num_experts == 8
+    for path in (c, tmp_path / "cpu"):
+        doc = json.loads(
+            subprocess.run(
+                [sys.executable, "-m", "moeq_rs", "inspect", str(path), "--json"],
+                capture_output=True, text=True, check=True,
+            ).stdout
+        )  # fmt: skip
+        (layer,) = [entry for entry in doc["moe_layers"] if entry["layer"] == 1]
+        assert layer["backend"] is None and why in layer["error"]
+        with pytest.raises(mq.CheckpointError, match=re.escape(why)):
+            mq.MoELayer.from_checkpoint(path, 1)
+        # The other layer, whose bias is whole, still loads.
+        assert mq.MoELayer.from_checkpoint(path, 2).num_experts == 8
+
+
+def test_ernie_vl_keeps_a_bias_row_per_modality(
+    fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """ERNIE-4.5-VL stores `moe_statics.e_score_correction_bias` as one row per modality,
+    `[2, E / 2]` (transformers splits it), so the shape rule leaves it to the plan's other
+    checks: the CUDA plan keeps its backend, the CPU plan refuses the family's routing."""
+    src = fixture_path("deepseek_v3_w8a8_dynamic")
+    biases = {n: f"model.layers.{n}.mlp.gate.e_score_correction_bias" for n in (1, 2)}
+    statics = {n: f"model.layers.{n}.mlp.moe_statics.e_score_correction_bias" for n in (1, 2)}
+    rows = {statics[n]: torch.zeros(2, 4) for n in (1, 2)}
+
+    def ernie(cfg: dict) -> None:
+        for key in ("n_routed_experts", "n_group", "topk_group"):
+            cfg.pop(key, None)
+        cfg.update(model_type="ernie4_5_vl_moe", moe_num_experts=[4, 4])
+
+    c = _altered_fixture(src, tmp_path / "vl", rows, drop=tuple(biases.values()))
+    cfg = json.loads((c / "config.json").read_text())
+    ernie(cfg)
+    (c / "config.json").write_text(json.dumps(cfg))
+    ckpt = mq.open(c)
+    assert mq.plan(ckpt, "cuda").layer(1)["backend"] is not None
+    cpu = mq.plan(ckpt, "cpu").layer(1)
+    assert cpu["backend"] is None and "model_type: ERNIE-4.5-VL" in cpu["error"]
+    # The same rows under another family are a bias of the wrong shape.
+    cfg["model_type"] = "ernie4_5_moe"
+    (c / "config.json").write_text(json.dumps(cfg))
+    assert "has shape [2, 4]" in mq.plan(mq.open(c), "cuda").layer(1)["error"]
 
 
 def test_a_layer_missing_the_bias_other_layers_store_is_refused(

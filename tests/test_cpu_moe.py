@@ -1477,7 +1477,7 @@ def test_biased_groups_of_one_expert_are_refused(
             mq.MoELayer.from_checkpoint(grouped, layer)
         cpu = mq.plan(grouped, "cpu").layer(layer)
         assert cpu["backend"] is None and why in cpu["error"]
-        # One expert per group is not refused on its own: the groups of two of the fixture load.
+        # The refusal is the groups of one: the fixture's own two groups of four load.
         assert mq.MoELayer.from_checkpoint(mq.open(base), layer).num_experts == experts
 
     def drop_bias(tensors: dict) -> None:

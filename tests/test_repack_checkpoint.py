@@ -673,52 +673,77 @@ def test_a_cpu_layout_record_at_odds_with_itself_is_refused(
 
 
 @pytest.mark.parametrize(
-    ("target", "fixture", "edit", "match"),
+    ("target", "fixture", "key", "edit", "match"),
     [
-        # A W8A8 CPU layer recorded with float 4-bit weights: `inspect` refused the layer
-        # while the loader, which reads the blocks whatever the record says, built it.
-        ("cpu", "qwen3_w8a8_dynamic", {"type": "float"}, r"a scheme the CPU layout does not"),
-        ("cpu", "qwen3_w8a8_dynamic", {"num_bits": 4}, r"a scheme the CPU layout does not"),
-        ("cpu", "qwen3_w4a16_g128_sym", {"strategy": "tensor", "group_size": None}, "a scheme"),
+        # A W8A8 CPU layer recorded with float or 4-bit weights, or activations the kernels do
+        # not quantise: `inspect` refused the layer while the loader, which reads the blocks
+        # whatever the record says, built it.
+        ("cpu", "qwen3_w8a8_dynamic", "weights", {"type": "float"}, "weights the CPU layout"),
+        ("cpu", "qwen3_w8a8_dynamic", "weights", {"num_bits": 4}, "weights the CPU layout"),
+        ("cpu", "qwen3_w4a16_g128_sym", "weights", {"strategy": "tensor", "group_size": None}, ""),
+        ("cpu", "qwen3_w8a8_dynamic", "activation", {"num_bits": 4}, "activations the CPU"),
+        ("cpu", "qwen3_w8a8_dynamic", "activation", {"type": "float"}, "activations the CPU"),
+        (
+            "cpu",
+            "qwen3_w8a8_dynamic",
+            "activation",
+            {"strategy": "group", "group_size": 128},
+            "dynamic per token or static per tensor",
+        ),
+        ("cpu", "qwen3_w8a8_dynamic", "activation", {"strategy": "tensor"}, "activations the"),
         # The Marlin record's weight args against its own checked geometry: the plan said
         # int8_w8a16 over 4-bit tensors.
-        ("marlin", "qwen3_w4a16_g128_sym", {"num_bits": 8}, r"num_bits 8 where the entry says 4"),
-        ("marlin", "qwen3_w4a16_g128_sym", {"group_size": 64}, r"group_size 64 where the entry"),
-        ("marlin", "qwen3_w4a16_g128_sym", {"symmetric": False}, r"symmetric false where"),
-        ("marlin", "qwen3_w4a16_g128_asym", {"type": "float"}, r"type is not int"),
+        ("marlin", "qwen3_w4a16_g128_sym", "weights", {"num_bits": 8}, "num_bits 8 where the"),
+        ("marlin", "qwen3_w4a16_g128_sym", "weights", {"group_size": 64}, "group_size 64 where"),
+        ("marlin", "qwen3_w4a16_g128_sym", "weights", {"symmetric": False}, "symmetric false"),
+        ("marlin", "qwen3_w4a16_g128_asym", "weights", {"type": "float"}, "type is not int"),
+        ("marlin", "qwen3_w4a16_actorder", "weights", {"actorder": None}, "no group actorder"),
+        ("marlin", "qwen3_w4a16_actorder", "weights", {"actorder": "weight"}, "no group act"),
     ],
 )
-def test_a_layout_record_whose_weight_args_are_not_its_tensors_is_refused(
+def test_a_layout_record_whose_quant_args_are_not_its_tensors_is_refused(
     fixture_path: Callable[[str], Path],
     tmp_path: Path,
     target: str,
     fixture: str,
+    key: str,
     edit: dict[str, Any],
     match: str,
 ) -> None:
-    """A repacked layer's recorded weight args that no repack writes for its tensors opened,
-    and the plan followed the record while the loader followed the tensors. Refused at open,
-    naming the field. Found by a fuzzing helper."""
+    """A repacked layer's recorded quantization args that no repack writes for its tensors
+    opened, and the plan followed the record while the loader followed the tensors. Refused at
+    open, naming the field. Found by a fuzzing helper (weights) and a review helper
+    (activations)."""
     out = tmp_path / target
     repack_checkpoint(fixture_path(fixture), out, target=target)
     cfg = json.loads((out / "config.json").read_text())
     mq.open(out)  # as written, it opens
-    cfg["moeq"]["layers"][0]["weights"].update(edit)
+    cfg["moeq"]["layers"][0][key].update(edit)
     (out / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(mq.ConfigError, match=rf"moeq\.layers\[0\]\.weights: .*{match}"):
+    with pytest.raises(mq.ConfigError, match=rf"moeq\.layers\[0\]\.{key}: .*{match}"):
         mq.open(out)
 
 
+@pytest.mark.parametrize(
+    ("fixture", "activation", "stated"),
+    [
+        ("qwen3_w8a8_static", {"dynamic": True, "strategy": "token"}, "true .*dynamic"),
+        ("qwen3_w8a8_dynamic", {"dynamic": False, "strategy": "tensor"}, "false .*static"),
+    ],
+)
 def test_a_cpu_layout_record_whose_static_flag_contradicts_its_activation_is_refused(
-    fixture_path: Callable[[str], Path], tmp_path: Path
+    fixture_path: Callable[[str], Path],
+    tmp_path: Path,
+    fixture: str,
+    activation: dict[str, Any],
+    stated: str,
 ) -> None:
     """`static_act_scales` said what the loader read (input scales or not) and `activation`
     what the plan said (static or dynamic); each could be edited alone."""
-    cfg_path, cfg = _edited_cpu_output(fixture_path("qwen3_w8a8_static"), tmp_path / "cpu")
-    cfg["moeq"]["layers"][0]["activation"]["dynamic"] = True
-    cfg["moeq"]["layers"][0]["activation"]["strategy"] = "token"
+    cfg_path, cfg = _edited_cpu_output(fixture_path(fixture), tmp_path / "cpu")
+    cfg["moeq"]["layers"][0]["activation"].update(activation)
     cfg_path.write_text(json.dumps(cfg))
-    with pytest.raises(mq.ConfigError, match=r"static_act_scales: true disagrees with .*dynamic"):
+    with pytest.raises(mq.ConfigError, match=rf"static_act_scales: {stated}"):
         mq.open(tmp_path / "cpu")
 
 

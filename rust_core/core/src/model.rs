@@ -166,11 +166,20 @@ fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
             };
             // A scheme no repack writes (float or 4-bit W8A8 weights, say) would be loaded as
             // the blocks are, whatever the record says, and planned as the record says.
-            if !crate::repack::cpu::holds_scheme(&g.weights, g.activation.as_ref()) {
+            if !crate::repack::cpu::holds_weights(&g.weights, g.activation.is_some()) {
                 return Err(o.field("weights").invalid(
-                    "a scheme the CPU layout does not hold (it holds int8 W8A8 with channelwise \
-                     symmetric weights, or int4/int8 weight-only, grouped or channelwise): the \
-                     record is damaged",
+                    "weights the CPU layout does not hold (int8 channelwise symmetric under int8 \
+                     activations, else int4/int8 grouped or channelwise): the record is damaged",
+                ));
+            }
+            if !g
+                .activation
+                .as_ref()
+                .is_none_or(crate::repack::cpu::holds_activation)
+            {
+                return Err(o.field("activation").invalid(
+                    "activations the CPU layout does not hold (symmetric int8, dynamic per token \
+                     or static per tensor): the record is damaged",
                 ));
             }
             let dynamic = g.activation.as_ref().is_some_and(|a| a.is_dynamic());
@@ -279,6 +288,10 @@ fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
                         w.symmetric, geometry.symmetric
                     )
                 }),
+                // (Only this way: a group actorder whose experts store no g_idx is repacked
+                // without act-order.)
+                (geometry.act_order && w.actorder != Some(crate::scheme::ActOrder::Group))
+                    .then(|| "no group actorder where the entry says act_order true".to_string()),
             ]
             .into_iter()
             .flatten()
@@ -591,13 +604,13 @@ impl Model {
     }
 
     /// Whether the CPU forward computes what `config.json` describes for a MoE layer of
-    /// `experts` experts, whose router has a score-correction bias when `biased`: SiLU-gated
-    /// experts and routing it follows ([`crate::moe::Routing::check`]). Otherwise the
-    /// `config.json` key and the reason.
+    /// `experts` experts at `layer_prefix`: SiLU-gated experts and routing it follows
+    /// ([`crate::moe::Routing::check`], told whether this layer's router has a
+    /// score-correction bias). Otherwise the `config.json` key and the reason.
     pub fn cpu_layer_check(
         &self,
+        layer_prefix: &str,
         experts: usize,
-        biased: bool,
     ) -> std::result::Result<(), (&'static str, String)> {
         if !moe::is_silu(self.hidden_act()) {
             return Err((
@@ -608,6 +621,7 @@ impl Model {
                 ),
             ));
         }
+        let biased = moe::find_correction_bias(&self.ckpt, layer_prefix).is_some();
         self.routing.check(experts, biased)
     }
     /// The repacked layout, when this checkpoint was written by `moeq repack`.
@@ -733,11 +747,11 @@ impl Model {
     /// A CPU plan whose layer the CPU forward cannot compute as `config.json` describes
     /// ([`Model::cpu_layer_check`]) loses its backend, with the reason in `error` and among
     /// the rejected backends: what `MoELayer.from_checkpoint` would refuse, said up front.
-    fn refuse_unroutable(&self, plan: &mut oracle::LayerPlan, experts: usize, biased: bool) {
+    fn refuse_unroutable(&self, plan: &mut oracle::LayerPlan, layer_prefix: &str, experts: usize) {
         if plan.backend != Some(Backend::CpuSimd) && plan.method != oracle::Method::Unquantized {
             return;
         }
-        if let Err((key, reason)) = self.cpu_layer_check(experts, biased) {
+        if let Err((key, reason)) = self.cpu_layer_check(layer_prefix, experts) {
             refuse(plan, format!("config.json: {key}: {reason}"));
         }
     }
@@ -813,13 +827,22 @@ impl Model {
             .chain(repacked.map(|p| p.strip_suffix(".experts").unwrap_or(p)))
     }
 
-    /// A MoE layer without the router score-correction bias that another MoE layer of the
-    /// checkpoint stores: its experts would be chosen without the bias, where vLLM refuses the
-    /// checkpoint (a weight it expects is never loaded) and transformers routes with zeros. A
-    /// plan refusal and a loader error, as a damaged bias is.
-    pub fn missing_correction_bias(&self, layer_prefix: &str) -> Option<crate::error::Error> {
-        if moe::find_correction_bias(&self.ckpt, layer_prefix).is_some() {
-            return None;
+    /// What is wrong with the router score-correction bias of the MoE block at `layer_prefix`
+    /// (`experts` experts), as a plan refusal and a loader error: a bias shaped as no model
+    /// stores one ([`moe::correction_bias_problem`]), or none where another MoE layer of the
+    /// checkpoint stores one, so that its experts would be chosen without it (vLLM refuses such
+    /// a checkpoint: a weight it expects is never loaded; transformers routes with zeros). Not
+    /// an error at open, which other tools read.
+    pub fn correction_bias_problem(
+        &self,
+        layer_prefix: &str,
+        experts: usize,
+    ) -> Option<crate::error::Error> {
+        if let Some(name) = moe::find_correction_bias(&self.ckpt, layer_prefix) {
+            // ERNIE-4.5-VL's bias holds a row per modality (its layers are refused on the CPU
+            // for their routing, and planned on CUDA as vLLM runs them).
+            let per_modality = moe::model_type(self.ckpt.config()).starts_with("ernie4_5_vl_moe");
+            return moe::correction_bias_problem(&self.ckpt, &name, experts, per_modality);
         }
         let (other, name) = self
             .moe_block_prefixes()
@@ -837,30 +860,6 @@ impl Model {
             }
             .into(),
         )
-    }
-
-    /// A score-correction bias that does not hold one value per expert: every engine's loader
-    /// refuses it (the CPU loader names it), so the plan refuses the layer too rather than
-    /// showing a backend the layer cannot load on. (Not an error at open: ERNIE-4.5-VL, say,
-    /// stores one row per modality, which `inspect` should still describe.)
-    pub fn correction_bias_problem(&self, l: &MoeLayer) -> Option<crate::error::Error> {
-        let name = l.correction_bias.as_ref()?;
-        let (file, info) = self.ckpt.locate(name)?;
-        let experts = l.experts.len();
-        (!moe::correction_bias_shape_ok(&info.shape, experts)).then(|| {
-            crate::error::CheckpointError::Tensor {
-                path: file.path().to_path_buf(),
-                tensor: name.clone(),
-                reason: format!(
-                    "holds {} values (shape {:?}), expected one score-correction value per \
-                     expert ({experts}): shape {}",
-                    info.numel(),
-                    info.shape,
-                    moe::correction_bias_expected(experts)
-                ),
-            }
-            .into()
-        })
     }
 
     /// What the CPU forward cannot read in a layer's shared expert: a projection stored
@@ -920,7 +919,7 @@ impl Model {
                 let input = Self::layer_input(l);
                 let mut plan = oracle::plan_layer(&input, platform, opts);
                 if matches!(platform, Platform::Cpu(_)) {
-                    self.refuse_unroutable(&mut plan, l.experts.len(), l.correction_bias.is_some());
+                    self.refuse_unroutable(&mut plan, &l.prefix, l.experts.len());
                     if let Some(e) = self.shared_expert_problem(l) {
                         refuse(&mut plan, e.to_string());
                     }
@@ -929,8 +928,7 @@ impl Model {
                 if let Some(e) = self.static_scale_problem(l) {
                     refuse(&mut plan, e.to_string());
                 }
-                let bias = self.correction_bias_problem(l);
-                if let Some(e) = bias.or_else(|| self.missing_correction_bias(&l.prefix)) {
+                if let Some(e) = self.correction_bias_problem(&l.prefix, l.experts.len()) {
                     refuse(&mut plan, e.to_string());
                 }
                 let mut v = layer_json(l);
@@ -1051,13 +1049,12 @@ impl Model {
                     .unwrap_or(prefix)
                     .to_string();
                 if matches!(platform, Platform::Cpu(_)) {
-                    let biased = moe::find_correction_bias(&self.ckpt, &layer_prefix).is_some();
-                    self.refuse_unroutable(&mut plan, experts, biased);
+                    self.refuse_unroutable(&mut plan, &layer_prefix, experts);
                 }
                 if let Some(why) = self.layout_refusal(layer, platform) {
                     refuse(&mut plan, why);
                 }
-                if let Some(e) = self.missing_correction_bias(&layer_prefix) {
+                if let Some(e) = self.correction_bias_problem(&layer_prefix, experts) {
                     refuse(&mut plan, e.to_string());
                 }
                 self.refuse_unsupported_part(&mut plan, &layer_prefix);

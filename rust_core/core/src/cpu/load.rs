@@ -343,13 +343,12 @@ fn check_layer_config(model: &Model, prefix: &str, experts: usize) -> Result<()>
     if let Some(part) = model.unsupported_part(prefix) {
         return Err(part.error().into());
     }
-    if let Some(e) = model.missing_correction_bias(prefix) {
+    if let Some(e) = model.correction_bias_problem(prefix, experts) {
         return Err(e);
     }
     let file = model.checkpoint().config_path();
-    let biased = crate::moe::find_correction_bias(model.checkpoint(), prefix).is_some();
     model
-        .cpu_layer_check(experts, biased)
+        .cpu_layer_check(prefix, experts)
         .map_err(|(key, reason)| match key {
             "hidden_act" | "scoring_func" | "model_type" | "moe_apply_router_weight_on_input" => {
                 UnsupportedSchemeError {
@@ -384,21 +383,7 @@ fn assemble(
         None => None,
     };
     let correction_bias = match correction_bias {
-        Some(name) => {
-            let shape = ckpt.locate(&name).map(|(_, info)| info.shape.clone());
-            if let Some(shape) =
-                shape.filter(|s| !crate::moe::correction_bias_shape_ok(s, experts.len()))
-            {
-                return Err(module_error(
-                    &name,
-                    format!(
-                        "has shape {shape:?}, expected {}",
-                        crate::moe::correction_bias_expected(experts.len())
-                    ),
-                ));
-            }
-            Some(vector(ckpt, &name, experts.len())?)
-        }
+        Some(name) => Some(vector(ckpt, &name, experts.len())?),
         None => None,
     };
     let top_k = model

@@ -1041,22 +1041,41 @@ pub fn find_router(ckpt: &Checkpoint, layer_prefix: &str) -> Option<Router> {
         })
 }
 
+/// What transformers' and vLLM's loaders would refuse in the score-correction bias `name` of
+/// a layer of `experts` experts: a shape other than `[experts]`, or ERNIE-4.5's one-row
+/// `[1, experts]` (`moe_statics`); ERNIE-4.5-VL (`per_modality`) stores one row per modality,
+/// `[rows, experts / rows]`, which its loaders split. The same count in another shape
+/// (`[2, experts / 2]` elsewhere) is refused too: it would be read as another router's bias.
+pub fn correction_bias_problem(
+    ckpt: &Checkpoint,
+    name: &str,
+    experts: usize,
+    per_modality: bool,
+) -> Option<crate::error::Error> {
+    let (file, info) = ckpt.locate(name)?;
+    let ok = match info.shape.as_slice() {
+        [e] | [1, e] => *e == experts,
+        [_, _] => per_modality && info.numel() == experts,
+        _ => false,
+    };
+    (!ok).then(|| {
+        crate::error::CheckpointError::Tensor {
+            path: file.path().to_path_buf(),
+            tensor: name.to_string(),
+            reason: format!(
+                "has shape {:?}, expected one score-correction value per expert: [{experts}] \
+                 (or [1, {experts}] as ERNIE-4.5 stores it)",
+                info.shape
+            ),
+        }
+        .into()
+    })
+}
+
 /// The router's score-correction bias of the MoE block at `layer_prefix` (`...mlp`), where
 /// its family keeps it: DeepSeek-V3 on the router (`mlp.gate`), MiniMax-M2 on the block
 /// (`block_sparse_moe`), Laguna on `mlp.experts`, ERNIE-4.5 in `moe_statics` (beside the
 /// router in its checkpoints, inside it in transformers 5).
-/// Whether a score-correction bias of `shape` holds one value per expert as the models store
-/// it: `[experts]`, or ERNIE-4.5's one-row `[1, experts]` (`moe_statics`); transformers and
-/// vLLM refuse other shapes, the same count included (`[2, experts / 2]`, say).
-pub fn correction_bias_shape_ok(shape: &[usize], experts: usize) -> bool {
-    matches!(shape, [e] | [1, e] if *e == experts)
-}
-
-/// The shape a score-correction bias of `experts` experts should have, as errors say it.
-pub fn correction_bias_expected(experts: usize) -> String {
-    format!("[{experts}] (or [1, {experts}] as ERNIE-4.5 stores it)")
-}
-
 pub fn find_correction_bias(ckpt: &Checkpoint, layer_prefix: &str) -> Option<String> {
     [
         "gate.e_score_correction_bias",

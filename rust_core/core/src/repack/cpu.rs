@@ -33,7 +33,7 @@ use crate::cpu::moe::CpuExpert;
 use crate::cpu::packed::{PackedI8, BLOCK};
 use crate::error::{module_error, LayoutError, Result};
 use crate::moe::MoeLayer;
-use crate::scheme::{Format, QuantArgs, Strategy};
+use crate::scheme::{Format, QuantArgs, QuantType, Strategy};
 
 /// One prepacked layer's shape, as recorded in `config.json` (`moeq.layers[]`).
 #[derive(Clone, Debug, PartialEq)]
@@ -182,27 +182,35 @@ impl CpuGeometry {
 }
 
 /// Whether the CPU layout holds experts of weights `w` and input activations `a`: int8 W8A8
-/// (channelwise symmetric weights, symmetric activations) or int4/int8 weight-only, grouped or
-/// channelwise. A repacked checkpoint's record is checked against it too: the W8A8 loader
-/// reads its blocks whatever the record's weights say.
+/// ([`holds_weights`], [`holds_activation`]) or int4/int8 weight-only, grouped or
+/// channelwise. A repacked checkpoint's record is checked against the same rules: the loader
+/// reads the blocks whatever the record says, and the plan follows the record.
 pub fn holds_scheme(w: &QuantArgs, a: Option<&QuantArgs>) -> bool {
-    let int = |q: &QuantArgs| q.qtype == crate::scheme::QuantType::Int;
-    match a {
-        Some(a) => {
-            int(w)
-                && int(a)
-                && w.num_bits == 8
-                && w.strategy == Strategy::Channel
-                && w.symmetric
-                && a.num_bits == 8
-                && a.symmetric
+    holds_weights(w, a.is_some()) && a.is_none_or(holds_activation)
+}
+
+/// The weights of a CPU layer: int8 channelwise symmetric under int8 activations (`w8a8`),
+/// else int4 or int8, grouped or channelwise.
+pub fn holds_weights(w: &QuantArgs, w8a8: bool) -> bool {
+    w.qtype == QuantType::Int
+        && if w8a8 {
+            w.num_bits == 8 && w.strategy == Strategy::Channel && w.symmetric
+        } else {
+            matches!(w.num_bits, 4 | 8) && matches!(w.strategy, Strategy::Channel | Strategy::Group)
         }
-        None => {
-            int(w)
-                && matches!(w.num_bits, 4 | 8)
-                && matches!(w.strategy, Strategy::Channel | Strategy::Group)
+}
+
+/// The input activations of a W8A8 CPU layer: symmetric int8, dynamic per token or static per
+/// tensor (the two the kernels quantise; the oracle refuses the others).
+pub fn holds_activation(a: &QuantArgs) -> bool {
+    a.qtype == QuantType::Int
+        && a.num_bits == 8
+        && a.symmetric
+        && if a.is_dynamic() {
+            a.strategy == Strategy::Token
+        } else {
+            a.strategy == Strategy::Tensor
         }
-    }
 }
 
 /// The CPU layout of `l`, or `None` when the layer has no single CPU-quantized scheme (it is
