@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import _core
@@ -416,8 +417,6 @@ def make_int8_moe_quant_config(
 def _require_array(value: object, name: str, alternative: str = "") -> None:
     """:class:`moeq_rs.LayoutError` naming ``name`` unless ``value`` is a torch tensor or a numpy
     array (torch is looked up only when it is already imported: a tensor implies it is)."""
-    import sys
-
     import numpy as np
 
     from .errors import LayoutError

@@ -20,7 +20,7 @@ use crate::repack::checkpoint::LAYOUT_VERSION;
 use crate::repack::moe_layer::MarlinGeometry;
 use crate::scheme::json::Obj;
 use crate::scheme::module::{self as smod, ModuleInfo};
-use crate::scheme::{QuantizationConfig, Strategy};
+use crate::scheme::QuantizationConfig;
 
 /// A validated checkpoint. Opening reads headers, `config.json` and the tiny `weight_shape`
 /// tensors; weight data is untouched until dequantised.
@@ -266,36 +266,7 @@ fn parse_layout(ckpt: &Checkpoint) -> Result<Option<RepackedLayout>> {
         // The source's weight args, recorded beside the geometry the tensors were checked
         // against: the plan reads them, so they must say what the geometry says.
         if let Some(w) = &weights {
-            let disagreement = [
-                (w.qtype != crate::scheme::QuantType::Int).then(|| "type is not int".to_string()),
-                (!matches!(w.strategy, Strategy::Group | Strategy::Channel))
-                    .then(|| format!("strategy \"{}\" is not group or channel", w.strategy.name())),
-                (w.num_bits != geometry.bits).then(|| {
-                    format!(
-                        "num_bits {} where the entry says {}",
-                        w.num_bits, geometry.bits
-                    )
-                }),
-                (w.group_size != geometry.group_size).then(|| {
-                    format!(
-                        "group_size {} where the entry says {}",
-                        w.group_size, geometry.group_size
-                    )
-                }),
-                (w.symmetric != geometry.symmetric).then(|| {
-                    format!(
-                        "symmetric {} where the entry says {}",
-                        w.symmetric, geometry.symmetric
-                    )
-                }),
-                // (Only this way: a group actorder whose experts store no g_idx is repacked
-                // without act-order.)
-                (geometry.act_order && w.actorder != Some(crate::scheme::ActOrder::Group))
-                    .then(|| "no group actorder where the entry says act_order true".to_string()),
-            ]
-            .into_iter()
-            .flatten()
-            .collect::<Vec<_>>();
+            let disagreement = geometry.disagreements(w);
             if !disagreement.is_empty() {
                 return Err(o.field("weights").invalid(format!(
                     "{}: the record is damaged",

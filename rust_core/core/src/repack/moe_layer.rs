@@ -16,7 +16,7 @@ use crate::error::{Error, LayoutError, Result, UnsupportedSchemeError};
 use crate::moe::MoeLayer;
 use crate::quant::pack::{field, PackVariant};
 use crate::scheme::module::{ModuleInfo, ZeroPointLayout};
-use crate::scheme::{Format, Strategy};
+use crate::scheme::{ActOrder, Format, QuantArgs, QuantType, Strategy};
 
 /// The Marlin group sizes (`-1` = channelwise).
 pub const MARLIN_GROUPS: [i64; 4] = [-1, 32, 64, 128];
@@ -46,6 +46,37 @@ pub struct MarlinGeometry {
 }
 
 impl MarlinGeometry {
+    /// Where the weight args `w` that a Marlin record keeps beside this geometry say otherwise
+    /// than the geometry [`geometry`] derives from them, one phrase each: int weights, group or
+    /// channel, the same bits, group size and symmetry, and a group actorder under act-order
+    /// (only that way: a group actorder whose experts store no g_idx is repacked without it).
+    pub fn disagreements(&self, w: &QuantArgs) -> Vec<String> {
+        [
+            (w.qtype != QuantType::Int).then(|| "type is not int".to_string()),
+            (!matches!(w.strategy, Strategy::Group | Strategy::Channel))
+                .then(|| format!("strategy \"{}\" is not group or channel", w.strategy.name())),
+            (w.num_bits != self.bits)
+                .then(|| format!("num_bits {} where the entry says {}", w.num_bits, self.bits)),
+            (w.group_size != self.group_size).then(|| {
+                format!(
+                    "group_size {} where the entry says {}",
+                    w.group_size, self.group_size
+                )
+            }),
+            (w.symmetric != self.symmetric).then(|| {
+                format!(
+                    "symmetric {} where the entry says {}",
+                    w.symmetric, self.symmetric
+                )
+            }),
+            (self.act_order && w.actorder != Some(ActOrder::Group))
+                .then(|| "no group actorder where the entry says act_order true".to_string()),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
+
     fn groups_h(&self) -> usize {
         if self.group_size > 0 {
             self.hidden / self.group_size as usize
